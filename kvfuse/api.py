@@ -1,0 +1,131 @@
+"""The public entry points: validate (kvfuse.plan), then run on the chosen backend."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import backend as _backend
+from . import reference
+from .formats import KVCacheFormat
+from .plan import Plan, build_plan, check_index_vector, check_tensor, q_dtype, sf_dtype
+
+__all__ = ["fused_norm_rope_hadamard_cast_store_kvcache", "store_kv_cache", "load_paged_kv_cache"]
+
+
+def _kernels():
+    from .kernels import fused  # imported lazily: triton is only needed by the triton backend
+    return fused
+
+
+def run_data_checks(positions=None, max_position=None, slot_mapping=None, capacity=None) -> None:
+    """KVFUSE_CHECKS: positions in [0, max_position) and no duplicate valid slots (synchronizes)."""
+    if positions is not None and positions.numel():
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= max_position:
+            raise ValueError(f"rope_args.positions must lie in [0, {max_position}), got values in [{lo}, {hi}]")
+    if slot_mapping is not None and slot_mapping.numel():
+        s = slot_mapping.long()
+        valid = s[(s >= 0) & (s < capacity)]
+        if valid.numel() != torch.unique(valid).numel():
+            raise ValueError("slot_mapping holds duplicate valid slots")
+
+
+def execute(plan: Plan) -> None:
+    """Run a validated plan on the backend chosen for its device."""
+    if _backend.checks_enabled():
+        cap = None if plan.kv_cache is None else plan.kv_cache.shape[0] * plan.kv_cache.shape[1]
+        run_data_checks(plan.positions, None if plan.cos_sin is None else plan.cos_sin.shape[0],
+                        plan.slot_mapping, cap)
+    if plan.n == 0:
+        return
+    if _backend.resolve_backend(plan.x.device) == "triton":
+        _kernels().run_plan(plan)
+    else:
+        reference.run_plan(plan)
+
+
+def fused_norm_rope_hadamard_cast_store_kvcache(x, norm_args=None, rope_args=None, hadamard_args=None,
+                                                cast_args=None, out_args=None):
+    """RMSNorm -> RoPE -> Hadamard -> quantize -> paged-cache write, any sub-chain, one launch.
+
+    Args:
+        x: bf16 [n, head_dim] or [n, num_heads, head_dim], x.stride(-1) == 1 (any other strides).
+        norm_args / rope_args / hadamard_args / cast_args: the stages (None switches one off);
+            the stages that are on run in that order, each rounding its output to bf16.
+        out_args: None | Tensor | ContiguousOutArgs | KVCacheOutArgs (see SPEC §3).
+
+    Returns:
+        no cast: bf16 shaped like x (the last stage's output; written into out_args if given);
+        cast without cache: (q, sf) (q float8_e4m3fn [..., D] or uint8 [..., D/2] for e2m1;
+        sf [..., D/g] uint8 / float8_e4m3fn / float32) or, with cast_back, the dequantized bf16;
+        a KV cache: ``out_args.out`` (the bf16 of ``out_stage``) or None.
+
+    Raises ValueError/TypeError, naming the argument, before any launch.
+    """
+    plan, result = build_plan(x, norm_args, rope_args, hadamard_args, cast_args, out_args)
+    execute(plan)
+    return result
+
+
+def _check_cache_args(kv_cache, slot_mapping, layout, what):
+    if not isinstance(layout, KVCacheFormat):
+        raise TypeError(f"layout must be a KVCacheFormat, got {type(layout).__name__}")
+    layout.check_cache(kv_cache, "kv_cache")
+    check_index_vector(slot_mapping, "slot_mapping", slot_mapping.shape[0] if isinstance(slot_mapping, torch.Tensor)
+                       and slot_mapping.dim() == 1 else -1, kv_cache.device)
+
+
+def store_kv_cache(data: torch.Tensor, sf: Optional[torch.Tensor], kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor, layout: KVCacheFormat, tail: Optional[torch.Tensor] = None) -> None:
+    """Scatter already-quantized rows into a paged cache.
+
+    data: [n, quant_bytes] or [n, num_heads, quant_bytes] (float8_e4m3fn for e4m3, uint8 packed for
+    e2m1, bf16 [.., head_dim] for a bf16 cache); sf: [.., num_scales] in the format's scale dtype
+    (None for a bf16 cache); tail: bf16 [.., bf16_tail] for the FlashMLA formats (else None);
+    slot_mapping: int32/int64 [n] (invalid slots skip the row). Writes exactly the record bytes.
+    """
+    _check_cache_args(kv_cache, slot_mapping, layout, "store_kv_cache")
+    n = slot_mapping.shape[0]
+    nh = kv_cache.shape[2]
+    dev = kv_cache.device
+    lead = (n,) if nh == 1 and isinstance(data, torch.Tensor) and data.dim() == 2 else (n, nh)
+    if layout.quantized:
+        check_tensor(data, "data", (q_dtype(layout.cast_fmt),), dev, shape=lead + (layout.quant_bytes,))
+        check_tensor(sf, "sf", (sf_dtype(layout.sf_format),), dev, shape=lead + (layout.num_scales,))
+    else:
+        check_tensor(data, "data", (torch.bfloat16,), dev, shape=lead + (layout.head_dim,))
+        if sf is not None:
+            raise ValueError(f"sf must be None for the bf16 cache {layout.name}")
+    if layout.bf16_tail:
+        check_tensor(tail, "tail", (torch.bfloat16,), dev, shape=lead + (layout.bf16_tail,))
+    elif tail is not None:
+        raise ValueError(f"tail must be None for {layout.name} (no bf16 tail)")
+    if _backend.checks_enabled():
+        run_data_checks(slot_mapping=slot_mapping, capacity=kv_cache.shape[0] * kv_cache.shape[1])
+    if n == 0:
+        return
+
+    def heads(t):
+        return None if t is None else (t.unsqueeze(1) if len(lead) == 1 else t)
+
+    if _backend.resolve_backend(dev) == "triton":
+        _kernels().store(kv_cache, slot_mapping, layout, heads(data), heads(sf), heads(tail))
+    else:
+        reference.store(kv_cache, slot_mapping, layout, heads(data), heads(sf), heads(tail))
+
+
+def load_paged_kv_cache(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layout: KVCacheFormat,
+                        dequantize: bool = True):
+    """Gather the records of ``slot_mapping`` from a paged cache.
+
+    Returns bf16 [n, num_heads, head_dim] (``bf16(f(q) * d)`` per group, the bf16 tail raw; zeros
+    for invalid slots), or with ``dequantize=False`` the raw bytes (data uint8 [n, num_heads,
+    data_bytes] = quantized bytes then tail bytes, sf uint8 [n, num_heads, sf_bytes]).
+    """
+    _check_cache_args(kv_cache, slot_mapping, layout, "load_paged_kv_cache")
+    if not isinstance(dequantize, bool):
+        raise TypeError(f"dequantize must be a bool, got {type(dequantize).__name__}")
+    if slot_mapping.shape[0] and _backend.resolve_backend(kv_cache.device) == "triton":
+        return _kernels().load(kv_cache, slot_mapping, layout, dequantize)
+    return reference.load(kv_cache, slot_mapping, layout, dequantize)

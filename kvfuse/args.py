@@ -1,0 +1,96 @@
+"""Argument objects of :func:`kvfuse.fused_norm_rope_hadamard_cast_store_kvcache` (SPEC §1).
+
+They only hold values: every check runs when the operator is called, before any launch, so a
+bad object raises ValueError/TypeError there with the argument's name.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .formats import KVCacheFormat
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NormArgs:
+    """RMSNorm over head_dim: ``y = bf16((x * rstd) * w)``, ``rstd = 1 / sqrt(mean(x^2) + eps)``.
+
+    weight: [head_dim], bf16 or fp32, contiguous. eps: a finite float >= 0 (used as fp32).
+    """
+    weight: torch.Tensor
+    eps: float = 1e-6
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RopeArgs:
+    """Rotary embedding on dims [offset, offset + rotary_dim) of every head.
+
+    positions: int32/int64 [n], one per token (shared by its heads); a position outside
+    [0, max_position) rotates by the identity. cos_sin_cache: [max_position, rotary_dim] fp32
+    (bf16 accepted), cos in the first rotary_dim/2 columns, sin in the last; last dim contiguous.
+    is_neox: pairs (offset + j, offset + half + j); else interleaved pairs (offset + 2j, offset + 2j + 1).
+    offset: defaults to head_dim - rotary_dim (the tail). conjugate: rotate by -angle.
+    """
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    rotary_dim: int
+    is_neox: bool
+    offset: Optional[int] = None
+    conjugate: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class HadamardArgs:
+    """Unnormalized Walsh-Hadamard transform over head_dim (a power of two, 16..1024), then
+    ``y = bf16(h * scale)``; scale 1/sqrt(head_dim) makes it orthonormal."""
+    scale: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CastArgs:
+    """Per-group quantization of each (token, head) row.
+
+    cast_fmt: "e4m3" (values float8_e4m3fn) or "e2m1" (FP4, two codes per uint8, even element in
+    the low nibble). num_per_channels: group size g in {16, 32, 64, 128}. round_sf: True exactly
+    for the power-of-two scales ("ue8m0", "ue8m0_fp32"). sf_format: "ue8m0" (uint8 exponent,
+    scale 2^(byte-127)), "ue8m0_fp32" (the same scale stored as fp32), "e4m3" (float8_e4m3fn
+    scale) or "fp32". Dequant: ``bf16(float32(q) * scale)``. cast_back: return the dequantized
+    bf16 instead of (q, sf).
+    """
+    cast_fmt: str
+    num_per_channels: int
+    round_sf: bool
+    sf_format: str
+    cast_back: bool = False
+
+    @classmethod
+    def from_cache_format(cls, fmt: "KVCacheFormat") -> Optional["CastArgs"]:
+        """The cast a cache format stores (None for a bf16 cache)."""
+        if fmt.cast_fmt is None:
+            return None
+        return cls(fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format in ("ue8m0", "ue8m0_fp32"), fmt.sf_format)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ContiguousOutArgs:
+    """Preallocated outputs (for CUDA graphs): ``out`` bf16 shaped like x (no cast, or cast_back),
+    or ``out`` the quantized values and ``sf`` the scales of a cast; last dim contiguous."""
+    out: Optional[torch.Tensor] = None
+    sf: Optional[torch.Tensor] = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KVCacheOutArgs:
+    """Write into a paged cache: ``kv_cache`` uint8 [num_blocks, block_size, num_heads,
+    bytes_per_token]; ``slot_mapping`` int32/int64 [n] (a negative or too large slot skips the
+    token). ``out`` (optional, bf16 shaped like x) receives the value of ``out_stage``: "norm",
+    "transform" (the cast's input) or "cast_back". ``layout`` is the cache's KVCacheFormat, or None
+    to infer it from the presets."""
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    out: Optional[torch.Tensor] = None
+    out_stage: Optional[str] = None
+    layout: Optional["KVCacheFormat"] = None
