@@ -1,0 +1,120 @@
+"""Triton helpers that give SPEC §2's bits on the GPU and in the interpreter alike.
+
+NATIVE (constexpr) selects the GPU's native conversions (exact there: cvt.rn for bf16,
+cvt.rn.satfinite for e4m3); the interpreter's native conversions are wrong (truncation, ties
+away from zero, bad subnormals), so there NATIVE=False narrows with integer round-to-nearest-even
+on the bit patterns. All arithmetic is fp32 with explicit IEEE division/sqrt; kernels launch with
+enable_fp_fusion=False so no multiply-add is contracted.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_f32(ptr, offs, mask, IS_BF16: tl.constexpr):
+    """Load bf16 (as raw bits, shifted: exact for subnormals in the interpreter too) or fp32 -> fp32."""
+    if IS_BF16:
+        u = tl.load(ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0)
+        v = (u.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        v = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return v
+
+
+@triton.jit
+def round_bf16(v, NATIVE: tl.constexpr):
+    """fp32 -> the nearest-even bf16 value, returned as fp32."""
+    if NATIVE:
+        r = v.to(tl.bfloat16).to(tl.float32)
+    else:
+        u = v.to(tl.uint32, bitcast=True)
+        q = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+        r = tl.where(v != v, v, q.to(tl.float32, bitcast=True))
+    return r
+
+
+@triton.jit
+def bf16_bits(v):
+    """fp32 holding an exact bf16 value -> its 16 bits (uint16)."""
+    return (v.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16)
+
+
+@triton.jit
+def encode_e4m3(t, NATIVE: tl.constexpr):
+    """fp32 with |t| <= 448 -> e4m3fn code (uint8), RTNE, sign kept (-0 -> 0x80)."""
+    if NATIVE:
+        c = t.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        u = t.to(tl.uint32, bitcast=True)
+        sign = (u >> 24) & 0x80
+        ax = tl.minimum(tl.abs(t), 448.0)
+        au = ax.to(tl.uint32, bitcast=True)
+        code_n = ((au + 0x7FFFF + ((au >> 20) & 1)) >> 20) - 960
+        # subnormals are multiples of 2^-9: ax*512 (exact) + 2^23 rounds to the integer k (RTNE)
+        code_s = (ax * 512.0 + 8388608.0).to(tl.uint32, bitcast=True) - 0x4B000000
+        code = tl.where(ax < 0.015625, code_s, code_n)
+        code = tl.where(t != t, 0x7F, code)
+        c = (code | sign).to(tl.uint8)
+    return c
+
+
+@triton.jit
+def decode_e4m3(c):
+    """e4m3fn code (integer) -> fp32, exact (integer arithmetic: same on GPU and interpreter)."""
+    c = c.to(tl.uint32)
+    e = (c >> 3) & 0xF
+    m = c & 7
+    normal = ((e + 120) << 23) | (m << 20)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal.to(tl.float32, bitcast=True))
+    return tl.where((c & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def encode_e2m1(t):
+    """fp32 with |t| <= 6 -> e2m1 code 0..15 (int32), RTNE via the midpoints, sign in bit 3."""
+    a = tl.abs(t)
+    code = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) \
+        + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
+    neg = (t.to(tl.uint32, bitcast=True) >> 31).to(tl.int32)
+    return code | (neg << 3)
+
+
+@triton.jit
+def decode_e2m1(c):
+    """e2m1 code 0..15 -> fp32 (magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6)."""
+    c = c.to(tl.uint32)
+    k = c & 7
+    bits = tl.where(k >= 2, (((k >> 1) + 126) << 23) | ((k & 1) << 22), tl.where(k == 1, 0x3F000000, 0))
+    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pow2(e):
+    """2^e as fp32 for an int32 e in the normal range."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def group_scales(amax, FMAX: tl.constexpr, SF: tl.constexpr, NATIVE: tl.constexpr):
+    """amax (floored) -> (multiplier m, dequant scale d, stored: the scale byte or the fp32 bits, uint32).
+    FMAX 448 (e4m3) or 6 (e2m1); SF 0 ue8m0, 1 ue8m0_fp32, 2 e4m3, 3 fp32."""
+    s = tl.div_rn(amax, FMAX)
+    if SF == 0 or SF == 1:
+        e = ((s.to(tl.int32, bitcast=True) - 1) >> 23) + 1 - 127
+        m = pow2(-e)
+        d = pow2(e)
+        if SF == 0:
+            stored = (e + 127).to(tl.uint32)
+        else:
+            stored = d.to(tl.uint32, bitcast=True)
+    elif SF == 2:
+        s = tl.minimum(tl.maximum(s, 0.001953125), 448.0)
+        code = encode_e4m3(s, NATIVE)
+        d = decode_e4m3(code)
+        m = tl.div_rn(1.0, d)
+        stored = code.to(tl.uint32)
+    else:
+        m = tl.div_rn(tl.zeros_like(amax) + FMAX, amax)
+        d = s
+        stored = s.to(tl.uint32, bitcast=True)
+    return m, d, stored
