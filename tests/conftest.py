@@ -5,3 +5,9 @@ import os
 
 if os.environ.get("KVFUSE_TEST_GPU", "0") in ("", "0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+# shared case builders (tests/kernel_cases.py, tests/helpers.py) importable from tests/gpu too
+sys.path.insert(0, str(Path(__file__).parent))

@@ -1,0 +1,195 @@
+"""Random and matrix cases that run one call on two backends over identical poisoned buffers
+and compare every byte (outputs, the cache's whole storage with guards and padding).
+Shared by the interpreter tests (CI) and the GPU module (tests/gpu)."""
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Optional
+
+import torch
+
+import kvfuse
+from kvfuse import (CastArgs, ContiguousOutArgs, HadamardArgs, KVCacheFormat, KVCacheOutArgs, NormArgs, RopeArgs,
+                    formats)
+
+CUSTOM_FORMATS = [
+    KVCacheFormat("TI_E4M3_G64_FP32_D192", 192, "e4m3", 64, "fp32", True),
+    KVCacheFormat("TI_NVFP4_D256", 256, "e2m1", 16, "e4m3", True, sf_bytes=20),
+    KVCacheFormat("BW_E4M3_G16_E4M3_D64", 64, "e4m3", 16, "e4m3", False),
+    KVCacheFormat("TI_BF16_D1024", 1024, None, None, None, True),
+    KVCacheFormat("TI_TAIL_D320", 320, "e4m3", 32, "ue8m0_fp32", True, bf16_tail=64),
+    KVCacheFormat("BW_MX4_TAIL_D160", 160, "e2m1", 32, "ue8m0", False, sf_bytes=5, bf16_tail=32),
+]
+ALL_FORMATS = list(formats.PRESETS.values()) + CUSTOM_FORMATS
+
+
+@dataclasses.dataclass
+class Case:
+    n: int
+    heads: int
+    head_dim: int
+    fmt: Optional[KVCacheFormat]      # cache destination (None: contiguous)
+    norm: bool = True
+    w_fp32: bool = False
+    rope: bool = True
+    rotary_dim: int = 64
+    rope_offset: Optional[int] = None
+    neox: bool = True
+    conjugate: bool = False
+    cs_bf16: bool = False
+    hadamard: bool = False
+    cast: Optional[CastArgs] = None   # contiguous cast (fmt None)
+    out_stage: Optional[str] = None
+    x_row_pad: int = 0
+    block_size: int = 16
+    num_blocks: int = 4
+    token_padding: int = 0
+    block_padding: int = 0
+    slot_kind: str = "random"         # continuous / cross_page / random / invalid
+    seed: int = 0
+
+    def describe(self):
+        f = self.fmt.name if self.fmt else f"contig:{self.cast}"
+        return (f"n={self.n} H={self.heads} D={self.head_dim} {f} norm={self.norm} rope={self.rope}"
+                f"(r={self.rotary_dim},off={self.rope_offset},neox={self.neox},conj={self.conjugate}) "
+                f"had={self.hadamard} stage={self.out_stage} slots={self.slot_kind} seed={self.seed}")
+
+
+def _bf16_data(shape, gen, device):
+    x = torch.randn(shape, generator=gen) * 2.0
+    x[..., :: 37] *= 40.0                                   # outlier channels
+    tiny = torch.rand(shape, generator=gen) < 0.01
+    x = torch.where(tiny, x * 1e-38, x)                      # a few bf16 subnormals
+    return x.to(torch.bfloat16).to(device)
+
+
+def _slots(case, gen):
+    cap = case.num_blocks * case.block_size
+    n = case.n
+    if case.slot_kind == "continuous":
+        s = torch.arange(n) % cap
+    elif case.slot_kind == "cross_page":
+        s = (torch.arange(n) + case.block_size - 2) % cap
+    else:
+        s = torch.randperm(max(cap, n), generator=gen)[:n] % cap if n <= cap else torch.randint(0, cap, (n,), generator=gen)
+        if n > cap:                                          # more tokens than slots: only a unique subset valid
+            s = torch.full((n,), -1, dtype=torch.long)
+            keep = torch.randperm(n, generator=gen)[:cap]
+            s[keep] = torch.randperm(cap, generator=gen)
+    if case.slot_kind in ("invalid", "random"):
+        bad = torch.rand(n, generator=gen) < 0.25
+        junk = torch.tensor([-1, -5, cap, cap + 7, 2 ** 31 - 1, -2 ** 31])[torch.randint(0, 6, (n,), generator=gen)]
+        s = torch.where(bad, junk, s)
+    dtype = torch.int32 if case.seed % 2 else torch.int64
+    return s.to(dtype)
+
+
+def build(case: Case, device):
+    """-> (args dict for the API, dict of output tensors to compare, storage to compare)."""
+    gen = torch.Generator().manual_seed(case.seed)
+    n, H, D = case.n, case.heads, case.head_dim
+    xfull = _bf16_data((n, H, D + case.x_row_pad), gen, device)
+    x = xfull[..., :D]
+    if H == 1 and case.seed % 3 == 0:
+        x = x[:, 0]
+    norm = rope = had = None
+    if case.norm:
+        w = (torch.rand(D, generator=gen) * 2).to(torch.float32 if case.w_fp32 else torch.bfloat16).to(device)
+        norm = NormArgs(w, eps=1e-6 if case.seed % 2 else 1e-5)
+    if case.rope:
+        P = 64
+        ang = torch.rand(P, case.rotary_dim // 2, generator=gen) * 6.3
+        cs = torch.cat([ang.cos(), ang.sin()], 1)
+        cs = cs.to(torch.bfloat16 if case.cs_bf16 else torch.float32).to(device)
+        pos = torch.randint(-3, P + 3, (n,), generator=gen).to(torch.int32 if case.seed % 2 else torch.int64).to(device)
+        rope = RopeArgs(pos, cs, case.rotary_dim, case.neox, case.rope_offset, case.conjugate)
+    if case.hadamard:
+        had = HadamardArgs(D ** -0.5 if case.seed % 2 else 1.0)
+    outs = {}
+    storage = None
+    if case.fmt is not None:
+        fmt = case.fmt
+        cache = fmt.allocate(case.num_blocks, case.block_size, H, token_padding=case.token_padding,
+                             block_padding=case.block_padding, device="cpu")
+        nbytes = cache.untyped_storage().nbytes()
+        guard = 64
+        storage = torch.randint(0, 256, (nbytes + 2 * guard,), generator=gen, dtype=torch.uint8).to(device)
+        cache = torch.as_strided(storage, cache.shape, cache.stride(), guard)
+        slots = _slots(case, gen).to(device)
+        out = None
+        if case.out_stage is not None:
+            out = torch.full(x.shape, float("nan"), dtype=torch.bfloat16, device=device)
+            outs["out"] = out
+        cast = CastArgs.from_cache_format(fmt)
+        out_args = KVCacheOutArgs(cache, slots, out=out, out_stage=case.out_stage, layout=fmt)
+    else:
+        cast = case.cast
+        if cast is None or cast.cast_back:
+            out = torch.full(x.shape, float("nan"), dtype=torch.bfloat16, device=device)
+            outs["out"] = out
+            out_args = out
+        else:
+            qd = D // 2 if cast.cast_fmt == "e2m1" else D
+            qt = torch.float8_e4m3fn if cast.cast_fmt == "e4m3" else torch.uint8
+            q = torch.randint(0, 256, x.shape[:-1] + (qd,), generator=gen, dtype=torch.uint8).to(device).view(qt)
+            st = {"ue8m0": torch.uint8, "e4m3": torch.float8_e4m3fn}.get(cast.sf_format, torch.float32)
+            sf = torch.randint(0, 256, x.shape[:-1] + (D // cast.num_per_channels * st.itemsize,), generator=gen,
+                               dtype=torch.uint8).to(device).view(st)
+            outs["q"], outs["sf"] = q, sf
+            out_args = ContiguousOutArgs(q, sf)
+    args = dict(x=x, norm_args=norm, rope_args=rope, hadamard_args=had, cast_args=cast, out_args=out_args)
+    return args, outs, storage
+
+
+def run_case(case: Case, backend: str, device):
+    args, outs, storage = build(case, device)
+    with kvfuse.use_backend(backend):
+        kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(**args)
+    res = {k: v.view(torch.uint8).cpu() for k, v in outs.items()}
+    if storage is not None:
+        res["storage"] = storage.cpu()
+    return res
+
+
+def diff_bytes(a: dict, b: dict) -> int:
+    assert a.keys() == b.keys()
+    return sum(int((a[k] != b[k]).sum()) for k in a)
+
+
+def random_case(rng: random.Random, max_n: int = 64) -> Case:
+    """A random valid case: formats (presets and custom), stage toggles, head_dims, heads, slots, strides."""
+    seed = rng.randrange(1 << 30)
+    dest = rng.random()
+    if dest < 0.7:
+        fmt = rng.choice(ALL_FORMATS)
+        D = fmt.head_dim
+        heads = rng.choice([1, 1, 2, 3]) if fmt.token_interleaved else 1
+        cast = None
+    else:
+        fmt = None
+        D = rng.choice([64, 128, 192, 256, 512, 576, 1024])
+        heads = rng.choice([1, 2, 4])
+        combos = [("e4m3", g, sf) for g in (16, 32, 64, 128) for sf in ("ue8m0", "e4m3", "fp32", "ue8m0_fp32")
+                  if D % g == 0] + [("e2m1", 16, "e4m3"), ("e2m1", 32, "ue8m0")]
+        c = rng.choice(combos + [None])
+        cast = None if c is None else CastArgs(c[0], c[1], c[2].startswith("ue8m0"), c[2], cast_back=rng.random() < 0.3)
+    rope = rng.random() < 0.7
+    rdim = rng.choice([r for r in (16, 32, 64, 128) if r <= D])
+    roff = rng.choice([None, 0, D - rdim, (D - rdim) // 32 * 16])
+    pow2 = D & (D - 1) == 0 and 16 <= D <= 1024
+    norm = rng.random() < 0.7
+    stage = None
+    if fmt is not None and rng.random() < 0.5:
+        opts = ["transform"] + (["norm"] if norm else []) + (["cast_back"] if fmt.quantized else [])
+        stage = rng.choice(opts)
+    n = rng.choice([1, 2, 3, 5, 17, rng.randrange(1, max_n + 1)])
+    bs = rng.choice([1, 2, 16, 64])
+    nb = max(1, (n + bs - 1) // bs + rng.choice([0, 1, 2]))
+    return Case(n=n, heads=heads, head_dim=D, fmt=fmt, norm=norm, w_fp32=rng.random() < 0.3, rope=rope,
+                rotary_dim=rdim, rope_offset=roff, neox=rng.random() < 0.5, conjugate=rng.random() < 0.3,
+                cs_bf16=rng.random() < 0.3, hadamard=pow2 and rng.random() < 0.4, cast=cast, out_stage=stage,
+                x_row_pad=rng.choice([0, 0, 16, 8]), block_size=bs, num_blocks=nb,
+                token_padding=rng.choice([0, 0, 32]) if fmt is not None and fmt.token_interleaved else 0,
+                block_padding=rng.choice([0, 64]), slot_kind=rng.choice(["continuous", "cross_page", "random", "invalid"]),
+                seed=seed)

@@ -1,0 +1,99 @@
+"""Compile kernel variants for sm_90 on the CPU (no GPU needed) and scan the PTX for
+non-IEEE arithmetic: contracted multiply-adds (fma), approximate ops (.approx) and div.full.
+Run as a script (it must not run under TRITON_INTERPRET): prints one line per variant, exits 1
+on any finding."""
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kvfuse.kernels import fused as F  # noqa: E402
+
+BAD = re.compile(r"\bfma\.|\.approx|div\.full")
+PTR_TYPES = {"x_ptr": "*bf16", "w_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32", "out_ptr": "*bf16",
+             "q_ptr": "*u8", "sf_ptr": "*u8", "slot_ptr": "*i64", "cache_ptr": "*u8", "data_ptr": "*u8",
+             "tail_ptr": "*u8", "sf_out_ptr": "*u8"}
+FLOATS = ("eps", "had_scale")
+
+
+def compile_ptx(fn, consts, num_warps=4, ptr_types=None):
+    ptr_types = {**PTR_TYPES, **(ptr_types or {})}
+    sig = {}
+    for p in fn.params:
+        name = p.name
+        sig[name] = "constexpr" if name in consts else ptr_types.get(name, "fp32" if name in FLOATS else "i64")
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"enable_fp_fusion": False, "num_warps": num_warps, "num_stages": 1})
+    return kernel.asm["ptx"]
+
+
+def fused_variants():
+    base = dict(D=512, BLOCK_D=512, LOG2_BLOCK_D=9, BLOCK_M=4, HAS_NORM=True, W_BF16=True, HAS_ROPE=True, R=64,
+                ROPE_OFF=448, NEOX=True, CONJ=False, CS_BF16=False, HAS_HAD=False, CAST=1, G=32, SF=0, FMAX=448.0,
+                DQ=512, OUT_STAGE=0, DEST=2, NATIVE=True)
+    yield "main_fp8", base
+    yield "main_fp4+cast_back", {**base, "CAST": 2, "G": 16, "SF": 2, "FMAX": 6.0, "OUT_STAGE": 3}
+    yield "index_fp32+had+conj+interleaved", {**base, "D": 128, "BLOCK_D": 128, "LOG2_BLOCK_D": 7, "ROPE_OFF": 64,
+                                                "HAS_HAD": True, "CONJ": True, "NEOX": False, "G": 128, "SF": 3,
+                                                "DQ": 128, "W_BF16": False, "CS_BF16": True, "OUT_STAGE": 1}
+    yield "v32_tail_ue8m0_fp32", {**base, "D": 576, "BLOCK_D": 1024, "LOG2_BLOCK_D": 10, "ROPE_OFF": 512, "G": 128,
+                                  "SF": 1, "DQ": 512, "OUT_STAGE": 2}
+    yield "bf16_cache", {**base, "CAST": 0, "HAS_HAD": True}
+    yield "contiguous_nvfp4", {**base, "D": 128, "BLOCK_D": 128, "LOG2_BLOCK_D": 7, "ROPE_OFF": 64, "CAST": 2,
+                               "G": 16, "SF": 2, "FMAX": 6.0, "DQ": 128, "DEST": 1}
+    yield "contiguous_fp32_sf", {**base, "SF": 3, "DEST": 1, "HAS_NORM": False}
+    yield "bf16_out_rope_only", {**base, "HAS_NORM": False, "CAST": 0, "DEST": 0, "OUT_STAGE": 2}
+
+
+def load_variants():
+    base = dict(D=512, BLOCK_D=512, DQ=512, CAST=1, G=32, SF=0, QB=512, DATA_B=512, BLOCK_DATA_B=512, SFB=20,
+                BLOCK_SFB=32, DEQUANT=True, BLOCK_M=4, NATIVE=True)
+    yield "load_main_fp8", base
+    yield "load_nvfp4", {**base, "D": 128, "BLOCK_D": 128, "DQ": 128, "CAST": 2, "G": 16, "SF": 2, "QB": 64,
+                         "DATA_B": 64, "BLOCK_DATA_B": 64, "SFB": 8, "BLOCK_SFB": 8}
+    yield "load_v32", {**base, "D": 576, "BLOCK_D": 1024, "G": 128, "SF": 1, "DATA_B": 640, "BLOCK_DATA_B": 1024,
+                       "SFB": 16, "BLOCK_SFB": 16}
+    yield "load_fp32_sf", {**base, "D": 128, "BLOCK_D": 128, "DQ": 128, "G": 128, "SF": 3, "QB": 128,
+                           "DATA_B": 128, "BLOCK_DATA_B": 128, "SFB": 4, "BLOCK_SFB": 4}
+    yield "load_bf16", {**base, "CAST": 0, "DATA_B": 1024, "BLOCK_DATA_B": 1024, "SFB": 0, "BLOCK_SFB": 1}
+
+
+@triton.jit
+def _mul_add(a, b, c, o):
+    tl.store(o, tl.load(a) * tl.load(b) + tl.load(c))
+
+
+def negative_control() -> int:
+    """The scan must find the fma that fp fusion makes of a*b + c."""
+    src = ASTSource(fn=_mul_add, signature={"a": "*fp32", "b": "*fp32", "c": "*fp32", "o": "*fp32"}, constexprs={})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": True}).asm["ptx"]
+    found = bool(BAD.search(ptx))
+    print("negative control:", "FOUND" if found else "CLEAN")
+    return 0 if found else 1
+
+
+def main() -> int:
+    if "--negative-control" in sys.argv:
+        return negative_control()
+    findings = 0
+    jobs = [(name, F.fused_kernel, c, {}) for name, c in fused_variants()]
+    jobs += [(name, F.load_kernel, c, {"out_ptr": "*bf16"}) for name, c in load_variants()]
+    for name, fn, consts, ptrs in jobs:
+        ptx = compile_ptx(fn, consts, ptr_types=ptrs)
+        bad = sorted(set(BAD.findall(ptx)))
+        findings += bool(bad)
+        print(f"{name:36s} ptx {len(ptx):7d} chars  {'BAD ' + str(bad) if bad else 'ok'}")
+    return 1 if findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
