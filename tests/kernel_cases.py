@@ -48,6 +48,8 @@ class Case:
     block_padding: int = 0
     slot_kind: str = "random"         # continuous / cross_page / random / invalid
     seed: int = 0
+    idx32: bool = False               # int32 positions / slots (else int64)
+    x2d: bool = False                 # x passed as [n, D] (needs heads == 1)
 
     def describe(self):
         f = self.fmt.name if self.fmt else f"contig:{self.cast}"
@@ -81,8 +83,7 @@ def _slots(case, gen):
         bad = torch.rand(n, generator=gen) < 0.25
         junk = torch.tensor([-1, -5, cap, cap + 7, 2 ** 31 - 1, -2 ** 31])[torch.randint(0, 6, (n,), generator=gen)]
         s = torch.where(bad, junk, s)
-    dtype = torch.int32 if case.seed % 2 else torch.int64
-    return s.to(dtype)
+    return s.to(torch.int32 if case.idx32 else torch.int64)
 
 
 def build(case: Case, device):
@@ -91,7 +92,7 @@ def build(case: Case, device):
     n, H, D = case.n, case.heads, case.head_dim
     xfull = _bf16_data((n, H, D + case.x_row_pad), gen, device)
     x = xfull[..., :D]
-    if H == 1 and case.seed % 3 == 0:
+    if H == 1 and case.x2d:
         x = x[:, 0]
     norm = rope = had = None
     if case.norm:
@@ -102,7 +103,7 @@ def build(case: Case, device):
         ang = torch.rand(P, case.rotary_dim // 2, generator=gen) * 6.3
         cs = torch.cat([ang.cos(), ang.sin()], 1)
         cs = cs.to(torch.bfloat16 if case.cs_bf16 else torch.float32).to(device)
-        pos = torch.randint(-3, P + 3, (n,), generator=gen).to(torch.int32 if case.seed % 2 else torch.int64).to(device)
+        pos = torch.randint(-3, P + 3, (n,), generator=gen).to(torch.int32 if case.idx32 else torch.int64).to(device)
         rope = RopeArgs(pos, cs, case.rotary_dim, case.neox, case.rope_offset, case.conjugate)
     if case.hadamard:
         had = HadamardArgs(D ** -0.5 if case.seed % 2 else 1.0)
@@ -157,39 +158,41 @@ def diff_bytes(a: dict, b: dict) -> int:
     return sum(int((a[k] != b[k]).sum()) for k in a)
 
 
-def random_case(rng: random.Random, max_n: int = 64) -> Case:
-    """A random valid case: formats (presets and custom), stage toggles, head_dims, heads, slots, strides."""
+def random_case(rng: random.Random, max_n: int = 64, variants: Optional[int] = None) -> Case:
+    """A random valid case: formats (presets and custom), stage toggles, head_dims, heads, slots, strides.
+    With ``variants``, the choices that select a compiled kernel come from a pool of that many
+    (the GPU compiles each once) while data, n, heads, slots, strides and padding stay random."""
+    v = rng if variants is None else random.Random(rng.randrange(variants))
     seed = rng.randrange(1 << 30)
-    dest = rng.random()
-    if dest < 0.7:
-        fmt = rng.choice(ALL_FORMATS)
+    if v.random() < 0.7:
+        fmt = v.choice(ALL_FORMATS)
         D = fmt.head_dim
         heads = rng.choice([1, 1, 2, 3]) if fmt.token_interleaved else 1
         cast = None
     else:
         fmt = None
-        D = rng.choice([64, 128, 192, 256, 512, 576, 1024])
+        D = v.choice([64, 128, 192, 256, 512, 576, 1024])
         heads = rng.choice([1, 2, 4])
         combos = [("e4m3", g, sf) for g in (16, 32, 64, 128) for sf in ("ue8m0", "e4m3", "fp32", "ue8m0_fp32")
                   if D % g == 0] + [("e2m1", 16, "e4m3"), ("e2m1", 32, "ue8m0")]
-        c = rng.choice(combos + [None])
-        cast = None if c is None else CastArgs(c[0], c[1], c[2].startswith("ue8m0"), c[2], cast_back=rng.random() < 0.3)
-    rope = rng.random() < 0.7
-    rdim = rng.choice([r for r in (16, 32, 64, 128) if r <= D])
-    roff = rng.choice([None, 0, D - rdim, (D - rdim) // 32 * 16])
+        c = v.choice(combos + [None])
+        cast = None if c is None else CastArgs(c[0], c[1], c[2].startswith("ue8m0"), c[2], cast_back=v.random() < 0.3)
+    rope = v.random() < 0.7
+    rdim = v.choice([r for r in (16, 32, 64, 128) if r <= D])
+    roff = v.choice([None, 0, D - rdim, (D - rdim) // 32 * 16])
     pow2 = D & (D - 1) == 0 and 16 <= D <= 1024
-    norm = rng.random() < 0.7
+    norm = v.random() < 0.7
     stage = None
-    if fmt is not None and rng.random() < 0.5:
+    if fmt is not None and v.random() < 0.5:
         opts = ["transform"] + (["norm"] if norm else []) + (["cast_back"] if fmt.quantized else [])
-        stage = rng.choice(opts)
+        stage = v.choice(opts)
     n = rng.choice([1, 2, 3, 5, 17, rng.randrange(1, max_n + 1)])
     bs = rng.choice([1, 2, 16, 64])
     nb = max(1, (n + bs - 1) // bs + rng.choice([0, 1, 2]))
-    return Case(n=n, heads=heads, head_dim=D, fmt=fmt, norm=norm, w_fp32=rng.random() < 0.3, rope=rope,
-                rotary_dim=rdim, rope_offset=roff, neox=rng.random() < 0.5, conjugate=rng.random() < 0.3,
-                cs_bf16=rng.random() < 0.3, hadamard=pow2 and rng.random() < 0.4, cast=cast, out_stage=stage,
+    return Case(n=n, heads=heads, head_dim=D, fmt=fmt, norm=norm, w_fp32=v.random() < 0.3, rope=rope,
+                rotary_dim=rdim, rope_offset=roff, neox=v.random() < 0.5, conjugate=v.random() < 0.3,
+                cs_bf16=v.random() < 0.3, hadamard=pow2 and v.random() < 0.4, cast=cast, out_stage=stage,
                 x_row_pad=rng.choice([0, 0, 16, 8]), block_size=bs, num_blocks=nb,
                 token_padding=rng.choice([0, 0, 32]) if fmt is not None and fmt.token_interleaved else 0,
                 block_padding=rng.choice([0, 64]), slot_kind=rng.choice(["continuous", "cross_page", "random", "invalid"]),
-                seed=seed)
+                seed=seed, idx32=v.random() < 0.5, x2d=heads == 1 and rng.random() < 0.3)

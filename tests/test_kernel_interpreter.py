@@ -25,7 +25,7 @@ def test_every_format_full_chain(fmt, n):
     stage = "cast_back" if fmt.quantized else "transform"
     bs = 16
     check(Case(n=n, heads=1, head_dim=fmt.head_dim, fmt=fmt, rotary_dim=rdim, out_stage=stage, block_size=bs,
-               num_blocks=(n + bs - 1) // bs + 1, slot_kind="random", seed=n))
+               num_blocks=(n + bs - 1) // bs + 1, slot_kind="random", seed=n, idx32=n == 17, x2d=n == 1))
 
 
 @pytest.mark.parametrize("fmt", [f for f in ALL_FORMATS if f.head_dim & (f.head_dim - 1) == 0], ids=lambda f: f.name)

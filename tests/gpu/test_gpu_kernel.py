@@ -42,7 +42,8 @@ def test_matrix(fmt, n, slot_kind):
             stage = "transform"
         check(Case(n=n, heads=1, head_dim=fmt.head_dim, fmt=fmt, rotary_dim=rdim, hadamard=had, neox=neox,
                    conjugate=conj, out_stage=stage, block_size=bs, num_blocks=(n + bs - 1) // bs + 1,
-                   block_padding=64 * i, slot_kind=slot_kind, seed=n + i), cpu_too=(n <= 300 and i == 0))
+                   block_padding=64 * i, slot_kind=slot_kind, seed=n + i, idx32=i == 1,
+                   x2d=i == 2), cpu_too=(n <= 300 and i == 0))
 
 
 def test_random_stress():
@@ -50,7 +51,7 @@ def test_random_stress():
     rng = random.Random(20261129)
     t0 = time.time()
     for i in range(count):
-        check(random_case(rng, max_n=2048), cpu_too=(i % 50 == 0))
+        check(random_case(rng, max_n=2048, variants=48), cpu_too=(i % 50 == 0))
     print(f"\nstress: {count} cases in {time.time() - t0:.1f}s")
 
 
