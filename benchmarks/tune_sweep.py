@@ -77,7 +77,7 @@ def main():
                         us = graph_time_us(fn)
                     rows.append(dict(fmt=fmt.name, n=n, bm=bm, nw=nw, us=us, pct=100 * nbytes / (us * 1e-6) / (bw * 1e12)))
             best = min((r for r in rows if r["fmt"] == fmt.name and r["n"] == n), key=lambda r: r["us"])
-            dflt = kvfuse.kernels.fused.launch_config(n, triton.next_power_of_2(fmt.head_dim), False)
+            dflt = kvfuse.kernels.fused.launch_config(n, fmt.head_dim, triton.next_power_of_2(fmt.head_dim), False)
             cur = [r for r in rows if r["fmt"] == fmt.name and r["n"] == n and (r["bm"], r["nw"]) == dflt]
             print(f"{fmt.name:16s} n={n:7d} best bm={best['bm']} nw={best['nw']} {best['us']:8.2f} us "
                   f"{best['pct']:5.1f}% copy | default {dflt}: {cur[0]['us'] if cur else float('nan'):8.2f} us")

@@ -196,3 +196,14 @@ def random_case(rng: random.Random, max_n: int = 64, variants: Optional[int] = N
                 token_padding=rng.choice([0, 0, 32]) if fmt is not None and fmt.token_interleaved else 0,
                 block_padding=rng.choice([0, 64]), slot_kind=rng.choice(["continuous", "cross_page", "random", "invalid"]),
                 seed=seed, idx32=v.random() < 0.5, x2d=heads == 1 and rng.random() < 0.3)
+
+
+def diff_report(a: dict, b: dict, limit: int = 8) -> str:
+    """Where two results differ: per key, the count and the first byte offsets with both values."""
+    lines = []
+    for k in a:
+        idx = (a[k] != b[k]).nonzero().flatten()
+        if idx.numel():
+            shown = ", ".join(f"@{int(i)}: {int(a[k][i]):#04x} vs {int(b[k][i]):#04x}" for i in idx[:limit])
+            lines.append(f"{k}: {idx.numel()} bytes differ ({shown})")
+    return "; ".join(lines)

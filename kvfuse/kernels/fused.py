@@ -250,16 +250,19 @@ def force_config(block_m: int = None, num_warps: int = None):
         _force.cfg = prev
 
 
-def launch_config(n_rows: int, block_d: int, interpret: bool):
-    """(BLOCK_M, num_warps) from a small table: about 2K elements per program on the GPU; the
-    interpreter pays per program, so it takes many rows at once."""
+def launch_config(n_rows: int, head_dim: int, block_d: int, interpret: bool):
+    """(BLOCK_M, num_warps) from a small table measured on the H200 (benchmarks/tune_sweep.py):
+    one row per program and 4 warps at decode sizes, ~1-2K elements per one-warp program above;
+    the interpreter pays per program, so it takes many rows at once."""
     forced = getattr(_force, "cfg", None)
     if interpret:
         bm = min(triton.next_power_of_2(max(n_rows, 1)), max(1, 16384 // block_d))
         nw = 4
+    elif n_rows <= 512:
+        bm, nw = 1, 4          # decode sizes: as many programs as rows (H200 sweep, BENCHMARKS.md)
     else:
-        bm = max(1, 2048 // block_d)
-        nw = 4 if block_d >= 1024 else 2
+        bm = max(1, triton.next_power_of_2(1152 // head_dim + 1) // 2)  # ~1-2K elements per program, one warp
+        nw = 1
     if forced is not None:
         bm = forced[0] or bm
         nw = forced[1] or nw
@@ -276,7 +279,7 @@ def run_plan(plan: Plan) -> None:
     n, H, D = x.shape
     block_d = triton.next_power_of_2(D)
     interpret = _backend.interpreter_enabled()
-    bm, nw = launch_config(n * H, block_d, interpret)
+    bm, nw = launch_config(n * H, D, block_d, interpret)
     dummy = x
     cast = plan.cast
     out = plan.out if plan.out is not None else dummy

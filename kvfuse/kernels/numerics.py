@@ -44,6 +44,10 @@ def encode_e4m3(t, NATIVE: tl.constexpr):
     """fp32 with |t| <= 448 -> e4m3fn code (uint8), RTNE, sign kept (-0 -> 0x80)."""
     if NATIVE:
         c = t.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        # |t| <= 2^-10 rounds to a signed zero; said explicitly so that fp32 subnormals (which the
+        # conversion may flush without their sign) give 0x80 for negative inputs too
+        neg_zero = ((t.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+        c = tl.where(tl.abs(t) <= 0.0009765625, neg_zero, c)
     else:
         u = t.to(tl.uint32, bitcast=True)
         sign = (u >> 24) & 0x80

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvfuse
-from kernel_cases import ALL_FORMATS, Case, diff_bytes, random_case, run_case
+from kernel_cases import ALL_FORMATS, Case, diff_bytes, diff_report, random_case, run_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or kvfuse.backend.interpreter_enabled(),
                                 reason="needs CUDA and compiled kernels (KVFUSE_TEST_GPU=1)")
@@ -21,12 +21,15 @@ def check(case: Case, cpu_too: bool = False):
     tri = run_case(case, "triton", "cuda")
     ref = run_case(case, "reference", "cuda")
     d = diff_bytes(ref, tri)
+    report = "gpu-ref vs triton: " + diff_report(ref, tri)
     SUMMARY["cases"] += 1
     if cpu_too:
-        d += diff_bytes(run_case(case, "reference", "cpu"), tri)
+        cpu = run_case(case, "reference", "cpu")
+        d += diff_bytes(cpu, tri)
+        report += " | cpu-ref vs triton: " + diff_report(cpu, tri) + " | cpu-ref vs gpu-ref: " + diff_report(cpu, ref)
         SUMMARY["cpu_ref_cases"] += 1
     SUMMARY["byte_diffs"] += d
-    assert d == 0, case.describe()
+    assert d == 0, case.describe() + " :: " + report
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
