@@ -202,8 +202,9 @@ def diff_report(a: dict, b: dict, limit: int = 8) -> str:
     """Where two results differ: per key, the count and the first byte offsets with both values."""
     lines = []
     for k in a:
-        idx = (a[k] != b[k]).nonzero().flatten()
+        fa, fb = a[k].flatten(), b[k].flatten()
+        idx = (fa != fb).nonzero().flatten()
         if idx.numel():
-            shown = ", ".join(f"@{int(i)}: {int(a[k][i]):#04x} vs {int(b[k][i]):#04x}" for i in idx[:limit])
+            shown = ", ".join(f"@{int(i)}: {int(fa[i]):#04x} vs {int(fb[i]):#04x}" for i in idx[:limit])
             lines.append(f"{k}: {idx.numel()} bytes differ ({shown})")
     return "; ".join(lines)

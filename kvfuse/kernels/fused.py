@@ -269,8 +269,11 @@ def launch_config(n_rows: int, head_dim: int, block_d: int, interpret: bool):
     return bm, nw
 
 
-def _native() -> bool:
-    return not _backend.interpreter_enabled()
+def _native(interpret: bool) -> bool:
+    """Native conversions on the GPU (exact there); KVFUSE_NATIVE_CASTS=0 forces the integer helpers
+    (a diagnostic: both must give the same bytes)."""
+    import os
+    return not interpret and os.environ.get("KVFUSE_NATIVE_CASTS", "1") != "0"
 
 
 def run_plan(plan: Plan) -> None:
@@ -322,7 +325,7 @@ def run_plan(plan: Plan) -> None:
         CAST=CAST_CODES[cast.cast_fmt if cast else None], G=cast.group if cast else 16,
         SF=SF_CODES[cast.sf_format] if cast else 0, FMAX=FMAX[cast.cast_fmt] if cast else 1.0,
         DQ=plan.quant_dim if cast else D,
-        OUT_STAGE=STAGE_CODES[plan.out_stage], DEST=dest, NATIVE=not interpret,
+        OUT_STAGE=STAGE_CODES[plan.out_stage], DEST=dest, NATIVE=_native(interpret),
         num_warps=nw, num_stages=1, enable_fp_fusion=False,
     )
 
