@@ -70,7 +70,8 @@ def decode_e4m3(c):
     m = c & 7
     normal = ((e + 120) << 23) | (m << 20)
     mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal.to(tl.float32, bitcast=True))
-    return tl.where((c & 0x80) != 0, -mag, mag)
+    # the sign goes in as a bit: Triton's unary minus is 0 - x on the GPU, which turns -0 into +0
+    return (mag.to(tl.uint32, bitcast=True) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
