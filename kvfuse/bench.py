@@ -1,0 +1,1033 @@
+"""``kvfuse bench``: the fused write path against its peers, on one CUDA device.
+
+What it does (see benchmarks/README.md for how to read the output):
+
+1. measures the device: copy bandwidth (a 2 GiB device-to-device copy, bytes read + written /
+   time) and the launch floor (the GPU time of one tiny Triton kernel, 100 launches captured in
+   one CUDA graph);
+2. for every workload (a call site of the fused operator) and size n, builds realistic inputs
+   on the device and times four peers on the same inputs:
+   ``reference`` (the eager :mod:`kvfuse.reference` chain, through the public call),
+   ``compile`` (torch.compile of the same reference stages plus a flat-index scatter store),
+   ``stages`` (kvfuse's own kernels one stage per launch, as an unfused engine runs them) and
+   ``fused`` (one public call on the Triton backend);
+3. prints a table, PASS/MISS lines against the performance targets, and writes JSON + PNG.
+
+Timing is injectable (``run_suite(..., timer=...)``) so the orchestration, the byte model and the
+report are tested on machines without CUDA. Nothing here needs matplotlib or tqdm at import.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from . import api as _api
+from . import reference
+from .args import CastArgs, ContiguousOutArgs, KVCacheOutArgs, NormArgs, RopeArgs
+from .backend import use_backend
+from .formats import (FLASHMLA_MODEL1, FLASHMLA_V32, INDEX_FP8_FP32, INDEX_MXFP4, INDEX_NVFP4, MAIN_FP4,
+                      MAIN_FP8, KVCacheFormat)
+from .plan import q_dtype
+
+try:  # triton is a kvfuse dependency; still, keep this module importable without it
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _tiny_kernel(p):
+        tl.store(p, tl.load(p) + 1)
+except Exception:  # pragma: no cover
+    triton = None
+    _tiny_kernel = None
+
+NEEDS_CUDA = "kvfuse bench needs a CUDA device (torch.cuda.is_available() is False): nothing measured."
+
+PEERS = ("reference", "compile", "stages", "fused")
+DEFAULT_SIZES = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+QUICK_SIZES = (1, 256, 4096, 65536, 262144)
+QUICK_WORKLOADS = ("main_fp8", "index_mxfp4", "q_pre")
+MAX_POSITION = 8192          # rows of the cos/sin table; positions are uniform in [0, MAX_POSITION)
+BLOCK_SIZE = 64              # tokens per cache block
+ROTARY_DIM = 64
+EPS = 1e-6
+MAX_X_ELEMS = 1 << 29        # skip a point whose x would exceed 1 GiB of bf16 (the 64-head Q workloads)
+COLD_L2_BYTES = 512 << 20    # --cold-l2: cycle through input sets totalling at least this much
+OUT_NAME = "kvfuse_bench"
+
+
+# =============================================================================== workloads
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One call site. kind "write": norm + rope + cast into a paged cache of ``fmt``; "q_pre": norm +
+    rope into a preallocated bf16 out; "index_q": rope + cast of ``fmt`` into preallocated (q, sf)."""
+    name: str
+    kind: str
+    head_dim: int
+    fmt: Optional[KVCacheFormat] = None
+    num_heads: int = 1
+    norm: bool = True
+    rotary_dim: int = ROTARY_DIM
+    description: str = ""
+
+    @property
+    def cast_args(self) -> Optional[CastArgs]:
+        return None if self.fmt is None else CastArgs.from_cache_format(self.fmt)
+
+
+def _write(name, fmt, what):
+    return Workload(name, "write", fmt.head_dim, fmt, description=f"{what}: norm + NEOX rope (last 64) -> {fmt.name}")
+
+
+WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
+    _write("main_fp8", MAIN_FP8, "main KV 512"),
+    _write("main_fp4", MAIN_FP4, "main KV 512"),
+    _write("flashmla_v32", FLASHMLA_V32, "FlashMLA V3.2 KV 576"),
+    _write("flashmla_model1", FLASHMLA_MODEL1, "FlashMLA MODEL1 KV 512"),
+    _write("index_mxfp4", INDEX_MXFP4, "indexer K 128"),
+    _write("index_nvfp4", INDEX_NVFP4, "indexer K 128"),
+    _write("index_fp8_fp32", INDEX_FP8_FP32, "indexer K 128"),
+    Workload("q_pre", "q_pre", 512, None, num_heads=64,
+             description="Q preprocessing: x [n, 64, 512], norm + NEOX rope (last 64) -> bf16 out"),
+    Workload("index_q", "index_q", 128, INDEX_MXFP4, num_heads=64, norm=False,
+             description="indexer Q: x [n, 64, 128], NEOX rope (last 64) + INDEX_MXFP4 cast -> (q, sf)"),
+)}
+
+
+def moved_bytes(wl: Workload, n: int, index_bytes: int = 4, cos_sin_bytes: int = 4,
+                weight_bytes: int = 2) -> Dict[str, int]:
+    """Bytes that must move for one call (the effective-bandwidth numerator), by component.
+
+    Read: x (bf16), the norm weight, one cos/sin row per token (n * rotary_dim * cos_sin_bytes,
+    repeats not discounted), positions, slots. Written: the cache record bytes a write touches
+    (quantized data + exact scales + bf16 tail; reserved bytes excluded), the bf16 out, or (q, sf).
+    """
+    rows = n * wl.num_heads
+    b = {"x": rows * wl.head_dim * 2}
+    if wl.norm:
+        b["norm_weight"] = wl.head_dim * weight_bytes
+    b["cos_sin"] = n * wl.rotary_dim * cos_sin_bytes
+    b["positions"] = n * index_bytes
+    if wl.kind == "write":
+        b["slots"] = n * index_bytes
+        b["cache_data"] = rows * wl.fmt.quant_bytes
+        b["cache_scales"] = rows * wl.fmt.sf_exact_bytes
+        if wl.fmt.bf16_tail:
+            b["cache_tail"] = rows * 2 * wl.fmt.bf16_tail
+    elif wl.kind == "q_pre":
+        b["out"] = rows * wl.head_dim * 2
+    else:
+        b["q"] = rows * wl.fmt.quant_bytes
+        b["sf"] = rows * wl.fmt.sf_exact_bytes
+    b["total"] = sum(b.values())
+    return b
+
+
+# =============================================================================== inputs
+@dataclasses.dataclass
+class Inputs:
+    """Device tensors of one (workload, n) point. ``q``/``sf`` are the stage chain's cast outputs
+    for writes and the result for index_q; ``norm_buf``/``rope_buf`` are stage-chain buffers."""
+    n: int
+    x: torch.Tensor
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    weight: Optional[torch.Tensor] = None
+    slots: Optional[torch.Tensor] = None
+    cache: Optional[torch.Tensor] = None
+    out: Optional[torch.Tensor] = None
+    q: Optional[torch.Tensor] = None
+    sf: Optional[torch.Tensor] = None
+    norm_buf: Optional[torch.Tensor] = None
+    rope_buf: Optional[torch.Tensor] = None
+
+    def nbytes(self) -> int:
+        total = 0
+        for f in dataclasses.fields(self):
+            t = getattr(self, f.name)
+            if isinstance(t, torch.Tensor):
+                total += t.untyped_storage().nbytes() if f.name == "cache" else t.numel() * t.element_size()
+        return total
+
+
+def rope_table(max_position: int, rotary_dim: int, device) -> torch.Tensor:
+    """[max_position, rotary_dim] fp32: cos in the first half, sin in the second (base 10000)."""
+    half = rotary_dim // 2
+    inv = 1.0 / (10000.0 ** (torch.arange(half, dtype=torch.float64) / half))
+    ang = torch.arange(max_position, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cat([torch.cos(ang), torch.sin(ang)], dim=1).float().to(device)
+
+
+def build_inputs(wl: Workload, n: int, device, seed: int = 0) -> Inputs:
+    """Random realistic inputs: bf16 activations (normal, per-token scales 2^-3..2^3), a norm weight
+    near 1, uniform positions, a cache with ceil(n / 64) blocks and a random permutation of its slots."""
+    device = torch.device(device)
+    g = torch.Generator(device=device)
+    g.manual_seed(seed * 1_000_003 + n * 7 + len(wl.name))
+    H, D = wl.num_heads, wl.head_dim
+    shape = (n, D) if H == 1 else (n, H, D)
+    x = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
+    scale = torch.randint(-3, 4, (n,) + (1,) * (len(shape) - 1), generator=g, device=device)
+    x.mul_(torch.exp2(scale.float()).to(torch.bfloat16))
+    inp = Inputs(n=n, x=x, cos_sin=rope_table(MAX_POSITION, wl.rotary_dim, device),
+                 positions=torch.randint(0, MAX_POSITION, (n,), generator=g, device=device, dtype=torch.int32))
+    if wl.norm:
+        inp.weight = (torch.randn(D, generator=g, device=device) * 0.1 + 1.0).to(torch.bfloat16)
+        inp.norm_buf = torch.empty_like(x)
+    if wl.kind == "write":
+        fmt = wl.fmt
+        blocks = max(1, -(-n // BLOCK_SIZE))
+        inp.cache = fmt.allocate(blocks, BLOCK_SIZE, device=device)
+        perm = torch.randperm(blocks * BLOCK_SIZE, generator=g, device=device)
+        inp.slots = perm[:n].to(torch.int32)
+        inp.rope_buf = torch.empty_like(x)
+        inp.q = torch.empty((n, fmt.quant_bytes), dtype=q_dtype(fmt.cast_fmt), device=device)
+        inp.sf = torch.empty((n, fmt.num_scales), dtype=fmt.sf_dtype, device=device)
+    elif wl.kind == "q_pre":
+        inp.out = torch.empty_like(x)
+    else:
+        inp.rope_buf = torch.empty_like(x)
+        inp.q = torch.empty((n, H, wl.fmt.quant_bytes), dtype=q_dtype(wl.fmt.cast_fmt), device=device)
+        inp.sf = torch.empty((n, H, wl.fmt.num_scales), dtype=wl.fmt.sf_dtype, device=device)
+    return inp
+
+
+def build_input_sets(wl: Workload, n: int, device, cold_l2: bool = False, seed: int = 0) -> List[Inputs]:
+    """One set; with cold_l2, as many (at most 16) as needed to total COLD_L2_BYTES."""
+    first = build_inputs(wl, n, device, seed)
+    count = 1
+    if cold_l2:
+        count = max(1, min(16, math.ceil(COLD_L2_BYTES / max(1, first.nbytes()))))
+    return [first] + [build_inputs(wl, n, device, seed + i) for i in range(1, count)]
+
+
+def result_tensors(wl: Workload, inp: Inputs) -> List[torch.Tensor]:
+    """What a call of the workload produces (to compare peers): the cache, the bf16 out, or (q, sf)."""
+    if wl.kind == "write":
+        return [inp.cache]
+    if wl.kind == "q_pre":
+        return [inp.out]
+    return [inp.q, inp.sf]
+
+
+# =============================================================================== peers
+def _public_call(wl: Workload, inp: Inputs) -> Callable[[], None]:
+    """One public call of the fused operator for this workload (the fused and reference peers)."""
+    norm = NormArgs(inp.weight, EPS) if wl.norm else None
+    rope = RopeArgs(inp.positions, inp.cos_sin, wl.rotary_dim, True)
+    if wl.kind == "write":
+        out = KVCacheOutArgs(inp.cache, inp.slots, layout=wl.fmt)
+    elif wl.kind == "q_pre":
+        out = ContiguousOutArgs(out=inp.out)
+    else:
+        out = ContiguousOutArgs(out=inp.q, sf=inp.sf)
+    cast, x = wl.cast_args, inp.x
+
+    def call():
+        _api.fused_norm_rope_hadamard_cast_store_kvcache(x, norm, rope, None, cast, out)
+    return call
+
+
+def _stage_chain(wl: Workload, inp: Inputs) -> Callable[[], None]:
+    """kvfuse's kernels one stage per launch: norm, rope, cast, then store_kv_cache (writes)."""
+    fused = _api.fused_norm_rope_hadamard_cast_store_kvcache
+    steps = []
+    src = inp.x
+    if wl.norm:
+        steps.append((fused, (src,), dict(norm_args=NormArgs(inp.weight, EPS),
+                                          out_args=ContiguousOutArgs(out=inp.norm_buf))))
+        src = inp.norm_buf
+    roped = inp.out if wl.kind == "q_pre" else inp.rope_buf
+    steps.append((fused, (src,), dict(rope_args=RopeArgs(inp.positions, inp.cos_sin, wl.rotary_dim, True),
+                                      out_args=ContiguousOutArgs(out=roped))))
+    if wl.kind != "q_pre":
+        qd = wl.fmt.quant_dim
+        steps.append((fused, (roped[..., :qd],), dict(cast_args=wl.cast_args,
+                                                      out_args=ContiguousOutArgs(out=inp.q, sf=inp.sf))))
+    if wl.kind == "write":
+        tail = roped[..., wl.fmt.quant_dim:] if wl.fmt.bf16_tail else None
+        steps.append((_api.store_kv_cache, (inp.q, inp.sf, inp.cache, inp.slots, wl.fmt), dict(tail=tail)))
+
+    def call():
+        for fn, args, kwargs in steps:
+            fn(*args, **kwargs)
+    return call
+
+
+def _flat_store(flat, slots, geom, payloads) -> None:
+    """Scatter [n, k] uint8 payloads into the cache's flat byte storage. geom = (block_size, block
+    stride, (token stride, byte offset) per payload). All benchmark slots are valid, so no masking."""
+    bs, s0, parts = geom
+    s = slots.long()
+    blk = torch.div(s, bs, rounding_mode="floor")
+    off = s - blk * bs
+    base = blk * s0
+    for (tok_stride, offset), payload in zip(parts, payloads):
+        idx = (base + off * tok_stride + offset)[:, None] + torch.arange(payload.shape[-1], device=flat.device)
+        flat[idx] = payload
+
+
+def make_chain(wl: Workload) -> Callable:
+    """The reference stages composed as one function (what the compile peer compiles).
+    Arguments: :func:`chain_args`."""
+    rd = wl.rotary_dim
+    fmt = wl.fmt
+    if wl.kind == "write":
+        qd = fmt.quant_dim
+
+        def write_chain(x, weight, positions, cos_sin, slots, flat, geom):
+            y = reference.rope(reference.rmsnorm(x, weight, EPS), positions, cos_sin, rd, True)
+            q, sf = reference.quantize(y[..., :qd], fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format)
+            payloads = [q.view(torch.uint8), sf.contiguous().view(torch.uint8)]
+            if fmt.bf16_tail:
+                payloads.append(y[..., qd:].contiguous().view(torch.uint8))
+            _flat_store(flat, slots, geom, payloads)
+        return write_chain
+    if wl.kind == "q_pre":
+        def q_chain(x, weight, positions, cos_sin, out):
+            out.copy_(reference.rope(reference.rmsnorm(x, weight, EPS), positions, cos_sin, rd, True))
+        return q_chain
+
+    def index_q_chain(x, positions, cos_sin, q_out, sf_out):
+        q, sf = reference.quantize(reference.rope(x, positions, cos_sin, rd, True), fmt.cast_fmt,
+                                   fmt.elements_per_sf, fmt.sf_format)
+        q_out.copy_(q)
+        sf_out.copy_(sf)
+    return index_q_chain
+
+
+def chain_args(wl: Workload, inp: Inputs) -> tuple:
+    if wl.kind == "write":
+        cache, fmt = inp.cache, wl.fmt
+        a = fmt.addressing_for(cache)
+        parts = [(a.data_token_stride, a.data_offset), (a.sf_token_stride, a.sf_offset)]
+        if fmt.bf16_tail:
+            parts.append((a.data_token_stride, a.tail_offset))
+        flat = torch.as_strided(cache, (cache.untyped_storage().nbytes(),), (1,), 0)
+        geom = (cache.shape[1], cache.stride(0), tuple((t, o + cache.storage_offset()) for t, o in parts))
+        return (inp.x, inp.weight, inp.positions, inp.cos_sin, inp.slots, flat, geom)
+    if wl.kind == "q_pre":
+        return (inp.x, inp.weight, inp.positions, inp.cos_sin, inp.out)
+    return (inp.x, inp.positions, inp.cos_sin, inp.q, inp.sf)
+
+
+def make_peer(peer: str, wl: Workload, inp: Inputs, compiled: Optional[Callable] = None) -> Callable[[], None]:
+    """A zero-argument callable running ``peer`` once on ``inp``. The fused and stages peers use the
+    backend in effect (run_suite sets it); the reference peer forces "reference"."""
+    if peer == "fused":
+        return _public_call(wl, inp)
+    if peer == "stages":
+        return _stage_chain(wl, inp)
+    if peer == "reference":
+        call = _public_call(wl, inp)
+
+        def ref():
+            with use_backend("reference"):
+                call()
+        return ref
+    if peer == "compile":
+        fn = compiled if compiled is not None else make_chain(wl)
+        args = chain_args(wl, inp)
+        return lambda: fn(*args)
+    raise ValueError(f"unknown peer {peer!r}; expected one of {PEERS}")
+
+
+# =============================================================================== timing
+@dataclasses.dataclass
+class Timing:
+    gpu_us: float
+    gpu_method: str          # "graph": CUDA-graph replay; "events": CUDA events around eager calls
+    eager_us: float
+    note: str = ""
+
+
+def _short(e: BaseException, limit: int = 300) -> str:
+    text = f"{type(e).__name__}: {e}".strip().replace("\n", " ")
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _clamp(v, lo, hi):
+    return max(lo, min(hi, v))
+
+
+class CudaTimer:
+    """GPU time per call by CUDA-graph replay (K calls captured in one graph, median per call over
+    replays), falling back to CUDA events around eager calls for ops that cannot be captured
+    (host synchronization); eager wall time per call (a loop of calls, one synchronize at the end)."""
+
+    def __init__(self, graph_calls: int = 20, target_s: float = 0.05, eager_target_s: float = 0.03,
+                 min_reps: int = 3, max_reps: int = 40, max_eager_calls: int = 200):
+        self.graph_calls, self.target_s, self.eager_target_s = graph_calls, target_s, eager_target_s
+        self.min_reps, self.max_reps, self.max_eager_calls = min_reps, max_reps, max_eager_calls
+
+    def measure(self, fns: Sequence[Callable[[], None]], label=None) -> Timing:
+        for f in fns:                      # warm-up: JIT compiles, torch.compile, autotuning
+            f()
+        torch.cuda.synchronize()
+        est = self._estimate(fns)
+        gpu, method, note = None, "events", ""
+        blocker = self._host_sync(fns[0])
+        if blocker:
+            note = f"not graph-capturable ({blocker}); GPU time from events"
+        else:
+            try:
+                gpu, method = self._graph_us(fns, est), "graph"
+            except Exception as e:
+                note = f"graph capture failed ({_short(e, 160)}); GPU time from events"
+                _recover_cuda()
+        if gpu is None:
+            gpu = self._events_us(fns, est)
+        return Timing(gpu, method, self._eager_us(fns, est), note)
+
+    @staticmethod
+    def _estimate(fns) -> float:
+        best = float("inf")
+        for i in range(2):
+            t = time.perf_counter()
+            fns[i % len(fns)]()
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+        return max(best, 1e-6)
+
+    @staticmethod
+    def _host_sync(fn) -> str:
+        """'' if fn runs with synchronizing CUDA calls turned into errors, else the error."""
+        try:
+            prev = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+        except Exception:
+            return ""
+        try:
+            fn()
+            return ""
+        except Exception as e:
+            return _short(e, 120)
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+            _recover_cuda()
+
+    def _graph_us(self, fns, est) -> float:
+        k = _clamp(int(0.02 / est), 1, self.graph_calls)
+        k = max(k, min(len(fns), self.graph_calls))
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.current_stream()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                for i in range(k):
+                    fns[i % len(fns)]()
+        except Exception:
+            # a failed capture_end leaves the capture stream current: put ours back
+            torch.cuda.set_stream(stream)
+            raise
+        graph.replay()
+        graph.replay()
+        torch.cuda.synchronize()
+        one = _events_ms(lambda: graph.replay(), 1) / 1e3
+        reps = _clamp(int(self.target_s / max(one, 1e-7)), self.min_reps, self.max_reps)
+        times = [_events_ms(lambda: graph.replay(), 1) * 1e3 / k for _ in range(reps)]
+        del graph
+        return statistics.median(times)
+
+    def _events_us(self, fns, est) -> float:
+        """Median of 3 groups: events around a group of eager calls, divided by the group's size."""
+        per = max(1, _clamp(int(self.target_s / est), self.min_reps, self.max_reps) // 3)
+        times = []
+        for _ in range(3):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for i in range(per):
+                fns[i % len(fns)]()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) * 1e3 / per)
+        return statistics.median(times)
+
+    def _eager_us(self, fns, est) -> float:
+        calls = _clamp(int(self.eager_target_s / est), 3, self.max_eager_calls)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for i in range(calls):
+            fns[i % len(fns)]()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) * 1e6 / calls
+
+
+def _events_ms(fn, count: int) -> float:
+    """Milliseconds between two CUDA events around ``count`` calls of fn."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(count):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b)
+
+
+def _recover_cuda() -> None:
+    try:
+        torch.cuda.synchronize()
+    except Exception:
+        pass
+
+
+def measure_copy_bandwidth(nbytes: int = 2 << 30, reps: int = 10) -> Dict[str, float]:
+    """Device-to-device copy: (bytes read + written) / median time."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(1)
+    dst = torch.empty_like(src)
+    for _ in range(2):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    times = [_events_ms(lambda: dst.copy_(src), 1) / 1e3 for _ in range(reps)]
+    del src, dst
+    torch.cuda.empty_cache()
+    t = statistics.median(times)
+    return {"copy_GBps": 2 * nbytes / t / 1e9, "copy_ms": t * 1e3, "copy_bytes": 2 * nbytes}
+
+
+def measure_launch_floor(launches: int = 100, reps: int = 50) -> Dict[str, object]:
+    """GPU time of one tiny Triton kernel (load + store of one int) replayed in a CUDA graph."""
+    buf = torch.zeros(1, dtype=torch.int32, device="cuda")
+    if _tiny_kernel is not None:
+        launch, kernel = (lambda: _tiny_kernel[(1,)](buf)), "triton"
+    else:  # pragma: no cover
+        launch, kernel = (lambda: buf.add_(1)), "torch add_ (triton unavailable)"
+    launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            launch()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = [_events_ms(lambda: graph.replay(), 1) * 1e3 / launches for _ in range(reps)]
+    del graph
+    return {"floor_us": statistics.median(times), "floor_min_us": min(times), "floor_kernel": kernel,
+            "floor_launches_per_graph": launches}
+
+
+# =============================================================================== records
+@dataclasses.dataclass
+class Record:
+    workload: str
+    n: int
+    peer: str
+    rows: int = 0
+    bytes: int = 0
+    status: str = "ok"               # "ok" | "skipped" | "error"
+    gpu_us: Optional[float] = None
+    gpu_method: Optional[str] = None
+    eager_us: Optional[float] = None
+    gbps: Optional[float] = None
+    pct_copy: Optional[float] = None
+    x_floor: Optional[float] = None
+    fused_speedup: Optional[float] = None   # this peer's GPU time / the fused GPU time, same point
+    note: str = ""
+
+
+def finalize(rec: Record, copy_gbps: Optional[float], floor_us: Optional[float]) -> Record:
+    """Derived columns of one record from its GPU time."""
+    if rec.gpu_us and rec.gpu_us > 0:
+        rec.gbps = rec.bytes / (rec.gpu_us * 1e-6) / 1e9
+        rec.pct_copy = 100.0 * rec.gbps / copy_gbps if copy_gbps else None
+        rec.x_floor = rec.gpu_us / floor_us if floor_us else None
+    return rec
+
+
+def add_speedups(records: Sequence[Record]) -> None:
+    fused = {(r.workload, r.n): r.gpu_us for r in records if r.peer == "fused" and r.status == "ok" and r.gpu_us}
+    for r in records:
+        f = fused.get((r.workload, r.n))
+        if f and r.status == "ok" and r.gpu_us:
+            r.fused_speedup = r.gpu_us / f
+
+
+# =============================================================================== the run
+@dataclasses.dataclass
+class Config:
+    workloads: List[str]
+    sizes: List[int]
+    peers: List[str]
+    peer_max_n: int = 65536
+    cold_l2: bool = False
+    out: Optional[str] = None
+    quick: bool = False
+    budget_s: float = 330.0
+    compile_budget_s: float = 100.0
+    max_x_elems: int = MAX_X_ELEMS
+    seed: int = 0
+    plot: bool = True
+    progress: bool = True
+
+
+class _CompileState:
+    """The compile peer: one compiled chain per workload, its failures, the time spent compiling."""
+
+    def __init__(self, compiler, budget_s: float):
+        self.compiler, self.budget_s = compiler, budget_s
+        self.spent_s = 0.0
+        self.failed: Dict[str, str] = {}
+        self._fns: Dict[str, Callable] = {}
+
+    def chain(self, wl: Workload) -> Callable:
+        if wl.name not in self._fns:
+            if self.compiler is torch.compile:
+                _reset_dynamo()
+            self._fns[wl.name] = self.compiler(make_chain(wl))
+        return self._fns[wl.name]
+
+    def skip_reason(self, wl: Workload) -> str:
+        if wl.name in self.failed:
+            return f"compile failed earlier for this workload: {self.failed[wl.name]}"
+        if self.spent_s > self.budget_s:
+            return f"compile budget spent ({self.spent_s:.0f}s > --compile-budget-s {self.budget_s:.0f})"
+        return ""
+
+
+def _reset_dynamo() -> None:
+    try:
+        import torch._dynamo as dynamo
+        dynamo.reset()
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dynamo.config, name):
+                setattr(dynamo.config, name, max(64, getattr(dynamo.config, name)))
+    except Exception:  # pragma: no cover
+        pass
+
+
+def _skip_reason(peer: str, wl: Workload, n: int, cfg: Config, cstate: _CompileState) -> str:
+    rows = n * wl.num_heads
+    if peer in ("reference", "compile") and rows > cfg.peer_max_n:
+        return f"rows n*heads={rows} > --peer-max-n {cfg.peer_max_n}"
+    if peer == "compile":
+        return cstate.skip_reason(wl)
+    return ""
+
+
+def measure_point(wl: Workload, n: int, cfg: Config, device, timer, cstate: _CompileState,
+                  deadline: float, log=print) -> List[Record]:
+    """All peers of one (workload, n): build the inputs once, time each peer on them."""
+    rows = n * wl.num_heads
+    base = dict(workload=wl.name, n=n, rows=rows, bytes=moved_bytes(wl, n)["total"])
+    skip = ""
+    if rows * wl.head_dim > cfg.max_x_elems:
+        skip = f"x would hold {rows * wl.head_dim} elements > {cfg.max_x_elems} (--max-x-elems)"
+    elif time.perf_counter() > deadline:
+        skip = "time budget spent (--budget-s)"
+    if skip:
+        return [Record(peer=p, status="skipped", note=skip, **base) for p in cfg.peers]
+    try:
+        sets = build_input_sets(wl, n, device, cfg.cold_l2, cfg.seed)
+    except Exception as e:
+        _recover_cuda()
+        return [Record(peer=p, status="error", note=f"building inputs: {_short(e)}", **base) for p in cfg.peers]
+    out = []
+    for peer in cfg.peers:
+        reason = _skip_reason(peer, wl, n, cfg, cstate)
+        if reason:
+            out.append(Record(peer=peer, status="skipped", note=reason, **base))
+            continue
+        t0 = time.perf_counter()
+        try:
+            compiled = cstate.chain(wl) if peer == "compile" else None
+            fns = [make_peer(peer, wl, s, compiled) for s in sets]
+            t = timer.measure(fns, (wl.name, n, peer))
+            out.append(Record(peer=peer, gpu_us=t.gpu_us, gpu_method=t.gpu_method, eager_us=t.eager_us,
+                              note=t.note + (f" ({len(sets)} input sets)" if len(sets) > 1 else ""), **base))
+        except Exception as e:
+            msg = _short(e)
+            out.append(Record(peer=peer, status="error", note=msg, **base))
+            log(f"[{wl.name} n={n} {peer}] {msg}")
+            if peer == "compile":
+                cstate.failed[wl.name] = msg
+            _recover_cuda()
+        finally:
+            if peer == "compile":
+                cstate.spent_s += time.perf_counter() - t0
+    del sets
+    return out
+
+
+def run_suite(cfg: Config, device, timer, copy_gbps: Optional[float] = None, floor_us: Optional[float] = None,
+              kernel_backend: str = "triton", compiler=None, progress=None, log=print) -> List[Record]:
+    """Every (workload, n, peer) of cfg, in order; never raises for a failing peer."""
+    cstate = _CompileState(torch.compile if compiler is None else compiler, cfg.compile_budget_s)
+    deadline = time.perf_counter() + cfg.budget_s
+    records: List[Record] = []
+    with use_backend(kernel_backend):
+        for name in cfg.workloads:
+            wl = WORKLOADS[name]
+            for n in cfg.sizes:
+                if progress is not None:
+                    progress.set_description(f"{name} n={n}")
+                records += measure_point(wl, n, cfg, device, timer, cstate, deadline, log)
+                if progress is not None:
+                    progress.update(1)
+                _free(device, big=n * wl.num_heads >= 65536)
+    for r in records:
+        finalize(r, copy_gbps, floor_us)
+    add_speedups(records)
+    return records
+
+
+def _free(device, big: bool) -> None:
+    """Give the point's buffers back (refcounting frees them; a collection only after big points)."""
+    if big:
+        gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# =============================================================================== report
+def _f(v, spec: str) -> str:
+    """format(v, spec), or '-' padded to the spec's width when v is None."""
+    if v is None:
+        width = "".join(ch for ch in spec.split(".")[0] if ch.isdigit())
+        return "-".rjust(int(width) if width else 1)
+    return format(v, spec)
+
+
+TABLE_COLUMNS = ("workload", "n", "peer", "GPU us", "timing", "eager us", "GB/s", "%copy", "x floor", "vs fused")
+
+
+def format_table(records: Sequence[Record]) -> str:
+    """The stdout table: one line per (workload, n, peer); a blank line between workloads."""
+    head = (f"{'workload':<16} {'n':>7} {'peer':<9} {'GPU us':>10} {'timing':<6} {'eager us':>10} "
+            f"{'GB/s':>8} {'%copy':>6} {'x floor':>8} {'vs fused':>8}  note")
+    lines = [head, "-" * len(head)]
+    prev = None
+    for r in records:
+        if prev is not None and r.workload != prev:
+            lines.append("")
+        prev = r.workload
+        note = r.note if r.status == "ok" else f"{r.status.upper()}: {r.note}"
+        lines.append(f"{r.workload:<16} {r.n:>7} {r.peer:<9} {_f(r.gpu_us, '10.2f')} {r.gpu_method or '-':<6} "
+                     f"{_f(r.eager_us, '10.2f')} {_f(r.gbps, '8.1f')} {_f(r.pct_copy, '6.1f')} "
+                     f"{_f(r.x_floor, '8.2f')} {_f(r.fused_speedup, '8.2f')}  {note}".rstrip())
+    return "\n".join(lines)
+
+
+def format_summary(records: Sequence[Record]) -> str:
+    """A compact view, one line per (workload, n): the fused kernel and how many times slower the
+    other peers are (their GPU time / the fused GPU time)."""
+    by = {(r.workload, r.n, r.peer): r for r in records}
+    points = list(dict.fromkeys((r.workload, r.n) for r in records))
+    head = (f"{'workload':<16} {'n':>7} {'fused us':>9} {'GB/s':>7} {'%copy':>6} {'x floor':>7} "
+            f"{'stages x':>8} {'compile x':>9} {'ref x':>7}")
+    lines = ["summary (fused GPU time; other peers as multiples of it):", head]
+    for wl, n in points:
+        f = by.get((wl, n, "fused"))
+        if f is None or f.status != "ok":
+            lines.append(f"{wl:<16} {n:>7} {'-':>9}  fused {f.status if f else 'not run'}")
+            continue
+        ratio = [getattr(by.get((wl, n, p)), "fused_speedup", None) for p in ("stages", "compile", "reference")]
+        lines.append(f"{wl:<16} {n:>7} {_f(f.gpu_us, '9.2f')} {_f(f.gbps, '7.0f')} {_f(f.pct_copy, '6.1f')} "
+                     f"{_f(f.x_floor, '7.2f')} {_f(ratio[0], '8.2f')} {_f(ratio[1], '9.1f')} {_f(ratio[2], '7.1f')}")
+    return "\n".join(lines)
+
+
+def check_targets(records: Sequence[Record]) -> List[dict]:
+    """The performance targets as PASS / MISS / N/A (not measured) entries; reporting only."""
+    ok = {(r.workload, r.n, r.peer): r for r in records if r.status == "ok" and r.gpu_us}
+    present = list(dict.fromkeys(r.workload for r in records))
+    out = []
+
+    def add(name, value, op, target, detail=""):
+        if value is None:
+            status = "N/A"
+        else:
+            status = "PASS" if (value >= target if op == ">=" else value <= target) else "MISS"
+        out.append(dict(target=name, status=status, value=value, op=op, threshold=target, detail=detail))
+
+    def fused(wl, n, attr):
+        r = ok.get((wl, n, "fused"))
+        return None if r is None else getattr(r, attr)
+
+    if "main_fp8" in present:
+        add("main_fp8 fused % copy at n=65536", fused("main_fp8", 65536, "pct_copy"), ">=", 85.0)
+        add("main_fp8 fused % copy at n=262144", fused("main_fp8", 262144, "pct_copy"), ">=", 90.0)
+    for wl in present:
+        if wl != "main_fp8" and WORKLOADS.get(wl) and WORKLOADS[wl].kind == "write":
+            add(f"{wl} fused % copy at n=262144", fused(wl, 262144, "pct_copy"), ">=", 80.0)
+    for wl in present:
+        floors = [(r.x_floor, n) for (w, n, p), r in ok.items() if w == wl and p == "fused" and n <= 256
+                  and r.x_floor is not None]
+        worst = max(floors) if floors else (None, None)
+        add(f"{wl} fused GPU time / launch floor, n<=256 (worst)", worst[0], "<=", 2.0,
+            f"at n={worst[1]}" if floors else "")
+        sp = [(r.fused_speedup, n) for (w, n, p), r in ok.items() if w == wl and p == "stages" and n <= 4096
+              and r.fused_speedup is not None]
+        least = min(sp) if sp else (None, None)
+        add(f"{wl} fused vs stage chain, n<=4096 (least)", least[0], ">=", 2.0, f"at n={least[1]}" if sp else "")
+        r = ok.get((wl, 65536, "stages"))
+        add(f"{wl} fused vs stage chain at n=65536", None if r is None else r.fused_speedup, ">=", 1.8)
+    return out
+
+
+def format_targets(targets: Sequence[dict]) -> str:
+    lines = ["targets (reporting, not asserting):"]
+    for t in targets:
+        value = "not measured" if t["value"] is None else f"{t['value']:.2f}"
+        detail = f" {t['detail']}" if t["detail"] else ""
+        lines.append(f"  {t['status']:<4}  {t['target']}: {value}{detail} (target {t['op']} {t['threshold']:g})")
+    return "\n".join(lines)
+
+
+def _json_safe(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {str(k): _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    return v
+
+
+def build_report(cfg: Config, info: dict, device: dict, records: Sequence[Record], targets: Sequence[dict],
+                 elapsed_s: float) -> dict:
+    return _json_safe({
+        "meta": dict(info, elapsed_s=elapsed_s, config=dataclasses.asdict(cfg)),
+        "device": device,
+        "workloads": {w: dict(kind=WORKLOADS[w].kind, head_dim=WORKLOADS[w].head_dim,
+                              num_heads=WORKLOADS[w].num_heads, format=getattr(WORKLOADS[w].fmt, "name", None),
+                              description=WORKLOADS[w].description,
+                              bytes_per_token=moved_bytes(WORKLOADS[w], 1))
+                      for w in cfg.workloads},
+        "results": [dict(dataclasses.asdict(r), bytes_detail=moved_bytes(WORKLOADS[r.workload], r.n))
+                    if r.workload in WORKLOADS else dataclasses.asdict(r) for r in records],
+        "targets": list(targets),
+    })
+
+
+def write_json(path: str, report: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, allow_nan=False)
+
+
+def plot_results(records: Sequence[Record], path: str, copy_gbps: Optional[float] = None,
+                 floor_us: Optional[float] = None) -> None:
+    """PNG: one row per workload, GPU time vs n (left) and effective bandwidth vs n (right)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    wls = list(dict.fromkeys(r.workload for r in records if r.status == "ok" and r.gpu_us))
+    if not wls:
+        return
+    fig, axes = plt.subplots(len(wls), 2, figsize=(13, 3.3 * len(wls)), squeeze=False)
+    for row, wl in zip(axes, wls):
+        for peer in PEERS:
+            pts = sorted((r.n, r.gpu_us, r.gbps) for r in records
+                         if r.workload == wl and r.peer == peer and r.status == "ok" and r.gpu_us)
+            if pts:
+                ns = [p[0] for p in pts]
+                row[0].plot(ns, [p[1] for p in pts], marker="o", ms=3, label=peer)
+                row[1].plot(ns, [p[2] for p in pts], marker="o", ms=3, label=peer)
+        if floor_us:
+            row[0].axhline(floor_us, ls=":", color="gray", label="launch floor")
+        if copy_gbps:
+            row[1].axhline(copy_gbps, ls="--", color="gray", label="copy bandwidth")
+        row[0].set(xscale="log", yscale="log", title=f"{wl}: GPU time per call", xlabel="n (tokens)",
+                   ylabel="us")
+        row[1].set(xscale="log", title=f"{wl}: effective bandwidth", xlabel="n (tokens)", ylabel="GB/s")
+        for ax in row:
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# =============================================================================== CLI
+def _csv(text: str) -> List[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def parse_config(argv: Optional[Sequence[str]]) -> Config:
+    p = argparse.ArgumentParser(prog="kvfuse bench", description="Time the fused KV write against its peers "
+                                "(eager reference, torch.compile, kvfuse stage by stage) on a CUDA device.")
+    p.add_argument("--workloads", default=None, help=f"comma list or 'all' (default all; --quick: "
+                   f"{','.join(QUICK_WORKLOADS)}); names: {','.join(WORKLOADS)}")
+    p.add_argument("--n", default=None, help=f"comma list of sizes (default {','.join(map(str, DEFAULT_SIZES))})")
+    p.add_argument("--peers", default=",".join(PEERS), help=f"comma list (default {','.join(PEERS)})")
+    p.add_argument("--quick", action="store_true", help="fewer workloads, sizes and replays (~90 s)")
+    p.add_argument("--out", default=None, help="directory for kvfuse_bench.{json,png,txt} (default $OUT or "
+                   "./kvfuse-bench)")
+    p.add_argument("--cold-l2", action="store_true", help="cycle through several input sets (>= 512 MiB in all)")
+    p.add_argument("--peer-max-n", type=int, default=65536, help="skip the reference and compile peers when "
+                   "n * num_heads exceeds this (default 65536)")
+    p.add_argument("--budget-s", type=float, default=None, help="stop measuring new points after this many "
+                   "seconds (default 330; --quick 75)")
+    p.add_argument("--compile-budget-s", type=float, default=None, help="stop running the compile peer once "
+                   "it has used this many seconds (default 100; --quick 25)")
+    p.add_argument("--max-x-elems", type=int, default=MAX_X_ELEMS, help="skip points whose x has more elements")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(list(argv) if argv is not None else [])
+    if a.workloads in (None, ""):
+        workloads = list(QUICK_WORKLOADS if a.quick else WORKLOADS)
+    elif a.workloads == "all":
+        workloads = list(WORKLOADS)
+    else:
+        workloads = _csv(a.workloads)
+    bad = [w for w in workloads if w not in WORKLOADS]
+    if bad or not workloads:
+        raise ValueError(f"--workloads: unknown {bad}; choose from {list(WORKLOADS)}")
+    peers = _csv(a.peers)
+    if not peers or any(x not in PEERS for x in peers):
+        raise ValueError(f"--peers: expected a comma list of {PEERS}, got {a.peers!r}")
+    try:
+        sizes = [int(v) for v in _csv(a.n)] if a.n else list(QUICK_SIZES if a.quick else DEFAULT_SIZES)
+    except ValueError:
+        raise ValueError(f"--n: expected a comma list of integers, got {a.n!r}") from None
+    if not sizes or any(v < 1 for v in sizes):
+        raise ValueError(f"--n: sizes must be >= 1, got {sizes}")
+    return Config(workloads=workloads, sizes=sizes, peers=[x for x in PEERS if x in peers],
+                  peer_max_n=a.peer_max_n, cold_l2=a.cold_l2, out=a.out, quick=a.quick,
+                  budget_s=a.budget_s if a.budget_s is not None else (75.0 if a.quick else 330.0),
+                  compile_budget_s=(a.compile_budget_s if a.compile_budget_s is not None
+                                    else (25.0 if a.quick else 100.0)),
+                  max_x_elems=a.max_x_elems, seed=a.seed, plot=not a.no_plot, progress=not a.no_progress)
+
+
+def run_info() -> dict:
+    info = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                python=platform.python_version(), torch=torch.__version__, torch_cuda=torch.version.cuda,
+                triton=getattr(triton, "__version__", None), argv=sys.argv)
+    try:
+        from . import __version__ as kv_version
+        info["kvfuse"] = kv_version
+    except Exception:  # pragma: no cover
+        pass
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(device=props.name, sm_count=props.multi_processor_count,
+                    capability=f"{props.major}.{props.minor}", memory_GiB=round(props.total_memory / 2 ** 30, 1))
+    return info
+
+
+class _NoBar:
+    def update(self, k=1):
+        pass
+
+    def set_description(self, text):
+        pass
+
+    def close(self):
+        pass
+
+    @staticmethod
+    def write(text):
+        print(text, file=sys.stderr)
+
+
+def _progress_bar(total: int, enabled: bool):
+    if enabled:
+        try:
+            from tqdm import tqdm
+            return tqdm(total=total, unit="point", dynamic_ncols=True)
+        except Exception:
+            pass
+    return _NoBar()
+
+
+def measure_device(quick: bool, log=print) -> dict:
+    dev = {}
+    try:
+        dev.update(measure_copy_bandwidth(reps=5 if quick else 10))
+    except Exception as e:
+        dev["copy_error"] = _short(e)
+        _recover_cuda()
+    try:
+        dev.update(measure_launch_floor(reps=20 if quick else 50))
+    except Exception as e:
+        dev["floor_error"] = _short(e)
+        _recover_cuda()
+    log(f"copy bandwidth: {_f(dev.get('copy_GBps'), '.0f')} GB/s (2 GiB device-to-device copy, read + written); "
+        f"launch floor: {_f(dev.get('floor_us'), '.2f')} us (tiny Triton kernel, "
+        f"{dev.get('floor_launches_per_graph', '-')} launches per CUDA graph)")
+    for key in ("copy_error", "floor_error"):
+        if key in dev:
+            log(f"  {key}: {dev[key]}")
+    return dev
+
+
+def write_outputs(cfg: Config, report: dict, records, text: str, dev: dict, log=print) -> None:
+    out = cfg.out or os.environ.get("OUT") or "kvfuse-bench"
+    try:
+        os.makedirs(out, exist_ok=True)
+        write_json(os.path.join(out, OUT_NAME + ".json"), report)
+        with open(os.path.join(out, OUT_NAME + ".txt"), "w") as f:
+            f.write(text + "\n")
+        log(f"wrote {os.path.join(out, OUT_NAME + '.json')} and .txt")
+    except Exception as e:
+        log(f"could not write the JSON/text report under {out}: {_short(e)}")
+    if cfg.plot:
+        try:
+            plot_results(records, os.path.join(out, OUT_NAME + ".png"), dev.get("copy_GBps"), dev.get("floor_us"))
+            log(f"wrote {os.path.join(out, OUT_NAME + '.png')}")
+        except Exception as e:
+            log(f"no plot: {_short(e)}")
+
+
+def run_on_device(cfg: Config, device="cuda", timer=None, measure=measure_device, **suite_kwargs) -> int:
+    """The whole run: device ceilings, the suite, the report. ``timer``/``measure`` (and run_suite's
+    keyword arguments) are injectable so that the flow is tested without a GPU."""
+    t_start = time.perf_counter()
+    info = run_info()
+    print(f"kvfuse bench on {info.get('device')} ({info.get('sm_count')} SMs): torch {info['torch']} "
+          f"(CUDA {info['torch_cuda']}), triton {info['triton']}, python {info['python']}, {info['date']}")
+    print(f"workloads {','.join(cfg.workloads)}; n {','.join(map(str, cfg.sizes))}; peers {','.join(cfg.peers)}; "
+          f"reference/compile only for n*heads <= {cfg.peer_max_n}; {'cold' if cfg.cold_l2 else 'warm'} L2")
+    dev = measure(cfg.quick)
+    bar = _progress_bar(len(cfg.workloads) * len(cfg.sizes), cfg.progress)
+    if timer is None:
+        timer = CudaTimer(graph_calls=10 if cfg.quick else 20, target_s=0.02 if cfg.quick else 0.05,
+                          eager_target_s=0.015 if cfg.quick else 0.03, max_reps=15 if cfg.quick else 40)
+    try:
+        records = run_suite(cfg, device, timer, dev.get("copy_GBps"), dev.get("floor_us"),
+                            progress=bar, log=bar.write, **suite_kwargs)
+    finally:
+        bar.close()
+    targets = check_targets(records)
+    elapsed = time.perf_counter() - t_start
+    summary = (f"copy bandwidth {_f(dev.get('copy_GBps'), '.0f')} GB/s; launch floor {_f(dev.get('floor_us'), '.2f')}"
+               f" us; total {elapsed:.0f} s. GPU us: per call, CUDA-graph replay ('graph') or CUDA events around "
+               f"eager calls ('events', for host-synchronizing peers); vs fused = this peer's GPU time / fused's.")
+    text = "\n".join([format_table(records), "", format_summary(records), "", summary, "",
+                      format_targets(targets)])
+    print(text)
+    report = build_report(cfg, info, dev, records, targets, elapsed)
+    write_outputs(cfg, report, records, text, dev)
+    if "fused" in cfg.peers and not any(r.peer == "fused" and r.status == "ok" for r in records):
+        print("no fused measurement succeeded")
+        return 1
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``kvfuse bench [options]``; returns the exit status (0 without CUDA: nothing to measure)."""
+    try:
+        cfg = parse_config(argv)
+    except ValueError as e:
+        print(f"kvfuse bench: {e}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print(NEEDS_CUDA)
+        return 0
+    return run_on_device(cfg)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main(sys.argv[1:]))

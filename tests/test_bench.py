@@ -1,0 +1,351 @@
+"""kvfuse bench without a GPU: the no-CUDA exit, the byte model, the peers' outputs (through the
+reference backend), the orchestration with an injected fake timer, and the report (table, targets,
+JSON, PNG). No timing is asserted."""
+import json
+
+import pytest
+import torch
+
+from kvfuse import bench, use_backend
+from kvfuse.bench import Record
+
+
+class FakeTimer:
+    """Returns made-up timings per peer without running anything (fused 10 us, stages 30 us...)."""
+    GPU = {"reference": 400.0, "compile": 120.0, "stages": 30.0, "fused": 10.0}
+
+    def __init__(self):
+        self.labels = []
+
+    def measure(self, fns, label=None):
+        assert fns and all(callable(f) for f in fns)
+        self.labels.append(label)
+        peer = label[2]
+        return bench.Timing(self.GPU[peer], "events" if peer == "reference" else "graph", 2 * self.GPU[peer])
+
+
+def fake_device(quick):
+    return {"copy_GBps": 4000.0, "floor_us": 1.0}
+
+
+# ----------------------------------------------------------------------------- entry point
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_main_without_cuda_returns_0_and_says_so(capsys):
+    assert bench.main([]) == 0
+    assert "needs a CUDA device" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_cli_routes_bench(capsys):
+    from kvfuse.cli import main as cli_main
+    assert cli_main(["bench", "--quick"]) == 0
+    assert "needs a CUDA device" in capsys.readouterr().out
+
+
+def test_bad_options_return_2(capsys):
+    assert bench.main(["--workloads", "nope"]) == 2
+    assert bench.main(["--peers", "fused,bogus"]) == 2
+    assert bench.main(["--n", "1,x"]) == 2
+    assert "kvfuse bench:" in capsys.readouterr().err
+
+
+def test_parse_config_defaults_and_quick():
+    cfg = bench.parse_config([])
+    assert cfg.workloads == list(bench.WORKLOADS) and cfg.sizes == list(bench.DEFAULT_SIZES)
+    assert cfg.peers == list(bench.PEERS) and cfg.peer_max_n == 65536 and not cfg.cold_l2
+    q = bench.parse_config(["--quick"])
+    assert q.workloads == list(bench.QUICK_WORKLOADS) and q.sizes == list(bench.QUICK_SIZES)
+    assert q.budget_s < cfg.budget_s
+    c = bench.parse_config(["--n", "8,2", "--workloads", "index_q", "--peers", "fused,stages", "--cold-l2"])
+    assert c.sizes == [8, 2] and c.workloads == ["index_q"] and c.peers == ["stages", "fused"] and c.cold_l2
+
+
+# ----------------------------------------------------------------------------- byte model
+def test_moved_bytes_main_fp8_by_hand():
+    wl = bench.WORKLOADS["main_fp8"]
+    # per token: x 512*2 + cos/sin row 64*4 + position 4 + slot 4 + record 512 data + 16 scales
+    per_token = 1024 + 256 + 4 + 4 + 512 + 16
+    weight = 512 * 2
+    b1 = bench.moved_bytes(wl, 1)
+    assert b1["total"] == per_token + weight == 2840
+    assert b1 == {"x": 1024, "norm_weight": 1024, "cos_sin": 256, "positions": 4, "slots": 4,
+                  "cache_data": 512, "cache_scales": 16, "total": 2840}
+    assert bench.moved_bytes(wl, 1024)["total"] == 1024 * 1816 + 1024 == 1860608
+
+
+@pytest.mark.parametrize("name,total", [
+    ("main_fp4", 1024 + 1024 + 256 + 8 + 256 + 32),
+    ("flashmla_v32", 1152 + 1152 + 256 + 8 + 512 + 16 + 128),     # 4 fp32 scales, 64-dim bf16 tail
+    ("flashmla_model1", 1024 + 1024 + 256 + 8 + 448 + 7 + 128),   # 7 exact scales (the 8th byte is reserved)
+    ("index_mxfp4", 256 + 256 + 256 + 8 + 64 + 4),
+    ("index_nvfp4", 256 + 256 + 256 + 8 + 64 + 8),
+    ("index_fp8_fp32", 256 + 256 + 256 + 8 + 128 + 4),
+    ("q_pre", 64 * 512 * 2 + 1024 + 256 + 4 + 64 * 512 * 2),     # no slots; bf16 out
+    ("index_q", 64 * 128 * 2 + 256 + 4 + 64 * 64 + 64 * 4),      # no norm; (q, sf) out
+])
+def test_moved_bytes_per_workload_n1(name, total):
+    assert bench.moved_bytes(bench.WORKLOADS[name], 1)["total"] == total
+
+
+# ----------------------------------------------------------------------------- peers
+def _snapshot(wl, inp):
+    if wl.kind == "write":
+        return [torch.as_strided(inp.cache, (inp.cache.untyped_storage().nbytes(),), (1,), 0).clone()]
+    return [t.view(torch.uint8).clone() for t in bench.result_tensors(wl, inp)]
+
+
+def _poison(wl, inp):
+    if wl.kind == "write":
+        torch.as_strided(inp.cache, (inp.cache.untyped_storage().nbytes(),), (1,), 0).fill_(0xAB)
+    for t in bench.result_tensors(wl, inp):
+        t.view(torch.uint8).fill_(0xAB)
+
+
+@pytest.mark.parametrize("name", list(bench.WORKLOADS))
+def test_peers_produce_the_reference_output(name):
+    """Every peer (the stage chain and the compile chain run eagerly, all through the reference
+    backend) writes exactly what the reference writes: the peers do the same work."""
+    wl = bench.WORKLOADS[name]
+    inp = bench.build_inputs(wl, 5, "cpu", seed=1)
+    outs = {}
+    with use_backend("reference"):
+        for peer in bench.PEERS:
+            _poison(wl, inp)
+            bench.make_peer(peer, wl, inp)()
+            outs[peer] = _snapshot(wl, inp)
+    for peer in bench.PEERS:
+        assert all(torch.equal(a, b) for a, b in zip(outs[peer], outs["reference"])), peer
+    if wl.kind == "write":   # the records were written (each slot is valid)
+        assert int((outs["reference"][0] != 0xAB).sum()) > 4 * wl.fmt.quant_bytes
+
+
+def test_inputs_shapes_and_slots():
+    wl = bench.WORKLOADS["index_q"]
+    inp = bench.build_inputs(wl, 3, "cpu")
+    assert inp.x.shape == (3, 64, 128) and inp.x.dtype == torch.bfloat16
+    assert inp.q.shape == (3, 64, 64) and inp.sf.shape == (3, 64, 4)
+    w = bench.WORKLOADS["main_fp8"]
+    inp = bench.build_inputs(w, 100, "cpu")
+    cap = inp.cache.shape[0] * inp.cache.shape[1]
+    assert cap >= 100 and inp.slots.unique().numel() == 100 and int(inp.slots.max()) < cap
+    assert int(inp.positions.min()) >= 0 and int(inp.positions.max()) < bench.MAX_POSITION
+    sets = bench.build_input_sets(w, 4, "cpu", cold_l2=True)
+    assert 1 < len(sets) <= 16
+
+
+# ----------------------------------------------------------------------------- orchestration
+def test_run_suite_with_fake_timer():
+    cfg = bench.parse_config(["--n", "1,4", "--peer-max-n", "1", "--no-progress"])
+    timer = FakeTimer()
+    records = bench.run_suite(cfg, "cpu", timer, copy_gbps=4000.0, floor_us=1.0, kernel_backend="reference",
+                              compiler=lambda f: f, log=lambda *a: None)
+    assert len(records) == len(cfg.workloads) * 2 * len(bench.PEERS)
+    by = {(r.workload, r.n, r.peer): r for r in records}
+    # n*heads > --peer-max-n skips the reference and compile peers
+    assert by[("main_fp8", 4, "reference")].status == "skipped"
+    assert "peer-max-n" in by[("main_fp8", 4, "compile")].note
+    assert by[("q_pre", 1, "reference")].status == "skipped"          # 64 rows
+    r = by[("main_fp8", 1, "reference")]
+    assert r.status == "ok" and r.gpu_method == "events"
+    f = by[("main_fp8", 4, "fused")]
+    assert f.status == "ok" and f.gpu_us == 10.0 and f.eager_us == 20.0 and f.fused_speedup == 1.0
+    assert f.bytes == bench.moved_bytes(bench.WORKLOADS["main_fp8"], 4)["total"]
+    assert f.gbps == pytest.approx(f.bytes / 10e-6 / 1e9)
+    assert f.pct_copy == pytest.approx(100 * f.gbps / 4000.0) and f.x_floor == pytest.approx(10.0)
+    assert by[("main_fp8", 4, "stages")].fused_speedup == pytest.approx(3.0)
+    assert len(timer.labels) == sum(r.status == "ok" for r in records)
+
+
+def test_run_suite_records_errors_and_goes_on():
+    class Failing(FakeTimer):
+        def measure(self, fns, label=None):
+            if label[2] == "compile":
+                raise RuntimeError("inductor exploded")
+            return super().measure(fns, label)
+
+    cfg = bench.parse_config(["--n", "1,4", "--workloads", "index_mxfp4,main_fp8"])
+    records = bench.run_suite(cfg, "cpu", Failing(), kernel_backend="reference", compiler=lambda f: f,
+                              log=lambda *a: None)
+    by = {(r.workload, r.n, r.peer): r for r in records}
+    assert by[("index_mxfp4", 1, "compile")].status == "error"
+    assert "inductor exploded" in by[("index_mxfp4", 1, "compile")].note
+    assert "failed earlier" in by[("index_mxfp4", 4, "compile")].note   # not retried for this workload
+    assert by[("main_fp8", 1, "compile")].status == "error"             # other workloads still try
+    assert all(by[(w, n, "fused")].status == "ok" for w in ("index_mxfp4", "main_fp8") for n in (1, 4))
+
+
+def test_size_cap_and_time_budget_skip():
+    cfg = bench.parse_config(["--n", "2", "--workloads", "q_pre", "--max-x-elems", "1000"])
+    records = bench.run_suite(cfg, "cpu", FakeTimer(), kernel_backend="reference", compiler=lambda f: f)
+    assert all(r.status == "skipped" and "max-x-elems" in r.note for r in records)
+    cfg = bench.parse_config(["--n", "2", "--workloads", "main_fp8", "--budget-s", "-1"])
+    records = bench.run_suite(cfg, "cpu", FakeTimer(), kernel_backend="reference", compiler=lambda f: f)
+    assert all(r.status == "skipped" and "budget" in r.note for r in records)
+
+
+# ----------------------------------------------------------------------------- report
+def _fake_records():
+    recs = []
+    for wl in ("main_fp8", "index_mxfp4"):
+        for n in (1, 256, 4096, 65536, 262144):
+            fused = 1.5 if n <= 256 else n * 1e-3
+            for peer, t in (("stages", 3.0 * fused), ("fused", fused)):
+                recs.append(Record(workload=wl, n=n, peer=peer, rows=n, gpu_us=t, gpu_method="graph",
+                                   eager_us=t + 20, bytes=bench.moved_bytes(bench.WORKLOADS[wl], n)["total"]))
+    recs.append(Record(workload="main_fp8", n=262144, peer="reference", status="skipped", note="too big"))
+    for r in recs:
+        bench.finalize(r, 4000.0, 1.0)
+    bench.add_speedups(recs)
+    return recs
+
+
+def test_format_table():
+    text = bench.format_table(_fake_records())
+    lines = text.splitlines()
+    for col in ("workload", "GPU us", "eager us", "GB/s", "%copy", "x floor", "vs fused"):
+        assert col in lines[0]
+    assert any(line.startswith("main_fp8") and " stages " in line and "3.00" in line for line in lines)
+    assert any("SKIPPED: too big" in line for line in lines)
+    assert "" in lines                                    # blank line between workloads
+
+
+def test_targets():
+    recs = _fake_records()
+    targets = {t["target"]: t for t in bench.check_targets(recs)}
+    main64k = targets["main_fp8 fused % copy at n=65536"]
+    # 65536 tokens in 65.536 us: 1816 B/token -> 1816 GB/s -> 45% of 4000
+    assert main64k["status"] == "MISS" and main64k["value"] == pytest.approx(100 * (65536 * 1816 + 1024) / 65.536e-6 / 1e9 / 4000)
+    assert targets["main_fp8 fused GPU time / launch floor, n<=256 (worst)"]["status"] == "PASS"
+    assert targets["main_fp8 fused vs stage chain, n<=4096 (least)"]["status"] == "PASS"
+    assert targets["index_mxfp4 fused vs stage chain at n=65536"]["value"] == pytest.approx(3.0)
+    assert "index_mxfp4 fused % copy at n=262144" in targets
+    text = bench.format_targets(bench.check_targets(recs))
+    assert "PASS" in text and "MISS" in text
+    only = [Record(workload="main_fp8", n=1, peer="fused", status="error", note="boom")]
+    assert all(t["status"] == "N/A" for t in bench.check_targets(only))
+
+
+def test_json_report(tmp_path):
+    cfg = bench.parse_config(["--quick"])
+    recs = _fake_records()
+    recs[0].gbps = float("nan")
+    report = bench.build_report(cfg, {"device": "fake"}, {"copy_GBps": 4000.0, "floor_us": 1.0}, recs,
+                                bench.check_targets(recs), 1.5)
+    path = tmp_path / "r.json"
+    bench.write_json(str(path), report)
+    back = json.loads(path.read_text())
+    assert back["device"]["copy_GBps"] == 4000.0 and back["meta"]["device"] == "fake"
+    assert len(back["results"]) == len(recs) and back["results"][0]["gbps"] is None
+    assert back["results"][1]["bytes_detail"]["total"] == recs[1].bytes
+    assert back["meta"]["config"]["quick"] is True and back["targets"]
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "p.png"
+    bench.plot_results(_fake_records(), str(path), 4000.0, 1.0)
+    assert path.stat().st_size > 1000
+
+
+def test_whole_run_with_fakes(tmp_path, capsys):
+    """run_on_device end to end on the CPU with a fake timer and fake device ceilings: table, targets,
+    JSON, text and PNG under --out."""
+    cfg = bench.parse_config(["--n", "1,4", "--workloads", "main_fp8,index_q", "--out", str(tmp_path),
+                              "--no-progress"])
+    rc = bench.run_on_device(cfg, device="cpu", timer=FakeTimer(), measure=fake_device,
+                             kernel_backend="reference", compiler=lambda f: f)
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "targets (reporting, not asserting):" in out and "main_fp8" in out
+    data = json.loads((tmp_path / "kvfuse_bench.json").read_text())
+    assert {r["peer"] for r in data["results"]} == set(bench.PEERS)
+    assert (tmp_path / "kvfuse_bench.txt").exists()
+
+
+# ----------------------------------------------------------------------------- the CUDA timer's logic
+class _FakeCuda:
+    """Just enough of torch.cuda, on the host clock, to run CudaTimer's code paths on the CPU."""
+
+    def __init__(self, fail_capture=False):
+        self.mode, self.fail_capture, self.captures, self.replays = 0, fail_capture, 0, 0
+        timer_self = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.t = None
+
+            def record(self):
+                import time
+                self.t = time.perf_counter()
+
+            def elapsed_time(self, end):
+                return (end.t - self.t) * 1e3
+
+        class CUDAGraph:
+            def replay(self):
+                timer_self.replays += 1
+
+        class graph:
+            def __init__(self, g, pool=None, stream=None, capture_error_mode="global"):
+                assert capture_error_mode in ("global", "thread_local", "relaxed")
+
+            def __enter__(self):
+                timer_self.captures += 1
+                if timer_self.fail_capture:
+                    raise RuntimeError("capture failed")
+
+            def __exit__(self, *exc):
+                return False
+
+        self.Event, self.CUDAGraph, self.graph = Event, CUDAGraph, graph
+
+    def synchronize(self):
+        pass
+
+    def current_stream(self):
+        return "stream0"
+
+    def set_stream(self, stream):
+        self.stream = stream
+
+    def get_sync_debug_mode(self):
+        return self.mode
+
+    def set_sync_debug_mode(self, mode):
+        self.mode = {"default": 0, "warn": 1, "error": 2}.get(mode, mode)
+
+
+def _patch_cuda(monkeypatch, fake):
+    for name in ("Event", "CUDAGraph", "graph", "synchronize", "get_sync_debug_mode", "set_sync_debug_mode",
+                 "current_stream", "set_stream"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+
+
+def test_cuda_timer_graph_path(monkeypatch):
+    fake = _FakeCuda()
+    _patch_cuda(monkeypatch, fake)
+    calls = []
+    t = bench.CudaTimer(graph_calls=5, target_s=0.001, eager_target_s=0.001, max_reps=4)
+    res = t.measure([lambda: calls.append(1), lambda: calls.append(2)])
+    assert res.gpu_method == "graph" and res.gpu_us >= 0 and res.eager_us > 0 and res.note == ""
+    assert fake.captures == 1 and fake.replays >= 3 + 3 and 1 in calls and 2 in calls
+
+
+def test_cuda_timer_host_sync_falls_back_to_events(monkeypatch):
+    fake = _FakeCuda()
+    _patch_cuda(monkeypatch, fake)
+
+    def syncing():
+        if fake.mode == 2:
+            raise RuntimeError("called a synchronizing CUDA operation")
+
+    res = bench.CudaTimer(target_s=0.001, eager_target_s=0.001).measure([syncing])
+    assert res.gpu_method == "events" and "synchronizing" in res.note and fake.captures == 0
+    assert fake.mode == 0                       # the debug mode is restored
+
+
+def test_cuda_timer_failed_capture_falls_back_to_events(monkeypatch):
+    fake = _FakeCuda(fail_capture=True)
+    _patch_cuda(monkeypatch, fake)
+    res = bench.CudaTimer(target_s=0.001, eager_target_s=0.001).measure([lambda: None])
+    assert res.gpu_method == "events" and "capture failed" in res.note and fake.stream == "stream0"
