@@ -37,8 +37,8 @@ def execute(plan: Plan) -> None:
         cap = None if plan.kv_cache is None else plan.kv_cache.shape[0] * plan.kv_cache.shape[1]
         run_data_checks(plan.positions, None if plan.cos_sin is None else plan.cos_sin.shape[0],
                         plan.slot_mapping, cap)
-    if plan.n == 0:
-        return
+    if plan.n == 0 or plan.x.device.type == "meta":
+        return  # nothing to compute (meta tensors carry no data: shapes were checked above)
     if _backend.resolve_backend(plan.x.device) == "triton":
         _kernels().run_plan(plan)
     else:
@@ -103,7 +103,7 @@ def store_kv_cache(data: torch.Tensor, sf: Optional[torch.Tensor], kv_cache: tor
         raise ValueError(f"tail must be None for {layout.name} (no bf16 tail)")
     if _backend.checks_enabled():
         run_data_checks(slot_mapping=slot_mapping, capacity=kv_cache.shape[0] * kv_cache.shape[1])
-    if n == 0:
+    if n == 0 or dev.type == "meta":
         return
 
     def heads(t):

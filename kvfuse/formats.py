@@ -43,7 +43,7 @@ def check_cast_combination(cast_fmt, num_per_channels, round_sf, sf_format, quan
         raise ValueError(f"{what}: cast_fmt must be one of {CAST_FORMATS}, got {cast_fmt!r}")
     if sf_format not in SF_FORMATS:
         raise ValueError(f"{what}: sf_format must be one of {SF_FORMATS}, got {sf_format!r}")
-    if isinstance(num_per_channels, bool) or num_per_channels not in GROUP_SIZES:
+    if not isinstance(num_per_channels, int) or isinstance(num_per_channels, bool) or num_per_channels not in GROUP_SIZES:
         raise ValueError(f"{what}: num_per_channels must be one of {GROUP_SIZES}, got {num_per_channels!r}")
     if not isinstance(round_sf, bool):
         raise TypeError(f"{what}: round_sf must be a bool, got {type(round_sf).__name__}")

@@ -188,6 +188,8 @@ def build_plan(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=
         plan.hadamard_scale = float(hadamard_args.scale)
 
     # ---- destination
+    if cast_args is not None and not isinstance(cast_args, CastArgs):
+        raise TypeError(f"cast_args must be a CastArgs or None, got {type(cast_args).__name__}")
     if out_args is not None and not isinstance(out_args, (torch.Tensor, ContiguousOutArgs, KVCacheOutArgs)):
         raise TypeError(f"out_args must be None, a Tensor, ContiguousOutArgs or KVCacheOutArgs, "
                         f"got {type(out_args).__name__}")

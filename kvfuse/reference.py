@@ -182,7 +182,9 @@ def quantize(x: torch.Tensor, cast_fmt: str, num_per_channels: int, sf_format: s
 def dequant_scale(sf: torch.Tensor, sf_format: str) -> torch.Tensor:
     """Stored scales -> the fp32 dequant multiplier d."""
     if sf_format == "ue8m0":
-        return (sf.view(torch.uint8).to(torch.int32) << 23).view(F32)
+        e = sf.view(torch.uint8).to(torch.int32)
+        # byte 0 is 2^-127, an fp32 subnormal (quantize never writes it; stored bytes may hold it)
+        return torch.where(e == 0, 0x400000, e << 23).view(F32)
     if sf_format == "e4m3":
         return decode_e4m3(sf)
     return sf.view(F32)

@@ -94,11 +94,15 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).reshape(-1)
 
 
-def assert_bytes_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
-    """Assert a and b have the same shape, dtype and raw bytes (no tolerance)."""
-    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
-    assert tuple(a.shape) == tuple(b.shape), f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+def assert_bytes_equal(a: torch.Tensor, b: torch.Tensor, what: str = "", check_dtype: bool = True) -> None:
+    """Assert a and b hold the same raw bytes (no tolerance): compares flat uint8 views of the contiguous
+    tensors. With ``check_dtype`` (default) the dtypes and shapes must match too; without it only the
+    byte strings are compared (e.g. a float8 tensor against its expected uint8 codes)."""
+    if check_dtype:
+        assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
+        assert tuple(a.shape) == tuple(b.shape), f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
     ab, bb = byte_view(a), byte_view(b)
+    assert ab.numel() == bb.numel(), f"{what}: {ab.numel()} bytes != {bb.numel()} bytes"
     if not torch.equal(ab, bb):
         bad = (ab != bb).nonzero().flatten()
         i = int(bad[0])
@@ -146,3 +150,36 @@ def record_regions(fmt: KVCacheFormat, block_size: int, s0: int, s1: int, base: 
     d = b + offset * data_bytes
     return {"quant": (d, qb), "tail": (d + qb, tail_bytes),
             "sf": (b + block_size * data_bytes + offset * fmt.sf_bytes, sf_exact)}
+
+
+def write_records(expect: torch.Tensor, fmt: KVCacheFormat, block_size: int, num_blocks: int, s0: int, s1: int,
+                  base: int, slots: torch.Tensor, quant: torch.Tensor, sf=None, tail=None) -> torch.Tensor:
+    """Write the expected record bytes of every valid slot into ``expect`` (a flat uint8 copy of the
+    storage) at the addresses :func:`record_regions` describes (vectorized). ``quant`` uint8
+    [n, H, quantized bytes] (a bf16 cache: the bf16 data's bytes), ``sf`` uint8 [n, H, exact scale bytes],
+    ``tail`` uint8 [n, H, 2*bf16_tail]. Slots outside [0, num_blocks*block_size) write nothing.
+    Returns ``expect``."""
+    s = slots.to(torch.int64)
+    valid = (s >= 0) & (s < num_blocks * block_size)
+    s = s[valid]
+    blk, off = s // block_size, s % block_size
+    n, H = quant.shape[0], quant.shape[1]
+    heads = torch.arange(H, dtype=torch.int64)
+    qb = quant.shape[-1]
+    tb = 0 if tail is None else tail.shape[-1]
+    data_bytes = qb + tb
+    bpt = data_bytes + fmt.sf_bytes
+    if fmt.token_interleaved:
+        rec = (base + blk * s0 + off * s1)[:, None] + heads[None, :] * bpt
+        starts = {"quant": rec, "sf": rec + qb, "tail": rec + qb + fmt.sf_bytes}
+    else:
+        assert H == 1
+        d = (base + blk * s0 + off * data_bytes)[:, None]
+        starts = {"quant": d, "tail": d + qb, "sf": (base + blk * s0 + block_size * data_bytes + off * fmt.sf_bytes)[:, None]}
+    for key, payload in (("quant", quant), ("sf", sf), ("tail", tail)):
+        if payload is None or payload.shape[-1] == 0:
+            continue
+        payload = payload[valid]
+        idx = starts[key][..., None] + torch.arange(payload.shape[-1], dtype=torch.int64)
+        expect[idx.reshape(-1)] = payload.reshape(-1)
+    return expect

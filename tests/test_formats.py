@@ -171,8 +171,6 @@ def test_token_interleaved_must_be_bool():
         KVCacheFormat("bad", 128, "e4m3", 32, "ue8m0", 1)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG formats.py check_cast_combination: `num_per_channels not in "
-                   "GROUP_SIZES` accepts the float 32.0 (32.0 == 32), giving float num_scales/sf_bytes")
 def test_float_group_size_rejected():
     with pytest.raises((TypeError, ValueError), match="num_per_channels"):
         KVCacheFormat("bad", 128, "e4m3", 32.0, "ue8m0", True)

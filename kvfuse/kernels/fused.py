@@ -404,7 +404,7 @@ def load_kernel(slot_ptr, s_slot, cache_ptr, s_blk, data_tok, sf_tok, head_strid
             gm = okm & (gi < DQ // G)[None, :]
             if SF == 0:
                 e = tl.load(cache_ptr + sb[:, None] + gi[None, :], mask=gm, other=127).to(tl.int32)
-                d = ((e << 23)).to(tl.float32, bitcast=True)
+                d = tl.where(e == 0, 0x400000, e << 23).to(tl.float32, bitcast=True)   # byte 0: 2^-127
             elif SF == 2:
                 d = decode_e4m3(tl.load(cache_ptr + sb[:, None] + gi[None, :], mask=gm, other=0x38))
             else:

@@ -1,0 +1,193 @@
+"""kvfuse's entry points as ``torch.library`` custom ops (namespace ``kvfuse``), SPEC §9.
+
+Three ops, each with a fake (meta) implementation and ``mutates_args`` naming what it writes.
+None of them allocates or returns a tensor: every output is preallocated by the caller (the
+Python wrappers below allocate in Python *before* the op), so a compiled graph or a CUDA graph
+holds exactly one opaque call that writes into buffers it was given.
+
+* ``kvfuse::fused_norm_rope_hadamard_cast_store`` -- a validated :class:`kvfuse.plan.Plan`
+  flattened into tensors and scalars: ``x`` [n, H, D], ``weight``, ``positions``, ``cos_sin``,
+  the outputs ``out`` / ``q_out`` / ``sf_out`` / ``kv_cache`` (mutated), ``slot_mapping``, the
+  stage scalars and the fields of the cache's :class:`~kvfuse.formats.KVCacheFormat`. Its
+  implementation rebuilds the Plan and calls :func:`kvfuse.api.execute` (the backend choice, the
+  ``KVFUSE_CHECKS`` data checks and the kernel launch all happen there, at run time).
+* ``kvfuse::store_kv_cache`` -- mutates ``kv_cache``.
+* ``kvfuse::load_paged_kv_cache`` -- mutates ``out`` (dequantized bf16) or ``data_out`` /
+  ``sf_out`` (raw bytes).
+
+Wrappers: :func:`execute_op` (a Plan -> the op), :func:`fused_norm_rope_hadamard_cast_store_kvcache`
+(validate + allocate + op: the public function's traceable twin), :func:`store_kv_cache` and
+:func:`load_paged_kv_cache`. Validation (:func:`kvfuse.plan.build_plan`) only looks at shapes,
+dtypes, strides and Python objects, so it traces under ``torch.compile(fullgraph=True)``.
+
+Eager code should call :mod:`kvfuse.api` directly (no dispatcher cost); :mod:`kvfuse.api` routes
+through these ops only while ``torch.compiler.is_compiling()``.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .formats import PRESETS, KVCacheFormat
+from .plan import CastSpec, Plan, build_plan
+
+__all__ = [
+    "execute_op", "fused_norm_rope_hadamard_cast_store_kvcache", "store_kv_cache", "load_paged_kv_cache",
+    "fused_op", "store_op", "load_op", "format_fields", "format_from_fields",
+]
+
+
+# --------------------------------------------------------------------------- formats as scalars
+def format_fields(fmt: Optional[KVCacheFormat]) -> Tuple:
+    """A KVCacheFormat as the op's scalar arguments (name, head_dim, cast_fmt, elements_per_sf,
+    sf_format, token_interleaved, sf_bytes, bf16_tail, block_alignment); ``None`` -> name None."""
+    if fmt is None:
+        return (None, 0, None, 0, None, False, 0, 0, 32)
+    return (fmt.name, fmt.head_dim, fmt.cast_fmt, fmt.elements_per_sf or 0, fmt.sf_format,
+            fmt.token_interleaved, fmt.sf_bytes, fmt.bf16_tail, fmt.block_alignment)
+
+
+@functools.lru_cache(maxsize=256)
+def format_from_fields(name, head_dim, cast_fmt, elements_per_sf, sf_format, token_interleaved, sf_bytes,
+                       bf16_tail, block_alignment) -> Optional[KVCacheFormat]:
+    """Inverse of :func:`format_fields` (cached; the preset object itself when the fields match one)."""
+    if name is None:
+        return None
+    fmt = KVCacheFormat(name, head_dim, cast_fmt, elements_per_sf if cast_fmt is not None else None, sf_format,
+                        token_interleaved, sf_bytes, bf16_tail, block_alignment)
+    preset = PRESETS.get(name)
+    return preset if preset == fmt else fmt
+
+
+# --------------------------------------------------------------------------- registration
+# The ops are defined with torch.library.Library + an explicit schema (not @torch.library.custom_op):
+# custom_op wraps every call in Python ADInplaceOrView/autograd layers whose cost grows with the
+# square of the argument count (torch/_library/utils.py fill_defaults re-reads schema.arguments per
+# argument): ~330 us per call for this 29-argument schema on the CPU, against ~9 us of dispatch here
+# (+ ~5 us to rebuild the Plan). The schema's ``Tensor(a!)`` annotations are the mutates_args that
+# torch.compile's functionalization reads. There is no ADInplaceOrView kernel, so the ops do not
+# bump version counters: they are inference ops (autograd through the written tensors is not
+# supported, as with the direct path).
+_lib = torch.library.Library("kvfuse", "FRAGMENT")
+_FORMAT_SCHEMA = ("str? fmt_name, int fmt_head_dim, str? fmt_cast_fmt, int fmt_elements_per_sf, str? fmt_sf_format, "
+                  "bool fmt_token_interleaved, int fmt_sf_bytes, int fmt_bf16_tail, int fmt_block_alignment")
+FUSED_SCHEMA = (
+    "fused_norm_rope_hadamard_cast_store(Tensor x, Tensor? weight, Tensor? positions, Tensor? cos_sin, "
+    "Tensor(a!)? out, Tensor(b!)? q_out, Tensor(c!)? sf_out, Tensor(d!)? kv_cache, Tensor? slot_mapping, "
+    "float eps, int rotary_dim, int rope_offset, bool is_neox, bool conjugate, float? hadamard_scale, "
+    "str? cast_fmt, int group, str? sf_format, int quant_dim, str? out_stage, " + _FORMAT_SCHEMA + ") -> ()")
+STORE_SCHEMA = ("store_kv_cache(Tensor data, Tensor? sf, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor? tail, "
+                + _FORMAT_SCHEMA + ") -> ()")
+LOAD_SCHEMA = ("load_paged_kv_cache(Tensor kv_cache, Tensor slot_mapping, Tensor(a!)? out, Tensor(b!)? data_out, "
+               "Tensor(c!)? sf_out, " + _FORMAT_SCHEMA + ") -> ()")
+_lib.define(FUSED_SCHEMA)
+_lib.define(STORE_SCHEMA)
+_lib.define(LOAD_SCHEMA)
+
+
+def _impl(name):
+    def deco(fn):
+        _lib.impl(name, fn, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"kvfuse::{name}", lambda *args, **kwargs: None, lib=_lib)
+        return fn
+    return deco
+
+
+# --------------------------------------------------------------------------- the fused op
+@_impl("fused_norm_rope_hadamard_cast_store")
+def fused_op(x, weight, positions, cos_sin, out, q_out, sf_out, kv_cache, slot_mapping, eps, rotary_dim,
+             rope_offset, is_neox, conjugate, hadamard_scale, cast_fmt, group, sf_format, quant_dim, out_stage,
+             *fmt_fields) -> None:
+    """One validated Plan, flattened (see :func:`execute_op`). Norm is on iff ``weight`` is given,
+    RoPE iff ``positions`` is, Hadamard iff ``hadamard_scale`` is, the cast iff ``cast_fmt`` is."""
+    from . import api
+
+    fmt = format_from_fields(*fmt_fields)
+    plan = Plan(x=x, weight=weight, eps=eps, positions=positions, cos_sin=cos_sin, rotary_dim=rotary_dim,
+                rope_offset=rope_offset, is_neox=is_neox, conjugate=conjugate, hadamard_scale=hadamard_scale,
+                cast=None if cast_fmt is None else CastSpec(cast_fmt, group, sf_format), quant_dim=quant_dim,
+                out=out, out_stage=out_stage, q_out=q_out, sf_out=sf_out, kv_cache=kv_cache,
+                slot_mapping=slot_mapping, fmt=fmt,
+                addressing=None if kv_cache is None else fmt.addressing_for(kv_cache))
+    api.execute(plan)
+
+
+def plan_to_op_args(plan: Plan) -> tuple:
+    """The positional arguments of :data:`fused_op` for ``plan``."""
+    c = plan.cast
+    return (plan.x, plan.weight, plan.positions, plan.cos_sin, plan.out, plan.q_out, plan.sf_out,
+            plan.kv_cache, plan.slot_mapping, float(plan.eps), int(plan.rotary_dim), int(plan.rope_offset),
+            bool(plan.is_neox), bool(plan.conjugate), plan.hadamard_scale,
+            None if c is None else c.cast_fmt, 0 if c is None else c.group, None if c is None else c.sf_format,
+            int(plan.quant_dim), plan.out_stage) + format_fields(plan.fmt)
+
+
+def execute_op(plan: Plan) -> None:
+    """Run a validated plan through the ``kvfuse::fused_norm_rope_hadamard_cast_store`` op."""
+    torch.ops.kvfuse.fused_norm_rope_hadamard_cast_store(*plan_to_op_args(plan))
+
+
+def fused_norm_rope_hadamard_cast_store_kvcache(x, norm_args=None, rope_args=None, hadamard_args=None,
+                                                cast_args=None, out_args=None):
+    """:func:`kvfuse.fused_norm_rope_hadamard_cast_store_kvcache` through the custom op: validate,
+    allocate the outputs in Python, then one op call. Same arguments, results and errors."""
+    plan, result = build_plan(x, norm_args, rope_args, hadamard_args, cast_args, out_args)
+    execute_op(plan)
+    return result
+
+
+# --------------------------------------------------------------------------- store
+@_impl("store_kv_cache")
+def store_op(data, sf, kv_cache, slot_mapping, tail, *fmt_fields) -> None:
+    """:func:`kvfuse.store_kv_cache` (validates again, eagerly, then writes)."""
+    from . import api
+
+    api.store_kv_cache(data, sf, kv_cache, slot_mapping, format_from_fields(*fmt_fields), tail)
+
+
+def store_kv_cache(data: Tensor, sf: Optional[Tensor], kv_cache: Tensor, slot_mapping: Tensor,
+                   layout: KVCacheFormat, tail: Optional[Tensor] = None) -> None:
+    """:func:`kvfuse.store_kv_cache` through the ``kvfuse::store_kv_cache`` op."""
+    if not isinstance(layout, KVCacheFormat):
+        raise TypeError(f"layout must be a KVCacheFormat, got {type(layout).__name__}")
+    torch.ops.kvfuse.store_kv_cache(data, sf, kv_cache, slot_mapping, tail, *format_fields(layout))
+
+
+# --------------------------------------------------------------------------- load
+@_impl("load_paged_kv_cache")
+def load_op(kv_cache, slot_mapping, out, data_out, sf_out, *fmt_fields) -> None:
+    """:func:`kvfuse.load_paged_kv_cache` into preallocated outputs: ``out`` bf16 [n, H, head_dim]
+    (dequantize) or ``data_out`` uint8 [n, H, data_bytes] and ``sf_out`` uint8 [n, H, sf_bytes]."""
+    from . import api
+
+    fmt = format_from_fields(*fmt_fields)
+    if out is not None:
+        out.copy_(api.load_paged_kv_cache(kv_cache, slot_mapping, fmt, True))
+    else:
+        data, sf = api.load_paged_kv_cache(kv_cache, slot_mapping, fmt, False)
+        data_out.copy_(data)
+        sf_out.copy_(sf)
+
+
+def load_paged_kv_cache(kv_cache: Tensor, slot_mapping: Tensor, layout: KVCacheFormat, dequantize: bool = True):
+    """:func:`kvfuse.load_paged_kv_cache` through the ``kvfuse::load_paged_kv_cache`` op (outputs
+    allocated here, before the op)."""
+    if not isinstance(layout, KVCacheFormat):
+        raise TypeError(f"layout must be a KVCacheFormat, got {type(layout).__name__}")
+    if not isinstance(dequantize, bool):
+        raise TypeError(f"dequantize must be a bool, got {type(dequantize).__name__}")
+    layout.check_cache(kv_cache, "kv_cache")
+    n, nh = slot_mapping.shape[0], kv_cache.shape[2]
+    dev = kv_cache.device
+    if dequantize:
+        out = torch.empty((n, nh, layout.head_dim), dtype=torch.bfloat16, device=dev)
+        torch.ops.kvfuse.load_paged_kv_cache(kv_cache, slot_mapping, out, None, None, *format_fields(layout))
+        return out
+    data = torch.empty((n, nh, layout.data_bytes), dtype=torch.uint8, device=dev)
+    sf = torch.empty((n, nh, layout.sf_bytes), dtype=torch.uint8, device=dev)
+    torch.ops.kvfuse.load_paged_kv_cache(kv_cache, slot_mapping, None, data, sf, *format_fields(layout))
+    return data, sf
+
