@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 
 from . import backend as _backend
+from . import ops as _ops
 from . import reference
 from .formats import KVCacheFormat
 from .plan import Plan, build_plan, check_index_vector, check_tensor, q_dtype, sf_dtype
@@ -33,6 +34,8 @@ def run_data_checks(positions=None, max_position=None, slot_mapping=None, capaci
 
 def execute(plan: Plan) -> None:
     """Run a validated plan on the backend chosen for its device."""
+    if torch.compiler.is_compiling():
+        return _ops.execute_op(plan)  # traced as one custom op (torch.compile / CUDA graphs)
     if _backend.checks_enabled():
         cap = None if plan.kv_cache is None else plan.kv_cache.shape[0] * plan.kv_cache.shape[1]
         run_data_checks(plan.positions, None if plan.cos_sin is None else plan.cos_sin.shape[0],
@@ -70,7 +73,7 @@ def fused_norm_rope_hadamard_cast_store_kvcache(x, norm_args=None, rope_args=Non
 
 def _check_cache_args(kv_cache, slot_mapping, layout, what):
     if not isinstance(layout, KVCacheFormat):
-        raise TypeError(f"layout must be a KVCacheFormat, got {type(layout).__name__}")
+        raise TypeError(f"{what}: layout must be a KVCacheFormat, got {type(layout).__name__}")
     layout.check_cache(kv_cache, "kv_cache")
     check_index_vector(slot_mapping, "slot_mapping", slot_mapping.shape[0] if isinstance(slot_mapping, torch.Tensor)
                        and slot_mapping.dim() == 1 else -1, kv_cache.device)
@@ -101,6 +104,8 @@ def store_kv_cache(data: torch.Tensor, sf: Optional[torch.Tensor], kv_cache: tor
         check_tensor(tail, "tail", (torch.bfloat16,), dev, shape=lead + (layout.bf16_tail,))
     elif tail is not None:
         raise ValueError(f"tail must be None for {layout.name} (no bf16 tail)")
+    if torch.compiler.is_compiling():
+        return _ops.store_kv_cache(data, sf, kv_cache, slot_mapping, layout, tail)
     if _backend.checks_enabled():
         run_data_checks(slot_mapping=slot_mapping, capacity=kv_cache.shape[0] * kv_cache.shape[1])
     if n == 0 or dev.type == "meta":
@@ -126,6 +131,10 @@ def load_paged_kv_cache(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layo
     _check_cache_args(kv_cache, slot_mapping, layout, "load_paged_kv_cache")
     if not isinstance(dequantize, bool):
         raise TypeError(f"dequantize must be a bool, got {type(dequantize).__name__}")
+    if torch.compiler.is_compiling():
+        return _ops.load_paged_kv_cache(kv_cache, slot_mapping, layout, dequantize)
+    if kv_cache.device.type == "meta":
+        return reference.load(kv_cache, slot_mapping, layout, dequantize)
     if slot_mapping.shape[0] and _backend.resolve_backend(kv_cache.device) == "triton":
         return _kernels().load(kv_cache, slot_mapping, layout, dequantize)
     return reference.load(kv_cache, slot_mapping, layout, dequantize)

@@ -105,6 +105,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, 
     """bf16 [n, D] or [n, H, D] -> bf16; rotates pairs of dims in [offset, offset + rotary_dim).
     A position outside [0, max_position) leaves the token unchanged."""
     x3 = x.unsqueeze(1) if x.dim() == 2 else x
+    if cos_sin_cache.shape[0] == 0:
+        return x.clone()  # no position is in range: identity
     d = x3.shape[-1]
     off = d - rotary_dim if offset is None else offset
     half = rotary_dim // 2
@@ -147,7 +149,8 @@ def group_scales(amax: torch.Tensor, cast_fmt: str, sf_format: str):
     if sf_format in ("ue8m0", "ue8m0_fp32"):
         s = torch.div(amax, fmax)
         e = ((s.view(torch.int32) - 1) >> 23) + 1 - 127                    # ceil(log2 s)
-        m = ((127 - e) << 23).view(F32)
+        # m = 2^-e; e reaches 127..128 only for a non-finite or near-max amax: subnormal 2^-127, 2^-128
+        m = torch.where(e >= 127, 0x400000 >> (e - 127).clamp(0, 31), (127 - e) << 23).view(F32)
         d = ((e + 127) << 23).view(F32)
         stored = (e + 127).to(torch.uint8) if sf_format == "ue8m0" else d
         return stored, m, d

@@ -106,7 +106,7 @@ def group_scales(amax, FMAX: tl.constexpr, SF: tl.constexpr, NATIVE: tl.constexp
     s = tl.div_rn(amax, FMAX)
     if SF == 0 or SF == 1:
         e = ((s.to(tl.int32, bitcast=True) - 1) >> 23) + 1 - 127
-        m = pow2(-e)
+        m = tl.where(e >= 127, 0x400000 >> tl.maximum(e - 127, 0), (127 - e) << 23).to(tl.float32, bitcast=True)
         d = pow2(e)
         if SF == 0:
             stored = (e + 127).to(tl.uint32)
