@@ -9,7 +9,7 @@ from . import backend as _backend
 from . import ops as _ops
 from . import reference
 from .formats import KVCacheFormat
-from .plan import Plan, build_plan, check_index_vector, check_tensor, q_dtype, sf_dtype
+from .plan import INDEX_DTYPES, Plan, build_plan, check_tensor, q_dtype, sf_dtype
 
 __all__ = ["fused_norm_rope_hadamard_cast_store_kvcache", "store_kv_cache", "load_paged_kv_cache"]
 
@@ -74,9 +74,10 @@ def fused_norm_rope_hadamard_cast_store_kvcache(x, norm_args=None, rope_args=Non
 def _check_cache_args(kv_cache, slot_mapping, layout, what):
     if not isinstance(layout, KVCacheFormat):
         raise TypeError(f"{what}: layout must be a KVCacheFormat, got {type(layout).__name__}")
-    layout.check_cache(kv_cache, "kv_cache")
-    check_index_vector(slot_mapping, "slot_mapping", slot_mapping.shape[0] if isinstance(slot_mapping, torch.Tensor)
-                       and slot_mapping.dim() == 1 else -1, kv_cache.device)
+    layout.check_cache(kv_cache, f"{what}: kv_cache")
+    check_tensor(slot_mapping, f"{what}: slot_mapping", INDEX_DTYPES, kv_cache.device, last_contiguous=False)
+    if slot_mapping.dim() != 1:
+        raise ValueError(f"{what}: slot_mapping: expected shape (n,), got {tuple(slot_mapping.shape)}")
 
 
 def store_kv_cache(data: torch.Tensor, sf: Optional[torch.Tensor], kv_cache: torch.Tensor,

@@ -17,7 +17,10 @@ def main(argv=None) -> int:
         from .demo import main as run
     else:
         from .bench import main as run
-    return run(rest) or 0
+    try:
+        return run(rest) or 0
+    except SystemExit as exc:  # argparse's --help / usage errors: an exit status, not an exception
+        return exc.code if isinstance(exc.code, int) else 2
 
 
 if __name__ == "__main__":  # pragma: no cover
