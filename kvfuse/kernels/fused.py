@@ -10,6 +10,7 @@ kvfuse/kernels/numerics.py); a row's bytes never depend on BLOCK_M, num_warps or
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import torch
@@ -236,6 +237,19 @@ def fused_kernel(
 
 
 # --------------------------------------------------------------------------- launch configuration
+# triton.jit chose between compiling and interpreting when this module was imported
+INTERPRET = _backend.interpreter_enabled()
+# the launch path is hot: plain-Python helpers (triton.next_power_of_2 costs microseconds a call)
+_NATIVE_CASTS = os.environ.get("KVFUSE_NATIVE_CASTS", "1") != "0"
+
+
+def next_pow2(v: int) -> int:
+    return 1 << max(v - 1, 0).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
 _force = threading.local()
 
 
@@ -256,12 +270,12 @@ def launch_config(n_rows: int, head_dim: int, block_d: int, interpret: bool):
     the interpreter pays per program, so it takes many rows at once."""
     forced = getattr(_force, "cfg", None)
     if interpret:
-        bm = min(triton.next_power_of_2(max(n_rows, 1)), max(1, 16384 // block_d))
+        bm = min(next_pow2(max(n_rows, 1)), max(1, 16384 // block_d))
         nw = 4
     elif n_rows <= 512:
         bm, nw = 1, 4          # decode sizes: as many programs as rows (H200 sweep, BENCHMARKS.md)
     else:
-        bm = max(1, triton.next_power_of_2(1152 // head_dim + 1) // 2)  # ~1-2K elements per program, one warp
+        bm = max(1, next_pow2(1152 // head_dim + 1) // 2)  # ~1-2K elements per program, one warp
         nw = 1
     if forced is not None:
         bm = forced[0] or bm
@@ -270,18 +284,17 @@ def launch_config(n_rows: int, head_dim: int, block_d: int, interpret: bool):
 
 
 def _native(interpret: bool) -> bool:
-    """Native conversions on the GPU (exact there); KVFUSE_NATIVE_CASTS=0 forces the integer helpers
-    (a diagnostic: both must give the same bytes)."""
-    import os
-    return not interpret and os.environ.get("KVFUSE_NATIVE_CASTS", "1") != "0"
+    """Native conversions on the GPU (exact there); KVFUSE_NATIVE_CASTS=0 (read at import) forces the
+    integer helpers (a diagnostic: both must give the same bytes)."""
+    return not interpret and _NATIVE_CASTS
 
 
 def run_plan(plan: Plan) -> None:
     """Launch the fused kernel for a validated plan (n >= 1)."""
     x = plan.x
     n, H, D = x.shape
-    block_d = triton.next_power_of_2(D)
-    interpret = _backend.interpreter_enabled()
+    block_d = next_pow2(D)
+    interpret = INTERPRET
     bm, nw = launch_config(n * H, D, block_d, interpret)
     dummy = x
     cast = plan.cast
@@ -300,7 +313,7 @@ def run_plan(plan: Plan) -> None:
     w = plan.weight if plan.weight is not None else dummy
     pos = plan.positions if plan.positions is not None else dummy
     cs = plan.cos_sin if plan.cos_sin is not None else dummy
-    grid = (triton.cdiv(n * H, bm),)
+    grid = (cdiv(n * H, bm),)
     fused_kernel[grid](
         x, x.stride(0), x.stride(1),
         w, plan.eps,
@@ -454,9 +467,9 @@ def store(kv_cache, slot_mapping, fmt, data, sf=None, tail=None) -> None:
     s = _bytes_rows(sf, rows) if fmt.quantized else d
     t = _bytes_rows(tail, rows) if fmt.bf16_tail else d
     qb, sfb, tb = d.shape[1], (s.shape[1] if fmt.quantized else 0), (t.shape[1] if fmt.bf16_tail else 0)
-    bm = 64 if _backend.interpreter_enabled() else 8
-    np2 = triton.next_power_of_2
-    store_kernel[(triton.cdiv(rows, bm),)](
+    bm = 64 if INTERPRET else 8
+    np2 = next_pow2
+    store_kernel[(cdiv(rows, bm),)](
         d, s, t, slot_mapping, slot_mapping.stride(0), kv_cache, *_cache_geometry(kv_cache, fmt), rows, H,
         QB=qb, BLOCK_QB=np2(qb), SFB=sfb, BLOCK_SFB=np2(max(sfb, 1)), TB=tb, BLOCK_TB=np2(max(tb, 1)),
         BLOCK_M=bm, num_warps=4)
@@ -468,18 +481,18 @@ def load(kv_cache, slot_mapping, fmt, dequantize: bool):
     H = kv_cache.shape[2]
     rows = n * H
     dev = kv_cache.device
-    interpret = _backend.interpreter_enabled()
+    interpret = INTERPRET
     D = fmt.head_dim
-    block_d = triton.next_power_of_2(D)
+    block_d = next_pow2(D)
     if dequantize:
         out = torch.empty((n, H, D), dtype=torch.bfloat16, device=dev)
         sf_out = out
     else:
         out = torch.empty((n, H, fmt.data_bytes), dtype=torch.uint8, device=dev)
         sf_out = torch.empty((n, H, fmt.sf_bytes), dtype=torch.uint8, device=dev)
-    bm = min(triton.next_power_of_2(max(rows, 1)), max(1, 16384 // block_d)) if interpret else max(1, 2048 // block_d)
-    np2 = triton.next_power_of_2
-    load_kernel[(triton.cdiv(rows, bm),)](
+    bm = min(next_pow2(max(rows, 1)), max(1, 16384 // block_d)) if interpret else max(1, 2048 // block_d)
+    np2 = next_pow2
+    load_kernel[(cdiv(rows, bm),)](
         slot_mapping, slot_mapping.stride(0), kv_cache, *_cache_geometry(kv_cache, fmt), rows, H, out,
         sf_out if sf_out.numel() else out,
         D=D, BLOCK_D=block_d, DQ=fmt.quant_dim, CAST=CAST_CODES[fmt.cast_fmt], G=fmt.elements_per_sf or 16,
