@@ -224,16 +224,15 @@ class KVCacheFormat:
     def split(self, kv_cache: torch.Tensor):
         """Views ``(data, sf)`` of a cache of this format.
 
-        token-interleaved: data [num_blocks, block_size, num_heads, data_bytes] (quantized bytes then,
-        for §9 formats, the bf16 tail bytes: data[..., :quant_bytes] and the rest),
-        sf [num_blocks, block_size, num_heads, sf_bytes].
+        token-interleaved: data [num_blocks, block_size, num_heads, quant_bytes] (the whole data for
+        formats without a tail), sf [num_blocks, block_size, num_heads, sf_bytes].
         block-wide: data [num_blocks, block_size, data_bytes], sf [num_blocks, block_size, sf_bytes].
         For token-interleaved §9 formats the record is [quantized | scales | tail], so ``data`` is
         returned as the quantized bytes only and the tail is ``tail_view``.
         """
         self.check_cache(kv_cache)
         nb, bs, nh, bpt = kv_cache.shape
-        s0, s1 = kv_cache.stride(0), kv_cache.stride(1)
+        s0 = kv_cache.stride(0)
         off = kv_cache.storage_offset()
         if self.token_interleaved:
             data = kv_cache[..., : self.quant_bytes] if self.bf16_tail else kv_cache[..., : self.data_bytes]

@@ -2,9 +2,7 @@
 (tests/spec_oracle.py), on randomized and hand-constructed cases; every byte compared exactly."""
 from __future__ import annotations
 
-import contextlib
 import math
-import random
 
 import numpy as np
 import pytest
