@@ -222,7 +222,7 @@ def result_tensors(wl: Workload, inp: Inputs) -> List[torch.Tensor]:
 
 
 # =============================================================================== peers
-def _public_call(wl: Workload, inp: Inputs) -> Callable[[], None]:
+def fused_call(wl: Workload, inp: Inputs) -> Callable[[], None]:
     """One public call of the fused operator for this workload (the fused and reference peers)."""
     norm = NormArgs(inp.weight, EPS) if wl.norm else None
     rope = RopeArgs(inp.positions, inp.cos_sin, wl.rotary_dim, True)
@@ -326,11 +326,11 @@ def make_peer(peer: str, wl: Workload, inp: Inputs, compiled: Optional[Callable]
     """A zero-argument callable running ``peer`` once on ``inp``. The fused and stages peers use the
     backend in effect (run_suite sets it); the reference peer forces "reference"."""
     if peer == "fused":
-        return _public_call(wl, inp)
+        return fused_call(wl, inp)
     if peer == "stages":
         return _stage_chain(wl, inp)
     if peer == "reference":
-        call = _public_call(wl, inp)
+        call = fused_call(wl, inp)
 
         def ref():
             with use_backend("reference"):

@@ -576,20 +576,25 @@ def tie_rows(rng, cast_fmt, g, sf_format, nrows):
     return bits
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-@pytest.mark.parametrize("combo", ALLOWED_CASTS, ids=lambda c: "-".join(map(str, c)))
-def test_quantization_ties(combo, backend):
-    cast_fmt, g, sf = combo
-    rng = np.random.default_rng([SEED, 5, ALLOWED_CASTS.index(combo)])
-    bits = tie_rows(rng, cast_fmt, g, sf, 3)
+def check_cast_and_cast_back(bits, cast_fmt, g, sf, backend, tag):
+    """(q, sf) and the cast_back bf16 of one cast, both against the oracle."""
     exp = O.oracle_call(bits, cast=(cast_fmt, g, sf, False))
     expcb = O.oracle_call(bits, cast=(cast_fmt, g, sf, True))
     with backend_ctx(backend):
         got = kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(t_bf16(bits), cast_args=cast_args_of(cast_fmt, g, sf))
         gotcb = kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(
             t_bf16(bits), cast_args=cast_args_of(cast_fmt, g, sf, True))
-    compare_qsf(got, exp["result"][0], exp["result"][1], cast_fmt, sf, f"[ties {combo} {backend}]")
-    assert_bits_equal(bits_of(gotcb), expcb["result"], "cast_back", f"[ties {combo} {backend}]")
+    compare_qsf(got, exp["result"][0], exp["result"][1], cast_fmt, sf, tag)
+    assert_bits_equal(bits_of(gotcb), expcb["result"], "cast_back", tag)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("combo", ALLOWED_CASTS, ids=lambda c: "-".join(map(str, c)))
+def test_quantization_ties(combo, backend):
+    cast_fmt, g, sf = combo
+    rng = np.random.default_rng([SEED, 5, ALLOWED_CASTS.index(combo)])
+    bits = tie_rows(rng, cast_fmt, g, sf, 3)
+    check_cast_and_cast_back(bits, cast_fmt, g, sf, backend, f"[ties {combo} {backend}]")
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -670,14 +675,7 @@ def test_signed_zero_and_floor(backend):
     bits[0, 32:48] = 0x8000
     for cast_fmt, sf in [("e4m3", "ue8m0"), ("e4m3", "e4m3"), ("e4m3", "fp32"), ("e4m3", "ue8m0_fp32"),
                          ("e2m1", "e4m3")]:
-        exp = O.oracle_call(bits, cast=(cast_fmt, g, sf, False))
-        expcb = O.oracle_call(bits, cast=(cast_fmt, g, sf, True))
-        with backend_ctx(backend):
-            got = kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(t_bf16(bits), cast_args=cast_args_of(cast_fmt, g, sf))
-            gotcb = kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(
-                t_bf16(bits), cast_args=cast_args_of(cast_fmt, g, sf, True))
-        compare_qsf(got, exp["result"][0], exp["result"][1], cast_fmt, sf, f"[{cast_fmt} {sf} {backend}]")
-        assert_bits_equal(bits_of(gotcb), expcb["result"], "cast_back", f"[{cast_fmt} {sf} {backend}]")
+        check_cast_and_cast_back(bits, cast_fmt, g, sf, backend, f"[{cast_fmt} {sf} {backend}]")
 
 
 # --------------------------------------------------------------------------------------------
