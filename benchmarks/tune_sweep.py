@@ -1,6 +1,7 @@
-"""GPU sweep of the fused kernel's launch configurations (BLOCK_M, num_warps): the numbers behind
-kvfuse.kernels.fused.launch_config. Reuses kvfuse.bench (workloads, inputs, byte accounting,
-CUDA-graph timer, copy bandwidth). Usage: python benchmarks/tune_sweep.py [--out FILE]"""
+"""GPU sweep of the fused kernel's launch configurations (BLOCK_M, num_warps, and the lane vector
+width VEC where it matters): the numbers behind kvfuse.kernels.fused.launch_config. Reuses
+kvfuse.bench (workloads, inputs, byte accounting, CUDA-graph timer, copy bandwidth).
+Usage: python benchmarks/tune_sweep.py [--out FILE] [--workloads a,b] [--n 1,256,...]"""
 import argparse
 import json
 
@@ -9,38 +10,53 @@ import torch
 from kvfuse import bench
 from kvfuse.kernels.fused import force_config, launch_config, next_pow2
 
-WORKLOADS = ("main_fp8", "index_mxfp4", "flashmla_v32")
-SIZES = (1, 256, 4096, 65536, 262144)
+WORKLOADS = ("main_fp8", "main_fp4", "flashmla_v32", "flashmla_model1", "index_mxfp4", "index_fp8_fp32",
+             "q_pre", "index_q")
+SIZES = (1, 256, 65536, 262144)
+
+
+def configs(name, n):
+    """Small n: few rows, several warps; large n: one warp, more rows (earlier sweeps)."""
+    vecs = (4, 8) if name == "main_fp8" else (None,)
+    if n <= 512:
+        grid = [(bm, nw) for bm in (1, 2) for nw in (1, 2, 4)]
+    else:
+        grid = [(bm, 1) for bm in (1, 2, 4, 8, 16)] + [(4, 2), (8, 2)]
+    return [(bm, nw, v) for bm, nw in grid for v in vecs]
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--n", default=",".join(map(str, SIZES)))
     args = p.parse_args()
     copy_gbps = bench.measure_copy_bandwidth()["copy_GBps"]
     timer = bench.CudaTimer()
     rows = []
     print(f"copy bandwidth {copy_gbps / 1e3:.2f} TB/s")
-    for name in WORKLOADS:
+    for name in args.workloads.split(","):
         wl = bench.WORKLOADS[name]
         block_d = next_pow2(wl.head_dim)
-        for n in SIZES:
+        for n in map(int, args.n.split(",")):
+            if n * wl.num_heads * wl.head_dim > 1 << 28:
+                continue                                   # x over 512 MiB
             call = bench.fused_call(wl, bench.build_inputs(wl, n, "cuda"))
             nbytes = bench.moved_bytes(wl, n)["total"]
-            for bm in (1, 2, 4, 8, 16):
-                for nw in (1, 2, 4, 8):
-                    if bm * block_d > 16384:
-                        continue
-                    with force_config(bm, nw):
-                        us = timer.measure([call]).gpu_us
-                    rows.append(dict(workload=name, n=n, bm=bm, nw=nw, us=us,
-                                     pct=100 * nbytes / (us * 1e-6) / (copy_gbps * 1e9)))
+            rows_n = n * wl.num_heads
+            for bm, nw, vec in configs(name, rows_n):
+                if bm * block_d > 16384:
+                    continue
+                with force_config(bm, nw, vec):
+                    us = timer.measure([call]).gpu_us
+                rows.append(dict(workload=name, n=n, bm=bm, nw=nw, vec=vec, us=us,
+                                 pct=100 * nbytes / (us * 1e-6) / (copy_gbps * 1e9)))
             mine = [r for r in rows if r["workload"] == name and r["n"] == n]
             best = min(mine, key=lambda r: r["us"])
-            dflt = launch_config(n, wl.head_dim, block_d, False)
-            cur = [r["us"] for r in mine if (r["bm"], r["nw"]) == dflt]
-            print(f"{name:16s} n={n:7d} best bm={best['bm']} nw={best['nw']} {best['us']:8.2f} us "
-                  f"{best['pct']:5.1f}% copy | default {dflt}: {cur[0] if cur else float('nan'):8.2f} us")
+            dflt = launch_config(rows_n, wl.head_dim, block_d, False)
+            cur = [r["us"] for r in mine if (r["bm"], r["nw"]) == dflt and r["vec"] in (None, 4)]
+            print(f"{name:16s} n={n:7d} best bm={best['bm']} nw={best['nw']} vec={best['vec']} {best['us']:8.2f} us "
+                  f"{best['pct']:5.1f}% copy | default {dflt}: {cur[0] if cur else float('nan'):8.2f} us", flush=True)
             torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:

@@ -9,14 +9,20 @@ from . import backend as _backend
 from . import ops as _ops
 from . import reference
 from .formats import KVCacheFormat
-from .plan import INDEX_DTYPES, Plan, build_plan, check_tensor, q_dtype, sf_dtype
+from .plan import (INDEX_DTYPES, CacheEntry, Plan, check_tensor, optional_tensor_key, prepare, q_dtype, sf_dtype,
+                   tensor_key, validated)
 
 __all__ = ["fused_norm_rope_hadamard_cast_store_kvcache", "store_kv_cache", "load_paged_kv_cache"]
 
+_fused_module = None
+
 
 def _kernels():
-    from .kernels import fused  # imported lazily: triton is only needed by the triton backend
-    return fused
+    global _fused_module
+    if _fused_module is None:
+        from .kernels import fused  # imported lazily: triton is only needed by the triton backend
+        _fused_module = fused
+    return _fused_module
 
 
 def run_data_checks(positions=None, max_position=None, slot_mapping=None, capacity=None) -> None:
@@ -66,9 +72,13 @@ def fused_norm_rope_hadamard_cast_store_kvcache(x, norm_args=None, rope_args=Non
 
     Raises ValueError/TypeError, naming the argument, before any launch.
     """
-    plan, result = build_plan(x, norm_args, rope_args, hadamard_args, cast_args, out_args)
-    execute(plan)
-    return result
+    template, tensors = prepare(x, norm_args, rope_args, hadamard_args, cast_args, out_args)
+    if (template.launchable and not torch.compiler.is_compiling() and not _backend.checks_enabled()
+            and _backend.resolve_backend(template.device, template.device_type) == "triton"):
+        _kernels().run_template(template, tensors)  # the hot path: launch parameters kept with the template
+    else:
+        execute(template.bind(tensors))
+    return template.result(tensors)
 
 
 def _check_cache_args(kv_cache, slot_mapping, layout, what):
@@ -80,15 +90,7 @@ def _check_cache_args(kv_cache, slot_mapping, layout, what):
         raise ValueError(f"{what}: slot_mapping: expected shape (n,), got {tuple(slot_mapping.shape)}")
 
 
-def store_kv_cache(data: torch.Tensor, sf: Optional[torch.Tensor], kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor, layout: KVCacheFormat, tail: Optional[torch.Tensor] = None) -> None:
-    """Scatter already-quantized rows into a paged cache.
-
-    data: [n, quant_bytes] or [n, num_heads, quant_bytes] (float8_e4m3fn for e4m3, uint8 packed for
-    e2m1, bf16 [.., head_dim] for a bf16 cache); sf: [.., num_scales] in the format's scale dtype
-    (None for a bf16 cache); tail: bf16 [.., bf16_tail] for the FlashMLA formats (else None);
-    slot_mapping: int32/int64 [n] (invalid slots skip the row). Writes exactly the record bytes.
-    """
+def _validate_store(data, sf, kv_cache, slot_mapping, layout, tail) -> CacheEntry:
     _check_cache_args(kv_cache, slot_mapping, layout, "store_kv_cache")
     n = slot_mapping.shape[0]
     nh = kv_cache.shape[2]
@@ -105,20 +107,52 @@ def store_kv_cache(data: torch.Tensor, sf: Optional[torch.Tensor], kv_cache: tor
         check_tensor(tail, "tail", (torch.bfloat16,), dev, shape=lead + (layout.bf16_tail,))
     elif tail is not None:
         raise ValueError(f"tail must be None for {layout.name} (no bf16 tail)")
+    return CacheEntry()
+
+
+def _store_signature(data, sf, kv_cache, slot_mapping, layout, tail):
+    """Plan-cache key of a store_kv_cache call (what _validate_store and kernels.store read; see kvfuse.plan)."""
+    return (("store", tensor_key(data), optional_tensor_key(sf), tensor_key(kv_cache), tensor_key(slot_mapping),
+             optional_tensor_key(tail), id(layout)), (layout,))
+
+
+def store_kv_cache(data: torch.Tensor, sf: Optional[torch.Tensor], kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor, layout: KVCacheFormat, tail: Optional[torch.Tensor] = None) -> None:
+    """Scatter already-quantized rows into a paged cache.
+
+    data: [n, quant_bytes] or [n, num_heads, quant_bytes] (float8_e4m3fn for e4m3, uint8 packed for
+    e2m1, bf16 [.., head_dim] for a bf16 cache); sf: [.., num_scales] in the format's scale dtype
+    (None for a bf16 cache); tail: bf16 [.., bf16_tail] for the FlashMLA formats (else None);
+    slot_mapping: int32/int64 [n] (invalid slots skip the row). Writes exactly the record bytes.
+    """
+    entry = validated(_store_signature, _validate_store, data, sf, kv_cache, slot_mapping, layout, tail)
     if torch.compiler.is_compiling():
         return _ops.store_kv_cache(data, sf, kv_cache, slot_mapping, layout, tail)
     if _backend.checks_enabled():
         run_data_checks(slot_mapping=slot_mapping, capacity=kv_cache.shape[0] * kv_cache.shape[1])
-    if n == 0 or dev.type == "meta":
+    dev = kv_cache.device
+    if slot_mapping.shape[0] == 0 or dev.type == "meta":
+        return
+    if _backend.resolve_backend(dev) == "triton":
+        _kernels().store(kv_cache, slot_mapping, layout, data, sf, tail, entry)
         return
 
-    def heads(t):
-        return None if t is None else (t.unsqueeze(1) if len(lead) == 1 else t)
+    def heads(t):  # validated: a 2-d payload is [n, ..] of a one-head cache
+        return None if t is None else (t.unsqueeze(1) if data.dim() == 2 else t)
 
-    if _backend.resolve_backend(dev) == "triton":
-        _kernels().store(kv_cache, slot_mapping, layout, heads(data), heads(sf), heads(tail))
-    else:
-        reference.store(kv_cache, slot_mapping, layout, heads(data), heads(sf), heads(tail))
+    reference.store(kv_cache, slot_mapping, layout, heads(data), heads(sf), heads(tail))
+
+
+def _validate_load(kv_cache, slot_mapping, layout, dequantize) -> CacheEntry:
+    _check_cache_args(kv_cache, slot_mapping, layout, "load_paged_kv_cache")
+    if not isinstance(dequantize, bool):
+        raise TypeError(f"dequantize must be a bool, got {type(dequantize).__name__}")
+    return CacheEntry()
+
+
+def _load_signature(kv_cache, slot_mapping, layout, dequantize):
+    """Plan-cache key of a load_paged_kv_cache call (what _validate_load and kernels.load read)."""
+    return ("load", tensor_key(kv_cache), tensor_key(slot_mapping), id(layout), type(dequantize), dequantize), (layout,)
 
 
 def load_paged_kv_cache(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layout: KVCacheFormat,
@@ -129,13 +163,11 @@ def load_paged_kv_cache(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layo
     for invalid slots), or with ``dequantize=False`` the raw bytes (data uint8 [n, num_heads,
     data_bytes] = quantized bytes then tail bytes, sf uint8 [n, num_heads, sf_bytes]).
     """
-    _check_cache_args(kv_cache, slot_mapping, layout, "load_paged_kv_cache")
-    if not isinstance(dequantize, bool):
-        raise TypeError(f"dequantize must be a bool, got {type(dequantize).__name__}")
+    entry = validated(_load_signature, _validate_load, kv_cache, slot_mapping, layout, dequantize)
     if torch.compiler.is_compiling():
         return _ops.load_paged_kv_cache(kv_cache, slot_mapping, layout, dequantize)
     if kv_cache.device.type == "meta":
         return reference.load(kv_cache, slot_mapping, layout, dequantize)
     if slot_mapping.shape[0] and _backend.resolve_backend(kv_cache.device) == "triton":
-        return _kernels().load(kv_cache, slot_mapping, layout, dequantize)
+        return _kernels().load(kv_cache, slot_mapping, layout, dequantize, entry)
     return reference.load(kv_cache, slot_mapping, layout, dequantize)

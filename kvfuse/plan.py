@@ -1,12 +1,20 @@
 """Validation of the public arguments into a :class:`Plan`: one normalized job that every
 backend (the reference chain, the Triton kernel) executes. All checks of SPEC §1-§5 live here
 and run before any launch; a rejected call allocates nothing the caller sees and writes nothing.
+
+Validation produces a :class:`PlanTemplate` (the Plan without its tensors); ``template.bind``
+makes one call's Plan from that call's tensors. Templates are kept per call signature in the
+plan cache (see "plan cache" below): a repeated call skips validation and, on the Triton
+backend, reuses its launch parameters.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+import operator
+import os
+import threading
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -59,6 +67,9 @@ class Plan:
     @property
     def head_dim(self) -> int:
         return self.x.shape[2]
+
+
+PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(Plan))
 
 
 def _is_int(v) -> bool:
@@ -119,14 +130,86 @@ def infer_layout(kv_cache: torch.Tensor, cast_args) -> KVCacheFormat:
     return hits[0]
 
 
-def check_bf16_out(out, name, x3_shape, user_shape, device):
-    check_tensor(out, name, (torch.bfloat16,), device, shape=user_shape)
-    return out.view(x3_shape) if out.dim() == 2 else out
+# =============================================================================== call tensors
+# The tensors of one call, by position: x, the norm weight, positions, cos_sin, then out_args'
+# tensors (a Tensor: itself; ContiguousOutArgs: out, sf; KVCacheOutArgs: kv_cache, slot_mapping,
+# out); None where absent. The outputs a call allocates follow them.
+X, WEIGHT, POSITIONS, COS_SIN, OUT_ARG0, OUT_ARG1, OUT_ARG2 = range(7)
+NUM_CALL_TENSORS = 7
 
 
-def build_plan(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=None, out_args=None):
-    """Validate everything; return (plan, result) where result is what the call returns
-    (None, a tensor, or a (q, sf) tuple; new outputs are allocated here)."""
+def call_tensors(x, norm_args, rope_args, out_args) -> tuple:
+    """The tensors of a validated call, in the order above."""
+    w = None if norm_args is None else norm_args.weight
+    pos, cs = (None, None) if rope_args is None else (rope_args.positions, rope_args.cos_sin_cache)
+    if isinstance(out_args, KVCacheOutArgs):
+        outs = (out_args.kv_cache, out_args.slot_mapping, out_args.out)
+    elif isinstance(out_args, ContiguousOutArgs):
+        outs = (out_args.out, out_args.sf, None)
+    else:
+        outs = (out_args, None, None)
+    return (x, w, pos, cs) + outs
+
+
+class CacheEntry:
+    """What the plan cache keeps for one validated signature (never a tensor: a cache entry keeps
+    no caller memory alive). ``launch``: the Triton launch parameters, filled by
+    kvfuse.kernels.fused on the first launch."""
+
+    __slots__ = ("launch", "pinned", "recently_used")
+
+    def __init__(self):
+        self.launch = None
+        self.pinned = ()             # the objects the key names by id: held, so no other object takes their id
+        self.recently_used = False   # PlanCache's eviction bookkeeping
+
+
+class PlanTemplate(CacheEntry):
+    """A validated call signature of the fused operator: its Plan without the tensors.
+
+    ``new_outputs(tensors)`` appends the outputs the call allocates to its :func:`call_tensors`;
+    ``bind(tensors)`` is then the call's Plan and ``result(tensors)`` what the call returns.
+    """
+
+    __slots__ = ("plan", "sources", "tensor_index", "num_tensors", "allocations", "device", "device_type", "result",
+                 "launchable")
+
+    def __init__(self, plan: Plan, sources, allocations, device, result_index, n: int):
+        super().__init__()
+        self.plan = plan                         # every tensor field None
+        self.sources = tuple(sources)            # (Plan field, index in the tensors, insert the head axis)
+        self.tensor_index = {field: i for field, i, _ in self.sources}
+        self.allocations = tuple(allocations)    # (shape, dtype) of each output the call allocates
+        self.num_tensors = NUM_CALL_TENSORS + len(self.allocations)
+        self.device = device
+        self.device_type = device.type
+        # what the call returns: one of its tensors (None for a cache without out) or the (q, sf) pair
+        self.result = operator.itemgetter(*result_index) if isinstance(result_index, tuple) \
+            else operator.itemgetter(result_index)
+        self.launchable = n > 0 and self.device_type != "meta"
+
+    def new_outputs(self, tensors: tuple) -> tuple:
+        if not self.allocations:
+            return tensors
+        dev = self.device
+        return tensors + tuple(torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in self.allocations)
+
+    def bind(self, tensors: tuple) -> Plan:
+        if torch.compiler.is_compiling():
+            # dynamo (torch 2.11) cannot trace __dict__.update: a plain constructor call instead
+            plan = Plan(**{name: getattr(self.plan, name) for name in PLAN_FIELDS})
+        else:
+            plan = Plan.__new__(Plan)  # a shallow copy of the template plan (copy.copy costs 3x more)
+            plan.__dict__.update(self.plan.__dict__)
+        for field, i, add_heads in self.sources:
+            t = tensors[i]
+            setattr(plan, field, t.unsqueeze(1) if add_heads else t)
+        return plan
+
+
+# =============================================================================== validation
+def validate(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=None, out_args=None) -> PlanTemplate:
+    """Check every argument (SPEC §1-§5; ValueError/TypeError naming it) and return the call's template."""
     # ---- x
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -141,9 +224,11 @@ def build_plan(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=
     if x.stride(-1) != 1:
         raise ValueError(f"x: expected stride(-1) == 1, got {x.stride(-1)}")
     dev = x.device
-    x3 = x.unsqueeze(1) if x.dim() == 2 else x
-    n, H, D = x3.shape
-    plan = Plan(x=x3)
+    two_d = x.dim() == 2  # the Plan's tensors get the head axis [n, 1, D]
+    n, D = x.shape[0], x.shape[-1]
+    H = 1 if two_d else x.shape[1]
+    plan = Plan(x=None)
+    sources = [("x", X, two_d)]
 
     # ---- norm
     if norm_args is not None:
@@ -152,7 +237,8 @@ def build_plan(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=
         check_tensor(norm_args.weight, "norm_args.weight", (torch.bfloat16, torch.float32), dev, shape=(D,))
         if not _is_real(norm_args.eps) or norm_args.eps < 0:
             raise ValueError(f"norm_args.eps must be a finite number >= 0, got {norm_args.eps!r}")
-        plan.weight, plan.eps = norm_args.weight, float(norm_args.eps)
+        plan.eps = float(norm_args.eps)
+        sources.append(("weight", WEIGHT, False))
 
     # ---- rope
     if rope_args is not None:
@@ -174,8 +260,9 @@ def build_plan(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=
         if cs.dim() != 2 or cs.shape[1] != r:
             raise ValueError(f"rope_args.cos_sin_cache: expected shape [max_position, rotary_dim={r}], "
                              f"got {tuple(cs.shape)}")
-        plan.positions, plan.cos_sin, plan.rotary_dim, plan.rope_offset = rope_args.positions, cs, r, off
+        plan.rotary_dim, plan.rope_offset = r, off
         plan.is_neox, plan.conjugate = rope_args.is_neox, rope_args.conjugate
+        sources += [("positions", POSITIONS, False), ("cos_sin", COS_SIN, False)]
 
     # ---- hadamard
     if hadamard_args is not None:
@@ -194,52 +281,62 @@ def build_plan(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=
         raise TypeError(f"out_args must be None, a Tensor, ContiguousOutArgs or KVCacheOutArgs, "
                         f"got {type(out_args).__name__}")
     if isinstance(out_args, KVCacheOutArgs):
-        return _plan_cache(plan, cast_args, out_args, x.shape)
-    return _plan_contiguous(plan, cast_args, out_args, x.shape)
+        allocations, result = _validate_cache(plan, sources, cast_args, out_args, x.shape, (n, H, D), dev,
+                                              has_norm=norm_args is not None)
+    else:
+        allocations, result = _validate_contiguous(plan, sources, cast_args, out_args, x.shape, dev)
+    return PlanTemplate(plan, sources, allocations, dev, result, n)
 
 
-def _plan_contiguous(plan, cast_args, out_args, user_shape):
-    n, H, D = plan.x.shape
-    dev = plan.x.device
+def _validate_contiguous(plan, sources, cast_args, out_args, user_shape, dev):
+    """Outputs without a cache; returns (allocations, result index)."""
+    D = user_shape[-1]
+    two_d = len(user_shape) == 2
+    allocations = []
+
+    def new_output(shape, dtype):  # allocated per call, after validation (SPEC §3 "new" outputs)
+        allocations.append((tuple(shape), dtype))
+        return NUM_CALL_TENSORS + len(allocations) - 1
+
     out = sf = None
     if isinstance(out_args, torch.Tensor):
         out = out_args
     elif isinstance(out_args, ContiguousOutArgs):
         out, sf = out_args.out, out_args.sf
+    out_index, sf_index = OUT_ARG0, OUT_ARG1
     if cast_args is None or cast_args.cast_back:
         if cast_args is not None:
             plan.cast, plan.quant_dim = check_cast_args(cast_args, D), D
         if sf is not None:
             raise ValueError("out_args.sf must be None when the result is a bf16 tensor (no cast, or cast_back)")
         if out is None:
-            out = torch.empty(user_shape, dtype=torch.bfloat16, device=dev)
+            out_index = new_output(user_shape, torch.bfloat16)
         else:
             check_tensor(out, "out_args.out" if isinstance(out_args, ContiguousOutArgs) else "out_args",
                          (torch.bfloat16,), dev, shape=user_shape)
-        plan.out = out.view(plan.x.shape) if out.dim() == 2 else out
+        sources.append(("out", out_index, two_d))
         plan.out_stage = "cast_back" if cast_args is not None else "transform"
-        return plan, out
+        return allocations, out_index
     spec = plan.cast = check_cast_args(cast_args, D)
     plan.quant_dim = D
     lead = tuple(user_shape[:-1])
     qshape = lead + (D // 2 if spec.cast_fmt == "e2m1" else D,)
     sshape = lead + (D // spec.group,)
     if out is None:
-        out = torch.empty(qshape, dtype=q_dtype(spec.cast_fmt), device=dev)
+        out_index = new_output(qshape, q_dtype(spec.cast_fmt))
     else:
         check_tensor(out, "out_args.out", (q_dtype(spec.cast_fmt),), dev, shape=qshape)
     if sf is None:
-        sf = torch.empty(sshape, dtype=sf_dtype(spec.sf_format), device=dev)
+        sf_index = new_output(sshape, sf_dtype(spec.sf_format))
     else:
         check_tensor(sf, "out_args.sf", (sf_dtype(spec.sf_format),), dev, shape=sshape)
-    plan.q_out = out.unsqueeze(1) if out.dim() == 2 else out
-    plan.sf_out = sf.unsqueeze(1) if sf.dim() == 2 else sf
-    return plan, (out, sf)
+    sources += [("q_out", out_index, two_d), ("sf_out", sf_index, two_d)]
+    return allocations, (out_index, sf_index)
 
 
-def _plan_cache(plan, cast_args, oa: KVCacheOutArgs, user_shape):
-    n, H, D = plan.x.shape
-    dev = plan.x.device
+def _validate_cache(plan, sources, cast_args, oa: KVCacheOutArgs, user_shape, x3_shape, dev, has_norm):
+    """A paged-cache destination; returns (allocations, result index)."""
+    n, H, D = x3_shape
     fmt = oa.layout
     if fmt is None:
         fmt = infer_layout(oa.kv_cache, cast_args)
@@ -271,12 +368,217 @@ def _plan_cache(plan, cast_args, oa: KVCacheOutArgs, user_shape):
     if oa.out is not None:
         if stage is None:
             raise ValueError(f"out_args.out_stage must be one of {OUT_STAGES} when out_args.out is given, got None")
-        if stage == "norm" and plan.weight is None:
+        if stage == "norm" and not has_norm:
             raise ValueError("out_args.out_stage='norm' needs norm_args")
         if stage == "cast_back" and not fmt.quantized:
             raise ValueError(f"out_args.out_stage='cast_back' needs a quantized format, got {fmt.name}")
-        plan.out = check_bf16_out(oa.out, "out_args.out", plan.x.shape, user_shape, dev)
+        check_tensor(oa.out, "out_args.out", (torch.bfloat16,), dev, shape=user_shape)
+        sources.append(("out", OUT_ARG2, len(user_shape) == 2))
         plan.out_stage = stage
-    plan.kv_cache, plan.slot_mapping, plan.fmt = oa.kv_cache, oa.slot_mapping, fmt
+    sources += [("kv_cache", OUT_ARG0, False), ("slot_mapping", OUT_ARG1, False)]
+    plan.fmt = fmt
     plan.addressing = fmt.addressing_for(oa.kv_cache)
-    return plan, oa.out
+    return (), OUT_ARG2  # returns out_args.out (None when not given)
+
+
+# =============================================================================== entry
+def prepare(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=None, out_args=None):
+    """(template, tensors) of a call: validated (or found in the plan cache), with the outputs it
+    allocates appended to its tensors. Raises ValueError/TypeError for a bad call."""
+    template = validated(call_signature, validate, x, norm_args, rope_args, hadamard_args, cast_args, out_args)
+    return template, template.new_outputs(call_tensors(x, norm_args, rope_args, out_args))
+
+
+def build_plan(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=None, out_args=None):
+    """Validate everything; return (plan, result) where result is what the call returns
+    (None, a tensor, or a (q, sf) tuple; new outputs are allocated here)."""
+    template, tensors = prepare(x, norm_args, rope_args, hadamard_args, cast_args, out_args)
+    return template.bind(tensors), template.result(tensors)
+
+
+# =============================================================================== plan cache
+# Validated signatures of the fused operator, store_kv_cache and load_paged_kv_cache (kvfuse.api)
+# are kept with what validation produced, so that a repeated call skips validation and, on the
+# Triton backend, reuses its launch parameters. A key holds every value that validation (above,
+# formats.check_cache, formats.addressing_for, check_cast_combination, infer_layout, the checks of
+# kvfuse.api) and the launch parameters (kvfuse.kernels.fused) read, and no tensor:
+# - per tensor: its type, dtype, shape, strides and device. check_tensor, check_index_vector,
+#   check_cache, addressing_for and the launches read nothing else of a tensor, with one
+#   exception: the fused kernel's record alignments (kvfuse.kernels.fused.record_alignments) read
+#   the cache's data_ptr() % 16, which joins the key (tensor_alignment). Otherwise a data pointer
+#   (storage offset included) is taken from the call's own tensor at every launch;
+# - per argument object: its exact class (a subclass is validated on every call) and every field
+#   that is not a tensor, each as (type, value): True, 1 and 1.0 compare equal but validate
+#   differently, and floats also by sign (-0.0 == 0.0, but scales by them differ);
+# - the layout by identity (a KVCacheFormat is frozen), or with layout=None the identities of the
+#   formats.PRESETS values that infer_layout chooses from (monkeypatching a preset is a miss); the
+#   entry pins these objects, so no other object can take their ids while it exists.
+# Read on every call instead: the backend, KVFUSE_CHECKS (the data checks) and force_config (the
+# launch parameters are recomputed while it is active); the cache is bypassed while
+# torch.compiler.is_compiling(). The environment that kvfuse.kernels.fused reads at import
+# (TRITON_INTERPRET, KVFUSE_NATIVE_CASTS) is constant. Only validated calls are stored: a
+# rejected call is validated, and raises, every time.
+PLAN_CACHE_SIZE = 512
+
+
+class PlanCacheInfo(NamedTuple):
+    hits: int          # keyed calls that skipped validation
+    misses: int        # keyed calls that were validated (and stored when valid)
+    size: int
+    maxsize: int
+    enabled: bool
+
+
+class PlanCache:
+    """Key -> CacheEntry, at most ``maxsize`` entries. A lookup is one dict read (atomic: no lock);
+    stores and evictions take the lock (the hit/miss counts may miss an increment under
+    concurrent calls). Eviction is second-chance (CLOCK): the oldest entry goes unless it was hit
+    since it was stored or last spared, an LRU approximation that costs a hit one flag write."""
+
+    def __init__(self, maxsize: int = PLAN_CACHE_SIZE, enabled: bool = True):
+        self.maxsize = maxsize
+        self.enabled = enabled
+        self.hits = self.misses = 0
+        self._entries = {}  # insertion-ordered: the oldest first
+        self._lock = threading.Lock()
+
+    def lookup(self, key) -> Optional[CacheEntry]:
+        entry = self._entries.get(key)
+        if entry is None:
+            self.misses += 1
+        else:
+            entry.recently_used = True
+            self.hits += 1
+        return entry
+
+    def store(self, key, entry: CacheEntry, pinned: tuple) -> None:
+        entry.pinned = pinned
+        with self._lock:
+            entries = self._entries
+            entries[key] = entry
+            while len(entries) > self.maxsize:
+                oldest = next(iter(entries))
+                spared = entries.pop(oldest)
+                if spared.recently_used:  # hit since stored or last spared: back to the end of the line
+                    spared.recently_used = False
+                    entries[oldest] = spared
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.hits = self.misses = 0
+
+    def info(self) -> PlanCacheInfo:
+        return PlanCacheInfo(self.hits, self.misses, len(self._entries), self.maxsize, self.enabled)
+
+
+PLAN_CACHE = PlanCache(enabled=os.environ.get("KVFUSE_PLAN_CACHE", "1") != "0")
+
+
+def validated(signature, validate_call, *args) -> CacheEntry:
+    """The entry of a call: found by ``signature(*args)`` -> (key, pinned) in the plan cache, or
+    ``validate_call(*args)`` (which raises for a bad call) and stored. ``signature`` may raise or
+    return key None for arguments it does not key: those calls are validated every time."""
+    if not PLAN_CACHE.enabled or torch.compiler.is_compiling():
+        return validate_call(*args)
+    try:
+        key, pinned = signature(*args)
+        entry = None if key is None else PLAN_CACHE.lookup(key)
+    except Exception:  # an argument that cannot be keyed (a wrong type, unhashable): validation says why
+        key = entry = None
+    if entry is None:
+        entry = validate_call(*args)
+        if key is not None:
+            PLAN_CACHE.store(key, entry, pinned)
+    return entry
+
+
+def set_plan_cache(enabled: bool) -> None:
+    """Turn the plan cache on or off (KVFUSE_PLAN_CACHE=0 at import starts with it off); while off,
+    every call is validated and nothing is looked up or stored."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    PLAN_CACHE.enabled = enabled
+
+
+def plan_cache_enabled() -> bool:
+    return PLAN_CACHE.enabled
+
+
+def clear_plan_cache() -> None:
+    """Forget every entry and zero the hit/miss counts."""
+    PLAN_CACHE.clear()
+
+
+def plan_cache_info() -> PlanCacheInfo:
+    return PLAN_CACHE.info()
+
+
+# ---- keys
+def tensor_key(t):
+    return (type(t), t.dtype, t.shape, t.stride(), t.device)
+
+
+def tensor_alignment(t):
+    """data_ptr() % 16 (the fused kernel's record-alignment hints depend on it); 0 for a tensor
+    without storage (meta)."""
+    return t.data_ptr() % 16 if t.device.type != "meta" else 0
+
+
+def optional_tensor_key(t):
+    return None if t is None else tensor_key(t)
+
+
+def number_key(v):
+    return (type(v), v, math.copysign(1.0, v)) if isinstance(v, float) else (type(v), v)
+
+
+_NO_KEY = (None, ())
+
+
+def call_signature(x, norm_args, rope_args, hadamard_args, cast_args, out_args):
+    """(key, pinned) of a fused-operator call (see "plan cache" above); key None for an argument
+    object of a class kvfuse does not key. May raise for arguments of the wrong types."""
+    if norm_args is None:
+        norm_key = None
+    elif type(norm_args) is NormArgs:
+        norm_key = (tensor_key(norm_args.weight), number_key(norm_args.eps))
+    else:
+        return _NO_KEY
+    if rope_args is None:
+        rope_key = None
+    elif type(rope_args) is RopeArgs:
+        r = rope_args
+        rope_key = (tensor_key(r.positions), tensor_key(r.cos_sin_cache), type(r.rotary_dim), r.rotary_dim,
+                    type(r.offset), r.offset, type(r.is_neox), r.is_neox, type(r.conjugate), r.conjugate)
+    else:
+        return _NO_KEY
+    if hadamard_args is None:
+        hadamard_key = None
+    elif type(hadamard_args) is HadamardArgs:
+        hadamard_key = number_key(hadamard_args.scale)
+    else:
+        return _NO_KEY
+    if cast_args is None:
+        cast_key = None
+    elif type(cast_args) is CastArgs:
+        c = cast_args
+        cast_key = (type(c.cast_fmt), c.cast_fmt, type(c.num_per_channels), c.num_per_channels, type(c.round_sf),
+                    c.round_sf, type(c.sf_format), c.sf_format, type(c.cast_back), c.cast_back)
+    else:
+        return _NO_KEY
+    pinned = ()
+    if out_args is None:
+        out_key = None
+    elif type(out_args) is KVCacheOutArgs:
+        oa, stage, layout = out_args, out_args.out_stage, out_args.layout
+        pinned = (layout,) if layout is not None else tuple(PRESETS.values())
+        out_key = (KVCacheOutArgs, tensor_key(oa.kv_cache), tensor_alignment(oa.kv_cache), tensor_key(oa.slot_mapping),
+                   optional_tensor_key(oa.out), type(stage), stage, layout is None, tuple(map(id, pinned)))
+    elif type(out_args) is ContiguousOutArgs:
+        out_key = (ContiguousOutArgs, optional_tensor_key(out_args.out), optional_tensor_key(out_args.sf))
+    elif isinstance(out_args, torch.Tensor):
+        out_key = tensor_key(out_args)
+    else:
+        return _NO_KEY
+    return ("fused", tensor_key(x), norm_key, rope_key, hadamard_key, cast_key, out_key), pinned

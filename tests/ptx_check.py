@@ -37,21 +37,27 @@ def compile_ptx(fn, consts, num_warps=4, ptr_types=None):
 
 
 def fused_variants():
-    base = dict(D=512, BLOCK_D=512, LOG2_BLOCK_D=9, BLOCK_M=4, HAS_NORM=True, W_BF16=True, HAS_ROPE=True, R=64,
-                ROPE_OFF=448, NEOX=True, CONJ=False, CS_BF16=False, HAS_HAD=False, CAST=1, G=32, SF=0, FMAX=448.0,
-                DQ=512, OUT_STAGE=0, DEST=2, NATIVE=True)
+    base = dict(D=512, BLOCK_D=512, LOG2_BLOCK_D=9, VEC=4, BLOCK_M=2, ONE_HEAD=True, ROWS32=True, HAS_NORM=True,
+                W_BF16=True, ROPE=2, R=64, ROPE_OFF=448, NEOX=True, CONJ=False, CS_BF16=False, HAS_HAD=False, CAST=1,
+                G=32, SF=0, FMAX=448.0, DQ=512, OUT_STAGE=0, DEST=2, NATIVE=2, SLOT32=True, QALIGN=4, SFALIGN=4,
+                TALIGN=4)
     yield "main_fp8", base
-    yield "main_fp4+cast_back", {**base, "CAST": 2, "G": 16, "SF": 2, "FMAX": 6.0, "OUT_STAGE": 3}
-    yield "index_fp32+had+conj+interleaved", {**base, "D": 128, "BLOCK_D": 128, "LOG2_BLOCK_D": 7, "ROPE_OFF": 64,
-                                                "HAS_HAD": True, "CONJ": True, "NEOX": False, "G": 128, "SF": 3,
-                                                "DQ": 128, "W_BF16": False, "CS_BF16": True, "OUT_STAGE": 1}
-    yield "v32_tail_ue8m0_fp32", {**base, "D": 576, "BLOCK_D": 1024, "LOG2_BLOCK_D": 10, "ROPE_OFF": 512, "G": 128,
-                                  "SF": 1, "DQ": 512, "OUT_STAGE": 2}
-    yield "bf16_cache", {**base, "CAST": 0, "HAS_HAD": True}
-    yield "contiguous_nvfp4", {**base, "D": 128, "BLOCK_D": 128, "LOG2_BLOCK_D": 7, "ROPE_OFF": 64, "CAST": 2,
-                               "G": 16, "SF": 2, "FMAX": 6.0, "DQ": 128, "DEST": 1}
-    yield "contiguous_fp32_sf", {**base, "SF": 3, "DEST": 1, "HAS_NORM": False}
-    yield "bf16_out_rope_only", {**base, "HAS_NORM": False, "CAST": 0, "DEST": 0, "OUT_STAGE": 2}
+    yield "main_fp4+cast_back", {**base, "VEC": 8, "CAST": 2, "G": 16, "SF": 2, "FMAX": 6.0, "OUT_STAGE": 3,
+                                 "QALIGN": 16, "SFALIGN": 16, "TALIGN": 16}
+    yield "index_fp32+had+conj+interleaved", {**base, "D": 128, "BLOCK_D": 128, "LOG2_BLOCK_D": 7, "VEC": 8,
+                                                "ROPE": 1, "ROPE_OFF": 64, "HAS_HAD": True, "CONJ": True,
+                                                "NEOX": False, "G": 128, "SF": 3, "DQ": 128, "W_BF16": False,
+                                                "CS_BF16": True, "OUT_STAGE": 1, "QALIGN": 16}
+    yield "v32_tail_ue8m0_fp32_multihead", {**base, "D": 576, "BLOCK_D": 1024, "LOG2_BLOCK_D": 10, "VEC": 8,
+                                            "ROPE_OFF": 512, "G": 128, "SF": 1, "DQ": 512, "OUT_STAGE": 2,
+                                            "ONE_HEAD": False, "QALIGN": 16, "SFALIGN": 16, "TALIGN": 16}
+    yield "bf16_cache_slot64_rows64", {**base, "CAST": 0, "ROPE": 1, "HAS_HAD": True, "SLOT32": False,
+                                       "ROWS32": False, "ONE_HEAD": False, "QALIGN": 1}
+    yield "contiguous_nvfp4_interleaved_subtile", {**base, "D": 128, "BLOCK_D": 128, "LOG2_BLOCK_D": 7, "VEC": 8,
+                                                   "ROPE_OFF": 64, "NEOX": False, "CAST": 2, "G": 16, "SF": 2,
+                                                   "FMAX": 6.0, "DQ": 128, "DEST": 1}
+    yield "contiguous_fp32_sf", {**base, "SF": 3, "DEST": 1, "HAS_NORM": False, "VEC": 8}
+    yield "bf16_out_rope_only", {**base, "HAS_NORM": False, "CAST": 0, "DEST": 0, "OUT_STAGE": 2, "VEC": 8}
 
 
 def load_variants():

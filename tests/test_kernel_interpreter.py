@@ -7,7 +7,9 @@ import torch
 
 import kvfuse
 from kvfuse import CastArgs
-from kernel_cases import ALL_FORMATS, Case, diff_bytes, random_case, run_case
+from kernel_cases import ALL_FORMATS, Case, build, diff_bytes, random_case, run_case
+from kvfuse.kernels import fused as fused_kernels
+from kvfuse.plan import build_plan
 
 pytestmark = pytest.mark.skipif(not kvfuse.backend.interpreter_enabled(), reason="interpreter tests (CPU)")
 
@@ -102,3 +104,45 @@ def test_store_and_load_kernels(fmt):
         results[backend] = (flat.clone(), loaded.view(torch.uint8), data, sfb)
     for a, b in zip(results["reference"], results["triton"]):
         assert torch.equal(a, b)
+
+
+def test_int64_row_and_slot_paths(monkeypatch):
+    """Row and slot arithmetic in int64 (what caches of >= 2**31 token slots and launches of >= 2**31
+    rows use) gives the same bytes."""
+    monkeypatch.setattr(fused_kernels, "_INT32_LIMIT", 0)
+    rng = random.Random(64)
+    for _ in range(12):
+        check(random_case(rng, max_n=24))
+    check(Case(n=7, heads=3, head_dim=64, fmt=None, cast=CastArgs("e4m3", 16, False, "e4m3"), seed=5))
+
+
+def _plan(case):
+    args, _, _ = build(case, "cpu")
+    return build_plan(**args)[0]
+
+
+@pytest.mark.parametrize("case, mode, vec", [
+    (Case(n=3, heads=1, head_dim=512, fmt=kvfuse.formats.MAIN_FP8), 2, 4),       # 532-byte records: 4-aligned
+    (Case(n=3, heads=1, head_dim=512, fmt=kvfuse.formats.MAIN_FP4), 2, 8),
+    (Case(n=3, heads=1, head_dim=576, fmt=kvfuse.formats.FLASHMLA_V32), 2, 8),   # rope in the bf16 tail
+    (Case(n=3, heads=1, head_dim=128, fmt=kvfuse.formats.INDEX_FP8_FP32), 1, 8),  # one group of 128 spans it
+    (Case(n=3, heads=1, head_dim=128, fmt=kvfuse.formats.INDEX_NVFP4, neox=False), 2, 8),
+    (Case(n=3, heads=1, head_dim=128, fmt=kvfuse.formats.INDEX_MXFP8, hadamard=True), 1, 8),
+    (Case(n=3, heads=2, head_dim=256, fmt=None, rotary_dim=64, rope_offset=96,
+          cast=CastArgs("e4m3", 64, False, "fp32")), 1, 8),                       # offset 96 splits a group
+    (Case(n=3, heads=2, head_dim=256, fmt=None, cast=None, rotary_dim=48), 1, 8),  # 24 pairs: not a power of 2
+    (Case(n=3, heads=2, head_dim=256, fmt=None, cast=None, rope=False), 0, 8),
+])
+def test_rope_mode_and_vector_width(case, mode, vec):
+    plan = _plan(case)
+    assert fused_kernels.rope_mode(plan) == mode
+    qal = fused_kernels.record_alignments(plan)[0] if plan.kv_cache is not None else 16
+    assert fused_kernels.vec_width(plan, qal) == vec
+    check(case)
+
+
+@pytest.mark.parametrize("vec", [4, 8])
+def test_forced_vector_width(vec):
+    with fused_kernels.force_config(vec=vec):
+        check(Case(n=5, heads=1, head_dim=512, fmt=kvfuse.formats.MAIN_FP8, seed=3, out_stage="cast_back"))
+        check(Case(n=5, heads=2, head_dim=128, fmt=None, cast=CastArgs("e2m1", 32, True, "ue8m0"), seed=4))

@@ -3,13 +3,18 @@
 store and load kernels of the paged cache.
 
 A program owns BLOCK_M rows of the flattened [n * num_heads] rows (row = (token, head)) and
-the whole head (BLOCK_D = next power of two >= head_dim, masked). Stages and destinations are
-constexpr flags of one body. Addresses are int64. Numerics follow SPEC §2 exactly (see
-kvfuse/kernels/numerics.py); a row's bytes never depend on BLOCK_M, num_warps or other rows.
+the whole head (BLOCK_D = next power of two >= head_dim, masked), held as [BLOCK_M, BLOCK_D / VEC,
+VEC]; the RoPE columns can live in a sub-tile of their own (ROPE == 2). Stages and destinations
+are constexpr flags of one body. Memory addresses are int64; row and slot index arithmetic is
+int32 whenever it fits. Numerics follow SPEC §2 exactly (see kvfuse/kernels/numerics.py); a row's
+bytes never depend on BLOCK_M, VEC, num_warps, the RoPE mode or other rows.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import operator
 import os
 import threading
 
@@ -30,13 +35,37 @@ DEST_NONE, DEST_CONTIGUOUS, DEST_CACHE = 0, 1, 2
 
 
 # --------------------------------------------------------------------------- helpers
+# Tiles. A program owns BLOCK_M rows; a row is held as [NV, VEC] (NV = BLOCK_D / VEC vectors of VEC
+# consecutive columns, VEC = 8 or 4): each lane loads whole vectors, the first levels of every tree
+# run inside a lane, and the quantized codes of a vector leave in one store as wide as the record's
+# alignment allows (a narrower store than the tile's vector would cost a shared-memory relayout).
+# Reshapes between [M, NV, VEC] and the group form [M, groups, G / VEC, VEC] move no data.
 @triton.jit
-def _tree_sum(v, BLOCK_M: tl.constexpr, LOG2_BLOCK_D: tl.constexpr):
-    """The adjacent-pairs tree over axis 1: each level sums a size-2 axis (one add, commutative),
-    so the order is fixed whatever layout the compiler picks."""
-    for lvl in tl.static_range(LOG2_BLOCK_D):
-        v = tl.sum(tl.reshape(v, [BLOCK_M, (1 << LOG2_BLOCK_D) >> (lvl + 1), 2]), axis=2)
+def _tree_sum(v, BLOCK_M: tl.constexpr, NV: tl.constexpr, LOG2_NV: tl.constexpr, VEC: tl.constexpr,
+              LOG2_VEC: tl.constexpr):
+    """Sum [M, NV, VEC] over each row in the adjacent-pairs order of SPEC §2: every level sums a
+    size-2 axis (one add, commutative), so the order is fixed whatever layout the compiler picks."""
+    for lvl in tl.static_range(LOG2_VEC):
+        v = tl.sum(tl.reshape(v, [BLOCK_M, NV, VEC >> (lvl + 1), 2]), axis=3)
+    v = tl.reshape(v, [BLOCK_M, NV])
+    for lvl in tl.static_range(LOG2_NV):
+        v = tl.sum(tl.reshape(v, [BLOCK_M, NV >> (lvl + 1), 2]), axis=2)
     return tl.reshape(v, [BLOCK_M])
+
+
+@triton.jit
+def _grid3(A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+    """[A, B, C] int32 holding 0 .. A*B*C - 1 in row-major order."""
+    return (tl.arange(0, A) * (B * C))[:, None, None] + (tl.arange(0, B) * C)[None, :, None] + tl.arange(0, C)[None, None, :]
+
+
+@triton.jit
+def _rotate(a, b, c, s, CONJ: tl.constexpr):
+    """SPEC §2 RoPE of the pair (a, b) = (y_i0, y_i1), each product rounded, then the sum (not yet
+    narrowed to bf16)."""
+    if CONJ:
+        return (a * c) + (b * s), (b * c) - (a * s)
+    return (a * c) - (b * s), (a * s) + (b * c)
 
 
 @triton.jit
@@ -45,48 +74,106 @@ def _store_bf16(ptr, offs, v, mask):
 
 
 @triton.jit
-def _store_bf16_bytes(ptr, base, v, ncols: tl.constexpr, mask, BLOCK_M: tl.constexpr):
-    """Store bf16 values v [M, ncols] as little-endian byte pairs at ptr + base + 2*col (any alignment)."""
-    bits = bf16_bits(v).to(tl.uint32)
-    pair = tl.join(bits & 0xFF, bits >> 8).to(tl.uint8)                   # [M, ncols, 2]
-    b = tl.reshape(pair, [BLOCK_M, 2 * ncols])
-    bcol = tl.arange(0, 2 * ncols)
-    bmask = tl.reshape(tl.join(mask, mask), [BLOCK_M, 2 * ncols])
-    tl.store(ptr + base[:, None] + bcol[None, :], b, mask=bmask)
-
-
-@triton.jit
-def _store_u32_bytes(ptr, addr, v, mask):
-    """Store uint32 v as 4 little-endian bytes at ptr + addr (any alignment)."""
-    for i in tl.static_range(4):
-        tl.store(ptr + addr + i, ((v >> (8 * i)) & 0xFF).to(tl.uint8), mask=mask)
-
-
-@triton.jit
-def _quantize(y, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, CAST: tl.constexpr, G: tl.constexpr,
-              SF: tl.constexpr, FMAX: tl.constexpr, NATIVE: tl.constexpr):
-    """y [M, BLOCK_D] (bf16 values in fp32) -> (codes [M, BLOCK_D] (uint8 e4m3 / int32 e2m1),
-    stored scales [M, BLOCK_D // G] uint32, dequantized bf16 values [M, BLOCK_D])."""
-    v = tl.reshape(y, [BLOCK_M, BLOCK_D // G, G])
-    amax = tl.maximum(tl.max(tl.abs(v), axis=2), 1e-4)
-    m, d, stored = group_scales(amax, FMAX, SF, NATIVE)
-    t = tl.minimum(tl.maximum(v * m[:, :, None], -FMAX), FMAX)
-    if CAST == 1:
-        code = encode_e4m3(t, NATIVE)
-        qf = decode_e4m3(code)
+def _store_bf16_bytes(ptr, base, col, v, mask, ALIGN: tl.constexpr):
+    """bf16 values v at ptr + base + 2 * col: 16-bit stores when base is even, else byte pairs."""
+    bits = bf16_bits(v)
+    if ALIGN % 2 == 0:
+        tl.store((ptr + base).to(tl.pointer_type(tl.uint16)) + col, bits, mask=mask)
     else:
-        code = encode_e2m1(t)
-        qf = decode_e2m1(code)
-    back = round_bf16(qf * d[:, :, None], NATIVE)
-    return tl.reshape(code, [BLOCK_M, BLOCK_D]), stored, tl.reshape(back, [BLOCK_M, BLOCK_D])
+        b32 = bits.to(tl.uint32)
+        tl.store(ptr + base + 2 * col, (b32 & 0xFF).to(tl.uint8), mask=mask)
+        tl.store(ptr + base + 2 * col + 1, (b32 >> 8).to(tl.uint8), mask=mask)
 
 
 @triton.jit
-def _pack_e2m1(code, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """codes [M, BLOCK_D] int32 -> bytes [M, BLOCK_D // 2], the even element in the low nibble."""
-    pairs = tl.reshape(code, [BLOCK_M, BLOCK_D // 2, 2])
-    weight = tl.where(tl.arange(0, 2) == 0, 1, 16)
-    return tl.sum(pairs * weight[None, None, :], axis=2).to(tl.uint8)
+def _store_u32_bytes(ptr, addr, v, mask, ALIGN: tl.constexpr):
+    """uint32 v at ptr + addr: one 32-bit store when addr is 4-aligned, else 4 bytes (little-endian)."""
+    if ALIGN % 4 == 0:
+        tl.store(ptr.to(tl.pointer_type(tl.uint32)) + (addr >> 2), v, mask=mask)
+    else:
+        for i in tl.static_range(4):
+            tl.store(ptr + addr + i, ((v >> (8 * i)) & 0xFF).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _emit(y, tok, head, rmask, ok, qbase, sfbase, tailbase,
+          out_ptr, so_n, so_h, q_ptr, sq_n, sq_h, sf_ptr, ss_n, ss_h, cache_ptr,
+          C0: tl.constexpr, SKIP0: tl.constexpr, SKIP1: tl.constexpr, BLOCK_M: tl.constexpr, NGR: tl.constexpr, GV: tl.constexpr, VEC: tl.constexpr,
+          G: tl.constexpr, D: tl.constexpr, CAST: tl.constexpr, SF: tl.constexpr, FMAX: tl.constexpr, DQ: tl.constexpr,
+          OUT_STAGE: tl.constexpr, DEST: tl.constexpr, NATIVE: tl.constexpr,
+          QALIGN: tl.constexpr, SFALIGN: tl.constexpr, TALIGN: tl.constexpr):
+    """Everything after the transform for a tile in group form: y [M, NGR, GV, VEC] (bf16 values
+    in fp32; a group is GV * VEC = G consecutive columns) holding the consecutive columns C0,
+    C0 + 1, ... (C0 a multiple of G); it writes the columns < D outside [SKIP0, SKIP1) and the
+    scales of the groups that start outside it (another tile writes the rest). Masks are functions
+    of the column index, so that the compiler sees them constant along a vector (vector stores)."""
+    # built by broadcasting aranges (not by a reshape) so that every Triton version sees the columns
+    # contiguous along VEC and aligned, and vectorizes the stores
+    col = C0 + _grid3(NGR, GV, VEC)
+    gidx = C0 // G + tl.arange(0, NGR)
+    own = (col < D) & ((col < SKIP0) | (col >= SKIP1))
+    gown = (gidx * G < SKIP0) | (gidx * G >= SKIP1)
+    cm = own[None, :, :, :]
+    r4 = rmask[:, None, None, None]
+    if OUT_STAGE == 2:
+        _store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None, None, None] + col[None, :, :, :], y, r4 & cm)
+    if CAST != 0:
+        amax = tl.maximum(tl.max(tl.max(tl.abs(y), axis=3), axis=2), 1e-4)     # [M, NGR]
+        m, d, stored = group_scales(amax, FMAX, SF, NATIVE)
+        # SPEC §2 clamps t to [-FMAX, FMAX]; both encoders saturate, so the clamp changes no byte for
+        # finite inputs (non-finite inputs may give any values in their own group) and is left out
+        t = y * m[:, :, None, None]
+        if CAST == 1:
+            # the unguarded native encode (NATIVE 2) only where the codes are just stored: decoded again
+            # for cast_back it gave wrong bf16 values on the H200 (Triton 3.6; DEVICE_NOTES.md)
+            ENC: tl.constexpr = 1 if (NATIVE == 2 and OUT_STAGE == 3) else NATIVE
+            code = encode_e4m3(t, ENC)
+            if OUT_STAGE == 3:
+                qf = decode_e4m3(code)
+        else:
+            code = encode_e2m1(t)
+            if OUT_STAGE == 3:
+                qf = decode_e2m1(code)
+        if OUT_STAGE == 3:
+            back = round_bf16(qf * d[:, :, None, None], NATIVE)
+            _store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None, None, None] + col[None, :, :, :],
+                        tl.where((col < DQ)[None, :, :, :], back, y), r4 & cm)
+        qown = own & (col < DQ)                                      # [NGR, GV, VEC]
+        g1 = gidx
+        sm = (gown & (g1 < DQ // G))[None, :]
+        if CAST == 1:
+            qb = code
+            qcol = col
+            qm = qown[None, :, :, :]
+        else:
+            # two codes per byte, the even column in the low nibble
+            lo, hi = tl.split(tl.reshape(code, [BLOCK_M, NGR, GV, VEC // 2, 2]))
+            qb = (lo | (hi << 4)).to(tl.uint8)
+            qcol = C0 // 2 + _grid3(NGR, GV, VEC // 2)
+            # the pair's first column 2 * qcol tested as qcol against halved (even) bounds
+            qm = ((qcol < D // 2) & (qcol < DQ // 2) & ((qcol < SKIP0 // 2) | (qcol >= SKIP1 // 2)))[None, :, :, :]
+        if DEST == 1:
+            tl.store(q_ptr.to(tl.pointer_type(tl.uint8)) + (tok * sq_n + head * sq_h)[:, None, None, None]
+                     + qcol[None, :, :, :], qb.to(tl.uint8), mask=r4 & qm)
+            srow = (tok * ss_n + head * ss_h)[:, None] + g1[None, :]
+            if SF == 0 or SF == 2:
+                tl.store(sf_ptr.to(tl.pointer_type(tl.uint8)) + srow, stored.to(tl.uint8), mask=rmask[:, None] & sm)
+            else:
+                tl.store(sf_ptr.to(tl.pointer_type(tl.uint32)) + srow, stored, mask=rmask[:, None] & sm)
+        if DEST == 2:
+            tl.store(cache_ptr + qbase[:, None, None, None] + qcol[None, :, :, :], qb.to(tl.uint8),
+                     mask=ok[:, None, None, None] & qm)
+            if SF == 0 or SF == 2:
+                tl.store(cache_ptr + sfbase[:, None] + g1[None, :], stored.to(tl.uint8), mask=ok[:, None] & sm)
+            else:
+                _store_u32_bytes(cache_ptr, sfbase[:, None] + 4 * g1[None, :], stored, ok[:, None] & sm, SFALIGN)
+            if DQ < D:
+                tm = ok[:, None, None, None] & cm & (col >= DQ)[None, :, :, :]
+                _store_bf16_bytes(cache_ptr, tailbase[:, None, None, None], tl.maximum(col - DQ, 0)[None, :, :, :],
+                                  y, tm, TALIGN)
+    elif DEST == 2:
+        _store_bf16_bytes(cache_ptr, qbase[:, None, None, None], col[None, :, :, :], y,
+                          ok[:, None, None, None] & cm, QALIGN)
 
 
 # --------------------------------------------------------------------------- the fused kernel
@@ -101,75 +188,88 @@ def fused_kernel(
     slot_ptr, s_slot,                         # slot_mapping [n]
     cache_ptr, s_blk, data_tok, sf_tok, head_stride, data_off, sf_off, tail_off, block_size, capacity,
     n_rows, H,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, LOG2_BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, LOG2_BLOCK_D: tl.constexpr, VEC: tl.constexpr, BLOCK_M: tl.constexpr,
+    ONE_HEAD: tl.constexpr, ROWS32: tl.constexpr,
     HAS_NORM: tl.constexpr, W_BF16: tl.constexpr,
-    HAS_ROPE: tl.constexpr, R: tl.constexpr, ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, CONJ: tl.constexpr,
+    ROPE: tl.constexpr, R: tl.constexpr, ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, CONJ: tl.constexpr,
     CS_BF16: tl.constexpr,
     HAS_HAD: tl.constexpr,
     CAST: tl.constexpr, G: tl.constexpr, SF: tl.constexpr, FMAX: tl.constexpr, DQ: tl.constexpr,
     OUT_STAGE: tl.constexpr, DEST: tl.constexpr, NATIVE: tl.constexpr,
+    SLOT32: tl.constexpr, QALIGN: tl.constexpr, SFALIGN: tl.constexpr, TALIGN: tl.constexpr,
 ):
+    """ROPE: 0 off; 1 on the whole tile (each rotated element computed from itself and its
+    partner, reloaded and renormalized: the same arithmetic gives the same bits); 2 on a separate
+    sub-tile of the R rotated columns (the main tile skips them; needs the rotated columns to be
+    whole quantization groups, or outside the quantized part, and no Hadamard)."""
+    LOG2_VEC: tl.constexpr = 3 if VEC == 8 else 2
+    NV: tl.constexpr = BLOCK_D // VEC
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < n_rows
-    tok = rows // H
-    head = rows - tok * H
-    cols = tl.arange(0, BLOCK_D)
-    cmask = cols < D
-    m2 = rmask[:, None] & cmask[None, :]
+    if ONE_HEAD:
+        tok = rows
+        head = rows * 0
+    elif ROWS32:
+        r32 = rows.to(tl.int32)                 # n_rows < 2**31 (chosen on the host)
+        tok32 = r32 // H
+        tok = tok32.to(tl.int64)
+        head = (r32 - tok32 * H).to(tl.int64)
+    else:
+        tok = rows // H
+        head = rows - tok * H
+    col = tl.arange(0, NV)[:, None] * VEC + tl.arange(0, VEC)[None, :]       # [NV, VEC]
+    cmask = col < D
+    m3 = rmask[:, None, None] & cmask[None, :, :]
     xrow = tok * sx_n + head * sx_h
-    x = load_f32(x_ptr, xrow[:, None] + cols[None, :], m2, True)
+    x = load_f32(x_ptr, xrow[:, None, None] + col[None, :, :], m3, True)    # [M, NV, VEC]
     y = x
 
     # ---- RMSNorm
     if HAS_NORM:
-        ss = _tree_sum(x * x, BLOCK_M, LOG2_BLOCK_D)
-        rstd = tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tl.sqrt_rn(tl.div_rn(ss, D * 1.0) + eps))
-        w = load_f32(w_ptr, cols, cmask, W_BF16)
-        y = round_bf16((x * rstd[:, None]) * w[None, :], NATIVE)
+        ss = _tree_sum(x * x, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC)
+        if (D & (D - 1)) == 0:
+            mean = ss * (1.0 / D)             # exact: the same bits as ss / D for a power of two
+        else:
+            mean = tl.div_rn(ss, D * 1.0)
+        rstd = tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tl.sqrt_rn(mean + eps))
+        w = load_f32(w_ptr, col, cmask, W_BF16)
+        y = round_bf16((x * rstd[:, None, None]) * w[None, :, :], NATIVE)
         if OUT_STAGE == 1:
-            _store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None] + cols[None, :], y, m2)
+            _store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None, None] + col[None, :, :], y, m3)
 
-    # ---- RoPE: every rotated element is computed from itself and its partner (reloaded and
-    # renormalized: the same arithmetic gives the same bits)
-    if HAS_ROPE:
-        HALF: tl.constexpr = R // 2
-        k = cols - ROPE_OFF
+    HALF: tl.constexpr = R // 2
+    if ROPE != 0:
+        pos = tl.load(pos_ptr + tok * s_pos, mask=rmask, other=-1)
+        pok = rmask & (pos >= 0) & (pos < P)
+        csrow = tl.where(pok, pos, 0).to(tl.int64) * s_cs
+    if ROPE == 1:
+        k = col - ROPE_OFF
         in_rope = (k >= 0) & (k < R)
         if NEOX:
             first = k < HALF
             j = tl.where(first, k, k - HALF)
-            partner = tl.where(first, cols + HALF, cols - HALF)
+            partner = tl.where(first, col + HALF, col - HALF)
         else:
             first = (k & 1) == 0
             j = k >> 1
-            partner = tl.where(first, cols + 1, cols - 1)
+            partner = tl.where(first, col + 1, col - 1)
         j = tl.where(in_rope, j, 0)
         partner = tl.where(in_rope, partner, 0)
-        pos = tl.load(pos_ptr + tok * s_pos, mask=rmask, other=-1).to(tl.int64)
-        pok = rmask & (pos >= 0) & (pos < P)
-        rot_mask = pok[:, None] & in_rope[None, :]
-        csrow = tl.where(pok, pos, 0) * s_cs
-        c = load_f32(cs_ptr, csrow[:, None] + j[None, :], rot_mask, CS_BF16)
-        s = load_f32(cs_ptr, csrow[:, None] + HALF + j[None, :], rot_mask, CS_BF16)
-        yp = load_f32(x_ptr, xrow[:, None] + partner[None, :], rot_mask, True)
+        rot_mask = pok[:, None, None] & in_rope[None, :, :]
+        c = load_f32(cs_ptr, csrow[:, None, None] + j[None, :, :], rot_mask, CS_BF16)
+        s = load_f32(cs_ptr, csrow[:, None, None] + HALF + j[None, :, :], rot_mask, CS_BF16)
+        yp = load_f32(x_ptr, xrow[:, None, None] + partner[None, :, :], rot_mask, True)
         if HAS_NORM:
             wp = load_f32(w_ptr, partner, in_rope, W_BF16)
-            yp = round_bf16((yp * rstd[:, None]) * wp[None, :], NATIVE)
-        firstb = first[None, :]
-        a = tl.where(firstb, y, yp)
-        b = tl.where(firstb, yp, y)
-        if CONJ:
-            r0 = (a * c) + (b * s)
-            r1 = (b * c) - (a * s)
-        else:
-            r0 = (a * c) - (b * s)
-            r1 = (a * s) + (b * c)
+            yp = round_bf16((yp * rstd[:, None, None]) * wp[None, :, :], NATIVE)
+        firstb = first[None, :, :]
+        r0, r1 = _rotate(tl.where(firstb, y, yp), tl.where(firstb, yp, y), c, s, CONJ)
         y = tl.where(rot_mask, round_bf16(tl.where(firstb, r0, r1), NATIVE), y)
 
     # ---- Hadamard: butterflies at distance 1, 2, 4, ...; each level sums a size-2 axis
     if HAS_HAD:
-        h = y
+        h = tl.reshape(y, [BLOCK_M, BLOCK_D])
         sgn = tl.where(tl.arange(0, 2) == 0, 1.0, -1.0)[None, None, :, None]
         first2 = (tl.arange(0, 2) == 0)[None, None, :, None]
         for lvl in tl.static_range(LOG2_BLOCK_D):
@@ -177,70 +277,87 @@ def fused_kernel(
             plus = tl.sum(v4, axis=2)
             minus = tl.sum(v4 * sgn, axis=2)
             h = tl.reshape(tl.where(first2, plus[:, :, None, :], minus[:, :, None, :]), [BLOCK_M, BLOCK_D])
-        y = round_bf16(h * had_scale, NATIVE)
+        y = tl.reshape(round_bf16(h * had_scale, NATIVE), [BLOCK_M, NV, VEC])
 
-    if OUT_STAGE == 2:
-        _store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None] + cols[None, :], y, m2)
-
-    # ---- cast and destinations
+    # ---- record addresses
+    ok = rmask
+    qbase = rows
+    sfbase = rows
+    tailbase = rows
     if DEST == 2:
-        slot = tl.load(slot_ptr + tok * s_slot, mask=rmask, other=-1).to(tl.int64)
+        slot = tl.load(slot_ptr + tok * s_slot, mask=rmask, other=-1)
         ok = rmask & (slot >= 0) & (slot < capacity)
-        slot = tl.where(ok, slot, 0)
-        blk = slot // block_size
-        base = blk * s_blk + head * head_stride
-        qbase = base + (slot - blk * block_size) * data_tok
-        sfbase = base + (slot - blk * block_size) * sf_tok + sf_off
-        tailbase = qbase + tail_off
-        qbase = qbase + data_off
-    if CAST != 0:
-        code, stored, back = _quantize(y, BLOCK_M, BLOCK_D, CAST, G, SF, FMAX, NATIVE)
-        if OUT_STAGE == 3:
-            _store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None] + cols[None, :],
-                        tl.where((cols < DQ)[None, :], back, y), m2)
-        gi = tl.arange(0, BLOCK_D // G)
-        gmask = (gi < DQ // G)[None, :]
-        if CAST == 1:
-            qb = code
-            qcols = cols
-            QB: tl.constexpr = DQ
+        if SLOT32:
+            s32 = tl.where(ok, slot, 0).to(tl.int32)       # capacity <= 2**31 (checked on the host)
+            blk32 = s32 // block_size
+            blk = blk32.to(tl.int64)
+            off = (s32 - blk32 * block_size).to(tl.int64)
         else:
-            qb = _pack_e2m1(code, BLOCK_M, BLOCK_D)
-            qcols = tl.arange(0, BLOCK_D // 2)
-            QB: tl.constexpr = DQ // 2
-        if DEST == 1:
-            qrow = tok * sq_n + head * sq_h
-            tl.store(q_ptr.to(tl.pointer_type(tl.uint8)) + qrow[:, None] + qcols[None, :], qb.to(tl.uint8),
-                     mask=rmask[:, None] & (qcols < QB)[None, :])
-            srow = (tok * ss_n + head * ss_h)[:, None] + gi[None, :]
-            smask = rmask[:, None] & gmask
-            if SF == 0 or SF == 2:
-                tl.store(sf_ptr.to(tl.pointer_type(tl.uint8)) + srow, stored.to(tl.uint8), mask=smask)
-            else:
-                tl.store(sf_ptr.to(tl.pointer_type(tl.uint32)) + srow, stored, mask=smask)
-        if DEST == 2:
-            okm = ok[:, None]
-            tl.store(cache_ptr + qbase[:, None] + qcols[None, :], qb.to(tl.uint8), mask=okm & (qcols < QB)[None, :])
-            if SF == 0 or SF == 2:
-                tl.store(cache_ptr + sfbase[:, None] + gi[None, :], stored.to(tl.uint8), mask=okm & gmask)
-            else:
-                _store_u32_bytes(cache_ptr, sfbase[:, None] + 4 * gi[None, :], stored, okm & gmask)
-            if DQ < D:
-                tail = (cols >= DQ) & cmask
-                tcol = tl.where(tail, cols - DQ, 0)
-                bits = bf16_bits(y).to(tl.uint32)
-                tm = okm & tail[None, :]
-                tl.store(cache_ptr + tailbase[:, None] + 2 * tcol[None, :], (bits & 0xFF).to(tl.uint8), mask=tm)
-                tl.store(cache_ptr + tailbase[:, None] + 2 * tcol[None, :] + 1, (bits >> 8).to(tl.uint8), mask=tm)
-    elif DEST == 2:
-        _store_bf16_bytes(cache_ptr, qbase, y, BLOCK_D, ok[:, None] & cmask[None, :], BLOCK_M)
+            s64 = tl.where(ok, slot, 0).to(tl.int64)
+            blk = s64 // block_size
+            off = s64 - blk * block_size
+        base = blk * s_blk + head * head_stride
+        qbase = tl.multiple_of(base + off * data_tok + data_off, QALIGN)
+        sfbase = tl.multiple_of(base + off * sf_tok + sf_off, SFALIGN)
+        tailbase = tl.multiple_of(base + off * data_tok + tail_off, TALIGN)
+
+    # ---- outputs: the main tile (without the sub-tile's columns under ROPE 2)
+    NG: tl.constexpr = BLOCK_D // G
+    GV: tl.constexpr = G // VEC
+    SKIP0: tl.constexpr = ROPE_OFF if ROPE == 2 else 0
+    SKIP1: tl.constexpr = ROPE_OFF + R if ROPE == 2 else 0
+    _emit(tl.reshape(y, [BLOCK_M, NG, GV, VEC]), tok, head, rmask, ok, qbase,
+          sfbase, tailbase, out_ptr, so_n, so_h, q_ptr, sq_n, sq_h, sf_ptr, ss_n, ss_h, cache_ptr,
+          0, SKIP0, SKIP1, BLOCK_M, NG, GV, VEC, G, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN)
+
+    # ---- ROPE 2: the R rotated columns as their own tile [M, R / GS, GS / VEC, VEC] (two halves for NEOX)
+    if ROPE == 2:
+        GS: tl.constexpr = G if (CAST != 0 and ROPE_OFF < DQ) else 8
+        NS: tl.constexpr = HALF // GS
+        GSV: tl.constexpr = GS // VEC
+        jj = _grid3(NS, GSV, VEC)                                     # rotation index j
+        if NEOX:
+            c0 = ROPE_OFF + jj                                         # first-half columns
+            c1 = c0 + HALF
+        else:
+            c0 = ROPE_OFF + 2 * jj
+            c1 = c0 + 1
+        ld = rmask[:, None, None, None]
+        a = load_f32(x_ptr, xrow[:, None, None, None] + c0[None, :, :, :], ld, True)
+        b = load_f32(x_ptr, xrow[:, None, None, None] + c1[None, :, :, :], ld, True)
+        if HAS_NORM:
+            r4 = rstd[:, None, None, None]
+            a = round_bf16((a * r4) * load_f32(w_ptr, c0, c0 >= 0, W_BF16)[None, :, :, :], NATIVE)
+            b = round_bf16((b * r4) * load_f32(w_ptr, c1, c1 >= 0, W_BF16)[None, :, :, :], NATIVE)
+        pm = pok[:, None, None, None]
+        c = load_f32(cs_ptr, csrow[:, None, None, None] + jj[None, :, :, :], pm, CS_BF16)
+        s = load_f32(cs_ptr, csrow[:, None, None, None] + HALF + jj[None, :, :, :], pm, CS_BF16)
+        r0, r1 = _rotate(a, b, c, s, CONJ)
+        r0 = tl.where(pm, round_bf16(r0, NATIVE), a)
+        r1 = tl.where(pm, round_bf16(r1, NATIVE), b)
+        if NEOX:
+            _emit(r0, tok, head, rmask, ok, qbase, sfbase,
+                  tailbase, out_ptr, so_n, so_h, q_ptr, sq_n, sq_h, sf_ptr, ss_n, ss_h, cache_ptr,
+                  ROPE_OFF, 0, 0, BLOCK_M, NS, GSV, VEC, GS, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN)
+            _emit(r1, tok, head, rmask, ok, qbase,
+                  sfbase, tailbase, out_ptr, so_n, so_h, q_ptr, sq_n, sq_h, sf_ptr, ss_n, ss_h, cache_ptr,
+                  ROPE_OFF + HALF, 0, 0, BLOCK_M, NS, GSV, VEC, GS, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN)
+        else:
+            # interleaved pairs back in column order: [M, NS, GSV, VEC, 2] -> [M, 2 * NS, GSV, VEC]
+            NS2: tl.constexpr = 2 * NS
+            rr = tl.reshape(tl.join(r0, r1), [BLOCK_M, NS2, GSV, VEC])
+            _emit(rr, tok, head, rmask, ok,
+                  qbase, sfbase, tailbase, out_ptr, so_n, so_h, q_ptr, sq_n, sq_h, sf_ptr, ss_n, ss_h, cache_ptr,
+                  ROPE_OFF, 0, 0, BLOCK_M, NS2, GSV, VEC, GS, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN)
 
 
 # --------------------------------------------------------------------------- launch configuration
 # triton.jit chose between compiling and interpreting when this module was imported
 INTERPRET = _backend.interpreter_enabled()
 # the launch path is hot: plain-Python helpers (triton.next_power_of_2 costs microseconds a call)
-_NATIVE_CASTS = os.environ.get("KVFUSE_NATIVE_CASTS", "1") != "0"
+# 0: integer narrowing helpers on the GPU too (a diagnostic: the bytes must not change); 1: native
+# conversions; 2: native, and the e4m3 encode without its signed-zero guard
+_NATIVE_CASTS = int(os.environ.get("KVFUSE_NATIVE_CASTS", "2"))
 
 
 def next_pow2(v: int) -> int:
@@ -250,14 +367,20 @@ def next_pow2(v: int) -> int:
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
-_force = threading.local()
+class _ForcedConfig(threading.local):
+    cfg = None  # a class default: reading it costs no AttributeError in threads that never forced
+
+
+_force = _ForcedConfig()
+# row and slot arithmetic runs in int32 below this bound (tests lower it to exercise the int64 paths)
+_INT32_LIMIT = 2 ** 31
 
 
 @contextlib.contextmanager
-def force_config(block_m: int = None, num_warps: int = None):
+def force_config(block_m: int = None, num_warps: int = None, vec: int = None):
     """Force rows per program / warps per program (tests of launch-configuration invariance)."""
-    prev = getattr(_force, "cfg", None)
-    _force.cfg = (block_m, num_warps)
+    prev = _force.cfg
+    _force.cfg = (block_m, num_warps, vec)
     try:
         yield
     finally:
@@ -265,17 +388,17 @@ def force_config(block_m: int = None, num_warps: int = None):
 
 
 def launch_config(n_rows: int, head_dim: int, block_d: int, interpret: bool):
-    """(BLOCK_M, num_warps) from a small table measured on the H200 (benchmarks/tune_sweep.py):
-    one row per program and 4 warps at decode sizes, ~1-2K elements per one-warp program above;
-    the interpreter pays per program, so it takes many rows at once."""
-    forced = getattr(_force, "cfg", None)
+    """(BLOCK_M, num_warps) from a small table measured on the H200 (benchmarks/tune_sweep.py,
+    DEVICE_NOTES.md): one row per one-warp program at decode sizes, ~1K elements per one-warp
+    program above; the interpreter pays per program, so it takes many rows at once."""
+    forced = _force.cfg
     if interpret:
         bm = min(next_pow2(max(n_rows, 1)), max(1, 16384 // block_d))
         nw = 4
     elif n_rows <= 512:
-        bm, nw = 1, 4          # decode sizes: as many programs as rows (H200 sweep, BENCHMARKS.md)
+        bm, nw = 1, 1          # decode sizes: as many one-warp programs as rows (H200 sweep, BENCHMARKS.md)
     else:
-        bm = max(1, next_pow2(1152 // head_dim + 1) // 2)  # ~1-2K elements per program, one warp
+        bm = min(4, max(1, 1024 // block_d))   # ~1K elements per one-warp program: 2 rows of 512, 4 of 128
         nw = 1
     if forced is not None:
         bm = forced[0] or bm
@@ -283,64 +406,194 @@ def launch_config(n_rows: int, head_dim: int, block_d: int, interpret: bool):
     return bm, nw
 
 
-def _native(interpret: bool) -> bool:
-    """Native conversions on the GPU (exact there); KVFUSE_NATIVE_CASTS=0 (read at import) forces the
-    integer helpers (a diagnostic: both must give the same bytes)."""
-    return not interpret and _NATIVE_CASTS
+def _native(interpret: bool) -> int:
+    """Native conversions on the GPU (exact there); never in the interpreter (wrong there)."""
+    return 0 if interpret else _NATIVE_CASTS
 
 
-def run_plan(plan: Plan) -> None:
-    """Launch the fused kernel for a validated plan (n >= 1)."""
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def rope_mode(plan: Plan) -> int:
+    """0 no RoPE; 2 the rotated columns as a separate sub-tile when they are whole quantization
+    groups (or outside the quantized part, or there is no cast) and no Hadamard follows; else 1
+    (rotation on the whole tile)."""
+    if plan.positions is None:
+        return 0
+    if plan.hadamard_scale is not None:
+        return 1
+    off, half = plan.rope_offset, plan.rotary_dim // 2
+    quantized = plan.cast is not None and off < plan.quant_dim
+    gs = plan.cast.group if quantized else 8
+    fits = half % gs == 0 and _pow2(half // gs) and off % gs == 0
+    if quantized and off + plan.rotary_dim > plan.quant_dim:
+        fits = False
+    return 2 if fits else 1
+
+
+def vec_width(plan: Plan, data_align: int) -> int:
+    """Columns per lane vector: 8 (16-byte bf16 loads), or 4 when the cache's data records are only
+    4-byte aligned and 8 codes would not leave in one store."""
+    if plan.kv_cache is None:
+        return 8
+    bytes_per_8 = 16 if plan.cast is None else (8 if plan.cast.cast_fmt == "e4m3" else 4)
+    return 8 if data_align >= bytes_per_8 else 4
+
+
+def _align(*vals: int) -> int:
+    """The largest power of two <= 16 dividing every value (0 divides by anything)."""
+    a = 16
+    for v in vals:
+        while v % a:
+            a //= 2
+    return a
+
+
+def record_alignments(plan: Plan) -> tuple:
+    """(data, scales, tail) byte alignments of every record address of the plan's cache: the base
+    pointer and every stride and offset an address is built from (1, 1, 1 without a cache). The
+    kernel tells the compiler (tl.multiple_of) and widens its stores to match. The pointer's part
+    makes the launch depend on data_ptr() % 16, which kvfuse.plan keys the plan cache by."""
+    cache, a = plan.kv_cache, plan.addressing
+    if cache is None:
+        return 1, 1, 1
+    base = (cache.data_ptr() % 16, cache.stride(0), a.head_stride if cache.shape[2] > 1 else 0)
+    return (_align(*base, a.data_token_stride, a.data_offset), _align(*base, a.sf_token_stride, a.sf_offset),
+            _align(*base, a.data_token_stride, a.tail_offset))
+
+
+# --------------------------------------------------------------------------- launches
+@dataclasses.dataclass(frozen=True)
+class PlanTensor:
+    """In a launch's argument table: the tensor ``field`` (of the plan, or of a store / load call)
+    goes here."""
+    field: str
+
+
+@functools.lru_cache(maxsize=None)
+def tensor_arg(field: str) -> PlanTensor:
+    """PlanTensor(field), made once per field (building a frozen dataclass costs ~0.6 us)."""
+    return PlanTensor(field)
+
+
+class Launch:
+    """One kernel launch with its tensors left open: the grid, the positional arguments (constants,
+    and a PlanTensor where a tensor goes) and the keyword arguments (constexprs, launch options).
+    Everything but the tensors is a function of the call signature, so it is computed once and
+    kept with the signature's cache entry. ``run(tensors)`` takes the tensors from a tuple of
+    ``num_tensors`` whose layout ``tensor_index`` (field -> position) describes; a field it lacks
+    gets the tensor of field ``stand_in`` (a pointer the kernel never dereferences)."""
+
+    __slots__ = ("kernel_name", "grid", "pick", "constants", "options")
+
+    def __init__(self, kernel_name: str, grid: tuple, args: tuple, options: dict, tensor_index: dict,
+                 num_tensors: int, stand_in: str = "x"):
+        fallback = tensor_index[stand_in]
+        constants, order = [], []
+        for a in args:
+            if isinstance(a, PlanTensor):
+                order.append(tensor_index.get(a.field, fallback))
+            else:
+                order.append(num_tensors + len(constants))  # the constants follow the tensors
+                constants.append(a)
+        self.kernel_name = kernel_name
+        self.grid = grid
+        self.pick = operator.itemgetter(*order)  # positional args out of tensors + constants, in C
+        self.constants = tuple(constants)
+        self.options = options
+
+    def run(self, tensors: tuple) -> None:
+        kernel = globals()[self.kernel_name]  # looked up per launch: tests and benchmarks swap kernel objects
+        kernel[self.grid](*self.pick(tensors + self.constants), **self.options)
+
+
+def fused_args(plan: Plan, tensor) -> tuple:
+    """(grid, positional args, keyword args) of the fused kernel for ``plan``: the kernel's parameter
+    table, in its order. ``tensor(field)`` is what goes where the plan's tensor ``field`` goes: the
+    tensor itself (run_plan) or a PlanTensor (a Launch kept for the signature)."""
     x = plan.x
     n, H, D = x.shape
     block_d = next_pow2(D)
     interpret = INTERPRET
     bm, nw = launch_config(n * H, D, block_d, interpret)
-    dummy = x
-    cast = plan.cast
-    out = plan.out if plan.out is not None else dummy
-    if plan.kv_cache is not None:
+    cast, a, cache = plan.cast, plan.addressing, plan.kv_cache
+
+    def or_x(t):  # strides of a tensor the plan does not have: x's (x stands in for it)
+        return x if t is None else t
+
+    out, q, sf = or_x(plan.out), or_x(plan.q_out), or_x(plan.sf_out)
+    qal, sfal, tal = record_alignments(plan)
+    forced = _force.cfg
+    vec = (forced[2] if forced is not None else None) or vec_width(plan, qal)
+    cap = cache.shape[0] * cache.shape[1] if cache is not None else 0
+    if cache is not None:
         dest = DEST_CACHE
     elif plan.q_out is not None:
         dest = DEST_CONTIGUOUS
     else:
         dest = DEST_NONE
-    q = plan.q_out if plan.q_out is not None else dummy
-    sf = plan.sf_out if plan.sf_out is not None else dummy
-    cache = plan.kv_cache if plan.kv_cache is not None else dummy
-    a = plan.addressing
-    cap = cache.shape[0] * cache.shape[1] if plan.kv_cache is not None else 0
-    w = plan.weight if plan.weight is not None else dummy
-    pos = plan.positions if plan.positions is not None else dummy
-    cs = plan.cos_sin if plan.cos_sin is not None else dummy
-    grid = (cdiv(n * H, bm),)
-    fused_kernel[grid](
-        x, x.stride(0), x.stride(1),
-        w, plan.eps,
-        pos, pos.stride(0) if plan.positions is not None else 0, cs,
-        cs.stride(0) if plan.cos_sin is not None else 0, cs.shape[0] if plan.cos_sin is not None else 0,
+    T = tensor
+    args = (
+        T("x"), x.stride(0), x.stride(1),
+        T("weight"), plan.eps,
+        T("positions"), plan.positions.stride(0) if plan.positions is not None else 0,
+        T("cos_sin"), plan.cos_sin.stride(0) if plan.cos_sin is not None else 0,
+        plan.cos_sin.shape[0] if plan.cos_sin is not None else 0,
         plan.hadamard_scale if plan.hadamard_scale is not None else 1.0,
-        out, out.stride(0), out.stride(1),
-        q, q.stride(0), q.stride(1), sf, sf.stride(0), sf.stride(1),
-        plan.slot_mapping if plan.slot_mapping is not None else dummy,
-        plan.slot_mapping.stride(0) if plan.slot_mapping is not None else 0,
-        cache, cache.stride(0),
+        T("out"), out.stride(0), out.stride(1),
+        T("q_out"), q.stride(0), q.stride(1), T("sf_out"), sf.stride(0), sf.stride(1),
+        T("slot_mapping"), plan.slot_mapping.stride(0) if plan.slot_mapping is not None else 0,
+        T("kv_cache"), or_x(cache).stride(0),
         a.data_token_stride if a else 0, a.sf_token_stride if a else 0, a.head_stride if a else 0,
-        a.data_offset if a else 0, a.sf_offset if a else 0,
-        (a.tail_offset - a.data_offset) if a else 0,
-        cache.shape[1] if plan.kv_cache is not None else 1, cap,
+        a.data_offset if a else 0, a.sf_offset if a else 0, a.tail_offset if a else 0,
+        cache.shape[1] if cache is not None else 1, cap,
         n * H, H,
-        D=D, BLOCK_D=block_d, LOG2_BLOCK_D=block_d.bit_length() - 1, BLOCK_M=bm,
+    )
+    options = dict(
+        D=D, BLOCK_D=block_d, LOG2_BLOCK_D=block_d.bit_length() - 1, VEC=vec, BLOCK_M=bm,
+        ONE_HEAD=H == 1, ROWS32=n * H + bm < _INT32_LIMIT,
         HAS_NORM=plan.weight is not None, W_BF16=plan.weight is not None and plan.weight.dtype == torch.bfloat16,
-        HAS_ROPE=plan.positions is not None, R=plan.rotary_dim, ROPE_OFF=plan.rope_offset, NEOX=plan.is_neox,
+        ROPE=rope_mode(plan), R=plan.rotary_dim, ROPE_OFF=plan.rope_offset, NEOX=plan.is_neox,
         CONJ=plan.conjugate, CS_BF16=plan.cos_sin is not None and plan.cos_sin.dtype == torch.bfloat16,
         HAS_HAD=plan.hadamard_scale is not None,
         CAST=CAST_CODES[cast.cast_fmt if cast else None], G=cast.group if cast else 16,
         SF=SF_CODES[cast.sf_format] if cast else 0, FMAX=FMAX[cast.cast_fmt] if cast else 1.0,
         DQ=plan.quant_dim if cast else D,
         OUT_STAGE=STAGE_CODES[plan.out_stage], DEST=dest, NATIVE=_native(interpret),
+        SLOT32=cap < _INT32_LIMIT, QALIGN=qal, SFALIGN=sfal, TALIGN=tal,
         num_warps=nw, num_stages=1, enable_fp_fusion=False,
     )
+    return (cdiv(n * H, bm),), args, options
+
+
+def fused_launch(plan: Plan, tensor_index: dict, num_tensors: int) -> Launch:
+    """The fused kernel's launch for ``plan``, its tensors left open (see Launch)."""
+    return Launch("fused_kernel", *fused_args(plan, tensor_arg), tensor_index, num_tensors)
+
+
+def run_plan(plan: Plan) -> None:
+    """Launch the fused kernel for a validated plan (n >= 1)."""
+    x = plan.x
+
+    def tensor(field):  # x stands in for a tensor the plan does not have (never dereferenced)
+        t = getattr(plan, field)
+        return x if t is None else t
+
+    grid, args, options = fused_args(plan, tensor)
+    fused_kernel[grid](*args, **options)
+
+
+def run_template(template, tensors: tuple) -> None:
+    """Launch the fused kernel for one call of a validated signature (a kvfuse.plan.PlanTemplate,
+    n >= 1): its launch parameters are computed on the first launch and kept with the template
+    (recomputed, not kept, while force_config is active)."""
+    launch = template.launch
+    if launch is None or _force.cfg is not None:
+        launch = fused_launch(template.bind(tensors), template.tensor_index, template.num_tensors)
+        if _force.cfg is None:
+            template.launch = launch
+    launch.run(tensors)
 
 
 # --------------------------------------------------------------------------- store / load
@@ -455,48 +708,79 @@ def _cache_geometry(kv_cache, fmt):
             a.tail_offset, kv_cache.shape[1], kv_cache.shape[0] * kv_cache.shape[1])
 
 
-def _bytes_rows(t, rows):
-    return t.contiguous().view(torch.uint8).reshape(rows, -1)
+def _dense_bytes(t):
+    """t's bytes as a dense uint8 tensor (a view when t is contiguous): the store kernel copies bytes."""
+    t = t.contiguous()
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
-def store(kv_cache, slot_mapping, fmt, data, sf=None, tail=None) -> None:
-    """Triton store_kv_cache: data [n, H, ..] (+ sf, tail) -> records (validated by the caller)."""
-    n, H = data.shape[0], data.shape[1]
-    rows = n * H
-    d = _bytes_rows(data, rows)
-    s = _bytes_rows(sf, rows) if fmt.quantized else d
-    t = _bytes_rows(tail, rows) if fmt.bf16_tail else d
-    qb, sfb, tb = d.shape[1], (s.shape[1] if fmt.quantized else 0), (t.shape[1] if fmt.bf16_tail else 0)
+def store_launch(kv_cache, slot_mapping, fmt, payloads) -> Launch:
+    """store_kernel's launch; ``payloads``: (data, sf, tail) as dense bytes, None where absent."""
+    rows = slot_mapping.shape[0] * kv_cache.shape[2]
+    qb, sfb, tb = (0 if p is None else p.numel() // rows for p in payloads)
     bm = 64 if INTERPRET else 8
-    np2 = next_pow2
-    store_kernel[(cdiv(rows, bm),)](
-        d, s, t, slot_mapping, slot_mapping.stride(0), kv_cache, *_cache_geometry(kv_cache, fmt), rows, H,
-        QB=qb, BLOCK_QB=np2(qb), SFB=sfb, BLOCK_SFB=np2(max(sfb, 1)), TB=tb, BLOCK_TB=np2(max(tb, 1)),
-        BLOCK_M=bm, num_warps=4)
+    T = tensor_arg
+    args = (T("data"), T("sf"), T("tail"), T("slot_mapping"), slot_mapping.stride(0), T("kv_cache"),
+            *_cache_geometry(kv_cache, fmt), rows, kv_cache.shape[2])
+    options = dict(QB=qb, BLOCK_QB=next_pow2(qb), SFB=sfb, BLOCK_SFB=next_pow2(max(sfb, 1)), TB=tb,
+                   BLOCK_TB=next_pow2(max(tb, 1)), BLOCK_M=bm, num_warps=4)
+    index = {name: i for i, (name, p) in enumerate(zip(("data", "sf", "tail"), payloads)) if p is not None}
+    index.update(slot_mapping=3, kv_cache=4)
+    return Launch("store_kernel", (cdiv(rows, bm),), args, options, index, 5, stand_in="data")
 
 
-def load(kv_cache, slot_mapping, fmt, dequantize: bool):
-    """Triton load_paged_kv_cache (see kvfuse.api.load_paged_kv_cache)."""
-    n = slot_mapping.shape[0]
-    H = kv_cache.shape[2]
-    rows = n * H
-    dev = kv_cache.device
+def store(kv_cache, slot_mapping, fmt, data, sf=None, tail=None, entry=None) -> None:
+    """Triton store_kv_cache: data [n(, H), ..] (+ sf, tail) -> records (validated by the caller).
+    ``entry``: the call signature's plan-cache entry, where the launch parameters are kept."""
+    payloads = (_dense_bytes(data), _dense_bytes(sf) if fmt.quantized else None,
+                _dense_bytes(tail) if fmt.bf16_tail else None)
+    launch = None if entry is None else entry.launch
+    if launch is None:
+        launch = store_launch(kv_cache, slot_mapping, fmt, payloads)
+        if entry is not None:
+            entry.launch = launch
+    launch.run(payloads + (slot_mapping, kv_cache))
+
+
+def load_outputs(kv_cache, slot_mapping, fmt, dequantize: bool):
+    """The new outputs of a load: (out, sf_out); sf_out is out when dequantizing."""
+    n, H, dev = slot_mapping.shape[0], kv_cache.shape[2], kv_cache.device
+    if dequantize:
+        out = torch.empty((n, H, fmt.head_dim), dtype=torch.bfloat16, device=dev)
+        return out, out
+    return (torch.empty((n, H, fmt.data_bytes), dtype=torch.uint8, device=dev),
+            torch.empty((n, H, fmt.sf_bytes), dtype=torch.uint8, device=dev))
+
+
+def load_launch(kv_cache, slot_mapping, fmt, dequantize: bool) -> Launch:
+    """load_kernel's launch; its tensors: (slot_mapping, kv_cache, out, sf_out)."""
+    rows = slot_mapping.shape[0] * kv_cache.shape[2]
     interpret = INTERPRET
     D = fmt.head_dim
     block_d = next_pow2(D)
-    if dequantize:
-        out = torch.empty((n, H, D), dtype=torch.bfloat16, device=dev)
-        sf_out = out
-    else:
-        out = torch.empty((n, H, fmt.data_bytes), dtype=torch.uint8, device=dev)
-        sf_out = torch.empty((n, H, fmt.sf_bytes), dtype=torch.uint8, device=dev)
     bm = min(next_pow2(max(rows, 1)), max(1, 16384 // block_d)) if interpret else max(1, 2048 // block_d)
     np2 = next_pow2
-    load_kernel[(cdiv(rows, bm),)](
-        slot_mapping, slot_mapping.stride(0), kv_cache, *_cache_geometry(kv_cache, fmt), rows, H, out,
-        sf_out if sf_out.numel() else out,
+    T = tensor_arg
+    sf_out = T("sf_out") if fmt.sf_bytes else T("out")  # no scale bytes, no sf_out bytes: out stands in
+    args = (T("slot_mapping"), slot_mapping.stride(0), T("kv_cache"), *_cache_geometry(kv_cache, fmt), rows,
+            kv_cache.shape[2], T("out"), sf_out)
+    options = dict(
         D=D, BLOCK_D=block_d, DQ=fmt.quant_dim, CAST=CAST_CODES[fmt.cast_fmt], G=fmt.elements_per_sf or 16,
         SF=SF_CODES.get(fmt.sf_format, 0), QB=fmt.quant_bytes, DATA_B=fmt.data_bytes,
         BLOCK_DATA_B=np2(fmt.data_bytes), SFB=fmt.sf_bytes, BLOCK_SFB=np2(max(fmt.sf_bytes, 1)),
         DEQUANT=dequantize, BLOCK_M=bm, NATIVE=not interpret, num_warps=4, enable_fp_fusion=False)
+    index = {"slot_mapping": 0, "kv_cache": 1, "out": 2, "sf_out": 3}
+    return Launch("load_kernel", (cdiv(rows, bm),), args, options, index, 4, stand_in="out")
+
+
+def load(kv_cache, slot_mapping, fmt, dequantize: bool, entry=None):
+    """Triton load_paged_kv_cache (see kvfuse.api.load_paged_kv_cache). ``entry``: the call
+    signature's plan-cache entry, where the launch parameters are kept."""
+    out, sf_out = load_outputs(kv_cache, slot_mapping, fmt, dequantize)
+    launch = None if entry is None else entry.launch
+    if launch is None:
+        launch = load_launch(kv_cache, slot_mapping, fmt, dequantize)
+        if entry is not None:
+            entry.launch = launch
+    launch.run((slot_mapping, kv_cache, out, sf_out))
     return out if dequantize else (out, sf_out)

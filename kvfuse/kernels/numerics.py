@@ -1,6 +1,6 @@
 """Triton helpers that give SPEC §2's bits on the GPU and in the interpreter alike.
 
-NATIVE (constexpr) selects the GPU's native conversions (exact there: cvt.rn for bf16,
+NATIVE (constexpr; 0 integer helpers, 1 native, 2 native e4m3 without the signed-zero guard) selects the GPU's native conversions (exact there: cvt.rn for bf16,
 cvt.rn.satfinite for e4m3); the interpreter's native conversions are wrong (truncation, ties
 away from zero, bad subnormals), so there NATIVE=False narrows with integer round-to-nearest-even
 on the bit patterns. All arithmetic is fp32 with explicit IEEE division/sqrt; kernels launch with
@@ -44,10 +44,11 @@ def encode_e4m3(t, NATIVE: tl.constexpr):
     """fp32 with |t| <= 448 -> e4m3fn code (uint8), RTNE, sign kept (-0 -> 0x80)."""
     if NATIVE:
         c = t.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        # |t| <= 2^-10 rounds to a signed zero; said explicitly so that fp32 subnormals (which the
-        # conversion may flush without their sign) give 0x80 for negative inputs too
-        neg_zero = ((t.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
-        c = tl.where(tl.abs(t) <= 0.0009765625, neg_zero, c)
+        if NATIVE == 1:
+            # |t| <= 2^-10 rounds to a signed zero; said explicitly in case the conversion flushes fp32
+            # subnormals without their sign (NATIVE == 2 trusts the conversion: tests/gpu/test_gpu_numerics.py)
+            neg_zero = ((t.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+            c = tl.where(tl.abs(t) <= 0.0009765625, neg_zero, c)
     else:
         u = t.to(tl.uint32, bitcast=True)
         sign = (u >> 24) & 0x80
@@ -76,10 +77,15 @@ def decode_e4m3(c):
 
 @triton.jit
 def encode_e2m1(t):
-    """fp32 with |t| <= 6 -> e2m1 code 0..15 (int32), RTNE via the midpoints, sign in bit 3."""
+    """fp32 -> e2m1 code 0..15 (int32), RTNE, saturating at 6, sign in bit 3.
+    |t| < 1: 2|t| rounded to an integer (0, 1, 2 = the codes of 0, 0.5, 1) by adding 2^23;
+    |t| >= 1: the bit pattern rounded to one mantissa bit (integer RTNE, the carry goes into the
+    exponent), then (exponent, bit) - (126, 0) is the code (1.0 -> 2, ..., 6.0 -> 7)."""
     a = tl.abs(t)
-    code = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) \
-        + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
+    sub = (a * 2.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    u = a.to(tl.uint32, bitcast=True)                     # sign clear: no overflow below
+    nrm = tl.minimum(((u + 0x1FFFFF + ((u >> 22) & 1)) >> 22).to(tl.int32) - 252, 7)
+    code = tl.where(a < 1.0, sub, nrm)
     neg = (t.to(tl.uint32, bitcast=True) >> 31).to(tl.int32)
     return code | (neg << 3)
 
@@ -103,9 +109,18 @@ def pow2(e):
 def group_scales(amax, FMAX: tl.constexpr, SF: tl.constexpr, NATIVE: tl.constexpr):
     """amax (floored) -> (multiplier m, dequant scale d, stored: the scale byte or the fp32 bits, uint32).
     FMAX 448 (e4m3) or 6 (e2m1); SF 0 ue8m0, 1 ue8m0_fp32, 2 e4m3, 3 fp32."""
-    s = tl.div_rn(amax, FMAX)
     if SF == 0 or SF == 1:
-        e = ((s.to(tl.int32, bitcast=True) - 1) >> 23) + 1 - 127
+        # e = ceil(log2(RN(amax / FMAX))) without the division. FMAX = 1.f * 2^p (448 = 1.75 * 2^8,
+        # 6 = 1.5 * 2^2): RN(amax / FMAX) <= 2^k exactly when amax <= FMAX * 2^k, because no fp32 lies
+        # between FMAX * 2^k and FMAX * 2^k * (1 + 2^-24), the rounding midpoint above 2^k (the ulp of amax
+        # there is 2^(k+p-23) > FMAX * 2^(k-24)). So e is amax's exponent minus p, plus one when amax's
+        # significand exceeds 1.f. Exact for every finite amax >= 1e-4 (both amax and s are normal);
+        # an infinite amax gives the SPEC's e = 128 (s = inf; stored byte 255) explicitly.
+        P: tl.constexpr = 8 if FMAX == 448.0 else 2
+        FRAC: tl.constexpr = 0x600000 if FMAX == 448.0 else 0x400000
+        bits = amax.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) - (127 + P)) + ((bits & 0x7FFFFF) > FRAC).to(tl.int32)
+        e = tl.where((bits >> 23) == 255, 128, e)
         m = tl.where(e >= 127, 0x400000 >> tl.maximum(e - 127, 0), (127 - e) << 23).to(tl.float32, bitcast=True)
         d = pow2(e)
         if SF == 0:
@@ -113,12 +128,13 @@ def group_scales(amax, FMAX: tl.constexpr, SF: tl.constexpr, NATIVE: tl.constexp
         else:
             stored = d.to(tl.uint32, bitcast=True)
     elif SF == 2:
-        s = tl.minimum(tl.maximum(s, 0.001953125), 448.0)
-        code = encode_e4m3(s, NATIVE)
+        s = tl.minimum(tl.maximum(tl.div_rn(amax, FMAX), 0.001953125), 448.0)
+        code = encode_e4m3(s, 1 if NATIVE else 0)            # decoded below: the guarded encode
         d = decode_e4m3(code)
         m = tl.div_rn(1.0, d)
         stored = code.to(tl.uint32)
     else:
+        s = tl.div_rn(amax, FMAX)
         m = tl.div_rn(tl.zeros_like(amax) + FMAX, amax)
         d = s
         stored = s.to(tl.uint32, bitcast=True)

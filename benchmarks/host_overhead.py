@@ -1,0 +1,190 @@
+"""Host cost of one eager call of kvfuse's public entry points, plan cache on vs off.
+
+1. kvfuse's own Python per call (validation, plan, launch arguments), with the Triton launches
+   replaced by no-ops: the fused write of kvfuse.bench's workloads (MAIN_FP8 into a paged cache,
+   the rope-only Q path into a bf16 out, the indexer-Q (q, sf) path), the (q, sf) path with
+   outputs allocated by the call, store_kv_cache and load_paged_kv_cache. Runs on the CPU (the
+   "triton" backend through TRITON_INTERPRET=1, which is set here when there is no GPU) or on CUDA
+   tensors when a GPU is present.
+2. With a GPU: the real eager call (launch included), a loop of calls then one synchronize.
+
+Median (and min) over batches of calls (time.perf_counter_ns). Run against a kvfuse without the
+plan cache (PYTHONPATH=<checkout>) it prints the "cache off" column only. Usage:
+    python benchmarks/host_overhead.py [--n 16] [--calls 20] [--batches 200] [--profile main_fp8]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import gc
+import os
+import pstats
+import statistics
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the kernel objects depend on it
+
+import kvfuse  # noqa: E402
+from kvfuse import bench, formats, plan as kvplan  # noqa: E402
+from kvfuse.kernels import fused as kernels  # noqa: E402
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel: ``kernel[grid](*args, **kwargs)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return _no_launch
+
+
+def _no_launch(*args, **kwargs):
+    return None
+
+
+@contextlib.contextmanager
+def launches_mocked():
+    saved = kernels.fused_kernel, kernels.store_kernel, kernels.load_kernel
+    kernels.fused_kernel = kernels.store_kernel = kernels.load_kernel = _NoLaunch()
+    try:
+        yield
+    finally:
+        kernels.fused_kernel, kernels.store_kernel, kernels.load_kernel = saved
+
+
+@contextlib.contextmanager
+def plan_cache(enabled: bool):
+    """Turn kvfuse's plan cache on or off (a no-op where kvfuse has none: the "before" numbers)."""
+    setter = getattr(kvplan, "set_plan_cache", None)
+    if setter is None:
+        if enabled:
+            raise RuntimeError("this kvfuse has no plan cache")
+        yield
+        return
+    prev = kvplan.plan_cache_enabled()
+    setter(enabled)
+    try:
+        yield
+    finally:
+        setter(prev)
+
+
+def calls(n: int, device) -> dict:
+    """name -> a zero-argument public call (the exact calls of kvfuse.bench.fused_call, plus the
+    (q, sf) path with new outputs and the store / load entry points)."""
+    out = {}
+    for name in ("main_fp8", "q_pre", "index_q"):
+        wl = bench.WORKLOADS[name]
+        out[name] = bench.fused_call(wl, bench.build_inputs(wl, n, device))
+    wl = bench.WORKLOADS["index_q"]
+    inp = bench.build_inputs(wl, n, device)
+    rope = kvfuse.RopeArgs(inp.positions, inp.cos_sin, wl.rotary_dim, True)
+    cast = wl.cast_args
+    out["index_q (new q, sf)"] = lambda: kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(
+        inp.x, None, rope, None, cast, None)
+    fmt = formats.MAIN_FP8
+    wl = bench.WORKLOADS["main_fp8"]
+    inp = bench.build_inputs(wl, n, device)
+    q, sf = inp.q, inp.sf
+    out["store_kv_cache MAIN_FP8"] = lambda: kvfuse.store_kv_cache(q, sf, inp.cache, inp.slots, fmt)
+    out["load_paged_kv_cache MAIN_FP8"] = lambda: kvfuse.load_paged_kv_cache(inp.cache, inp.slots, fmt)
+    return out
+
+
+def per_call_us(fn, modes, calls_per_batch: int, batches: int) -> dict:
+    """mode -> (median, min) over batches of the mean wall time of one call (us). The modes (plan
+    cache off / on) alternate batch by batch, so that drifts of a shared machine hit both alike;
+    the garbage collector is off while timing (as in timeit)."""
+    times = {mode: [] for mode in modes}
+    clock = time.perf_counter_ns
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for b in range(batches + 1):
+            for mode in modes:
+                with plan_cache(mode):
+                    t0 = clock()
+                    for _ in range(calls_per_batch):
+                        fn()
+                    if b:  # the first round warms up
+                        times[mode].append((clock() - t0) / calls_per_batch)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return {mode: (statistics.median(t) / 1e3, min(t) / 1e3) for mode, t in times.items()}
+
+
+def per_call_us_cuda(fn, count: int, repeats: int = 5) -> float:
+    """Eager wall time per call with the real launches: ``count`` calls, then one synchronize."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        for _ in range(count):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter_ns() - t0) / count)
+    return statistics.median(times) / 1e3, min(times) / 1e3
+
+
+def has_cache() -> bool:
+    return hasattr(kvplan, "set_plan_cache")
+
+
+def table(title: str, rows) -> str:
+    """rows: (call name, (median, min) cache off, (median, min) cache on or None)."""
+    lines = [title + ": median (min)", f"{'call':<32} {'cache off':>16} {'cache on':>16} {'speedup':>8}"]
+    for name, off, on in rows:
+        on_s = f"{on[0]:8.2f} ({on[1]:5.2f})" if on else f"{'-':>16}"
+        sp = f"{off[0] / on[0]:7.1f}x" if on else f"{'-':>8}"
+        lines.append(f"{name:<32} {off[0]:8.2f} ({off[1]:5.2f}) {on_s} {sp}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=16, help="tokens per call")
+    p.add_argument("--calls", type=int, default=20, help="calls per timed batch")
+    p.add_argument("--batches", type=int, default=200, help="timed batches (the median is reported)")
+    p.add_argument("--profile", default=None, help="cProfile 20000 cached calls of this call name")
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    fns = calls(args.n, device)
+    modes = (False, True) if has_cache() else (False,)
+
+    with kvfuse.use_backend("triton"):
+        with launches_mocked():
+            rows = []
+            for name, fn in fns.items():
+                us = per_call_us(fn, modes, args.calls, args.batches)
+                rows.append((name, us[False], us.get(True)))
+            print(table(f"kvfuse host cost per call, launches mocked, {device.type}, n={args.n} (us)", rows))
+            if args.profile:
+                with plan_cache(has_cache()):
+                    fn = fns[args.profile]
+                    fn()
+                    prof = cProfile.Profile()
+                    prof.enable()
+                    for _ in range(20000):
+                        fn()
+                    prof.disable()
+                    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        if cuda:
+            rows = []
+            for name, fn in fns.items():
+                us = {}
+                for on in modes:
+                    with plan_cache(on):
+                        us[on] = per_call_us_cuda(fn, 1000)
+                rows.append((name, us[False], us.get(True)))
+            print()
+            print(table(f"eager wall time per call, real launches, {torch.cuda.get_device_name()}, "
+                        f"n={args.n} (us)", rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""The Triton numerics helpers (kvfuse/kernels/numerics.py) against the reference encoders and the
+SPEC's formulas, value by value, in Triton's interpreter (tests/conftest.py sets it): the e2m1 and
+e4m3 encoders on every bf16 value in range, the rounding midpoints and their neighbours and random
+fp32 values; the UE8M0 exponent (computed without a division) on every positive bf16 and random
+fp32 amax, and on FMAX * 2^k and its neighbours, against e = ceil(log2(amax / FMAX)) with an IEEE
+division (numpy float32)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kvfuse import reference as R
+from kvfuse.kernels import numerics as NUM
+
+BLOCK = 1 << 14
+
+
+@triton.jit
+def _encode_kernel(t_ptr, out_ptr, n, CAST: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    t = tl.load(t_ptr + i, mask=m, other=0.0)
+    if CAST == 1:
+        c = NUM.encode_e4m3(t, 0).to(tl.int32)
+    else:
+        c = NUM.encode_e2m1(t)
+    tl.store(out_ptr + i, c, mask=m)
+
+
+@triton.jit
+def _ue8m0_kernel(a_ptr, out_ptr, n, FMAX: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    amax = tl.load(a_ptr + i, mask=m, other=1.0)
+    mult, d, stored = NUM.group_scales(amax, FMAX, 0, 0)
+    tl.store(out_ptr + i, stored.to(tl.int32), mask=m)
+
+
+def _run(kernel, values: np.ndarray, **meta) -> np.ndarray:
+    t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+    out = torch.empty(t.shape, dtype=torch.int32)
+    kernel[(triton.cdiv(t.numel(), BLOCK),)](t, out, t.numel(), BLOCK=BLOCK, **meta)
+    return out.numpy()
+
+
+def _f32(bits) -> np.ndarray:
+    return np.asarray(bits, dtype=np.uint32).view(np.float32)
+
+
+def _neighbours(points, ulps=3) -> np.ndarray:
+    """Each point and its `ulps` fp32 neighbours on both sides, both signs."""
+    b = np.asarray(points, dtype=np.float32).view(np.uint32).astype(np.int64)
+    near = (b[:, None] + np.arange(-ulps, ulps + 1)[None, :]).reshape(-1)
+    v = _f32(near[near > 0])
+    return np.concatenate([v, -v])
+
+
+def _all_bf16(lo: float, hi: float) -> np.ndarray:
+    v = (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
+    return v[np.isfinite(v) & (np.abs(v) >= lo) & (np.abs(v) <= hi)]
+
+
+@pytest.mark.parametrize("cast", ["e2m1", "e4m3"])
+def test_encoders_equal_the_reference(cast):
+    fmax = 6.0 if cast == "e2m1" else 448.0
+    grid = R.E2M1_VALUES if cast == "e2m1" else tuple(float(v) for v in
+                                                         R.decode_e4m3(torch.arange(0x7F, dtype=torch.uint8)))
+    grid = np.array(sorted(set(grid)), dtype=np.float64)
+    mids = (grid[1:] + grid[:-1]) / 2
+    rng = np.random.default_rng(0)
+    values = np.concatenate([
+        _all_bf16(0.0, fmax), _neighbours(np.concatenate([mids, grid[1:]])),
+        rng.uniform(-fmax, fmax, 1 << 18).astype(np.float32),
+        _f32(rng.integers(0, 1 << 23, 4096)), -_f32(rng.integers(0, 1 << 23, 4096)),      # fp32 subnormals
+        np.array([0.0, -0.0, fmax, -fmax], dtype=np.float32)])
+    got = _run(_encode_kernel, values, CAST=1 if cast == "e4m3" else 2)
+    enc = R.encode_e4m3 if cast == "e4m3" else R.encode_e2m1
+    want = enc(torch.from_numpy(values)).numpy().astype(np.int32)
+    bad = np.nonzero(got != want)[0]
+    assert bad.size == 0, f"{bad.size} of {values.size} differ, e.g. t={values[bad[:5]]}: {got[bad[:5]]} vs {want[bad[:5]]}"
+
+
+def test_e2m1_saturates_above_six():
+    values = np.array([6.0, 6.5, 7.0, 7.5, 100.0, 3e38, -6.5, -448.0], dtype=np.float32)
+    got = _run(_encode_kernel, values, CAST=2)
+    assert got.tolist() == [7, 7, 7, 7, 7, 7, 15, 15]
+
+
+@pytest.mark.parametrize("fmax", [448.0, 6.0])
+def test_ue8m0_exponent_without_division(fmax):
+    rng = np.random.default_rng(1)
+    finite_max = np.float32(3.4028235e38)
+    powers = np.float32(fmax) * np.float32(2.0) ** np.arange(-30, 118, dtype=np.float32)
+    values = np.concatenate([
+        _all_bf16(1e-4, 3e38), _neighbours(powers[(powers >= 1e-4) & (powers <= finite_max)], ulps=4),
+        _f32(rng.integers(0x38D1B717, 0x7F7FFFFF, 1 << 18)),          # random fp32 in [1e-4, max]
+        np.array([1e-4, finite_max], dtype=np.float32)])
+    values = np.abs(values[(np.abs(values) >= np.float32(1e-4)) & np.isfinite(values)])
+    got = _run(_ue8m0_kernel, values, FMAX=fmax)
+    s = values / np.float32(fmax)                                       # IEEE float32 division
+    e = ((s.view(np.int32).astype(np.int64) - 1) >> 23) + 1 - 127
+    bad = np.nonzero(got != e + 127)[0]
+    assert bad.size == 0, f"{bad.size} of {values.size} differ, e.g. amax={values[bad[:5]]}"
+    assert _run(_ue8m0_kernel, np.array([np.inf], dtype=np.float32), FMAX=fmax).tolist() == [255]   # s = inf
