@@ -1,7 +1,9 @@
 """Compile kernel variants for sm_90 on the CPU (no GPU needed) and scan the PTX for
-non-IEEE arithmetic: contracted multiply-adds (fma), approximate ops (.approx) and div.full.
-Run as a script (it must not run under TRITON_INTERPRET): prints one line per variant, exits 1
-on any finding."""
+non-IEEE arithmetic: contracted multiply-adds (fma), approximate ops (.approx) and div.full;
+and, for the hot cache writes, that the record stores stay vectorized (Triton 3.6 once turned
+them all into byte stores: DEVICE_NOTES.md, session 2). Variants compile as a launch specializes
+them: 16-divisible pointers and row strides, 32-bit integers. Run as a script (it must not run
+under TRITON_INTERPRET): prints one line per variant, exits 1 on any finding."""
 from __future__ import annotations
 
 import os
@@ -22,15 +24,23 @@ PTR_TYPES = {"x_ptr": "*bf16", "w_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*
              "q_ptr": "*u8", "sf_ptr": "*u8", "slot_ptr": "*i64", "cache_ptr": "*u8", "data_ptr": "*u8",
              "tail_ptr": "*u8", "sf_out_ptr": "*u8"}
 FLOATS = ("eps", "had_scale")
+DIVISIBLE_BY_16 = ("sx_n", "sx_h", "s_cs", "so_n", "so_h", "sq_n", "sq_h", "s_blk")   # as in the benchmark's calls
+STORE = re.compile(r"\b(st\.global(?:\.[a-z0-9]+)+)")
+# variant -> (the store that must be there, at least how many, at most how many byte stores)
+WIDE_STORES = {"main_fp8": ("st.global.b32", 8, 4), "main_fp4+cast_back": ("st.global.v4.b32", 4, 8),
+               "bf16_out_rope_only": ("st.global.v4.b32", 4, 0)}
 
 
 def compile_ptx(fn, consts, num_warps=4, ptr_types=None):
     ptr_types = {**PTR_TYPES, **(ptr_types or {})}
-    sig = {}
+    sig, attrs = {}, {}
     for p in fn.params:
         name = p.name
-        sig[name] = "constexpr" if name in consts else ptr_types.get(name, "fp32" if name in FLOATS else "i64")
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+        sig[name] = "constexpr" if name in consts else ptr_types.get(name, "fp32" if name in FLOATS else "i32")
+        if name in ptr_types or name in DIVISIBLE_BY_16:
+            attrs[(fn.arg_names.index(name),)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"enable_fp_fusion": False, "num_warps": num_warps, "num_stages": 1})
     return kernel.asm["ptx"]
@@ -94,10 +104,18 @@ def main() -> int:
     jobs = [(name, F.fused_kernel, c, {}) for name, c in fused_variants()]
     jobs += [(name, F.load_kernel, c, {"out_ptr": "*bf16"}) for name, c in load_variants()]
     for name, fn, consts, ptrs in jobs:
-        ptx = compile_ptx(fn, consts, ptr_types=ptrs)
+        ptx = compile_ptx(fn, consts, num_warps=1, ptr_types=ptrs)
         bad = sorted(set(BAD.findall(ptx)))
+        stores = {}
+        for st in STORE.findall(ptx):
+            stores[st] = stores.get(st, 0) + 1
+        if name in WIDE_STORES:
+            wide, at_least, max_bytes = WIDE_STORES[name]
+            if stores.get(wide, 0) < at_least or stores.get("st.global.b8", 0) > max_bytes:
+                bad.append(f"narrow stores (want >= {at_least} {wide}, <= {max_bytes} st.global.b8)")
         findings += bool(bad)
-        print(f"{name:36s} ptx {len(ptx):7d} chars  {'BAD ' + str(bad) if bad else 'ok'}")
+        seen = " ".join(f"{k[10:]}:{v}" for k, v in sorted(stores.items()))
+        print(f"{name:36s} ptx {len(ptx):7d} chars  stores {seen:40s} {'BAD ' + str(bad) if bad else 'ok'}")
     return 1 if findings else 0
 
 
