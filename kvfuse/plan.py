@@ -172,27 +172,30 @@ class PlanTemplate(CacheEntry):
     """
 
     __slots__ = ("plan", "sources", "tensor_index", "num_tensors", "allocations", "device", "device_type", "result",
-                 "launchable")
+                 "launchable", "launches")
 
-    def __init__(self, plan: Plan, sources, allocations, device, result_index, n: int):
+    def __init__(self, plan: Plan, sources, allocations, device, result_index):
         super().__init__()
         self.plan = plan                         # every tensor field None
         self.sources = tuple(sources)            # (Plan field, index in the tensors, insert the head axis)
         self.tensor_index = {field: i for field, i, _ in self.sources}
-        self.allocations = tuple(allocations)    # (shape, dtype) of each output the call allocates
+        self.allocations = tuple(allocations)    # (shape without its n rows, dtype) of each output the call allocates
         self.num_tensors = NUM_CALL_TENSORS + len(self.allocations)
         self.device = device
         self.device_type = device.type
         # what the call returns: one of its tensors (None for a cache without out) or the (q, sf) pair
         self.result = operator.itemgetter(*result_index) if isinstance(result_index, tuple) \
             else operator.itemgetter(result_index)
-        self.launchable = n > 0 and self.device_type != "meta"
+        self.launchable = self.device_type != "meta"   # and n > 0, a property of the call
+        # the key leaves n out (see call_signature): Triton launch parameters per n, filled by
+        # kvfuse.kernels.fused (a few sizes recur in an engine; the dict is emptied past LAUNCHES_PER_TEMPLATE)
+        self.launches = {}
 
     def new_outputs(self, tensors: tuple) -> tuple:
         if not self.allocations:
             return tensors
-        dev = self.device
-        return tensors + tuple(torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in self.allocations)
+        dev, n = self.device, tensors[X].shape[0]
+        return tensors + tuple(torch.empty((n,) + tail, dtype=dtype, device=dev) for tail, dtype in self.allocations)
 
     def bind(self, tensors: tuple) -> Plan:
         if torch.compiler.is_compiling():
@@ -285,7 +288,7 @@ def validate(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=No
                                               has_norm=norm_args is not None)
     else:
         allocations, result = _validate_contiguous(plan, sources, cast_args, out_args, x.shape, dev)
-    return PlanTemplate(plan, sources, allocations, dev, result, n)
+    return PlanTemplate(plan, sources, allocations, dev, result)
 
 
 def _validate_contiguous(plan, sources, cast_args, out_args, user_shape, dev):
@@ -295,7 +298,7 @@ def _validate_contiguous(plan, sources, cast_args, out_args, user_shape, dev):
     allocations = []
 
     def new_output(shape, dtype):  # allocated per call, after validation (SPEC §3 "new" outputs)
-        allocations.append((tuple(shape), dtype))
+        allocations.append((tuple(shape[1:]), dtype))    # the n rows come from each call's x
         return NUM_CALL_TENSORS + len(allocations) - 1
 
     out = sf = None
@@ -402,7 +405,11 @@ def build_plan(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=
 # Triton backend, reuses its launch parameters. A key holds every value that validation (above,
 # formats.check_cache, formats.addressing_for, check_cast_combination, infer_layout, the checks of
 # kvfuse.api) and the launch parameters (kvfuse.kernels.fused) read, and no tensor:
-# - per tensor: its type, dtype, shape, strides and device. check_tensor, check_index_vector,
+# - per tensor: its type, dtype, shape, strides and device, where a leading dim equal to the call's
+#   n (x's leading dim) is written ROWS, so the key holds for every batch size: the rules that read
+#   n compare those dims with it, and a dim that differs from n keys its value (a miss, then the
+#   error); new outputs get the call's n; the Triton launch is kept per n with the template.
+#   check_tensor, check_index_vector,
 #   check_cache, addressing_for and the launches read nothing else of a tensor, with one
 #   exception: the fused kernel's record alignments (kvfuse.kernels.fused.record_alignments) read
 #   the cache's data_ptr() % 16, which joins the key (tensor_alignment). Otherwise a data pointer
@@ -419,6 +426,8 @@ def build_plan(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=
 # (TRITON_INTERPRET, KVFUSE_NATIVE_CASTS) is constant. Only validated calls are stored: a
 # rejected call is validated, and raises, every time.
 PLAN_CACHE_SIZE = 512
+LAUNCHES_PER_TEMPLATE = 64
+ROWS = "n"  # in a key: this dim equals the call's n (x's leading dim)
 
 
 class PlanCacheInfo(NamedTuple):
@@ -525,6 +534,18 @@ def tensor_alignment(t):
     return t.data_ptr() % 16 if t.device.type != "meta" else 0
 
 
+def rows_key(t, n):
+    """tensor_key with a leading dim equal to the call's n written as ROWS: the key of a call does not
+    depend on its batch size. A tensor whose leading dim is not n keys that dim's value (a wrong
+    length is a miss, then validation says why)."""
+    shape = t.shape
+    return (type(t), t.dtype, (ROWS if shape[0] == n else shape[0],) + tuple(shape[1:]), t.stride(), t.device)
+
+
+def optional_rows_key(t, n):
+    return None if t is None else rows_key(t, n)
+
+
 def optional_tensor_key(t):
     return None if t is None else tensor_key(t)
 
@@ -539,6 +560,7 @@ _NO_KEY = (None, ())
 def call_signature(x, norm_args, rope_args, hadamard_args, cast_args, out_args):
     """(key, pinned) of a fused-operator call (see "plan cache" above); key None for an argument
     object of a class kvfuse does not key. May raise for arguments of the wrong types."""
+    n = x.shape[0]
     if norm_args is None:
         norm_key = None
     elif type(norm_args) is NormArgs:
@@ -549,7 +571,7 @@ def call_signature(x, norm_args, rope_args, hadamard_args, cast_args, out_args):
         rope_key = None
     elif type(rope_args) is RopeArgs:
         r = rope_args
-        rope_key = (tensor_key(r.positions), tensor_key(r.cos_sin_cache), type(r.rotary_dim), r.rotary_dim,
+        rope_key = (rows_key(r.positions, n), tensor_key(r.cos_sin_cache), type(r.rotary_dim), r.rotary_dim,
                     type(r.offset), r.offset, type(r.is_neox), r.is_neox, type(r.conjugate), r.conjugate)
     else:
         return _NO_KEY
@@ -573,12 +595,12 @@ def call_signature(x, norm_args, rope_args, hadamard_args, cast_args, out_args):
     elif type(out_args) is KVCacheOutArgs:
         oa, stage, layout = out_args, out_args.out_stage, out_args.layout
         pinned = (layout,) if layout is not None else tuple(PRESETS.values())
-        out_key = (KVCacheOutArgs, tensor_key(oa.kv_cache), tensor_alignment(oa.kv_cache), tensor_key(oa.slot_mapping),
-                   optional_tensor_key(oa.out), type(stage), stage, layout is None, tuple(map(id, pinned)))
+        out_key = (KVCacheOutArgs, tensor_key(oa.kv_cache), tensor_alignment(oa.kv_cache), rows_key(oa.slot_mapping, n),
+                   optional_rows_key(oa.out, n), type(stage), stage, layout is None, tuple(map(id, pinned)))
     elif type(out_args) is ContiguousOutArgs:
-        out_key = (ContiguousOutArgs, optional_tensor_key(out_args.out), optional_tensor_key(out_args.sf))
+        out_key = (ContiguousOutArgs, optional_rows_key(out_args.out, n), optional_rows_key(out_args.sf, n))
     elif isinstance(out_args, torch.Tensor):
-        out_key = tensor_key(out_args)
+        out_key = rows_key(out_args, n)
     else:
         return _NO_KEY
-    return ("fused", tensor_key(x), norm_key, rope_key, hadamard_key, cast_key, out_key), pinned
+    return ("fused", rows_key(x, n), norm_key, rope_key, hadamard_key, cast_key, out_key), pinned

@@ -750,3 +750,98 @@ def test_the_key_covers_every_argument_field():
     for v in variants:
         key, _ = kv_plan.call_signature(**{**s.args, **v})
         assert key is not None and key != base, v
+
+
+# =============================================================================== batch sizes
+def _write_call(n, seed, out=True):
+    """A MAIN-style write of n rows (norm + rope + INDEX_MXFP8 cache, optional out) and its storage."""
+    fmt = formats.INDEX_MXFP8
+    cache, storage = guarded_cache(fmt, 4, 8, seed=seed)
+    x = random_bf16((n, fmt.head_dim), seed)
+    slots = torch.randperm(32, generator=torch.Generator().manual_seed(seed))[:n]
+    args = dict(x=x, norm_args=NormArgs(torch.ones(fmt.head_dim, dtype=BF16)),
+                rope_args=RopeArgs(torch.arange(n) * 3, cos_sin_cache(MAX_POS, 64), 64, True),
+                cast_args=CastArgs.from_cache_format(fmt),
+                out_args=KVCacheOutArgs(cache, slots, out=poison_like(x) if out else None,
+                                        out_stage="transform" if out else None, layout=fmt))
+    return args, storage
+
+
+def _q_call(n, seed):
+    """The indexer-Q shape: [n, 4, 128] rope + MXFP4 cast, (q, sf) allocated by the call."""
+    x = random_bf16((n, 4, 128), seed)
+    return dict(x=x, rope_args=RopeArgs(torch.arange(n), cos_sin_cache(MAX_POS, 64), 64, True),
+                cast_args=CastArgs("e2m1", 32, True, "ue8m0"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_other_batch_sizes_hit_with_the_same_bytes(backend):
+    """The key leaves n out: a signature validated at one batch size is a hit at every other, and
+    each call's bytes (cache storage, out, new q and sf) equal those of the uncached call."""
+    sizes = (5, 9, 1, 16, 9)
+    with kvfuse.use_backend(backend):
+        for i, n in enumerate(sizes):
+            kv_plan.set_plan_cache(True)
+            args, storage = _write_call(n, i)
+            fused(**args)
+            got = (storage.clone(), args["out_args"].out.clone())
+            q_got = fused(**_q_call(n, i))
+            kv_plan.set_plan_cache(False)
+            args, storage = _write_call(n, i)
+            fused(**args)
+            want = (storage, args["out_args"].out)
+            q_want = fused(**_q_call(n, i))
+            for g, w in zip(got + tuple(q_got), want + tuple(q_want)):
+                assert g.shape == w.shape and torch.equal(g.view(torch.uint8), w.view(torch.uint8)), f"n={n}"
+    assert counts() == (2 * (len(sizes) - 1), 2)
+
+
+def test_zero_rows_after_other_batch_sizes():
+    """n = 0 on a signature seen with n > 0: a hit, nothing written, empty new outputs."""
+    with kvfuse.use_backend("reference"):
+        fused(**_write_call(4, 0)[0])
+        fused(**_q_call(4, 0))
+        args, storage = _write_call(0, 1)
+        before = storage.clone()
+        fused(**args)
+        q, sf = fused(**_q_call(0, 1))
+    assert torch.equal(storage, before) and q.shape == (0, 4, 64) and sf.shape == (0, 4, 4)
+    assert counts() == (2, 2)
+
+
+@pytest.mark.parametrize("field", ["positions", "slot_mapping", "out"])
+def test_wrong_length_after_other_batch_sizes(field):
+    """A tensor whose leading dim is not the call's n is keyed by that dim: a miss, then the error."""
+    with kvfuse.use_backend("reference"):
+        fused(**_write_call(4, 0)[0])
+        args, storage = _write_call(6, 1)
+        before = storage.clone()
+        if field == "positions":
+            args["rope_args"] = dataclasses.replace(args["rope_args"], positions=torch.arange(4))
+            match = "rope_args.positions"
+        elif field == "slot_mapping":
+            args["out_args"] = dataclasses.replace(args["out_args"], slot_mapping=torch.arange(4))
+            match = "out_args.slot_mapping"
+        else:
+            args["out_args"] = dataclasses.replace(args["out_args"], out=torch.empty(4, 128, dtype=BF16))
+            match = "out_args.out"
+        with pytest.raises(ValueError, match=match):
+            fused(**args)
+    assert torch.equal(storage, before)
+    assert counts() == (0, 2)
+
+
+@needs_interpreter
+def test_one_launch_per_batch_size(monkeypatch):
+    """The triton backend keeps a launch per n with the template: n's grid and n_rows, never another's."""
+    n_rows_at = kernels.fused_kernel.arg_names.index("n_rows")   # a positional parameter (before the constexprs)
+    rec = _Recorder()
+    monkeypatch.setattr(kernels, "fused_kernel", rec)
+    with kvfuse.use_backend("triton"):
+        for n in (3, 7, 3, 7, 12):
+            fused(**_write_call(n, n)[0])
+            grid, pos, kw = rec.launches[-1]
+            assert grid == (kernels.cdiv(n, kw["BLOCK_M"]),) and pos[n_rows_at] == n and pos[0].shape[0] == n
+    template = next(e for e in kv_plan.PLAN_CACHE._entries.values() if isinstance(e, kv_plan.PlanTemplate))
+    assert sorted(template.launches) == [3, 7, 12]
+    assert counts() == (4, 1)

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .. import backend as _backend
 from ..formats import FMAX
-from ..plan import Plan
+from ..plan import LAUNCHES_PER_TEMPLATE, Plan
 from .numerics import (bf16_bits, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3, group_scales, load_f32,
                        round_bf16)
 
@@ -585,14 +585,20 @@ def run_plan(plan: Plan) -> None:
 
 
 def run_template(template, tensors: tuple) -> None:
-    """Launch the fused kernel for one call of a validated signature (a kvfuse.plan.PlanTemplate,
-    n >= 1): its launch parameters are computed on the first launch and kept with the template
-    (recomputed, not kept, while force_config is active)."""
-    launch = template.launch
+    """Launch the fused kernel for one call of a validated signature (a kvfuse.plan.PlanTemplate):
+    its launch parameters are computed on the first launch of each batch size n and kept with the
+    template (recomputed, not kept, while force_config is active). n = 0 launches nothing."""
+    n = tensors[0].shape[0]                      # x (kvfuse.plan.X)
+    if n == 0:
+        return
+    launches = template.launches
+    launch = launches.get(n)
     if launch is None or _force.cfg is not None:
         launch = fused_launch(template.bind(tensors), template.tensor_index, template.num_tensors)
         if _force.cfg is None:
-            template.launch = launch
+            if len(launches) >= LAUNCHES_PER_TEMPLATE:
+                launches.clear()
+            launches[n] = launch
     launch.run(tensors)
 
 
