@@ -529,9 +529,9 @@ def tensor_key(t):
 
 
 def tensor_alignment(t):
-    """data_ptr() % 16 (the fused kernel's record-alignment hints depend on it); 0 for a tensor
-    without storage (meta)."""
-    return t.data_ptr() % 16 if t.device.type != "meta" else 0
+    """data_ptr() % 16 (the fused kernel's record-alignment hints depend on it; a meta tensor's is 0;
+    a tensor whose data_ptr() raises leaves its call unkeyed, see validated)."""
+    return t.data_ptr() % 16
 
 
 def rows_key(t, n):

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .. import backend as _backend
 from ..formats import FMAX
-from ..plan import LAUNCHES_PER_TEMPLATE, Plan
+from ..plan import LAUNCHES_PER_TEMPLATE, X, Plan
 from .numerics import (bf16_bits, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3, group_scales, load_f32,
                        round_bf16)
 
@@ -588,7 +588,7 @@ def run_template(template, tensors: tuple) -> None:
     """Launch the fused kernel for one call of a validated signature (a kvfuse.plan.PlanTemplate):
     its launch parameters are computed on the first launch of each batch size n and kept with the
     template (recomputed, not kept, while force_config is active). n = 0 launches nothing."""
-    n = tensors[0].shape[0]                      # x (kvfuse.plan.X)
+    n = tensors[X].shape[0]
     if n == 0:
         return
     launches = template.launches
