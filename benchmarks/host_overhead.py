@@ -6,11 +6,13 @@
    outputs allocated by the call, store_kv_cache and load_paged_kv_cache. Runs on the CPU (the
    "triton" backend through TRITON_INTERPRET=1, which is set here when there is no GPU) or on CUDA
    tensors when a GPU is present.
-2. With a GPU: the real eager call (launch included), a loop of calls then one synchronize.
+2. With a GPU: the real eager call (launch included), a loop of calls then one synchronize; with
+   the plan cache on, launches go straight to Triton's compiled launcher (kvfuse/kernels/launcher.py)
+   unless KVFUSE_DIRECT_LAUNCH=0.
 
 Median (and min) over batches of calls (time.perf_counter_ns). Run against a kvfuse without the
 plan cache (PYTHONPATH=<checkout>) it prints the "cache off" column only. Usage:
-    python benchmarks/host_overhead.py [--n 16] [--calls 20] [--batches 200] [--profile main_fp8]
+    python benchmarks/host_overhead.py [--n 16] [--calls 20] [--batches 200] [--profile main_fp8] [--real-only]
 """
 from __future__ import annotations
 
@@ -150,6 +152,7 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=20, help="calls per timed batch")
     p.add_argument("--batches", type=int, default=200, help="timed batches (the median is reported)")
     p.add_argument("--profile", default=None, help="cProfile 20000 cached calls of this call name")
+    p.add_argument("--real-only", action="store_true", help="only the real eager calls (GPU)")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -157,12 +160,13 @@ def main(argv=None):
     modes = (False, True) if has_cache() else (False,)
 
     with kvfuse.use_backend("triton"):
-        with launches_mocked():
+        with launches_mocked() if not args.real_only else contextlib.nullcontext():
             rows = []
-            for name, fn in fns.items():
+            for name, fn in fns.items() if not args.real_only else ():
                 us = per_call_us(fn, modes, args.calls, args.batches)
                 rows.append((name, us[False], us.get(True)))
-            print(table(f"kvfuse host cost per call, launches mocked, {device.type}, n={args.n} (us)", rows))
+            if rows:
+                print(table(f"kvfuse host cost per call, launches mocked, {device.type}, n={args.n} (us)", rows))
             if args.profile:
                 with plan_cache(has_cache()):
                     fn = fns[args.profile]
@@ -182,8 +186,9 @@ def main(argv=None):
                         us[on] = per_call_us_cuda(fn, 1000)
                 rows.append((name, us[False], us.get(True)))
             print()
+            direct = "on" if kernels.DIRECT_LAUNCH else "off"
             print(table(f"eager wall time per call, real launches, {torch.cuda.get_device_name()}, "
-                        f"n={args.n} (us)", rows))
+                        f"n={args.n}, direct launch {direct} (us)", rows))
 
 
 if __name__ == "__main__":

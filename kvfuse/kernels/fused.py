@@ -12,9 +12,6 @@ bytes never depend on BLOCK_M, VEC, num_warps, the RoPE mode or other rows.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
-import operator
 import os
 import threading
 
@@ -25,6 +22,7 @@ import triton.language as tl
 from .. import backend as _backend
 from ..formats import FMAX
 from ..plan import LAUNCHES_PER_TEMPLATE, X, Plan
+from .launcher import Launch, direct_launch_supported, tensor_arg
 from .numerics import (bf16_bits, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3, group_scales, load_f32,
                        round_bf16)
 
@@ -176,6 +174,100 @@ def _emit(y, tok, head, rmask, ok, qbase, sfbase, tailbase,
                           ok[:, None, None, None] & cm, QALIGN)
 
 
+@triton.jit
+def _positions(pos_ptr, s_pos, tok, rmask, P, s_cs):
+    """(pok [M]: the position is in [0, P) (else RoPE is the identity), csrow [M]: its cos/sin row offset)."""
+    pos = tl.load(pos_ptr + tok * s_pos, mask=rmask, other=-1)
+    pok = rmask & (pos >= 0) & (pos < P)
+    return pok, tl.where(pok, pos, 0).to(tl.int64) * s_cs
+
+
+@triton.jit
+def _record_addresses(slot_ptr, s_slot, tok, head, rows, rmask, s_blk, data_tok, sf_tok, head_stride, data_off,
+                      sf_off, tail_off, block_size, capacity, DEST: tl.constexpr, SLOT32: tl.constexpr,
+                      QALIGN: tl.constexpr, SFALIGN: tl.constexpr, TALIGN: tl.constexpr):
+    """(ok [M]: the row writes its record, and the byte offsets in the cache of its data, scales and
+    bf16 tail); without a cache (DEST != 2): (rmask, rows, rows, rows), never dereferenced."""
+    ok = rmask
+    qbase = rows
+    sfbase = rows
+    tailbase = rows
+    if DEST == 2:
+        slot = tl.load(slot_ptr + tok * s_slot, mask=rmask, other=-1)
+        ok = rmask & (slot >= 0) & (slot < capacity)
+        if SLOT32:
+            s32 = tl.where(ok, slot, 0).to(tl.int32)       # capacity <= 2**31 (checked on the host)
+            blk32 = s32 // block_size
+            blk = blk32.to(tl.int64)
+            off = (s32 - blk32 * block_size).to(tl.int64)
+        else:
+            s64 = tl.where(ok, slot, 0).to(tl.int64)
+            blk = s64 // block_size
+            off = s64 - blk * block_size
+        base = blk * s_blk + head * head_stride
+        qbase = tl.multiple_of(base + off * data_tok + data_off, QALIGN)
+        sfbase = tl.multiple_of(base + off * sf_tok + sf_off, SFALIGN)
+        tailbase = tl.multiple_of(base + off * data_tok + tail_off, TALIGN)
+    return ok, qbase, sfbase, tailbase
+
+
+@triton.jit
+def _rope1_loads(x_ptr, xrow, w_ptr, cs_ptr, csrow, pok, col, HALF: tl.constexpr, R: tl.constexpr,
+                 ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, HAS_NORM: tl.constexpr, W_BF16: tl.constexpr,
+                 CS_BF16: tl.constexpr):
+    """ROPE 1, over the whole tile [M, NV, VEC]: (first: the column is a pair's first element,
+    rot_mask: the element rotates, cos, sin, the partner's x, the partner's weight (x again
+    without a norm))."""
+    k = col - ROPE_OFF
+    in_rope = (k >= 0) & (k < R)
+    if NEOX:
+        first = k < HALF
+        j = tl.where(first, k, k - HALF)
+        partner = tl.where(first, col + HALF, col - HALF)
+    else:
+        first = (k & 1) == 0
+        j = k >> 1
+        partner = tl.where(first, col + 1, col - 1)
+    j = tl.where(in_rope, j, 0)
+    partner = tl.where(in_rope, partner, 0)
+    rot_mask = pok[:, None, None] & in_rope[None, :, :]
+    c = load_f32(cs_ptr, csrow[:, None, None] + j[None, :, :], rot_mask, CS_BF16)
+    s = load_f32(cs_ptr, csrow[:, None, None] + HALF + j[None, :, :], rot_mask, CS_BF16)
+    yp = load_f32(x_ptr, xrow[:, None, None] + partner[None, :, :], rot_mask, True)
+    wp = yp
+    if HAS_NORM:
+        wp = load_f32(w_ptr, partner, in_rope, W_BF16)
+    return first, rot_mask, c, s, yp, wp
+
+
+@triton.jit
+def _rope2_loads(x_ptr, xrow, w_ptr, cs_ptr, csrow, pok, rmask, HALF: tl.constexpr, ROPE_OFF: tl.constexpr,
+                 NEOX: tl.constexpr, HAS_NORM: tl.constexpr, W_BF16: tl.constexpr, CS_BF16: tl.constexpr,
+                 CAST: tl.constexpr, G: tl.constexpr, DQ: tl.constexpr, VEC: tl.constexpr):
+    """ROPE 2, the sub-tile [M, NS, GS / VEC, VEC] of rotation indices j: (x of the pairs' first and
+    second columns, their weights (x again without a norm), cos, sin)."""
+    GS: tl.constexpr = G if (CAST != 0 and ROPE_OFF < DQ) else 8
+    jj = _grid3(HALF // GS, GS // VEC, VEC)                         # rotation index j
+    if NEOX:
+        c0 = ROPE_OFF + jj                                          # first-half columns
+        c1 = c0 + HALF
+    else:
+        c0 = ROPE_OFF + 2 * jj
+        c1 = c0 + 1
+    ld = rmask[:, None, None, None]
+    xa = load_f32(x_ptr, xrow[:, None, None, None] + c0[None, :, :, :], ld, True)
+    xb = load_f32(x_ptr, xrow[:, None, None, None] + c1[None, :, :, :], ld, True)
+    wa = xa
+    wb = xb
+    if HAS_NORM:
+        wa = load_f32(w_ptr, c0, c0 >= 0, W_BF16)
+        wb = load_f32(w_ptr, c1, c1 >= 0, W_BF16)
+    pm = pok[:, None, None, None]
+    c = load_f32(cs_ptr, csrow[:, None, None, None] + jj[None, :, :, :], pm, CS_BF16)
+    s = load_f32(cs_ptr, csrow[:, None, None, None] + HALF + jj[None, :, :, :], pm, CS_BF16)
+    return xa, xb, wa, wb, c, s
+
+
 # --------------------------------------------------------------------------- the fused kernel
 @triton.jit(do_not_specialize=["n_rows", "P", "capacity"])
 def fused_kernel(
@@ -197,6 +289,7 @@ def fused_kernel(
     CAST: tl.constexpr, G: tl.constexpr, SF: tl.constexpr, FMAX: tl.constexpr, DQ: tl.constexpr,
     OUT_STAGE: tl.constexpr, DEST: tl.constexpr, NATIVE: tl.constexpr,
     SLOT32: tl.constexpr, QALIGN: tl.constexpr, SFALIGN: tl.constexpr, TALIGN: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     """ROPE: 0 off; 1 on the whole tile (each rotated element computed from itself and its
     partner, reloaded and renormalized: the same arithmetic gives the same bits); 2 on a separate
@@ -225,6 +318,27 @@ def fused_kernel(
     x = load_f32(x_ptr, xrow[:, None, None] + col[None, :, :], m3, True)    # [M, NV, VEC]
     y = x
 
+    # ---- the loads that do not depend on x's values. EARLY (one-row programs): issued up front, so
+    # that their latency (and the positions -> cos/sin chain) overlaps the norm's tree, which halves
+    # the time beyond the launch at decode sizes. Else where they are used: issued up front they
+    # raise the register count of multi-row programs (104 vs 64 for MAIN_FP8 at BLOCK_M 2), which
+    # costs more in occupancy at large n than it saves in latency (DEVICE_NOTES.md, session 3).
+    HALF: tl.constexpr = R // 2
+    if EARLY:
+        if HAS_NORM:
+            w = load_f32(w_ptr, col, cmask, W_BF16)
+        if ROPE != 0:
+            pok, csrow = _positions(pos_ptr, s_pos, tok, rmask, P, s_cs)
+        ok, qbase, sfbase, tailbase = _record_addresses(
+            slot_ptr, s_slot, tok, head, rows, rmask, s_blk, data_tok, sf_tok, head_stride, data_off, sf_off,
+            tail_off, block_size, capacity, DEST, SLOT32, QALIGN, SFALIGN, TALIGN)
+        if ROPE == 1:
+            first, rot_mask, c, s, yp, wp = _rope1_loads(x_ptr, xrow, w_ptr, cs_ptr, csrow, pok, col, HALF, R, ROPE_OFF,
+                                                         NEOX, HAS_NORM, W_BF16, CS_BF16)
+        if ROPE == 2:
+            xa, xb, wa, wb, c, s = _rope2_loads(x_ptr, xrow, w_ptr, cs_ptr, csrow, pok, rmask, HALF, ROPE_OFF, NEOX,
+                                                HAS_NORM, W_BF16, CS_BF16, CAST, G, DQ, VEC)
+
     # ---- RMSNorm
     if HAS_NORM:
         ss = _tree_sum(x * x, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC)
@@ -233,35 +347,20 @@ def fused_kernel(
         else:
             mean = tl.div_rn(ss, D * 1.0)
         rstd = tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tl.sqrt_rn(mean + eps))
-        w = load_f32(w_ptr, col, cmask, W_BF16)
+        if not EARLY:
+            w = load_f32(w_ptr, col, cmask, W_BF16)
         y = round_bf16((x * rstd[:, None, None]) * w[None, :, :], NATIVE)
         if OUT_STAGE == 1:
             _store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None, None] + col[None, :, :], y, m3)
 
-    HALF: tl.constexpr = R // 2
-    if ROPE != 0:
-        pos = tl.load(pos_ptr + tok * s_pos, mask=rmask, other=-1)
-        pok = rmask & (pos >= 0) & (pos < P)
-        csrow = tl.where(pok, pos, 0).to(tl.int64) * s_cs
+    if not EARLY:
+        if ROPE != 0:
+            pok, csrow = _positions(pos_ptr, s_pos, tok, rmask, P, s_cs)
+        if ROPE == 1:
+            first, rot_mask, c, s, yp, wp = _rope1_loads(x_ptr, xrow, w_ptr, cs_ptr, csrow, pok, col, HALF, R, ROPE_OFF,
+                                                         NEOX, HAS_NORM, W_BF16, CS_BF16)
     if ROPE == 1:
-        k = col - ROPE_OFF
-        in_rope = (k >= 0) & (k < R)
-        if NEOX:
-            first = k < HALF
-            j = tl.where(first, k, k - HALF)
-            partner = tl.where(first, col + HALF, col - HALF)
-        else:
-            first = (k & 1) == 0
-            j = k >> 1
-            partner = tl.where(first, col + 1, col - 1)
-        j = tl.where(in_rope, j, 0)
-        partner = tl.where(in_rope, partner, 0)
-        rot_mask = pok[:, None, None] & in_rope[None, :, :]
-        c = load_f32(cs_ptr, csrow[:, None, None] + j[None, :, :], rot_mask, CS_BF16)
-        s = load_f32(cs_ptr, csrow[:, None, None] + HALF + j[None, :, :], rot_mask, CS_BF16)
-        yp = load_f32(x_ptr, xrow[:, None, None] + partner[None, :, :], rot_mask, True)
         if HAS_NORM:
-            wp = load_f32(w_ptr, partner, in_rope, W_BF16)
             yp = round_bf16((yp * rstd[:, None, None]) * wp[None, :, :], NATIVE)
         firstb = first[None, :, :]
         r0, r1 = _rotate(tl.where(firstb, y, yp), tl.where(firstb, yp, y), c, s, CONJ)
@@ -279,27 +378,10 @@ def fused_kernel(
             h = tl.reshape(tl.where(first2, plus[:, :, None, :], minus[:, :, None, :]), [BLOCK_M, BLOCK_D])
         y = tl.reshape(round_bf16(h * had_scale, NATIVE), [BLOCK_M, NV, VEC])
 
-    # ---- record addresses
-    ok = rmask
-    qbase = rows
-    sfbase = rows
-    tailbase = rows
-    if DEST == 2:
-        slot = tl.load(slot_ptr + tok * s_slot, mask=rmask, other=-1)
-        ok = rmask & (slot >= 0) & (slot < capacity)
-        if SLOT32:
-            s32 = tl.where(ok, slot, 0).to(tl.int32)       # capacity <= 2**31 (checked on the host)
-            blk32 = s32 // block_size
-            blk = blk32.to(tl.int64)
-            off = (s32 - blk32 * block_size).to(tl.int64)
-        else:
-            s64 = tl.where(ok, slot, 0).to(tl.int64)
-            blk = s64 // block_size
-            off = s64 - blk * block_size
-        base = blk * s_blk + head * head_stride
-        qbase = tl.multiple_of(base + off * data_tok + data_off, QALIGN)
-        sfbase = tl.multiple_of(base + off * sf_tok + sf_off, SFALIGN)
-        tailbase = tl.multiple_of(base + off * data_tok + tail_off, TALIGN)
+    if not EARLY:
+        ok, qbase, sfbase, tailbase = _record_addresses(
+            slot_ptr, s_slot, tok, head, rows, rmask, s_blk, data_tok, sf_tok, head_stride, data_off, sf_off,
+            tail_off, block_size, capacity, DEST, SLOT32, QALIGN, SFALIGN, TALIGN)
 
     # ---- outputs: the main tile (without the sub-tile's columns under ROPE 2)
     NG: tl.constexpr = BLOCK_D // G
@@ -315,23 +397,16 @@ def fused_kernel(
         GS: tl.constexpr = G if (CAST != 0 and ROPE_OFF < DQ) else 8
         NS: tl.constexpr = HALF // GS
         GSV: tl.constexpr = GS // VEC
-        jj = _grid3(NS, GSV, VEC)                                     # rotation index j
-        if NEOX:
-            c0 = ROPE_OFF + jj                                         # first-half columns
-            c1 = c0 + HALF
-        else:
-            c0 = ROPE_OFF + 2 * jj
-            c1 = c0 + 1
-        ld = rmask[:, None, None, None]
-        a = load_f32(x_ptr, xrow[:, None, None, None] + c0[None, :, :, :], ld, True)
-        b = load_f32(x_ptr, xrow[:, None, None, None] + c1[None, :, :, :], ld, True)
+        if not EARLY:
+            xa, xb, wa, wb, c, s = _rope2_loads(x_ptr, xrow, w_ptr, cs_ptr, csrow, pok, rmask, HALF, ROPE_OFF, NEOX,
+                                                HAS_NORM, W_BF16, CS_BF16, CAST, G, DQ, VEC)
+        pm = pok[:, None, None, None]
+        a = xa
+        b = xb
         if HAS_NORM:
             r4 = rstd[:, None, None, None]
-            a = round_bf16((a * r4) * load_f32(w_ptr, c0, c0 >= 0, W_BF16)[None, :, :, :], NATIVE)
-            b = round_bf16((b * r4) * load_f32(w_ptr, c1, c1 >= 0, W_BF16)[None, :, :, :], NATIVE)
-        pm = pok[:, None, None, None]
-        c = load_f32(cs_ptr, csrow[:, None, None, None] + jj[None, :, :, :], pm, CS_BF16)
-        s = load_f32(cs_ptr, csrow[:, None, None, None] + HALF + jj[None, :, :, :], pm, CS_BF16)
+            a = round_bf16((a * r4) * wa[None, :, :, :], NATIVE)
+            b = round_bf16((b * r4) * wb[None, :, :, :], NATIVE)
         r0, r1 = _rotate(a, b, c, s, CONJ)
         r0 = tl.where(pm, round_bf16(r0, NATIVE), a)
         r1 = tl.where(pm, round_bf16(r1, NATIVE), b)
@@ -354,6 +429,7 @@ def fused_kernel(
 # --------------------------------------------------------------------------- launch configuration
 # triton.jit chose between compiling and interpreting when this module was imported
 INTERPRET = _backend.interpreter_enabled()
+DIRECT_LAUNCH = direct_launch_supported(INTERPRET)   # see kvfuse/kernels/launcher.py
 # the launch path is hot: plain-Python helpers (triton.next_power_of_2 costs microseconds a call)
 # 0: integer narrowing helpers on the GPU too (a diagnostic: the bytes must not change); 1: native
 # conversions; 2: native, and the e4m3 encode without its signed-zero guard
@@ -464,50 +540,6 @@ def record_alignments(plan: Plan) -> tuple:
 
 
 # --------------------------------------------------------------------------- launches
-@dataclasses.dataclass(frozen=True)
-class PlanTensor:
-    """In a launch's argument table: the tensor ``field`` (of the plan, or of a store / load call)
-    goes here."""
-    field: str
-
-
-@functools.lru_cache(maxsize=None)
-def tensor_arg(field: str) -> PlanTensor:
-    """PlanTensor(field), made once per field (building a frozen dataclass costs ~0.6 us)."""
-    return PlanTensor(field)
-
-
-class Launch:
-    """One kernel launch with its tensors left open: the grid, the positional arguments (constants,
-    and a PlanTensor where a tensor goes) and the keyword arguments (constexprs, launch options).
-    Everything but the tensors is a function of the call signature, so it is computed once and
-    kept with the signature's cache entry. ``run(tensors)`` takes the tensors from a tuple of
-    ``num_tensors`` whose layout ``tensor_index`` (field -> position) describes; a field it lacks
-    gets the tensor of field ``stand_in`` (a pointer the kernel never dereferences)."""
-
-    __slots__ = ("kernel_name", "grid", "pick", "constants", "options")
-
-    def __init__(self, kernel_name: str, grid: tuple, args: tuple, options: dict, tensor_index: dict,
-                 num_tensors: int, stand_in: str = "x"):
-        fallback = tensor_index[stand_in]
-        constants, order = [], []
-        for a in args:
-            if isinstance(a, PlanTensor):
-                order.append(tensor_index.get(a.field, fallback))
-            else:
-                order.append(num_tensors + len(constants))  # the constants follow the tensors
-                constants.append(a)
-        self.kernel_name = kernel_name
-        self.grid = grid
-        self.pick = operator.itemgetter(*order)  # positional args out of tensors + constants, in C
-        self.constants = tuple(constants)
-        self.options = options
-
-    def run(self, tensors: tuple) -> None:
-        kernel = globals()[self.kernel_name]  # looked up per launch: tests and benchmarks swap kernel objects
-        kernel[self.grid](*self.pick(tensors + self.constants), **self.options)
-
-
 def fused_args(plan: Plan, tensor) -> tuple:
     """(grid, positional args, keyword args) of the fused kernel for ``plan``: the kernel's parameter
     table, in its order. ``tensor(field)`` is what goes where the plan's tensor ``field`` goes: the
@@ -561,7 +593,7 @@ def fused_args(plan: Plan, tensor) -> tuple:
         SF=SF_CODES[cast.sf_format] if cast else 0, FMAX=FMAX[cast.cast_fmt] if cast else 1.0,
         DQ=plan.quant_dim if cast else D,
         OUT_STAGE=STAGE_CODES[plan.out_stage], DEST=dest, NATIVE=_native(interpret),
-        SLOT32=cap < _INT32_LIMIT, QALIGN=qal, SFALIGN=sfal, TALIGN=tal,
+        SLOT32=cap < _INT32_LIMIT, QALIGN=qal, SFALIGN=sfal, TALIGN=tal, EARLY=bm == 1,
         num_warps=nw, num_stages=1, enable_fp_fusion=False,
     )
     return (cdiv(n * H, bm),), args, options
@@ -569,7 +601,8 @@ def fused_args(plan: Plan, tensor) -> tuple:
 
 def fused_launch(plan: Plan, tensor_index: dict, num_tensors: int) -> Launch:
     """The fused kernel's launch for ``plan``, its tensors left open (see Launch)."""
-    return Launch("fused_kernel", *fused_args(plan, tensor_arg), tensor_index, num_tensors)
+    return Launch("fused_kernel", *fused_args(plan, tensor_arg), tensor_index, num_tensors, globals(),
+                  allow_direct=DIRECT_LAUNCH)
 
 
 def run_plan(plan: Plan) -> None:
@@ -732,7 +765,8 @@ def store_launch(kv_cache, slot_mapping, fmt, payloads) -> Launch:
                    BLOCK_TB=next_pow2(max(tb, 1)), BLOCK_M=bm, num_warps=4)
     index = {name: i for i, (name, p) in enumerate(zip(("data", "sf", "tail"), payloads)) if p is not None}
     index.update(slot_mapping=3, kv_cache=4)
-    return Launch("store_kernel", (cdiv(rows, bm),), args, options, index, 5, stand_in="data")
+    return Launch("store_kernel", (cdiv(rows, bm),), args, options, index, 5, globals(), stand_in="data",
+                  allow_direct=DIRECT_LAUNCH)
 
 
 def store(kv_cache, slot_mapping, fmt, data, sf=None, tail=None, entry=None) -> None:
@@ -776,7 +810,8 @@ def load_launch(kv_cache, slot_mapping, fmt, dequantize: bool) -> Launch:
         BLOCK_DATA_B=np2(fmt.data_bytes), SFB=fmt.sf_bytes, BLOCK_SFB=np2(max(fmt.sf_bytes, 1)),
         DEQUANT=dequantize, BLOCK_M=bm, NATIVE=not interpret, num_warps=4, enable_fp_fusion=False)
     index = {"slot_mapping": 0, "kv_cache": 1, "out": 2, "sf_out": 3}
-    return Launch("load_kernel", (cdiv(rows, bm),), args, options, index, 4, stand_in="out")
+    return Launch("load_kernel", (cdiv(rows, bm),), args, options, index, 4, globals(), stand_in="out",
+                  allow_direct=DIRECT_LAUNCH)
 
 
 def load(kv_cache, slot_mapping, fmt, dequantize: bool, entry=None):

@@ -1,0 +1,89 @@
+"""GPU module for the direct launch path (kvfuse/kernels/launcher.py; skipped without CUDA;
+KVFUSE_TEST_GPU=1): after the first launch of a signature, calls go straight to Triton's compiled
+launcher, and give the same bytes as the reference; a misaligned tensor goes back through Triton
+(which compiles the misaligned specialization) and is still exact; store / load too."""
+import pytest
+import torch
+
+import kvfuse
+from kvfuse import CastArgs, KVCacheOutArgs, NormArgs, RopeArgs, formats
+from kvfuse.kernels import fused
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or kvfuse.backend.interpreter_enabled(),
+                                reason="needs CUDA and compiled kernels (KVFUSE_TEST_GPU=1)")
+FMT = formats.MAIN_FP8
+
+
+class CountingKernel:
+    """Wraps a JITFunction: counts the launches that go through Triton's own path."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.arg_names = kernel.arg_names
+        self.launches = 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def storage(cache):
+    return cache.as_strided((cache.untyped_storage().nbytes(),), (1,), 0)
+
+
+def call(x, w, pos, cs, cache, slots, backend):
+    with kvfuse.use_backend(backend):
+        kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(
+            x, NormArgs(w), RopeArgs(pos, cs, 64, True), None, CastArgs.from_cache_format(FMT),
+            KVCacheOutArgs(cache, slots, layout=FMT))
+
+
+def test_direct_path_used_and_exact(monkeypatch):
+    if not fused.DIRECT_LAUNCH:
+        pytest.skip(f"no direct launch on triton {fused.triton.__version__}")
+    counting = CountingKernel(fused.fused_kernel)
+    monkeypatch.setattr(fused, "fused_kernel", counting)
+    n = 777
+    g = torch.Generator(device="cuda").manual_seed(3)
+    big = (torch.randn(n * 512 + 8, generator=g, device="cuda") * 4).to(torch.bfloat16)
+    w = torch.rand(512, generator=g, device="cuda").to(torch.bfloat16)
+    ang = torch.rand(1024, 32, generator=g, device="cuda") * 6
+    cs = torch.cat([ang.cos(), ang.sin()], 1)
+    pos = torch.randint(-4, 1030, (n,), generator=g, device="cuda")
+    slots = torch.randperm(64 * 32, device="cuda")[:n]
+    slots[::7] = -1
+    for offset, expect_triton in ((0, 1), (0, 0), (0, 0), (1, 1), (0, 0), (8, 0)):
+        # offset 1 (2 bytes): a pointer Triton does not specialize as aligned; offset 8: 16 bytes
+        x = big[offset:offset + n * 512].view(n, 512)
+        before = counting.launches
+        got = FMT.allocate(64, 32, device="cuda")
+        storage(got).copy_(torch.randint(0, 256, storage(got).shape, dtype=torch.uint8, device="cuda"))
+        want = got.clone()
+        call(x, w, pos, cs, got, slots, "triton")
+        call(x, w, pos, cs, want, slots, "reference")
+        torch.cuda.synchronize()
+        assert counting.launches - before == expect_triton, (offset, counting.launches - before)
+        assert torch.equal(storage(got), storage(want)), f"x offset {offset}"
+
+
+def test_store_and_load_exact_through_repeated_calls():
+    fmt = formats.INDEX_MXFP4
+    n = 300
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = (torch.randn(n, 128, generator=g, device="cuda") * 2).to(torch.bfloat16)
+    with kvfuse.use_backend("reference"):
+        q, sf = kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(x, cast_args=CastArgs.from_cache_format(fmt))
+    slots = torch.randperm(16 * 64, device="cuda")[:n]
+    for _ in range(3):
+        caches = []
+        for backend in ("triton", "reference"):
+            cache = fmt.allocate(16, 64, device="cuda")
+            storage(cache).copy_(torch.randint(0, 256, storage(cache).shape, dtype=torch.uint8, device="cuda",
+                                               generator=torch.Generator(device="cuda").manual_seed(9)))
+            with kvfuse.use_backend(backend):
+                kvfuse.store_kv_cache(q, sf, cache, slots, layout=fmt)
+                caches.append((cache, kvfuse.load_paged_kv_cache(cache, slots, layout=fmt, dequantize=True)))
+        torch.cuda.synchronize()
+        (c1, l1), (c2, l2) = caches
+        assert torch.equal(storage(c1), storage(c2))
+        assert torch.equal(l1.view(torch.int16), l2.view(torch.int16))
