@@ -15,13 +15,14 @@ WORKLOADS = ("main_fp8", "main_fp4", "flashmla_v32", "flashmla_model1", "index_m
 SIZES = (1, 256, 65536, 262144)
 
 
-def configs(name, n):
-    """Small n: few rows, several warps; large n: one warp, more rows (earlier sweeps)."""
-    vecs = (4, 8) if name == "main_fp8" else (None,)
+def configs(name, n, sweep_vec=False):
+    """Small n: few rows, several warps; large n: one warp, more rows (earlier sweeps). BLOCK_M 1
+    also switches the kernel to its EARLY load order (kvfuse.kernels.fused.fused_args)."""
+    vecs = (4, 8) if name == "main_fp8" and sweep_vec else (None,)
     if n <= 512:
         grid = [(bm, nw) for bm in (1, 2) for nw in (1, 2, 4)]
     else:
-        grid = [(bm, 1) for bm in (1, 2, 4, 8, 16)] + [(4, 2), (8, 2)]
+        grid = [(bm, 1) for bm in (1, 2, 4, 8)] + [(2, 2), (4, 2)]
     return [(bm, nw, v) for bm, nw in grid for v in vecs]
 
 
@@ -30,6 +31,7 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--n", default=",".join(map(str, SIZES)))
+    p.add_argument("--vec", action="store_true", help="also sweep VEC (4, 8) for main_fp8")
     args = p.parse_args()
     copy_gbps = bench.measure_copy_bandwidth()["copy_GBps"]
     timer = bench.CudaTimer()
@@ -44,7 +46,7 @@ def main():
             call = bench.fused_call(wl, bench.build_inputs(wl, n, "cuda"))
             nbytes = bench.moved_bytes(wl, n)["total"]
             rows_n = n * wl.num_heads
-            for bm, nw, vec in configs(name, rows_n):
+            for bm, nw, vec in configs(name, rows_n, args.vec):
                 if bm * block_d > 16384:
                     continue
                 with force_config(bm, nw, vec):

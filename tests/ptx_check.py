@@ -27,7 +27,7 @@ FLOATS = ("eps", "had_scale")
 DIVISIBLE_BY_16 = ("sx_n", "sx_h", "s_cs", "so_n", "so_h", "sq_n", "sq_h", "s_blk")   # as in the benchmark's calls
 STORE = re.compile(r"\b(st\.global(?:\.[a-z0-9]+)+)")
 # variant -> (the store that must be there, at least how many, at most how many byte stores)
-WIDE_STORES = {"main_fp8": ("st.global.b32", 8, 4), "main_fp4+cast_back": ("st.global.v4.b32", 4, 8),
+WIDE_STORES = {"main_fp8": ("st.global.b32", 8, 4), "main_fp8_decode": ("st.global.b32", 4, 5), "main_fp4+cast_back": ("st.global.v4.b32", 4, 8),
                "bf16_out_rope_only": ("st.global.v4.b32", 4, 0)}
 
 
@@ -50,8 +50,9 @@ def fused_variants():
     base = dict(D=512, BLOCK_D=512, LOG2_BLOCK_D=9, VEC=4, BLOCK_M=2, ONE_HEAD=True, ROWS32=True, HAS_NORM=True,
                 W_BF16=True, ROPE=2, R=64, ROPE_OFF=448, NEOX=True, CONJ=False, CS_BF16=False, HAS_HAD=False, CAST=1,
                 G=32, SF=0, FMAX=448.0, DQ=512, OUT_STAGE=0, DEST=2, NATIVE=2, SLOT32=True, QALIGN=4, SFALIGN=4,
-                TALIGN=4)
+                TALIGN=4, EARLY=False)
     yield "main_fp8", base
+    yield "main_fp8_decode", {**base, "BLOCK_M": 1, "EARLY": True}
     yield "main_fp4+cast_back", {**base, "VEC": 8, "CAST": 2, "G": 16, "SF": 2, "FMAX": 6.0, "OUT_STAGE": 3,
                                  "QALIGN": 16, "SFALIGN": 16, "TALIGN": 16}
     yield "index_fp32+had+conj+interleaved", {**base, "D": 128, "BLOCK_D": 128, "LOG2_BLOCK_D": 7, "VEC": 8,
