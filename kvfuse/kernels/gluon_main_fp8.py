@@ -1,0 +1,508 @@
+"""A Gluon fast path for ONE workload: the MAIN_FP8 KV-cache write (RMSNorm -> NEOX RoPE on the
+last 64 dims -> e4m3 with UE8M0 scales per 32 -> token-interleaved 532-byte records), byte for
+byte what ``kvfuse.kernels.fused.fused_kernel`` writes (SPEC §2, §4).
+
+Assumptions (``supports`` checks them; anything else goes to the plain kernel):
+head_dim 512, num_heads 1, x bf16 [n, 512] with unit column stride; RMSNorm weight [512] bf16 or
+fp32; positions int32/int64 [n]; cos_sin [P, 64] fp32 or bf16 (cos | sin); slot_mapping
+int32/int64 [n]; kv_cache uint8 [num_blocks, block_size, 1, 532] in the MAIN_FP8 layout (record
+= 512 e4m3 codes | 16 UE8M0 scale bytes | 4 reserved bytes never written), token stride a
+multiple of 4 (records are only 4-byte aligned: every cache store is at most 32 bits wide).
+
+Layout (explicit Gluon layouts: what makes it ~295 SASS warp-instructions per row in steady state
+against ~565 for the plain kernel, counted offline for sm_90 with Triton 3.6; see the report of
+benchmarks/gluon_check.py for time):
+- a row (one token) is held by ONE warp: lane l = 4 * d1 + d2 owns the 16 contiguous columns
+  16 l .. 16 l + 15, loaded as 8 int32 words (two bf16 each; two 16-byte loads). A CTA holds
+  R = ROWS_PER_WARP * num_warps rows as [R, 8, 4, 8] words (BlockedLayout size_per_thread
+  [RPW, 1, 1, 8], threads_per_warp [1, 8, 4, 1], warps_per_cta [num_warps, 1, 1, 1]); a word's
+  two bf16 become fp32 with one shift / one mask each.
+- RMSNorm's adjacent-pairs tree (SPEC §2): level 1 inside each word, levels 2-4 over the lane's 8
+  words (sums of size-2 register axes), then 5 butterfly shuffles xor 1, 2, 4, 8, 16 (inline
+  PTX): with lane l owning columns 16 l .. 16 l + 15 that IS the adjacent-pairs order (fp32
+  addition is commutative, so both lanes of a pair hold the same bits). Never gl.sum over lanes:
+  Triton's warp reduction starts at xor 16.
+- y = bf16((x * rstd) * w) is packed two per word (cvt.rn.bf16x2.f32); the quantization group (32
+  columns) is two neighbouring lanes: in-lane max of 16 + one xor-1 shuffle; the codes are packed
+  four per word (cvt.rn.satfinite.e4m3x2.f32) and stored as four 32-bit words per lane (records
+  are 4-byte aligned); the even lane of a pair stores the group's scale byte.
+- RoPE: the 32 (i0, i1) = (448 + j, 480 + j) pairs one per lane ([R, 8, 4, 2], pair j on lane j);
+  each lane reloads its two x values and recomputes their norm (same arithmetic, same bits),
+  rotates, packs (r0_j, r1_j), and one xor-1 shuffle + prmt forms the tail's bf16 words (even
+  lane: (r0_j, r0_j+1), odd lane: (r1_j-1, r1_j)); 128 bytes of shared memory per row carry them
+  to lanes 28..31 (d1 == 7), which own columns 448..511; there they replace the unrotated words.
+- a persistent grid (at most what is resident at once) walks over the row tiles; the weight is
+  loaded once per CTA. PIPELINE=True loads the next tile during this one's arithmetic.
+
+Numerics mirror the plain kernel exactly: fp32 ops rounded one by one (compile with
+enable_fp_fusion=False: no FMA), div_rn/sqrt_rn, native bf16 rounding (cvt.rn), the UE8M0
+exponent without division (``group_scales`` SF=0), the unguarded native e4m3 encode
+(cvt.rn.satfinite.e4m3x2.f32; NATIVE=2 in fused.py) and NaN-ignoring max (max.f32) for amax.
+
+The module imports without a GPU and under any Triton; ``available()`` says whether this path
+can run (Triton 3.6's Gluon API and a CUDA device).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    _IMPORT_ERROR = None
+except Exception as e:  # pragma: no cover - triton without Gluon
+    triton = gluon = gl = None
+    _IMPORT_ERROR = e
+
+HEAD_DIM = 512
+RECORD_BYTES = 532           # 512 codes + 16 scales + 4 reserved (never written)
+ROTARY_DIM = 64
+_INT32_LIMIT = 2 ** 31
+
+
+def available() -> bool:
+    """True when the Gluon API this kernel is written for (Triton 3.6) and a CUDA device exist."""
+    if _IMPORT_ERROR is not None or not torch.cuda.is_available():
+        return False
+    try:
+        major, minor = (int(v) for v in triton.__version__.split(".")[:2])
+    except Exception:
+        return False
+    return (major, minor) == (3, 6)
+
+
+if gluon is not None:
+
+    @gluon.constexpr_function
+    def _bfly_asm(lane_mask):
+        # butterfly shuffle over the whole warp: lane l receives the value of lane l ^ lane_mask
+        return f"shfl.sync.bfly.b32 $0, $1, {lane_mask}, 0x1f, 0xffffffff;"
+
+    @gluon.jit
+    def _shfl_xor(v, LANE_MASK: gl.constexpr):
+        """v of lane l ^ LANE_MASK, for a 32-bit tensor holding one value per lane and row (every
+        lane of the warp must run it: no divergent code around it in this kernel)."""
+        return gl.inline_asm_elementwise(_bfly_asm(LANE_MASK), "=r,r", [v], dtype=v.dtype, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _bf16x2(lo, hi):
+        """Two fp32 -> one int32 word holding bf16(lo) | bf16(hi) << 16 (cvt.rn: round to nearest even)."""
+        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _e4m3x4(v0, v1, v2, v3):
+        """Four fp32 -> one int32 word of e4m3 codes, v0 in the low byte (cvt.rn.satfinite: RTNE,
+        saturating to +-448, NaN -> an e4m3 NaN): the instruction Triton emits for .to(float8e4nv) on
+        sm_90, the plain kernel's NATIVE=2 encode."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [v0, v1, v2, v3], dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _prmt(a, b, sel):
+        """Byte permute: byte k of the result is byte (sel >> 4k) & 7 of the pair (b:a) (a = bytes 0..3)."""
+        return gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _lo_f32(w):
+        """The bf16 in the low half of int32 words, as fp32 (exact)."""
+        return (w << 16).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _hi_f32(w):
+        """The bf16 in the high half of int32 words, as fp32 (exact)."""
+        return (w & -65536).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _lanes(v):
+        """[R] (row slice layout) -> [R, 1, 1] in the lane layout (no data movement)."""
+        return gl.expand_dims(gl.expand_dims(v, 1), 2)
+
+    @gluon.jit
+    def _pairs(v, LPLANE: gl.constexpr):
+        """[R] (row slice layout) -> [R, 1, 1, 1] in the pair layout (no data movement)."""
+        return gl.expand_dims(gl.convert_layout(_lanes(v), LPLANE, assert_trivial=True), 3)
+
+    @gluon.jit
+    def _offset(v, OFFSETS32: gl.constexpr):
+        """An element / byte offset: int32 when every offset of the launch fits (cheaper address math)."""
+        if OFFSETS32:
+            off = v.to(gl.int32)
+        else:
+            off = v.to(gl.int64)
+        return off
+
+    @gluon.jit
+    def _load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32: gl.constexpr):
+        """Positions and slots of the rows [R] (-1 past n_rows: no position, no slot)."""
+        rmask = rows < n_rows
+        r = _offset(rows, OFFSETS32)
+        pos = gl.load(pos_ptr + r * s_pos, mask=rmask, other=-1)
+        slot = gl.load(slot_ptr + r * s_slot, mask=rmask, other=-1)
+        return pos, slot
+
+    @gluon.jit
+    def _load_x(x_ptr, sx_w, rows, n_rows, word, pair_col, LPLANE: gl.constexpr, OFFSETS32: gl.constexpr):
+        """x of the rows as int32 words [R, 8, 4, 8] (two bf16 each) and the RoPE pairs' x as fp32
+        [R, 8, 4, 2] (x[448 + j], x[480 + j] on lane j)."""
+        rmask = rows < n_rows
+        x_row = _offset(rows, OFFSETS32) * sx_w                         # in words
+        xw = gl.load(x_ptr.to(gl.pointer_type(gl.int32)) + gl.expand_dims(_lanes(x_row), 3) + word,
+                     mask=gl.expand_dims(_lanes(rmask), 3), other=0)
+        xp = gl.load(x_ptr + _pairs(x_row * 2, LPLANE) + 448 + pair_col, mask=_pairs(rmask, LPLANE), other=0.0)
+        return xw, xp.to(gl.float32)
+
+    @gluon.jit
+    def _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LPLANE: gl.constexpr, OFFSETS32: gl.constexpr):
+        """(cos_j, sin_j) of each row's position as fp32 [R, 8, 4, 2] (zeros where the position is
+        outside [0, P): such rows are not rotated)."""
+        pok = (rows < n_rows) & (pos >= 0) & (pos < P)
+        cs_row = _offset(gl.where(pok, pos, 0), OFFSETS32) * s_cs
+        cs = gl.load(cs_ptr + _pairs(cs_row, LPLANE) + pair_col, mask=_pairs(pok, LPLANE), other=0.0)
+        return cs.to(gl.float32)
+
+    @gluon.jit
+    def _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
+                    cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel, qword,
+                    R: gl.constexpr, LLANE: gl.constexpr, LPLANE: gl.constexpr, LQ: gl.constexpr,
+                    LW: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, OFFSETS32: gl.constexpr):
+        """RMSNorm -> RoPE -> UE8M0/e4m3 -> the records of one tile of R rows whose loads are done."""
+        rmask = rows < n_rows
+        pok = rmask & (pos >= 0) & (pos < P)
+
+        # ---- RMSNorm: p_2i + p_2i+1 inside each word, the tree over the lane's 8 words, 5 shuffles
+        x_lo = _lo_f32(xw)
+        x_hi = _hi_f32(xw)
+        sq = x_lo * x_lo + x_hi * x_hi
+        sq = gl.sum(gl.reshape(sq, [R, 8, 4, 4, 2]), axis=4)
+        sq = gl.sum(gl.reshape(sq, [R, 8, 4, 2, 2]), axis=4)
+        sq = gl.sum(gl.reshape(sq, [R, 8, 4, 1, 2]), axis=4)
+        ss = gl.convert_layout(gl.reshape(sq, [R, 8, 4]), LLANE, assert_trivial=True)
+        ss = ss + _shfl_xor(ss, 1)
+        ss = ss + _shfl_xor(ss, 2)
+        ss = ss + _shfl_xor(ss, 4)
+        ss = ss + _shfl_xor(ss, 8)
+        ss = ss + _shfl_xor(ss, 16)
+        mean = ss * (1.0 / 512)                                         # exact: a power of two
+        rstd = gl.div_rn(gl.full([R, 8, 4], 1.0, gl.float32, LLANE), gl.sqrt_rn(mean + eps))
+        rstd4 = gl.expand_dims(rstd, 3)
+        yw = _bf16x2((x_lo * rstd4) * w_lo, (x_hi * rstd4) * w_hi)       # [R, 8, 4, 8] bf16 pairs
+
+        # ---- RoPE on the pair layout (the norm of the pair recomputed there: same arithmetic, same bits)
+        yp = (xp * gl.expand_dims(gl.convert_layout(rstd, LPLANE, assert_trivial=True), 3)) * w_pair
+        y0, y1 = gl.split(yp)
+        ypw = _bf16x2(y0, y1)                                           # (y_i0, y_i1) rounded to bf16
+        a = _lo_f32(ypw)
+        b = _hi_f32(ypw)
+        c, s = gl.split(cs)
+        rot = _bf16x2((a * c) - (b * s), (a * s) + (b * c))             # (r0_j, r1_j)
+        # even lane j: tail word j / 2 = (r0_j, r0_j+1); odd lane j: tail word 16 + j / 2 = (r1_j-1, r1_j)
+        rot = _prmt(rot, _shfl_xor(rot, 1), merge_sel)
+        # through shared memory to lanes 28..31: lane j's word goes to [j & 1][j >> 1] of [R, 2, 16]
+        tail_buf.reshape([R, 2, 16]).permute([0, 2, 1]).store(gl.reshape(rot, [R, 16, 2]))
+        gl.thread_barrier()
+        tail = tail_buf.reshape([R, 1, 4, 8]).load(LW)                  # lane 28 + d2: tail words 8 d2 .. 8 d2 + 7
+        gl.thread_barrier()                                             # the next tile overwrites tail_buf
+        yw = gl.where(tail_lane & gl.expand_dims(_lanes(pok), 3), tail, yw)
+
+        # ---- UE8M0 scale per 32 columns (two lanes): group_scales(SF=0, FMAX=448) of numerics.py
+        y_lo = _lo_f32(yw)
+        y_hi = _hi_f32(yw)
+        amax = gl.max(gl.maximum(gl.abs(y_lo), gl.abs(y_hi)), axis=3)   # NaN-ignoring max, like tl.max
+        amax = gl.maximum(gl.maximum(amax, _shfl_xor(amax, 1)), 1e-4)
+        bits = amax.to(gl.int32, bitcast=True)
+        e = ((bits >> 23) - (127 + 8)) + ((bits & 0x7FFFFF) > 0x600000).to(gl.int32)
+        e = gl.where((bits >> 23) == 255, 128, e)
+        m = gl.where(e >= 127, 0x400000 >> gl.maximum(e - 127, 0), (127 - e) << 23).to(gl.float32, bitcast=True)
+        m4 = gl.expand_dims(m, 3)
+        # codes of columns 4q .. 4q + 3 = (lo, hi) of words 2q and 2q + 1
+        t0, t2 = gl.split(gl.reshape(y_lo * m4, [R, 8, 4, 4, 2]))
+        t1, t3 = gl.split(gl.reshape(y_hi * m4, [R, 8, 4, 4, 2]))
+        codes = gl.convert_layout(_e4m3x4(t0, t1, t2, t3), LQ, assert_trivial=True)   # [R, 8, 4, 4]
+
+        # ---- the records; an invalid slot (or a row past n_rows) writes nothing
+        ok = rmask & (slot >= 0) & (slot < capacity)
+        if SLOT32:
+            s32 = gl.where(ok, slot, 0).to(gl.int32)                    # capacity <= 2**31 (host)
+            if LOG2_BLOCK >= 0:
+                blk32 = s32 >> LOG2_BLOCK
+            else:
+                blk32 = s32 // block_size
+            rec = _offset(blk32, OFFSETS32) * s_blk + _offset(s32 - blk32 * block_size, OFFSETS32) * tok_stride
+        else:
+            s64 = gl.where(ok, slot, 0).to(gl.int64)
+            if LOG2_BLOCK >= 0:
+                blk = s64 >> LOG2_BLOCK
+            else:
+                blk = s64 // block_size
+            rec = blk * s_blk + (s64 - blk * block_size) * tok_stride
+        rec3 = _lanes(rec)
+        ok3 = _lanes(ok)
+        rec_q = gl.expand_dims(gl.convert_layout(rec3 >> 2, gl.SliceLayout(3, LQ), assert_trivial=True), 3)
+        ok_q = gl.expand_dims(gl.convert_layout(ok3, gl.SliceLayout(3, LQ), assert_trivial=True), 3)
+        # records are 4-byte aligned (host check): 32-bit stores of four codes
+        gl.store(cache_ptr.to(gl.pointer_type(gl.int32)) + rec_q + qword, codes, mask=ok_q)
+        gl.store(cache_ptr + rec3 + 512 + (lane >> 1), (e + 127).to(gl.uint8), mask=ok3 & ((lane & 1) == 0))
+
+    @gluon.jit(do_not_specialize=["n_rows", "P", "capacity"])
+    def main_fp8_kernel(
+        x_ptr, sx_w,                            # x bf16 [n, 512] (read as int32 words); row stride in words
+        w_ptr, eps,                             # RMSNorm weight [512] (bf16 or fp32)
+        pos_ptr, s_pos, cs_ptr, s_cs, P,        # positions [n]; cos_sin [P, 64] (cos | sin; fp32 or bf16)
+        slot_ptr, s_slot,                       # slot_mapping [n]
+        cache_ptr, s_blk, tok_stride, block_size, capacity,   # kv_cache uint8 [blocks, block_size, 1, 532]
+        n_rows,
+        W_BF16: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, ROWS_PER_WARP: gl.constexpr,
+        PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr,
+    ):
+        """A program walks over the tiles pid, pid + num_programs, ... (R = ROWS_PER_WARP * num_warps
+        rows each; warp w owns rows w * ROWS_PER_WARP ..). LOG2_BLOCK: log2(block_size) when it is a
+        power of two, else -1 (a division). PIPELINE: load tile t + 1 (x, indices; its cos/sin after
+        tile t's stores) while tile t computes, instead of loading each tile at its start.
+        OFFSETS32: every x, index, cos/sin and cache offset of the launch is below 2**31 (host)."""
+        NW: gl.constexpr = gl.num_warps()
+        R: gl.constexpr = ROWS_PER_WARP * NW
+        # words [R, 8, 4, 8]: lane l = 4 * d1 + d2 owns the 8 int32 words (bf16 columns 16 l .. 16 l + 15)
+        LW: gl.constexpr = gl.BlockedLayout([ROWS_PER_WARP, 1, 1, 8], [1, 8, 4, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+        # output words [R, 8, 4, 4]: four e4m3 codes each, lane l owns record words 4 l .. 4 l + 3
+        LQ: gl.constexpr = gl.BlockedLayout([ROWS_PER_WARP, 1, 1, 4], [1, 8, 4, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+        # RoPE pairs [R, 8, 4, 2]: pair j on lane j, (i0, i1) = (448 + j, 480 + j) in two registers
+        LP: gl.constexpr = gl.BlockedLayout([ROWS_PER_WARP, 1, 1, 2], [1, 8, 4, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+        LLANE: gl.constexpr = gl.SliceLayout(3, LW)                     # [R, 8, 4]: one value per lane and row
+        LPLANE: gl.constexpr = gl.SliceLayout(3, LP)                    # the same mapping, seen from LP
+        LROW: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LLANE))  # [R]
+
+        # ---- loop-invariant indices and the weight
+        r_idx = gl.arange(0, R, layout=LROW)
+        d1 = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, LLANE))), 0), 2)
+        d2 = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LLANE))), 0), 1)
+        lane = d1 * 4 + d2                                              # [1, 8, 4]
+        k8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LW))))
+        word = gl.expand_dims(lane, 3) * 8 + gl.expand_dims(gl.expand_dims(gl.expand_dims(k8, 0), 1), 2)  # [1, 8, 4, 8]
+        tail_lane = gl.expand_dims(d1 == 7, 3)                          # lanes 28..31 own columns 448..511
+        k4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LQ))))
+        qword = (gl.expand_dims(gl.convert_layout(lane, gl.SliceLayout(3, LQ), assert_trivial=True), 3) * 4
+                 + gl.expand_dims(gl.expand_dims(gl.expand_dims(k4, 0), 1), 2))          # [1, 8, 4, 4]
+        lane_p = gl.convert_layout(lane, LPLANE, assert_trivial=True)
+        half = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LP))))
+        pair_col = gl.expand_dims(lane_p, 3) + 32 * gl.expand_dims(gl.expand_dims(gl.expand_dims(half, 0), 1), 2)
+        merge_sel = gl.where((lane_p & 1) == 0, 0x5410, 0x3276)        # prmt: (own.lo, other.lo) / (other.hi, own.hi)
+
+        if W_BF16:
+            w_words = gl.load(w_ptr.to(gl.pointer_type(gl.int32)) + word)
+            w_lo = _lo_f32(w_words)
+            w_hi = _hi_f32(w_words)
+        else:
+            w_lo = gl.load(w_ptr + 2 * word)
+            w_hi = gl.load(w_ptr + 2 * word + 1)
+        w_pair = gl.load(w_ptr + 448 + pair_col).to(gl.float32)         # [1, 8, 4, 2]
+        tail_buf = gl.allocate_shared_memory(gl.int32, [R, 32], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+
+        pid = gl.program_id(0)
+        num_programs = gl.num_programs(0)
+        num_tiles = gl.cdiv(n_rows, R)
+        if PIPELINE:
+            rows = pid * R + r_idx                                      # [R] int32 (n_rows < 2**31 - R: host)
+            pos, slot = _load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
+            xw, xp = _load_x(x_ptr, sx_w, rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
+            cs = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LPLANE, OFFSETS32)
+            for tile in range(pid, num_tiles, num_programs):
+                rows = tile * R + r_idx
+                next_rows = rows + num_programs * R
+                next_pos, next_slot = _load_indices(pos_ptr, s_pos, slot_ptr, s_slot, next_rows, n_rows, OFFSETS32)
+                next_xw, next_xp = _load_x(x_ptr, sx_w, next_rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
+                _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
+                            cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
+                            qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32)
+                # the next positions arrived while this tile computed
+                cs = _load_cos_sin(cs_ptr, s_cs, P, next_pos, next_rows, n_rows, pair_col, LPLANE, OFFSETS32)
+                pos = next_pos
+                slot = next_slot
+                xw = next_xw
+                xp = next_xp
+        else:
+            for tile in range(pid, num_tiles, num_programs):
+                rows = tile * R + r_idx
+                pos, slot = _load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
+                xw, xp = _load_x(x_ptr, sx_w, rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
+                cs = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LPLANE, OFFSETS32)
+                _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
+                            cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
+                            qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32)
+
+
+# --------------------------------------------------------------------------- host side
+_MAX_CTAS_PER_SM = 32        # sm_90 resident-block limit
+_resident = {}               # launch key -> CTAs of that compiled variant resident on one SM
+
+
+def supports(x, weight, positions, cos_sin, slot_mapping, kv_cache) -> str:
+    """'' when this kernel handles the call, else why not (the caller keeps the plain kernel)."""
+    if x.dim() != 2 or x.shape[1] != HEAD_DIM or x.dtype != torch.bfloat16 or x.stride(1) != 1:
+        return "x must be bf16 [n, 512] with unit column stride"
+    if x.stride(0) % 2 or x.data_ptr() % 4:
+        return "x rows must be 4-byte aligned (read as bf16 pairs)"
+    if x.shape[0] >= _INT32_LIMIT // 2:
+        return "n must be < 2**30"
+    if weight.shape != (HEAD_DIM,) or weight.dtype not in (torch.bfloat16, torch.float32) or weight.stride(0) != 1:
+        return "weight must be a contiguous bf16/fp32 [512]"
+    if weight.data_ptr() % 4:
+        return "weight must be 4-byte aligned"
+    if cos_sin.dim() != 2 or cos_sin.shape[1] != ROTARY_DIM or cos_sin.dtype not in (torch.float32, torch.bfloat16) \
+            or cos_sin.stride(1) != 1:
+        return "cos_sin must be fp32/bf16 [P, 64] with unit column stride"
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if t.dim() != 1 or t.shape[0] != x.shape[0] or t.dtype not in (torch.int32, torch.int64):
+            return f"{name} must be int32/int64 [n]"
+    c = kv_cache
+    if c.dtype != torch.uint8 or c.dim() != 4 or c.shape[2] != 1 or c.shape[3] != RECORD_BYTES or c.stride(3) != 1:
+        return "kv_cache must be uint8 [num_blocks, block_size, 1, 532] (MAIN_FP8)"
+    if c.stride(1) % 4 or c.stride(1) < RECORD_BYTES or c.stride(0) % 4 or c.data_ptr() % 4:
+        return "kv_cache records must be 4-byte aligned (token and block strides multiples of 4)"
+    devs = {t.device for t in (x, weight, positions, cos_sin, slot_mapping, kv_cache)}
+    if len(devs) != 1 or next(iter(devs)).type != "cuda":
+        return "all tensors must be on one CUDA device"
+    return ""
+
+
+def _resident_ctas_per_sm(compiled, num_warps: int, device_index: int) -> int:
+    """CTAs of a compiled variant that fit on one SM at once (registers, warps, the block limit): a
+    persistent grid larger than that would run a second wave holding a fixed share of the tiles."""
+    compiled._init_handles()                      # loads the binary: n_regs
+    props = torch.cuda.get_device_properties(device_index)
+    regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    warps_per_sm = getattr(props, "max_threads_per_multi_processor", 2048) // 32
+    regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256     # allocated per warp in units of 256
+    warps = min(warps_per_sm, regs_per_sm // regs_per_warp)
+    return max(1, min(_MAX_CTAS_PER_SM, warps // num_warps))
+
+
+def launch_table(n_rows: int):
+    """(num_warps, rows_per_warp, pipeline) per batch size, from the H200 check of session 3
+    (benchmarks/gluon_check.py, DEVICE_NOTES.md): one one-warp row per CTA at decode sizes, four
+    warps around n = 4096, one warp loading its next tile ahead (pipeline) at n >= 65536. The
+    thresholds between the measured sizes (1, 256, 4096, 65536, 262144) are not tuned."""
+    if n_rows <= 512:
+        return 1, 1, False
+    if n_rows <= 16384:
+        return 4, 1, False
+    return 1, 1, True
+
+
+def _launch_parts(tensor, n: int, eps: float, x, weight, positions, cos_sin, slot_mapping, kv_cache,
+                  num_warps: int, rows_per_warp: int, pipeline: bool, ctas_per_sm):
+    """(grid, args, constexprs, options) of main_fp8_kernel; ``tensor(name)`` goes where the tensor
+    ``name`` goes (the tensor itself, or a launcher.PlanTensor), the tensors give the strides."""
+    block_size = kv_cache.shape[1]
+    capacity = kv_cache.shape[0] * block_size
+    T = tensor
+    args = (T("x"), x.stride(0) // 2, T("weight"), float(eps), T("positions"), positions.stride(0), T("cos_sin"),
+            cos_sin.stride(0), cos_sin.shape[0], T("slot_mapping"), slot_mapping.stride(0),
+            T("kv_cache"), kv_cache.stride(0), kv_cache.stride(1), block_size, capacity, n)
+    # the largest offset each pointer is indexed with (rows up to one tile per program past n included)
+    spans = ((n + 2 ** 20) * x.stride(0), (n + 2 ** 20) * max(positions.stride(0), slot_mapping.stride(0)),
+             cos_sin.shape[0] * cos_sin.stride(0), kv_cache.shape[0] * kv_cache.stride(0) + RECORD_BYTES)
+    constexprs = dict(W_BF16=weight.dtype == torch.bfloat16, SLOT32=capacity <= _INT32_LIMIT,
+                      LOG2_BLOCK=block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1,
+                      ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline), OFFSETS32=max(spans) < _INT32_LIMIT)
+    options = dict(num_warps=num_warps, num_stages=1, enable_fp_fusion=False)
+    device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    key = (device_index, x.dtype, weight.dtype, positions.dtype, cos_sin.dtype, slot_mapping.dtype,
+           tuple(constexprs.items()), num_warps)
+    per_sm = ctas_per_sm or _resident.get(key)
+    if per_sm is None:
+        real = (x, x.stride(0) // 2, weight, float(eps), positions, positions.stride(0), cos_sin, cos_sin.stride(0),
+                cos_sin.shape[0], slot_mapping, slot_mapping.stride(0), kv_cache, *args[12:])
+        compiled = main_fp8_kernel.warmup(*real, grid=(1,), **constexprs, **options)
+        per_sm = _resident[key] = _resident_ctas_per_sm(compiled, num_warps, device_index)
+    tiles = -(-n // (rows_per_warp * num_warps))
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return (max(1, min(tiles, sms * per_sm)),), args, constexprs, options
+
+
+# --------------------------------------------------------------------------- kvfuse's dispatch
+def enabled() -> bool:
+    """The fused entry point uses this kernel for the calls it fits (``eligible``) unless
+    KVFUSE_GLUON=0 or ``available()`` is false."""
+    return os.environ.get("KVFUSE_GLUON", "1") != "0" and available()
+
+
+def eligible(plan) -> bool:
+    """Whether a validated kvfuse.plan.Plan is exactly this kernel's chain: RMSNorm, NEOX RoPE on
+    columns 448..511 (not conjugate), no Hadamard, e4m3 / UE8M0 / g32 over all 512 columns, one
+    head, records laid out as MAIN_FP8's (token-interleaved, 512 codes then 16 scales), no stage
+    copy, and the alignments the kernel reads with (x rows and weight as 4-byte words, records
+    4-byte aligned: the cache pointer's alignment is part of the plan-cache key; x's and the
+    weight's are checked per call, ``word_aligned``)."""
+    x, cache, c, f = plan.x, plan.kv_cache, plan.cast, plan.fmt
+    if cache is None or c is None or plan.weight is None or plan.positions is None or f is None:
+        return False
+    if plan.hadamard_scale is not None or plan.out is not None or plan.out_stage is not None:
+        return False
+    if x.shape[1:] != (1, HEAD_DIM) or x.stride(0) % 2 or x.shape[0] >= _INT32_LIMIT // 2:
+        return False
+    if (plan.rotary_dim, plan.rope_offset, plan.is_neox, plan.conjugate) != (ROTARY_DIM, 448, True, False):
+        return False
+    if (c.cast_fmt, c.group, c.sf_format, plan.quant_dim) != ("e4m3", 32, "ue8m0", HEAD_DIM):
+        return False
+    a = plan.addressing
+    if not f.token_interleaved or f.bytes_per_token != RECORD_BYTES or f.bf16_tail:
+        return False
+    if (a.data_offset, a.sf_offset) != (0, 512) or cache.stride(1) % 4 or cache.stride(0) % 4 or cache.data_ptr() % 4:
+        return False
+    return plan.weight.stride(0) == 1 and plan.cos_sin.shape[1] == ROTARY_DIM
+
+
+def word_aligned(x, weight) -> bool:
+    """x and the weight are read as 4-byte words."""
+    return not ((x.data_ptr() | weight.data_ptr()) & 3)
+
+
+def plan_launch(plan, tensor) -> tuple:
+    """(kernel name, grid, positional args, keyword args, namespace) of this kernel for an eligible
+    plan; ``tensor(field)`` goes where the plan's tensor ``field`` goes (the tensor, or a
+    launcher.PlanTensor for a Launch kept with the call signature)."""
+    x = plan.x[:, 0, :]
+    n = x.shape[0]
+    nw, rpw, pipe = launch_table(n)
+    grid, args, constexprs, options = _launch_parts(
+        tensor, n, plan.eps, x, plan.weight, plan.positions, plan.cos_sin, plan.slot_mapping, plan.kv_cache,
+        nw, rpw, pipe, None)
+    return "main_fp8_kernel", grid, args, {**constexprs, **options}, globals()
+
+
+def gluon_main_fp8_write(x, weight, eps, positions, cos_sin, slot_mapping, kv_cache, *, num_warps: int = 1,
+                         rows_per_warp: int = 1, pipeline: bool = False, ctas_per_sm: int = None) -> None:
+    """Write MAIN_FP8 records for the rows of x: the same bytes as
+    ``fused_norm_rope_hadamard_cast_store_kvcache(x, NormArgs(weight, eps), RopeArgs(positions,
+    cos_sin, 64, True), None, CastArgs.from_cache_format(MAIN_FP8), KVCacheOutArgs(kv_cache,
+    slot_mapping, layout=MAIN_FP8))`` (block_size = kv_cache.shape[1]). kvfuse's fused entry point
+    calls this kernel itself for such calls (``eligible``); this direct entry is for the check
+    script (benchmarks/gluon_check.py) and its launch variants.
+
+    Launch: tiles of rows_per_warp * num_warps rows; one CTA per tile up to what fits on the GPU at
+    once (ctas_per_sm per SM: default, the compiled variant's occupancy), then each CTA loops over
+    tiles (pipeline: load the next tile while computing this one). No host synchronization: CUDA
+    graphs can capture it once it has been compiled (call it once before capturing).
+    Raises ValueError outside this kernel's assumptions (see ``supports``)."""
+    if not available():
+        raise RuntimeError("the Gluon MAIN_FP8 path needs Triton 3.6's Gluon and a CUDA device")
+    why = supports(x, weight, positions, cos_sin, slot_mapping, kv_cache)
+    if num_warps not in (1, 2, 4, 8) or rows_per_warp not in (1, 2, 4):
+        why = f"num_warps must be 1/2/4/8 and rows_per_warp 1/2/4 (powers of two), got {num_warps}, {rows_per_warp}"
+    if why:
+        raise ValueError(f"gluon_main_fp8_write: {why}")
+    n = x.shape[0]
+    if n == 0:
+        return
+    tensors = dict(x=x, weight=weight, positions=positions, cos_sin=cos_sin, slot_mapping=slot_mapping,
+                   kv_cache=kv_cache)
+    grid, args, constexprs, options = _launch_parts(tensors.__getitem__, n, eps, x, weight, positions, cos_sin,
+                                                    slot_mapping, kv_cache, num_warps, rows_per_warp, pipeline,
+                                                    ctas_per_sm)
+    main_fp8_kernel[grid](*args, **constexprs, **options)
