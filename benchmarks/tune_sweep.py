@@ -55,7 +55,7 @@ def main():
                                  pct=100 * nbytes / (us * 1e-6) / (copy_gbps * 1e9)))
             mine = [r for r in rows if r["workload"] == name and r["n"] == n]
             best = min(mine, key=lambda r: r["us"])
-            dflt = launch_config(rows_n, wl.head_dim, block_d, False)
+            dflt = launch_config(rows_n, wl.head_dim, block_d, False, wl.cast_args.cast_fmt if wl.cast_args else None)
             cur = [r["us"] for r in mine if (r["bm"], r["nw"]) == dflt and r["vec"] in (None, 4)]
             print(f"{name:16s} n={n:7d} best bm={best['bm']} nw={best['nw']} vec={best['vec']} {best['us']:8.2f} us "
                   f"{best['pct']:5.1f}% copy | default {dflt}: {cur[0] if cur else float('nan'):8.2f} us", flush=True)

@@ -16,7 +16,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 if [ "$part" = tests ]; then
   # pytest under SIGINT-on-timeout still prints its summary
   KVFUSE_TEST_GPU=1 KVFUSE_GPU_STRESS=${KVFUSE_GPU_STRESS:-400} timeout -s INT "$budget" \
-    python3 -m pytest -q -s -rf -p no:cacheprovider tests/gpu/test_gpu_numerics.py tests/gpu/test_gpu_streams.py \
+    python3 -m pytest -q -s -rf -p no:cacheprovider tests/gpu/test_gpu_numerics.py tests/gpu/test_gpu_gluon.py tests/gpu/test_gpu_launcher.py tests/gpu/test_gpu_streams.py \
     tests/gpu/test_gpu_compile_graphs.py tests/gpu/test_gpu_kernel.py > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?"
   grep -E "GPU summary|stress:|passed|failed|AssertionError" "$OUT/gpu_tests.log" | cut -c1-600 | tail -n 12
@@ -25,7 +25,7 @@ if [ "$part" = tests ]; then
   echo "memcheck rc=$?"; tail -n 2 "$OUT/memcheck.log"
 elif [ "$part" = quick ]; then
   KVFUSE_TEST_GPU=1 timeout -s INT 200 python3 -m pytest -q -s -rf -p no:cacheprovider \
-    tests/gpu/test_gpu_launcher.py tests/gpu/test_gpu_streams.py tests/gpu/test_gpu_compile_graphs.py \
+    tests/gpu/test_gpu_gluon.py tests/gpu/test_gpu_launcher.py tests/gpu/test_gpu_streams.py tests/gpu/test_gpu_compile_graphs.py \
     > "$OUT/gpu_quick.log" 2>&1
   echo "gpu quick tests rc=$?"; grep -E "passed|failed|Error" "$OUT/gpu_quick.log" | cut -c1-400 | tail -n 8
   for d in 1 0; do

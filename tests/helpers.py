@@ -183,3 +183,20 @@ def write_records(expect: torch.Tensor, fmt: KVCacheFormat, block_size: int, num
         idx = starts[key][..., None] + torch.arange(payload.shape[-1], dtype=torch.int64)
         expect[idx.reshape(-1)] = payload.reshape(-1)
     return expect
+
+
+class CountingKernel:
+    """Wraps a Triton JITFunction: counts the launches that go through Triton's own path
+    (``kernel[grid](...)``; direct launches, kvfuse/kernels/launcher.py, bypass it)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.arg_names = kernel.arg_names
+        self.launches = 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+    def warmup(self, *args, **kwargs):
+        return self.kernel.warmup(*args, **kwargs)

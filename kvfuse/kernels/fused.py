@@ -22,6 +22,7 @@ import triton.language as tl
 from .. import backend as _backend
 from ..formats import FMAX
 from ..plan import LAUNCHES_PER_TEMPLATE, X, Plan
+from . import gluon_main_fp8 as _gluon
 from .launcher import Launch, direct_launch_supported, tensor_arg
 from .numerics import (bf16_bits, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3, group_scales, load_f32,
                        round_bf16)
@@ -430,6 +431,8 @@ def fused_kernel(
 # triton.jit chose between compiling and interpreting when this module was imported
 INTERPRET = _backend.interpreter_enabled()
 DIRECT_LAUNCH = direct_launch_supported(INTERPRET)   # see kvfuse/kernels/launcher.py
+# the Gluon MAIN_FP8 fast path (kvfuse/kernels/gluon_main_fp8.py; Triton 3.6 on CUDA, KVFUSE_GLUON=0 turns it off)
+GLUON = not INTERPRET and _gluon.enabled()
 # the launch path is hot: plain-Python helpers (triton.next_power_of_2 costs microseconds a call)
 # 0: integer narrowing helpers on the GPU too (a diagnostic: the bytes must not change); 1: native
 # conversions; 2: native, and the e4m3 encode without its signed-zero guard
@@ -463,10 +466,13 @@ def force_config(block_m: int = None, num_warps: int = None, vec: int = None):
         _force.cfg = prev
 
 
-def launch_config(n_rows: int, head_dim: int, block_d: int, interpret: bool):
+def launch_config(n_rows: int, head_dim: int, block_d: int, interpret: bool, cast_fmt=None):
     """(BLOCK_M, num_warps) from a small table measured on the H200 (benchmarks/tune_sweep.py,
-    DEVICE_NOTES.md): one row per one-warp program at decode sizes, ~1K elements per one-warp
-    program above; the interpreter pays per program, so it takes many rows at once."""
+    DEVICE_NOTES.md): one row per one-warp program at decode sizes; above, one-warp programs of
+    ~1K elements (2 rows of 512, 1 of 576), 4 rows of 128, 8 for e2m1 (whose encode and nibble
+    packing leave more room between memory accesses: 8 rows measured 15-20% faster for INDEX_MXFP4
+    and INDEX_NVFP4 at n >= 65536, while 8 rows of INDEX_FP8_FP32 were 35% slower than 4). The
+    interpreter pays per program, so it takes many rows at once."""
     forced = _force.cfg
     if interpret:
         bm = min(next_pow2(max(n_rows, 1)), max(1, 16384 // block_d))
@@ -475,6 +481,8 @@ def launch_config(n_rows: int, head_dim: int, block_d: int, interpret: bool):
         bm, nw = 1, 1          # decode sizes: as many one-warp programs as rows (H200 sweep, BENCHMARKS.md)
     else:
         bm = min(4, max(1, 1024 // block_d))   # ~1K elements per one-warp program: 2 rows of 512, 4 of 128
+        if cast_fmt == "e2m1" and block_d <= 128:
+            bm = 8
         nw = 1
     if forced is not None:
         bm = forced[0] or bm
@@ -548,7 +556,7 @@ def fused_args(plan: Plan, tensor) -> tuple:
     n, H, D = x.shape
     block_d = next_pow2(D)
     interpret = INTERPRET
-    bm, nw = launch_config(n * H, D, block_d, interpret)
+    bm, nw = launch_config(n * H, D, block_d, interpret, plan.cast.cast_fmt if plan.cast else None)
     cast, a, cache = plan.cast, plan.addressing, plan.kv_cache
 
     def or_x(t):  # strides of a tensor the plan does not have: x's (x stands in for it)
@@ -599,20 +607,37 @@ def fused_args(plan: Plan, tensor) -> tuple:
     return (cdiv(n * H, bm),), args, options
 
 
+def use_gluon(plan: Plan) -> bool:
+    """The Gluon fast path takes the plan: it is on, the plan is its chain, and no launch
+    configuration of the plain kernel is being forced (tests of launch invariance)."""
+    return GLUON and _force.cfg is None and _gluon.eligible(plan)
+
+
 def fused_launch(plan: Plan, tensor_index: dict, num_tensors: int) -> Launch:
-    """The fused kernel's launch for ``plan``, its tensors left open (see Launch)."""
+    """The fused kernel's launch for ``plan``, its tensors left open (see Launch): the Gluon
+    MAIN_FP8 kernel where it applies (whose reads of x and the weight as 4-byte words are checked
+    per call: ``word_aligned``), else the plain kernel."""
+    if use_gluon(plan):
+        name, grid, args, options, namespace = _gluon.plan_launch(plan, tensor_arg)
+        launch = Launch(name, grid, args, options, tensor_index, num_tensors, namespace, allow_direct=DIRECT_LAUNCH)
+        launch.word_aligned = (tensor_index["x"], tensor_index["weight"])
+        return launch
     return Launch("fused_kernel", *fused_args(plan, tensor_arg), tensor_index, num_tensors, globals(),
                   allow_direct=DIRECT_LAUNCH)
 
 
-def run_plan(plan: Plan) -> None:
-    """Launch the fused kernel for a validated plan (n >= 1)."""
+def run_plan(plan: Plan, plain: bool = False) -> None:
+    """Launch the fused kernel for a validated plan (n >= 1); ``plain``: never the Gluon kernel."""
     x = plan.x
 
     def tensor(field):  # x stands in for a tensor the plan does not have (never dereferenced)
         t = getattr(plan, field)
         return x if t is None else t
 
+    if not plain and use_gluon(plan) and _gluon.word_aligned(x, plan.weight):
+        name, grid, args, options, namespace = _gluon.plan_launch(plan, tensor)
+        namespace[name][grid](*args, **options)
+        return
     grid, args, options = fused_args(plan, tensor)
     fused_kernel[grid](*args, **options)
 
@@ -632,6 +657,12 @@ def run_template(template, tensors: tuple) -> None:
             if len(launches) >= LAUNCHES_PER_TEMPLATE:
                 launches.clear()
             launches[n] = launch
+    if launch.word_aligned:
+        i, j = launch.word_aligned
+        if not _gluon.word_aligned(tensors[i], tensors[j]):
+            # x or the weight is not 4-byte aligned for this call: the plain kernel, launched uncached
+            run_plan(template.bind(tensors), plain=True)
+            return
     launch.run(tensors)
 
 

@@ -363,6 +363,42 @@ def layout_cases():
         yield f"contiguous {cast.cast_fmt}/{cast.num_per_channels}/{cast.sf_format}, padded q/sf", spec
 
 
+def gluon_cases(large):
+    """The Gluon MAIN_FP8 fast path's chain (norm, NEOX RoPE on the last 64, no Hadamard, no stage
+    copy): adversarial slots and positions, non-finite rows, a cache ending at its allocation's
+    end (base 4-aligned: the fast path; +2: the plain kernel), every launch-table row (1 warp,
+    4 warps, the pipelined persistent loop) and a large batch."""
+    fmt = formats.MAIN_FP8
+    kw = dict(hadamard=False, rope_dim=64, neox=True, out_stage=None)
+    cap = 12
+    for dt in (torch.int32, torch.int64):
+        s = adversarial_slots(cap, dt)
+        yield f"gluon chain adversarial slots {str(dt)[6:]}", fused_spec(fmt, s.numel(), 1, 31, s, **kw)
+    P = 24
+    pos = torch.tensor([I64_MIN, I64_MAX, 2 ** 32 + 1, -1, P, 3, 17, P - 1], dtype=torch.int64)
+    yield "gluon chain positions out of range", fused_spec(fmt, pos.numel(), 1, 32, torch.randperm(cap)[:pos.numel()],
+                                                           pos=pos, P=P, **kw)
+    x = random_bf16((6, 1, 512), seed=33)
+    x[1, 0, 3] = float("nan")
+    x[3, 0, 511] = float("inf")
+    x[4] = float("-inf")
+    yield "gluon chain NaN/inf rows", fused_spec(fmt, 6, 1, 33, torch.tensor([3, 11, 0, 7, 5, 9]), x=x,
+                                                 bad_rows=(1, 3, 4), **kw)
+    for before in (0, 4, 2):
+        c = make_cache(fmt, 2, 3, 1, token_padding=24, block_padding=64, before=before, after=0, seed=34)
+        yield f"gluon chain cache at the end of its allocation, base +{before}", fused_spec(
+            fmt, 4, 1, 34, torch.tensor([5, 0, 2, -1]), cache=c, **kw)
+    for n in [1, 700, 4099] + ([70000] if large else []):
+        bs = 64
+        nb = n // bs + 2
+        g = torch.Generator().manual_seed(n + 35)
+        slots = torch.randperm(nb * bs, generator=g)[:n]
+        slots = torch.where(torch.rand(n, generator=g) < 0.1, torch.tensor(-1), slots)
+        c = make_cache(fmt, nb, bs, 1, block_padding=32, after=0, seed=n)
+        yield f"gluon chain n={n}", fused_spec(fmt, n, 1, n + 35, slots, pos=torch.randint(-2, 66, (n,), generator=g),
+                                               cache=c, **kw)
+
+
 def force_config_cases():
     try:
         from kvfuse.kernels.fused import force_config
@@ -382,6 +418,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer cases")
     ap.add_argument("--no-large", action="store_true", help="skip the 2.2 GB cache and n = 70000")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
+    ap.add_argument("--only", default=None, help="only the cases whose name starts with this")
     a = ap.parse_args(argv)
     large = not a.no_large and DEV == "cuda"
     print(f"device: {DEV}" + (f" ({torch.cuda.get_device_name()})" if DEV == "cuda" else " (Triton interpreter)")
@@ -391,11 +428,14 @@ def main(argv=None):
         cases += [(nm, sp, None) for nm, sp in per_format_cases(fmt, a.quick)]
     cases += [(nm, sp, None) for nm, sp in batch_cases(large)]
     cases += [(nm, sp, None) for nm, sp in layout_cases()]
+    cases += [(nm, sp, None) for nm, sp in gluon_cases(large)]
     if not a.quick:
         cases += list(force_config_cases())
     if large:
         nm, sp = large_cache_case()
         cases.append((nm, sp, "gpu-ref"))
+    if a.only:
+        cases = [c for c in cases if c[0].startswith(a.only)]
     if a.list:
         print("\n".join(c[0] for c in cases))
         return 0

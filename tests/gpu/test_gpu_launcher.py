@@ -8,23 +8,11 @@ import torch
 import kvfuse
 from kvfuse import CastArgs, KVCacheOutArgs, NormArgs, RopeArgs, formats
 from kvfuse.kernels import fused
+from helpers import CountingKernel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or kvfuse.backend.interpreter_enabled(),
                                 reason="needs CUDA and compiled kernels (KVFUSE_TEST_GPU=1)")
 FMT = formats.MAIN_FP8
-
-
-class CountingKernel:
-    """Wraps a JITFunction: counts the launches that go through Triton's own path."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self.arg_names = kernel.arg_names
-        self.launches = 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
 
 
 def storage(cache):
@@ -41,6 +29,8 @@ def call(x, w, pos, cs, cache, slots, backend):
 def test_direct_path_used_and_exact(monkeypatch):
     if not fused.DIRECT_LAUNCH:
         pytest.skip(f"no direct launch on triton {fused.triton.__version__}")
+    monkeypatch.setattr(fused, "GLUON", False)   # the plain kernel (the Gluon path: test_gpu_gluon.py)
+    kvfuse.plan.clear_plan_cache()
     counting = CountingKernel(fused.fused_kernel)
     monkeypatch.setattr(fused, "fused_kernel", counting)
     n = 777

@@ -1,0 +1,94 @@
+"""kvfuse/kernels/gluon_main_fp8.py on the CPU: which calls the Gluon MAIN_FP8 fast path takes
+(``eligible``, the per-call word alignment, force_config), its launch table, and that the module
+imports and stays off without Triton 3.6 + CUDA. The kernel itself runs only on the H200
+(tests/gpu/test_gpu_gluon.py; Gluon has no interpreter)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import kvfuse
+from kvfuse import CastArgs, KVCacheFormat
+from kvfuse.kernels import fused as fused_kernels
+from kvfuse.kernels import gluon_main_fp8 as G
+from kvfuse.plan import build_plan
+from kernel_cases import Case, build
+
+MAIN = kvfuse.formats.MAIN_FP8
+
+
+def plan_of(case: Case):
+    args, _, _ = build(case, "cpu")
+    return build_plan(**args)[0]
+
+
+def main_case(**kw):
+    """The fast path's chain: norm, NEOX RoPE on the last 64 columns, MAIN_FP8 cache, no stage copy."""
+    base = dict(n=5, heads=1, head_dim=512, fmt=MAIN, rotary_dim=64, neox=True, out_stage=None)
+    return Case(**{**base, **kw})
+
+
+def test_the_main_fp8_chain_is_eligible():
+    assert G.eligible(plan_of(main_case()))
+    assert G.eligible(plan_of(main_case(w_fp32=True, cs_bf16=True, idx32=True, block_size=24, token_padding=8)))
+
+
+@pytest.mark.parametrize("change", [
+    dict(out_stage="transform"), dict(out_stage="cast_back"), dict(out_stage="norm"),   # a stage copy
+    dict(neox=False), dict(conjugate=True), dict(rotary_dim=32), dict(rope=False), dict(norm=False),
+    dict(hadamard=True), dict(heads=2), dict(fmt=kvfuse.formats.MAIN_FP4, head_dim=512),
+    dict(fmt=kvfuse.formats.FLASHMLA_MODEL1),
+])
+def test_other_chains_are_not(change):
+    assert not G.eligible(plan_of(main_case(**change)))
+
+
+def test_a_user_format_with_main_fp8s_records_is_eligible_another_is_not():
+    same = KVCacheFormat("MY_MAIN", 512, "e4m3", 32, "ue8m0", True, sf_bytes=20)
+    assert G.eligible(plan_of(main_case(fmt=same)))
+    wider = KVCacheFormat("MY_MAIN_24", 512, "e4m3", 32, "ue8m0", True, sf_bytes=24)   # 536-byte records
+    assert not G.eligible(plan_of(main_case(fmt=wider)))
+
+
+def test_word_alignment_is_per_call():
+    x = torch.zeros(2 * 512 + 1, dtype=torch.bfloat16)
+    w = torch.zeros(512, dtype=torch.bfloat16)
+    assert G.word_aligned(x[:1024], w)
+    assert not G.word_aligned(x[1:], w)
+    assert not G.word_aligned(x[:1024], torch.zeros(513, dtype=torch.bfloat16)[1:])
+
+
+def test_launch_table():
+    assert G.launch_table(1) == (1, 1, False) and G.launch_table(512) == (1, 1, False)
+    assert G.launch_table(4096) == (4, 1, False)
+    assert G.launch_table(65536) == (1, 1, True)
+
+
+def test_dispatch_follows_eligibility_and_force_config(monkeypatch):
+    plan = plan_of(main_case())
+    monkeypatch.setattr(fused_kernels, "GLUON", True)
+    assert fused_kernels.use_gluon(plan)
+    with fused_kernels.force_config(block_m=1):
+        assert not fused_kernels.use_gluon(plan)       # forced configurations are the plain kernel's
+    assert not fused_kernels.use_gluon(plan_of(main_case(out_stage="transform")))
+    monkeypatch.setattr(fused_kernels, "GLUON", False)
+    assert not fused_kernels.use_gluon(plan)
+
+
+def test_off_without_triton_36_and_cuda(monkeypatch):
+    if not torch.cuda.is_available():
+        assert not G.available() and not G.enabled()
+    monkeypatch.setenv("KVFUSE_GLUON", "0")
+    assert not G.enabled()
+    assert fused_kernels.GLUON is False or torch.cuda.is_available()
+
+
+def test_plan_fields_it_reads_exist():
+    """eligible() reads these Plan fields: a rename must fail here, not silently disable the path."""
+    names = {f.name for f in dataclasses.fields(kvfuse.plan.Plan)}
+    assert {"x", "weight", "eps", "positions", "cos_sin", "rotary_dim", "rope_offset", "is_neox", "conjugate",
+            "hadamard_scale", "cast", "quant_dim", "out", "out_stage", "kv_cache", "slot_mapping", "fmt",
+            "addressing"} <= names
+    assert CastArgs.from_cache_format(MAIN) is not None
