@@ -69,12 +69,19 @@ def test_launch_table():
 def test_dispatch_follows_eligibility_and_force_config(monkeypatch):
     plan = plan_of(main_case())
     monkeypatch.setattr(fused_kernels, "GLUON", True)
-    assert fused_kernels.use_gluon(plan)
+    monkeypatch.setattr(fused_kernels, "FAST_PATHS", (G,))
+    assert fused_kernels.fast_path(plan) is G
     with fused_kernels.force_config(block_m=1):
-        assert not fused_kernels.use_gluon(plan)       # forced configurations are the plain kernel's
-    assert not fused_kernels.use_gluon(plan_of(main_case(out_stage="transform")))
+        assert fused_kernels.fast_path(plan) is None   # forced configurations are the plain kernel's
+    assert fused_kernels.fast_path(plan_of(main_case(out_stage="transform"))) is None
     monkeypatch.setattr(fused_kernels, "GLUON", False)
-    assert not fused_kernels.use_gluon(plan)
+    assert fused_kernels.fast_path(plan) is None
+
+
+def test_every_fast_path_module_has_the_interface():
+    for module in fused_kernels.FAST_PATH_MODULES:
+        for name in ("enabled", "available", "eligible", "plan_launch", "word_aligned", "launch_table"):
+            assert callable(getattr(module, name)), (module.__name__, name)
 
 
 def test_off_without_triton_36_and_cuda(monkeypatch):

@@ -22,7 +22,7 @@ import triton.language as tl
 from .. import backend as _backend
 from ..formats import FMAX
 from ..plan import LAUNCHES_PER_TEMPLATE, X, Plan
-from . import gluon_main_fp8 as _gluon
+from . import gluon_main_fp8
 from .launcher import Launch, direct_launch_supported, tensor_arg
 from .numerics import (bf16_bits, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3, group_scales, load_f32,
                        round_bf16)
@@ -431,8 +431,13 @@ def fused_kernel(
 # triton.jit chose between compiling and interpreting when this module was imported
 INTERPRET = _backend.interpreter_enabled()
 DIRECT_LAUNCH = direct_launch_supported(INTERPRET)   # see kvfuse/kernels/launcher.py
-# the Gluon MAIN_FP8 fast path (kvfuse/kernels/gluon_main_fp8.py; Triton 3.6 on CUDA, KVFUSE_GLUON=0 turns it off)
-GLUON = not INTERPRET and _gluon.enabled()
+# Gluon fast paths (Triton 3.6 on CUDA; KVFUSE_GLUON=0 turns them all off). Each module gives
+# enabled(), eligible(plan) -> bool, plan_launch(plan, tensor) -> (kernel name, grid, args, keyword
+# args, namespace) and word_aligned(x, weight) -> bool (its per-call check); the first eligible one
+# takes a plan. See kvfuse/kernels/gluon_main_fp8.py.
+FAST_PATH_MODULES = (gluon_main_fp8,)
+FAST_PATHS = () if INTERPRET else tuple(m for m in FAST_PATH_MODULES if m.enabled())
+GLUON = bool(FAST_PATHS)
 # the launch path is hot: plain-Python helpers (triton.next_power_of_2 costs microseconds a call)
 # 0: integer narrowing helpers on the GPU too (a diagnostic: the bytes must not change); 1: native
 # conversions; 2: native, and the e4m3 encode without its signed-zero guard
@@ -469,9 +474,10 @@ def force_config(block_m: int = None, num_warps: int = None, vec: int = None):
 def launch_config(n_rows: int, head_dim: int, block_d: int, interpret: bool, cast_fmt=None):
     """(BLOCK_M, num_warps) from a small table measured on the H200 (benchmarks/tune_sweep.py,
     DEVICE_NOTES.md): one row per one-warp program at decode sizes; above, one-warp programs of
-    ~1K elements (2 rows of 512, 1 of 576), 4 rows of 128, 8 for e2m1 (whose encode and nibble
-    packing leave more room between memory accesses: 8 rows measured 15-20% faster for INDEX_MXFP4
-    and INDEX_NVFP4 at n >= 65536, while 8 rows of INDEX_FP8_FP32 were 35% slower than 4). The
+    ~1K elements (2 rows of 512, 1 of 576), 4 rows of 128, 8 for e2m1 from 16384 rows (whose
+    encode and nibble packing leave more room between memory accesses: 8 rows measured 15-20%
+    faster for INDEX_MXFP4 and INDEX_NVFP4 at n >= 65536, while 8 rows of INDEX_FP8_FP32 were 35%
+    slower than 4, and at 4096 rows 8 left too few programs). The
     interpreter pays per program, so it takes many rows at once."""
     forced = _force.cfg
     if interpret:
@@ -481,8 +487,8 @@ def launch_config(n_rows: int, head_dim: int, block_d: int, interpret: bool, cas
         bm, nw = 1, 1          # decode sizes: as many one-warp programs as rows (H200 sweep, BENCHMARKS.md)
     else:
         bm = min(4, max(1, 1024 // block_d))   # ~1K elements per one-warp program: 2 rows of 512, 4 of 128
-        if cast_fmt == "e2m1" and block_d <= 128:
-            bm = 8
+        if cast_fmt == "e2m1" and block_d <= 128 and n_rows >= 16384:
+            bm = 8             # at 4096 rows 8 left too few programs: 4.4 vs 4.0 us (INDEX_MXFP4)
         nw = 1
     if forced is not None:
         bm = forced[0] or bm
@@ -607,35 +613,44 @@ def fused_args(plan: Plan, tensor) -> tuple:
     return (cdiv(n * H, bm),), args, options
 
 
-def use_gluon(plan: Plan) -> bool:
-    """The Gluon fast path takes the plan: it is on, the plan is its chain, and no launch
-    configuration of the plain kernel is being forced (tests of launch invariance)."""
-    return GLUON and _force.cfg is None and _gluon.eligible(plan)
+def fast_path(plan: Plan):
+    """The Gluon fast-path module that takes the plan, or None: the fast paths are on, one is
+    eligible, and no launch configuration of the plain kernel is being forced (tests of launch
+    invariance)."""
+    if not GLUON or _force.cfg is not None:
+        return None
+    for module in FAST_PATHS:
+        if module.eligible(plan):
+            return module
+    return None
 
 
 def fused_launch(plan: Plan, tensor_index: dict, num_tensors: int) -> Launch:
-    """The fused kernel's launch for ``plan``, its tensors left open (see Launch): the Gluon
-    MAIN_FP8 kernel where it applies (whose reads of x and the weight as 4-byte words are checked
-    per call: ``word_aligned``), else the plain kernel."""
-    if use_gluon(plan):
-        name, grid, args, options, namespace = _gluon.plan_launch(plan, tensor_arg)
+    """The fused kernel's launch for ``plan``, its tensors left open (see Launch): a Gluon fast
+    path where one applies (whose reads of x and the weight as 4-byte words are checked per call:
+    ``fast_path_check``), else the plain kernel."""
+    module = fast_path(plan)
+    if module is not None:
+        name, grid, args, options, namespace = module.plan_launch(plan, tensor_arg)
         launch = Launch(name, grid, args, options, tensor_index, num_tensors, namespace, allow_direct=DIRECT_LAUNCH)
-        launch.word_aligned = (tensor_index["x"], tensor_index["weight"])
+        x_at = tensor_index["x"]
+        launch.fast_path_check = (module.word_aligned, x_at, tensor_index.get("weight", x_at))
         return launch
     return Launch("fused_kernel", *fused_args(plan, tensor_arg), tensor_index, num_tensors, globals(),
                   allow_direct=DIRECT_LAUNCH)
 
 
 def run_plan(plan: Plan, plain: bool = False) -> None:
-    """Launch the fused kernel for a validated plan (n >= 1); ``plain``: never the Gluon kernel."""
+    """Launch the fused kernel for a validated plan (n >= 1); ``plain``: never a Gluon fast path."""
     x = plan.x
 
     def tensor(field):  # x stands in for a tensor the plan does not have (never dereferenced)
         t = getattr(plan, field)
         return x if t is None else t
 
-    if not plain and use_gluon(plan) and _gluon.word_aligned(x, plan.weight):
-        name, grid, args, options, namespace = _gluon.plan_launch(plan, tensor)
+    module = None if plain else fast_path(plan)
+    if module is not None and module.word_aligned(x, x if plan.weight is None else plan.weight):
+        name, grid, args, options, namespace = module.plan_launch(plan, tensor)
         namespace[name][grid](*args, **options)
         return
     grid, args, options = fused_args(plan, tensor)
@@ -657,9 +672,9 @@ def run_template(template, tensors: tuple) -> None:
             if len(launches) >= LAUNCHES_PER_TEMPLATE:
                 launches.clear()
             launches[n] = launch
-    if launch.word_aligned:
-        i, j = launch.word_aligned
-        if not _gluon.word_aligned(tensors[i], tensors[j]):
+    if launch.fast_path_check is not None:
+        aligned, i, j = launch.fast_path_check
+        if not aligned(tensors[i], tensors[j]):
             # x or the weight is not 4-byte aligned for this call: the plain kernel, launched uncached
             run_plan(template.bind(tensors), plain=True)
             return

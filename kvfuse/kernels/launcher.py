@@ -109,7 +109,7 @@ class Launch:
     looked up by name in ``namespace`` at each launch (tests and benchmarks swap kernel objects)."""
 
     __slots__ = ("kernel_name", "namespace", "grid", "pick", "constants", "options", "tensor_at", "direct",
-                 "allow_direct", "word_aligned")
+                 "allow_direct", "fast_path_check")
 
     def __init__(self, kernel_name: str, grid: tuple, args: tuple, options: dict, tensor_index: dict,
                  num_tensors: int, namespace: dict, stand_in: str = "x", allow_direct: bool = False):
@@ -130,7 +130,8 @@ class Launch:
         self.tensor_at = tuple(i for i, a in enumerate(args) if isinstance(a, PlanTensor))
         self.direct = None
         self.allow_direct = allow_direct
-        self.word_aligned = ()   # positions in the call's tensors that this kernel reads as 4-byte words
+        # a Gluon fast path's per-call check: (check(x, weight) -> bool, x's and the weight's positions)
+        self.fast_path_check = None
 
     def run(self, tensors: tuple) -> None:
         kernel = self.namespace[self.kernel_name]
