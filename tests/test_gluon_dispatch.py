@@ -82,6 +82,7 @@ def test_every_fast_path_module_has_the_interface():
     for module in fused_kernels.FAST_PATH_MODULES:
         for name in ("enabled", "available", "eligible", "plan_launch", "word_aligned", "launch_table"):
             assert callable(getattr(module, name)), (module.__name__, name)
+        assert isinstance(module.MIN_ROWS, int) and module.MIN_ROWS >= 1
 
 
 def test_off_without_triton_36_and_cuda(monkeypatch):
@@ -99,3 +100,36 @@ def test_plan_fields_it_reads_exist():
             "hadamard_scale", "cast", "quant_dim", "out", "out_stage", "kv_cache", "slot_mapping", "fmt",
             "addressing"} <= names
     assert CastArgs.from_cache_format(MAIN) is not None
+
+
+@pytest.mark.parametrize("module", fused_kernels.FAST_PATH_MODULES, ids=lambda m: m.__name__.rsplit(".", 1)[1])
+def test_on_where_available_unless_turned_off(module, monkeypatch):
+    name = {"gluon_main_fp8": "main_fp8", "gluon_mla_tail": "mla_tail", "gluon_index": "index"}[
+        module.__name__.rsplit(".", 1)[1]]
+    monkeypatch.setattr(module, "available", lambda: True)
+    monkeypatch.delenv("KVFUSE_GLUON", raising=False)
+    monkeypatch.delenv("KVFUSE_GLUON_SKIP", raising=False)
+    assert module.enabled()
+    monkeypatch.setenv("KVFUSE_GLUON_SKIP", f"other, {name}")
+    assert not module.enabled()
+    monkeypatch.setenv("KVFUSE_GLUON_SKIP", f"{name}_v2")          # names, not prefixes
+    assert module.enabled()
+    monkeypatch.setenv("KVFUSE_GLUON", "0")
+    assert not module.enabled()
+    monkeypatch.setattr(module, "available", lambda: False)
+    monkeypatch.delenv("KVFUSE_GLUON")
+    assert not module.enabled()
+
+
+def test_decode_sizes_follow_min_rows(monkeypatch):
+    """A module whose MIN_ROWS exceeds the call's rows leaves it to the plain kernel (decode sizes
+    of the FlashMLA and index paths, measured no faster there)."""
+    monkeypatch.setattr(fused_kernels, "GLUON", True)
+    monkeypatch.setattr(fused_kernels, "FAST_PATHS", (G,))
+    plan = plan_of(main_case(n=5))
+    assert fused_kernels.fast_path(plan) is G
+    monkeypatch.setattr(G, "MIN_ROWS", 6)
+    assert fused_kernels.fast_path(plan) is None
+    assert fused_kernels.fast_path(plan_of(main_case(n=6))) is G
+    from kvfuse.kernels import gluon_index, gluon_mla_tail
+    assert gluon_mla_tail.MIN_ROWS == gluon_index.MIN_ROWS == 513

@@ -22,7 +22,7 @@ import triton.language as tl
 from .. import backend as _backend
 from ..formats import FMAX
 from ..plan import LAUNCHES_PER_TEMPLATE, X, Plan
-from . import gluon_main_fp8
+from . import gluon_index, gluon_main_fp8, gluon_mla_tail
 from .launcher import Launch, direct_launch_supported, tensor_arg
 from .numerics import (bf16_bits, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3, group_scales, load_f32,
                        round_bf16)
@@ -431,11 +431,12 @@ def fused_kernel(
 # triton.jit chose between compiling and interpreting when this module was imported
 INTERPRET = _backend.interpreter_enabled()
 DIRECT_LAUNCH = direct_launch_supported(INTERPRET)   # see kvfuse/kernels/launcher.py
-# Gluon fast paths (Triton 3.6 on CUDA; KVFUSE_GLUON=0 turns them all off). Each module gives
-# enabled(), eligible(plan) -> bool, plan_launch(plan, tensor) -> (kernel name, grid, args, keyword
-# args, namespace) and word_aligned(x, weight) -> bool (its per-call check); the first eligible one
-# takes a plan. See kvfuse/kernels/gluon_main_fp8.py.
-FAST_PATH_MODULES = (gluon_main_fp8,)
+# Gluon fast paths (Triton 3.6 on CUDA; KVFUSE_GLUON=0 turns them all off, KVFUSE_GLUON_SKIP=a,b
+# some). Each module gives enabled(), MIN_ROWS (fewer rows stay on the plain kernel), eligible(plan)
+# -> bool, plan_launch(plan, tensor) -> (kernel name, grid, args, keyword args, namespace) and
+# word_aligned(x, weight) -> bool (its per-call check); the first eligible one takes a plan. See
+# kvfuse/kernels/gluon_main_fp8.py.
+FAST_PATH_MODULES = (gluon_main_fp8, gluon_mla_tail, gluon_index)
 FAST_PATHS = () if INTERPRET else tuple(m for m in FAST_PATH_MODULES if m.enabled())
 GLUON = bool(FAST_PATHS)
 # the launch path is hot: plain-Python helpers (triton.next_power_of_2 costs microseconds a call)
@@ -619,8 +620,9 @@ def fast_path(plan: Plan):
     invariance)."""
     if not GLUON or _force.cfg is not None:
         return None
+    rows = plan.x.shape[0] * plan.x.shape[1]
     for module in FAST_PATHS:
-        if module.eligible(plan):
+        if rows >= module.MIN_ROWS and module.eligible(plan):
             return module
     return None
 

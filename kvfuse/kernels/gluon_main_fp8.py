@@ -428,8 +428,12 @@ def _launch_parts(tensor, n: int, eps: float, x, weight, positions, cos_sin, slo
 # --------------------------------------------------------------------------- kvfuse's dispatch
 def enabled() -> bool:
     """The fused entry point uses this kernel for the calls it fits (``eligible``) unless
-    KVFUSE_GLUON=0 or ``available()`` is false."""
-    return os.environ.get("KVFUSE_GLUON", "1") != "0" and available()
+    KVFUSE_GLUON=0, KVFUSE_GLUON_SKIP (a comma list) names "main_fp8", or ``available()`` is false."""
+    skip = {t.strip() for t in os.environ.get("KVFUSE_GLUON_SKIP", "").split(",")}
+    return "main_fp8" not in skip and os.environ.get("KVFUSE_GLUON", "1") != "0" and available()
+
+
+MIN_ROWS = 1   # faster than the plain kernel at every measured size, n = 1 included
 
 
 def eligible(plan) -> bool:

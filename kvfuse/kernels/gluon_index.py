@@ -1,0 +1,759 @@
+"""A Gluon fast path for the 128-d INDEXER cache writes: RMSNorm -> NEOX RoPE on columns 64..127 ->
+per-group quantization -> a BLOCK-WIDE cache (inside a block: every token's data, then every
+token's scales), byte for byte what ``kvfuse.kernels.fused.fused_kernel`` writes (SPEC §2, §4) for
+
+| format          | values | group | scale | data + scale bytes per token  |
+|-----------------|--------|-------|-------|-------------------------------|
+| INDEX_FP8_FP32  | e4m3   | 128   | fp32  | 128 + 4                       |
+| INDEX_MXFP8     | e4m3   | 32    | ue8m0 | 128 + 4                       |
+| INDEX_MXFP4     | e2m1   | 32    | ue8m0 | 64 + 4 (two codes per byte)   |
+| INDEX_NVFP4     | e2m1   | 16    | e4m3  | 64 + 8                        |
+
+(and user formats with the same fields, reserved scale bytes allowed: never written). One kernel,
+constexpr switches per format (CAST, G, SF).
+
+Assumptions (``eligible`` checks them on the validated plan; anything else keeps the plain kernel):
+x bf16 [n, 1, 128] with unit column stride and an even row stride, 4-byte aligned (read as int32
+words: ``word_aligned``, per call); RMSNorm weight [128] bf16 (4-byte aligned) or fp32; NEOX RoPE,
+rotary_dim 64 at offset 64, not conjugate, positions int32/int64 [n], cos_sin [P, 64] fp32/bf16;
+no Hadamard, no stage copy; one head; the cache's data records at block * stride(0) + offset *
+data_bytes and its scales at block * stride(0) + block_size * data_bytes + offset * sf_bytes; the
+cache pointer 8-byte aligned for e4m3 (codes leave as 64-bit stores), 4-byte aligned for e2m1
+(32-bit stores) -- kvfuse keys its plan cache by data_ptr() % 16, so this holds for the key.
+
+Layout (explicit Gluon layouts):
+- a row (one token) is held by 8 lanes, 4 rows per warp (lane = 8 * row_in_warp + l). Lane l owns
+  TWO chunks of 8 contiguous columns: chunk A = columns 8l .. 8l + 7 (the part RoPE leaves alone)
+  and chunk B = columns 64 + 8l .. 64 + 8l + 7 (rotated), each loaded as 4 int32 words (two bf16
+  a word, one 16-byte load a chunk) into [R, 8, 4] tensors (BlockedLayout size_per_thread
+  [RPT, 1, 4], threads_per_warp [4, 8, 1]). A word's two bf16 become fp32 with one shift / one
+  mask each.
+- RMSNorm's adjacent-pairs tree (SPEC §2): levels 1-3 inside each chunk (one chunk = 8 columns),
+  levels 4-6 are butterfly shuffles xor 1, 2, 4 (inline PTX shfl.sync.bfly) on the two chunk sums
+  (chunk c and c + 1 sit on lanes l and l ^ 1 ...), level 7 adds the lane's two 64-column sums.
+  Both lanes of every pair hold the same bits (fp32 addition is commutative), so all 8 lanes of a
+  row compute the same rstd.
+- RoPE: every lane rotates its chunk B. The pair (64 + j, 96 + j) is (lane l, lane l ^ 4) with
+  j = 8 (l & 3) + column: one xor-4 shuffle of the 4 packed bf16 words brings the partner's y;
+  a first-half lane flips the partner's sign bits (a*c - b*s == a*c + (-b)*s exactly), so every
+  lane computes own*c + partner*s (two rounded products, then the rounded sum, as SPEC §2), packs
+  the results (cvt.rn.bf16x2.f32) and keeps them where the position is inside [0, P). Half the
+  rotation work of a layout where lanes 4..7 hold all 64 rotated columns.
+- groups: 16 columns = two lanes' chunks (xor 1), 32 = four lanes (xor 1, 2), 128 = both chunks of
+  all 8 lanes (xor 1, 2, 4). The lanes of a pair (l, l ^ 1) split the scale work: the even one
+  computes its chunk A group's scale, the odd one its chunk B group's, one xor-1 shuffle swaps the
+  multipliers (half the IEEE divisions of NVFP4; INDEX_FP8_FP32: even lanes m = 448 / amax, odd
+  lanes s = amax / 448). Each scale leaves from the lane that computed it (byte stores; lane 0
+  stores the fp32 scale of INDEX_FP8_FP32 as one 32-bit store).
+- e4m3 codes: packed cvt.rn.satfinite.e4m3x2.f32, a chunk's 8 codes = one 64-bit store. e2m1 (no
+  native conversion on sm_90): ``_e2m1x2_bf16`` for UE8M0 groups (INDEX_MXFP4): the multiplier is a
+  power of two, so y * m is exact in bf16 and two codes come out of each packed-bf16 instruction
+  sequence (mul/min/add.rn.bf16x2, set.ge.u32.bf16x2 as the select mask); ``_e2m1`` (fp32) where the
+  multiplier is 1 / d (INDEX_NVFP4). A chunk's 8 codes = one 32-bit store.
+- a persistent grid (at most what is resident at once) walks over the tiles of R = 4 * RPT *
+  num_warps rows; the weight is loaded once per CTA. Loads are unmasked (rows past n read row n - 1,
+  positions outside [0, P) read cos/sin row 0; neither is stored or used): no zero fill, no
+  predicates. PIPELINE loads the next tile (x, positions, slots; its cos/sin after this tile's
+  stores) while this one computes.
+
+Numerics mirror the plain kernel exactly: fp32 ops one by one (enable_fp_fusion=False: no FMA; the
+PTX has no fma / .approx / div.full), div_rn/sqrt_rn, native bf16 rounding (cvt.rn), the UE8M0
+exponent without division (``group_scales`` SF=0), the e4m3 scale of NVFP4 by the plain kernel's
+native conversion (cvt.rn.satfinite.e4m3x2.f32) and decoded exactly (cvt.rn.f16x2.e4m3x2; the
+signed-zero guard of its NATIVE=1 encode cannot fire: s >= 2^-9 after the clamp, and amax is never
+NaN), the unguarded native e4m3 encode for stored codes (NATIVE=2), NaN-ignoring max (max.f32 /
+max.bf16x2) for amax, the plain kernel's rotation a*c - b*s as a*c + (-b)*s (the same IEEE
+result). The e2m1 encoders are not the plain kernel's instructions but give its codes for every
+input: ``e2m1_fp32_mirror`` / ``e2m1_bf16_mirror`` restate them on the host, and
+benchmarks/gluon_check_index.py --prove-encoders checks them against kvfuse.reference.encode_e2m1 on
+all 2^32 fp32 patterns and on every bf16 value times every UE8M0 multiplier (NaN inputs aside: SPEC
+§2 leaves their group free; the plain kernel's and these codes for NaN differ at most in the sign).
+
+SASS per row, offline (sm_90, Triton 3.6, enable_fp_fusion=False, 32-bit indices, bf16 weight, fp32
+cos/sin, 16-byte-aligned pointers): this kernel's persistent-loop body at 1 warp (4 rows, IEEE
+div/sqrt slow paths not counted) against the plain fused_kernel's whole program per row at its
+launch table's BLOCK_M (4 rows; e2m1 8 rows from n = 16384), warp-instructions per row:
+
+| format          | this kernel                          | plain kernel            |
+|-----------------|--------------------------------------|-------------------------|
+| INDEX_FP8_FP32  | 77                                   | 230                     |
+| INDEX_MXFP8     | 77                                   | 224                     |
+| INDEX_MXFP4     | 99 (123 with the fp32 e2m1 encoder)  | 302 (8 rows: 229)       |
+| INDEX_NVFP4     | 125                                  | 334 (8 rows: 228)       |
+
+(72-75 registers; 88 with PIPELINE.) Time: the report of benchmarks/gluon_check_index.py.
+
+The module imports without a GPU and under any Triton; ``available()`` says whether this path can
+run (Triton 3.6's Gluon API and a CUDA device); ``enabled()``: on there unless KVFUSE_GLUON=0 or
+KVFUSE_GLUON_SKIP names "index". Proven byte-equal on the H200 (27 of 27 whole-storage comparisons
+for FP8_FP32 / MXFP4 / NVFP4, plus MXFP8 in the memcheck cases, 0 memcheck errors; DEVICE_NOTES.md
+session 3, run 6).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    _IMPORT_ERROR = None
+except Exception as e:  # pragma: no cover - triton without Gluon
+    triton = gluon = gl = None
+    _IMPORT_ERROR = e
+
+HEAD_DIM = 128
+ROTARY_DIM = 64
+ROPE_OFFSET = 64
+# (cast_fmt, group, sf_format) -> (CAST, SF) constexprs; CAST 1 e4m3 (128 data bytes), 2 e2m1 (64)
+CHAINS = {("e4m3", 128, "fp32"): (1, 3), ("e4m3", 32, "ue8m0"): (1, 0), ("e2m1", 32, "ue8m0"): (2, 0),
+          ("e2m1", 16, "e4m3"): (2, 2)}
+# the cache pointer's alignment the code stores need (64-bit stores of e4m3 codes, 32-bit of e2m1)
+CACHE_ALIGN = {1: 8, 2: 4}
+_INT32_LIMIT = 2 ** 31
+
+
+def available() -> bool:
+    """True when the Gluon API this kernel is written for (Triton 3.6) and a CUDA device exist."""
+    if _IMPORT_ERROR is not None or not torch.cuda.is_available():
+        return False
+    try:
+        major, minor = (int(v) for v in triton.__version__.split(".")[:2])
+    except Exception:
+        return False
+    return (major, minor) == (3, 6)
+
+
+if gluon is not None:
+
+    @gluon.constexpr_function
+    def _bfly_asm(lane_mask):
+        # butterfly shuffle over the whole warp: lane i receives the value of lane i ^ lane_mask
+        return f"shfl.sync.bfly.b32 $0, $1, {lane_mask}, 0x1f, 0xffffffff;"
+
+    @gluon.jit
+    def _shfl_xor(v, LANE_MASK: gl.constexpr):
+        """v of lane i ^ LANE_MASK, for a 32-bit tensor (every lane of the warp runs it: no divergent
+        code around it in this kernel)."""
+        return gl.inline_asm_elementwise(_bfly_asm(LANE_MASK), "=r,r", [v], dtype=v.dtype, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _bf16x2(lo, hi):
+        """Two fp32 -> one int32 word holding bf16(lo) | bf16(hi) << 16 (cvt.rn: round to nearest even)."""
+        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _e4m3x4(v0, v1, v2, v3):
+        """Four fp32 -> one int32 word of e4m3 codes, v0 in the low byte (cvt.rn.satfinite: RTNE,
+        saturating to +-448, NaN -> 0x7F): the plain kernel's NATIVE=2 encode."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [v0, v1, v2, v3], dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _e4m3_scale(s):
+        """fp32 s in [2^-9, 448] -> (e4m3 code of s as int32 (cvt.rn.satfinite), its value as fp32 (exact:
+        e4m3 -> f16 -> f32 widen without rounding))."""
+        code = gl.inline_asm_elementwise(
+            "{ .reg .b16 c; .reg .f32 z; mov.f32 z, 0f00000000; cvt.rn.satfinite.e4m3x2.f32 c, z, $1; "
+            "cvt.u32.u16 $0, c; }", "=r,r", [s], dtype=gl.int32, is_pure=True, pack=1)
+        value = gl.inline_asm_elementwise(
+            "{ .reg .b16 c, lo, hi; .reg .b32 h; cvt.u16.u32 c, $1; cvt.rn.f16x2.e4m3x2 h, c; mov.b32 {lo, hi}, h; "
+            "cvt.f32.f16 $0, lo; }", "=r,r", [code], dtype=gl.float32, is_pure=True, pack=1)
+        return code, value
+
+    @gluon.jit
+    def _b64(lo, hi):
+        """Two int32 words -> one int64 (lo in the low half)."""
+        return gl.inline_asm_elementwise("mov.b64 $0, {$1, $2};", "=l,r,r", [lo, hi], dtype=gl.int64,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _lo_f32(w):
+        """The bf16 in the low half of int32 words, as fp32 (exact)."""
+        return (w << 16).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _hi_f32(w):
+        """The bf16 in the high half of int32 words, as fp32 (exact)."""
+        return (w & -65536).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _e2m1(t):
+        """fp32 -> e2m1 code (int32 0..15, sign in bit 3): numerics.encode_e2m1's bits for every fp32
+        (the same round-to-nearest-even, fewer instructions). a = min(|t|, 6) first (min.f32 ignores
+        NaN: NaN and +-inf give 6, code 7, as encode_e2m1's saturation does); a < 1: a + 2^22 rounds
+        a to a multiple of 0.5 (the ulp of 2^22), so its low bits are RTNE(2a) in {0, 1, 2}; a >= 1:
+        the pattern rounded to one mantissa bit (integer RTNE), (exponent, bit) - (126, 0) = 2..7."""
+        a = gl.minimum(gl.abs(t), 6.0)
+        small = (a + 4194304.0).to(gl.int32, bitcast=True) - 0x4A800000
+        u = a.to(gl.int32, bitcast=True)
+        big = ((u + 0x1FFFFF + ((u >> 22) & 1)) >> 22) - 252
+        code = gl.where(a < 1.0, small, big)
+        return code | ((t.to(gl.int32, bitcast=True) >> 28) & 8)
+
+    @gluon.jit
+    def _e2m1x2_bf16(yw, m2):
+        """Packed bf16 words yw (two values each) times m2 (bf16x2 of a power of two: the product is exact
+        in bf16) -> e2m1 codes in bits 0..3 (low value) and 16..19 (high value), zeros elsewhere: the
+        codes ``_e2m1`` gives for the fp32 products (equal to the bf16 ones down to 2^-17; smaller
+        products give code 0 with their sign either way). Per half (a = min(|t|, 6) as bf16, NaN -> 6):
+        a < 1: a + 64 rounds a to a multiple of 0.5 (the ulp of 64 in bf16), the low bits of 0x4280 +
+        RTNE(2a); a >= 1: (a + 0x11F + bit 6 of a) >> 6 = 256 + code (integer RTNE to one mantissa bit;
+        the halves' carries never cross: a <= 0x40C0); set.ge.u32.bf16x2 with 1.0 gives the per-half
+        mask that picks one; the sign bit of t goes to bit 3 of the code."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 t, a, k, r, b, big, c6, c64, one; "
+            "mov.b32 c6, 0x40C040C0; mov.b32 c64, 0x42804280; mov.b32 one, 0x3F803F80; "
+            "mul.rn.bf16x2 t, $1, $2; "
+            "and.b32 a, t, 0x7FFF7FFF; "
+            "min.bf16x2 a, a, c6; "
+            "add.rn.bf16x2 k, a, c64; "
+            "shr.b32 b, a, 6; and.b32 b, b, 0x00010001; "
+            "add.u32 r, a, 0x011F011F; add.u32 r, r, b; shr.b32 r, r, 6; "
+            "set.ge.u32.bf16x2 big, a, one; "
+            "and.b32 r, r, big; not.b32 big, big; and.b32 k, k, big; or.b32 r, r, k; "
+            "shr.b32 t, t, 12; and.b32 t, t, 0x00080008; "
+            "and.b32 r, r, 0x00070007; or.b32 $0, r, t; }",
+            "=r,r,r", [yw, m2], dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _offset(v, OFFSETS32: gl.constexpr):
+        """An element / byte offset: int32 when every offset of the launch fits (cheaper address math)."""
+        if OFFSETS32:
+            off = v.to(gl.int32)
+        else:
+            off = v.to(gl.int64)
+        return off
+
+    @gluon.jit
+    def _rows3(v):
+        """[R] (row slice layout) -> [R, 1, 1] in the word layout (no data movement)."""
+        return gl.expand_dims(gl.expand_dims(v, 1), 2)
+
+    @gluon.jit
+    def _rows_cs(v, LCROW: gl.constexpr):
+        """[R] (row slice layout) -> [R, 1, 1] in the cos/sin layout (no data movement)."""
+        return gl.expand_dims(gl.expand_dims(gl.convert_layout(v, LCROW, assert_trivial=True), 1), 2)
+
+    @gluon.jit
+    def _chunk_sum(sq, R: gl.constexpr, LL: gl.constexpr):
+        """[R, 8, 4] per-word sums (tree level 1) -> [R, 8]: levels 2 and 3 inside the lane's chunk."""
+        sq = gl.sum(gl.reshape(sq, [R, 8, 2, 2]), axis=3)
+        sq = gl.sum(gl.reshape(sq, [R, 8, 1, 2]), axis=3)
+        return gl.convert_layout(gl.reshape(sq, [R, 8]), LL, assert_trivial=True)
+
+    @gluon.jit
+    def _load_tile(x_ptr, sx_w, pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, word, OFFSETS32: gl.constexpr):
+        """Positions and slots [R] and x's two chunks as int32 words [R, 8, 4]. Rows past n_rows load row
+        n_rows - 1 (unmasked loads: no zero-fill, no predicates; such rows store nothing)."""
+        r = _offset(gl.minimum(rows, n_rows - 1), OFFSETS32)
+        pos = gl.load(pos_ptr + r * s_pos)
+        slot = gl.load(slot_ptr + r * s_slot)
+        xw_ptr = x_ptr.to(gl.pointer_type(gl.int32)) + _rows3(r * sx_w) + word     # [R, 8, 4]
+        xa = gl.load(xw_ptr)                                    # columns 8l .. 8l + 7
+        xb = gl.load(xw_ptr + 32)                               # columns 64 + 8l .. 64 + 8l + 7
+        return pos, slot, xa, xb
+
+    @gluon.jit
+    def _load_cos_sin(cs_ptr, s_cs, P, pos, cs_col, R: gl.constexpr, LW: gl.constexpr,
+                      LCROW: gl.constexpr, OFFSETS32: gl.constexpr):
+        """(cos_j, sin_j) of the lane's chunk B as fp32 [R, 8, 4] word pairs (lo, hi) = columns (2w, 2w + 1)
+        of the chunk, j = 8 (l & 3) + column. A position outside [0, P) loads row 0 (P >= 1: host; such
+        rows are not rotated): unmasked loads."""
+        pok = (pos >= 0) & (pos < P)
+        cs_row = _rows_cs(_offset(gl.where(pok, pos, 0), OFFSETS32) * s_cs, LCROW)
+        c = gl.load(cs_ptr + cs_row + cs_col).to(gl.float32)                             # [R, 8, 8]
+        s = gl.load(cs_ptr + cs_row + 32 + cs_col).to(gl.float32)
+        c_lo, c_hi = gl.split(gl.reshape(c, [R, 8, 4, 2]))
+        s_lo, s_hi = gl.split(gl.reshape(s, [R, 8, 4, 2]))
+        return (gl.convert_layout(c_lo, LW, assert_trivial=True), gl.convert_layout(c_hi, LW, assert_trivial=True),
+                gl.convert_layout(s_lo, LW, assert_trivial=True), gl.convert_layout(s_hi, LW, assert_trivial=True))
+
+    @gluon.jit
+    def _group_amax(aa, ab, G: gl.constexpr):
+        """Per-lane amax of chunks A and B [R, 8] -> the amax of each lane's groups (floored at 1e-4):
+        G 16: two lanes (xor 1); 32: four lanes (xor 1, 2); 128: both chunks of all 8 lanes (then aa
+        and ab are the same tensor)."""
+        if G == 128:
+            aa = gl.maximum(aa, ab)
+            aa = gl.maximum(aa, _shfl_xor(aa, 1))
+            aa = gl.maximum(aa, _shfl_xor(aa, 2))
+            aa = gl.maximum(aa, _shfl_xor(aa, 4))
+            ab = aa
+        else:
+            aa = gl.maximum(aa, _shfl_xor(aa, 1))
+            ab = gl.maximum(ab, _shfl_xor(ab, 1))
+            if G == 32:
+                aa = gl.maximum(aa, _shfl_xor(aa, 2))
+                ab = gl.maximum(ab, _shfl_xor(ab, 2))
+        return gl.maximum(aa, 1e-4), gl.maximum(ab, 1e-4)
+
+    @gluon.jit
+    def _scales(amax, SF: gl.constexpr, FMAX: gl.constexpr):
+        """numerics.group_scales for SF 0 (ue8m0) and 2 (e4m3): (multiplier m, the stored scale byte as
+        int32)."""
+        if SF == 0:
+            # e = ceil(log2(RN(amax / FMAX))) without the division (see group_scales)
+            P2: gl.constexpr = 8 if FMAX == 448.0 else 2
+            FRAC: gl.constexpr = 0x600000 if FMAX == 448.0 else 0x400000
+            bits = amax.to(gl.int32, bitcast=True)
+            e = ((bits >> 23) - (127 + P2)) + ((bits & 0x7FFFFF) > FRAC).to(gl.int32)
+            e = gl.where((bits >> 23) == 255, 128, e)
+            m = gl.where(e >= 127, 0x400000 >> gl.maximum(e - 127, 0), (127 - e) << 23).to(gl.float32, bitcast=True)
+            stored = e + 127
+        else:
+            s = gl.minimum(gl.maximum(gl.div_rn(amax, gl.full_like(amax, FMAX)), 0.001953125), 448.0)
+            stored, d = _e4m3_scale(s)
+            m = gl.div_rn(gl.full_like(d, 1.0), d)
+        return m, stored
+
+    @gluon.jit
+    def _split_scales(amax_a, amax_b, lane, CAST: gl.constexpr, SF: gl.constexpr):
+        """Both lanes of a pair (l, l ^ 1) hold the amax of both groups they touch: the even lane
+        computes chunk A's group's scale, the odd lane chunk B's, and one xor-1 shuffle gives each the
+        other's multiplier (half the divisions of NVFP4, half the UE8M0 exponent work). G 128: one
+        group; the even lanes compute m = FMAX / amax, the odd ones s = amax / FMAX, the same two
+        IEEE divisions as group_scales. Returns (m of chunk A, m of chunk B, the stored scale of the
+        lane's own group: byte or fp32 bits; for G 128, lane 0's is s)."""
+        FMAX: gl.constexpr = 448.0 if CAST == 1 else 6.0
+        odd = (lane & 1) == 1
+        if SF == 3:
+            amax = amax_a
+            fmax = gl.full_like(amax, FMAX)
+            q = gl.div_rn(gl.where(odd, amax, fmax), gl.where(odd, fmax, amax))     # even: m, odd: s
+            other = _shfl_xor(q, 1)
+            m_a = gl.where(odd, other, q)
+            m_b = m_a
+            stored = other.to(gl.int32, bitcast=True)
+        else:
+            m_own, stored = _scales(gl.where(odd, amax_b, amax_a), SF, FMAX)
+            m_other = _shfl_xor(m_own, 1)
+            m_a = gl.where(odd, m_other, m_own)
+            m_b = gl.where(odd, m_own, m_other)
+        return m_a, m_b, stored
+
+    @gluon.jit
+    def _fp8_chunk(y, m, R: gl.constexpr, LL: gl.constexpr):
+        """A chunk's bf16 words [R, 8, 4] times m [R, 8] -> its 8 e4m3 codes as one int64 [R, 8]."""
+        m3 = gl.expand_dims(m, 2)
+        lo0, lo1 = gl.split(gl.reshape(_lo_f32(y) * m3, [R, 8, 2, 2]))   # columns 4q, 4q + 2
+        hi0, hi1 = gl.split(gl.reshape(_hi_f32(y) * m3, [R, 8, 2, 2]))   # columns 4q + 1, 4q + 3
+        q0, q1 = gl.split(_e4m3x4(lo0, hi0, lo1, hi1))                   # codes of columns 0..3, 4..7
+        return _b64(gl.convert_layout(q0, LL, assert_trivial=True), gl.convert_layout(q1, LL, assert_trivial=True))
+
+    @gluon.jit
+    def _word_of_bytes(b, R: gl.constexpr, LL: gl.constexpr):
+        """[R, 8, 4] int32 whose low bytes are a chunk's 4 code bytes (garbage above) -> one int32 [R, 8],
+        byte w of the word = the low byte of b[..., w] (three prmt)."""
+        b02, b13 = gl.split(gl.reshape(b, [R, 8, 2, 2]))               # bytes (0, 2), (1, 3)
+        b0, b2 = gl.split(b02)
+        b1, b3 = gl.split(b13)
+        word = gl.inline_asm_elementwise(
+            "{ .reg .b32 lo, hi; prmt.b32 lo, $1, $2, 0x0040; prmt.b32 hi, $3, $4, 0x0040; "
+            "prmt.b32 $0, lo, hi, 0x5410; }", "=r,r,r,r,r", [b0, b1, b2, b3], dtype=gl.int32, is_pure=True, pack=1)
+        return gl.convert_layout(word, LL, assert_trivial=True)
+
+    @gluon.jit
+    def _fp4_chunk(y, m, PACKED: gl.constexpr, R: gl.constexpr, LL: gl.constexpr):
+        """A chunk's bf16 words [R, 8, 4] times m [R, 8] -> its 8 e2m1 codes as one int32 [R, 8] (byte w:
+        columns 2w (low nibble), 2w + 1). PACKED: m is a power of two (UE8M0): two codes per
+        instruction on the bf16 words."""
+        if PACKED:
+            m_bits = m.to(gl.int32, bitcast=True)
+            m2 = gl.expand_dims(((m_bits >> 16) & 0xFFFF) | (m_bits & -65536), 2)   # bf16 of m, twice (exact)
+            c = _e2m1x2_bf16(y, m2)                                       # codes at bits 0..3, 16..19
+            b = c + (c >> 12)                                             # no overlapping bits: an or
+            word = _word_of_bytes(b, R, LL)
+        else:
+            # the masks let ptxas drop the encoder's constant offsets; shifts and ors assemble the word
+            m3 = gl.expand_dims(m, 2)
+            b = (_e2m1(_lo_f32(y) * m3) & 15) | ((_e2m1(_hi_f32(y) * m3) & 15) << 4)     # byte w
+            b02, b13 = gl.split(gl.reshape(b, [R, 8, 2, 2]))
+            h = b02 | (b13 << 8)
+            h0, h1 = gl.split(h)
+            word = gl.convert_layout(h0 | (h1 << 16), LL, assert_trivial=True)
+        return word
+
+    @gluon.jit
+    def _max_bf16x2(a, b):
+        """Per-half max of packed bf16 words (max.bf16x2: NaN-ignoring, like max.f32)."""
+        return gl.inline_asm_elementwise("max.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _chunk_amax_bf16x2(y, R: gl.constexpr):
+        """max |y| over a chunk's bf16 words [R, 8, 4] -> [R, 8] fp32, on the packed words: the same value
+        as ``_chunk_amax`` (a max of bf16 values is exact; NaN ignored the same way)."""
+        a = y & 0x7FFF7FFF
+        a0, a1 = gl.split(gl.reshape(a, [R, 8, 2, 2]))
+        a = _max_bf16x2(a0, a1)
+        a0, a1 = gl.split(a)
+        a = _max_bf16x2(a0, a1)
+        return gl.maximum(_lo_f32(a), _hi_f32(a))
+
+    @gluon.jit
+    def _chunk_amax(y):
+        """max |y| over a chunk's bf16 words [R, 8, 4] -> [R, 8] (NaN-ignoring max.f32, like tl.max)."""
+        return gl.max(gl.maximum(gl.abs(_lo_f32(y)), gl.abs(_hi_f32(y))), axis=2)
+
+    @gluon.jit
+    def _write_rows(xa, xb, c_lo, c_hi, s_lo, s_hi, pos, slot, rows, n_rows, wa_lo, wa_hi, wb_lo, wb_hi, eps, P,
+                    cache_ptr, s_blk, sf_off, sf_tok, block_size, capacity, lane, partner_flip,
+                    R: gl.constexpr, LL: gl.constexpr, CAST: gl.constexpr, G: gl.constexpr, SF: gl.constexpr,
+                    PACKED_E2M1: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr,
+                    OFFSETS32: gl.constexpr):
+        """RMSNorm -> RoPE -> quantization -> the records of one tile of R rows whose loads are done."""
+        rmask = rows < n_rows
+        pok = rmask & (pos >= 0) & (pos < P)
+
+        # ---- RMSNorm: levels 1-3 inside each chunk, 4-6 across lanes, 7 the lane's two chunks
+        xa_lo = _lo_f32(xa)
+        xa_hi = _hi_f32(xa)
+        xb_lo = _lo_f32(xb)
+        xb_hi = _hi_f32(xb)
+        ssa = _chunk_sum(xa_lo * xa_lo + xa_hi * xa_hi, R, LL)
+        ssb = _chunk_sum(xb_lo * xb_lo + xb_hi * xb_hi, R, LL)
+        ssa = ssa + _shfl_xor(ssa, 1)
+        ssb = ssb + _shfl_xor(ssb, 1)
+        ssa = ssa + _shfl_xor(ssa, 2)
+        ssb = ssb + _shfl_xor(ssb, 2)
+        ssa = ssa + _shfl_xor(ssa, 4)
+        ssb = ssb + _shfl_xor(ssb, 4)
+        mean = (ssa + ssb) * (1.0 / 128)                                # exact: a power of two
+        rstd = gl.expand_dims(gl.div_rn(gl.full_like(mean, 1.0), gl.sqrt_rn(mean + eps)), 2)
+        ya = _bf16x2((xa_lo * rstd) * wa_lo, (xa_hi * rstd) * wa_hi)     # [R, 8, 4] bf16 pairs
+        yb = _bf16x2((xb_lo * rstd) * wb_lo, (xb_hi * rstd) * wb_hi)
+
+        # ---- RoPE on chunk B: own * c + partner * s (the partner negated on first-half lanes)
+        partner = _shfl_xor(yb, 4) ^ partner_flip
+        rot = _bf16x2((_lo_f32(yb) * c_lo) + (_lo_f32(partner) * s_lo),
+                      (_hi_f32(yb) * c_hi) + (_hi_f32(partner) * s_hi))
+        yb = gl.where(_rows3(pok), rot, yb)
+
+        # ---- scales per group and codes
+        if PACKED_E2M1 and CAST == 2 and SF == 0:
+            amax_a = gl.convert_layout(_chunk_amax_bf16x2(ya, R), LL, assert_trivial=True)
+            amax_b = gl.convert_layout(_chunk_amax_bf16x2(yb, R), LL, assert_trivial=True)
+        else:
+            amax_a = _chunk_amax(ya)
+            amax_b = _chunk_amax(yb)
+        amax_a, amax_b = _group_amax(amax_a, amax_b, G)
+        m_a, m_b, stored = _split_scales(amax_a, amax_b, lane, CAST, SF)
+        if CAST == 1:
+            qa = _fp8_chunk(ya, m_a, R, LL)
+            qb = _fp8_chunk(yb, m_b, R, LL)
+        else:
+            qa = _fp4_chunk(ya, m_a, PACKED_E2M1 and SF == 0, R, LL)
+            qb = _fp4_chunk(yb, m_b, PACKED_E2M1 and SF == 0, R, LL)
+
+        # ---- the records; an invalid slot (or a row past n_rows) writes nothing
+        ok = rmask & (slot >= 0) & (slot < capacity)
+        if SLOT32:
+            s32 = gl.where(ok, slot, 0).to(gl.int32)                    # capacity <= 2**31 (host)
+            if LOG2_BLOCK >= 0:
+                blk32 = s32 >> LOG2_BLOCK
+            else:
+                blk32 = s32 // block_size
+            blk = _offset(blk32, OFFSETS32)
+            off = _offset(s32 - blk32 * block_size, OFFSETS32)
+        else:
+            s64 = gl.where(ok, slot, 0).to(gl.int64)
+            if LOG2_BLOCK >= 0:
+                blk = s64 >> LOG2_BLOCK
+            else:
+                blk = s64 // block_size
+            off = s64 - blk * block_size
+        DATA_BYTES: gl.constexpr = 128 if CAST == 1 else 64
+        base = blk * s_blk
+        data = gl.expand_dims(base + off * DATA_BYTES, 1)              # [R, 1] bytes (8-aligned: host)
+        sf = gl.expand_dims(base + sf_off + off * sf_tok, 1)
+        ok2 = gl.expand_dims(ok, 1)
+        if CAST == 1:
+            q_ptr = cache_ptr.to(gl.pointer_type(gl.int64)) + (data >> 3) + lane      # [R, 8]: 8 codes a lane
+            gl.store(q_ptr, qa, mask=ok2)
+            gl.store(q_ptr + 8, qb, mask=ok2)
+        else:
+            q_ptr = cache_ptr.to(gl.pointer_type(gl.int32)) + (data >> 2) + lane      # [R, 8]: 8 codes a lane
+            gl.store(q_ptr, qa, mask=ok2)
+            gl.store(q_ptr + 8, qb, mask=ok2)
+        # a scale leaves from the lane that computed it (``_split_scales``): chunk A's from even lanes,
+        # chunk B's from odd ones; INDEX_FP8_FP32's s from lane 0 (it holds lane 1's quotient)
+        if G == 128:
+            gl.store(cache_ptr.to(gl.pointer_type(gl.int32)) + (sf >> 2) + lane * 0, stored, mask=ok2 & (lane == 0))
+        elif G == 32:
+            gl.store(cache_ptr + sf + (lane >> 2) + 2 * (lane & 1), stored.to(gl.uint8), mask=ok2 & ((lane & 2) == 0))
+        else:
+            gl.store(cache_ptr + sf + (lane >> 1) + 4 * (lane & 1), stored.to(gl.uint8), mask=ok2)
+
+    @gluon.jit(do_not_specialize=["n_rows", "P", "capacity"])
+    def index_write_kernel(
+        x_ptr, sx_w,                            # x bf16 [n, 128] (read as int32 words); row stride in words
+        w_ptr, eps,                             # RMSNorm weight [128] (bf16 or fp32)
+        pos_ptr, s_pos, cs_ptr, s_cs, P,        # positions [n]; cos_sin [P, 64] (cos | sin; fp32 or bf16)
+        slot_ptr, s_slot,                       # slot_mapping [n]
+        cache_ptr, s_blk, sf_off, sf_tok,       # kv_cache uint8 [blocks, block_size, 1, bytes_per_token], block-wide
+        block_size, capacity,
+        n_rows,
+        CAST: gl.constexpr, G: gl.constexpr, SF: gl.constexpr, W_BF16: gl.constexpr, SLOT32: gl.constexpr,
+        LOG2_BLOCK: gl.constexpr, ROWS_PER_THREAD: gl.constexpr, PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr,
+        PACKED_E2M1: gl.constexpr,
+    ):
+        """A program walks over the tiles pid, pid + num_programs, ... of R = 4 * ROWS_PER_THREAD *
+        num_warps rows. CAST 1 e4m3 / 2 e2m1; G the group; SF 0 ue8m0 / 2 e4m3 / 3 fp32 (group_scales).
+        sf_off: block_size * data bytes (a block's scales); sf_tok: scale bytes per token. LOG2_BLOCK:
+        log2(block_size) when it is a power of two, else -1 (a division). PIPELINE: load tile t + 1
+        (x, indices; its cos/sin after tile t's stores) while tile t computes. OFFSETS32: every x,
+        index, cos/sin and cache offset of the launch is below 2**31 (host). PACKED_E2M1: the e2m1
+        codes of UE8M0 groups on packed bf16 words (``_e2m1x2_bf16``), else fp32 (``_e2m1``)."""
+        NW: gl.constexpr = gl.num_warps()
+        R: gl.constexpr = 4 * ROWS_PER_THREAD * NW
+        # words [R, 8, 4]: lane l of a row owns 4 int32 words (8 bf16 columns) of each chunk
+        LW: gl.constexpr = gl.BlockedLayout([ROWS_PER_THREAD, 1, 4], [4, 8, 1], [NW, 1, 1], [2, 1, 0])
+        # cos/sin [R, 8, 8]: the same lanes, the 8 columns of the lane's chunk B in its registers
+        LC: gl.constexpr = gl.BlockedLayout([ROWS_PER_THREAD, 1, 8], [4, 8, 1], [NW, 1, 1], [2, 1, 0])
+        LCROW: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LC))
+        LL: gl.constexpr = gl.SliceLayout(2, LW)                        # [R, 8]: one value per lane and row
+        LROW: gl.constexpr = gl.SliceLayout(1, LL)                      # [R]
+
+        # ---- loop-invariant indices and the weight
+        r_idx = gl.arange(0, R, layout=LROW)
+        lane = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, LL)), 0)          # [1, 8]
+        k4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
+        word = gl.expand_dims(lane, 2) * 4 + gl.expand_dims(gl.expand_dims(k4, 0), 1)    # [1, 8, 4]
+        # cos/sin column of (lane, column of its chunk B): j = 8 (l & 3) + k
+        lane_c = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, LC)))
+        k8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LC)))
+        cs_col = gl.expand_dims(gl.expand_dims((lane_c & 3) * 8, 0), 2) + gl.expand_dims(gl.expand_dims(k8, 0), 1)
+        # first-half lanes (l < 4) negate the partner: sign bits of both bf16 (0x80008000)
+        partner_flip = gl.expand_dims(gl.where(lane < 4, -2147450880, 0), 2)             # [1, 8, 1]
+
+        if W_BF16:
+            w_words = w_ptr.to(gl.pointer_type(gl.int32)) + word
+            wa = gl.load(w_words)
+            wb = gl.load(w_words + 32)
+            wa_lo = _lo_f32(wa)
+            wa_hi = _hi_f32(wa)
+            wb_lo = _lo_f32(wb)
+            wb_hi = _hi_f32(wb)
+        else:
+            wa_lo = gl.load(w_ptr + 2 * word)
+            wa_hi = gl.load(w_ptr + 2 * word + 1)
+            wb_lo = gl.load(w_ptr + 64 + 2 * word)
+            wb_hi = gl.load(w_ptr + 64 + 2 * word + 1)
+
+        pid = gl.program_id(0)
+        num_programs = gl.num_programs(0)
+        num_tiles = gl.cdiv(n_rows, R)
+        if PIPELINE:
+            rows = pid * R + r_idx                                      # [R] int32 (n_rows < 2**30: host)
+            pos, slot, xa, xb = _load_tile(x_ptr, sx_w, pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, word,
+                                           OFFSETS32)
+            c_lo, c_hi, s_lo, s_hi = _load_cos_sin(cs_ptr, s_cs, P, pos, cs_col, R, LW, LCROW, OFFSETS32)
+            for tile in range(pid, num_tiles, num_programs):
+                rows = tile * R + r_idx
+                next_rows = rows + num_programs * R
+                next_pos, next_slot, next_xa, next_xb = _load_tile(x_ptr, sx_w, pos_ptr, s_pos, slot_ptr, s_slot,
+                                                                   next_rows, n_rows, word, OFFSETS32)
+                _write_rows(xa, xb, c_lo, c_hi, s_lo, s_hi, pos, slot, rows, n_rows, wa_lo, wa_hi, wb_lo, wb_hi,
+                            eps, P, cache_ptr, s_blk, sf_off, sf_tok, block_size, capacity, lane, partner_flip,
+                            R, LL, CAST, G, SF, PACKED_E2M1, SLOT32, LOG2_BLOCK, OFFSETS32)
+                # the next positions arrived while this tile computed
+                c_lo, c_hi, s_lo, s_hi = _load_cos_sin(cs_ptr, s_cs, P, next_pos, cs_col, R, LW,
+                                                       LCROW, OFFSETS32)
+                pos = next_pos
+                slot = next_slot
+                xa = next_xa
+                xb = next_xb
+        else:
+            for tile in range(pid, num_tiles, num_programs):
+                rows = tile * R + r_idx
+                pos, slot, xa, xb = _load_tile(x_ptr, sx_w, pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, word,
+                                               OFFSETS32)
+                c_lo, c_hi, s_lo, s_hi = _load_cos_sin(cs_ptr, s_cs, P, pos, cs_col, R, LW,
+                                                       LCROW, OFFSETS32)
+                _write_rows(xa, xb, c_lo, c_hi, s_lo, s_hi, pos, slot, rows, n_rows, wa_lo, wa_hi, wb_lo, wb_hi,
+                            eps, P, cache_ptr, s_blk, sf_off, sf_tok, block_size, capacity, lane, partner_flip,
+                            R, LL, CAST, G, SF, PACKED_E2M1, SLOT32, LOG2_BLOCK, OFFSETS32)
+
+
+# --------------------------------------------------------------------------- host mirrors
+# The two e2m1 encoders restated with torch integer / fp32 ops, step for step (the proofs that they
+# give kvfuse.reference.encode_e2m1's codes run on these: tests/test_gluon_index_dispatch.py on
+# samples, benchmarks/gluon_check_index.py --prove-encoders over every input).
+def e2m1_fp32_mirror(t: torch.Tensor) -> torch.Tensor:
+    """``_e2m1`` on the host: fp32 t -> int32 codes 0..15."""
+    a = torch.fmin(t.abs(), torch.tensor(6.0))                    # fmin ignores NaN, as min.f32
+    small = (a + torch.tensor(4194304.0)).view(torch.int32) - 0x4A800000
+    u = a.view(torch.int32)
+    big = ((u + 0x1FFFFF + ((u >> 22) & 1)) >> 22) - 252
+    return torch.where(a < 1.0, small, big) | ((t.view(torch.int32) >> 28) & 8)
+
+
+def e2m1_bf16_mirror(h: torch.Tensor) -> torch.Tensor:
+    """One half of ``_e2m1x2_bf16`` after its multiply: int32 tensor of bf16 patterns (0..0xFFFF) ->
+    codes 0..15."""
+    a = h & 0x7FFF
+    a = torch.where((a > 0x40C0), 0x40C0, a)                     # min.bf16x2 with 6 (NaN patterns too)
+    k = ((a << 16).view(torch.float32) + 64.0).to(torch.bfloat16).view(torch.int16).to(torch.int32)
+    r = ((a + 0x11F + ((a >> 6) & 1)) >> 6) & 7
+    code = torch.where(a >= 0x3F80, r, k & 7)                     # set.ge.u32.bf16x2 with 1.0
+    return code | ((h >> 12) & 8)
+
+
+# --------------------------------------------------------------------------- host side
+_MAX_CTAS_PER_SM = 32        # sm_90 resident-block limit
+_resident = {}               # launch key -> CTAs of that compiled variant resident on one SM
+# the e2m1 codes of UE8M0 groups (INDEX_MXFP4) on packed bf16 words; False: the fp32 encoder
+PACKED_E2M1 = True
+
+
+def chain_of(plan):
+    """(CAST, G, SF) constexprs of the plan's cast, or None when this kernel has no such chain."""
+    c = plan.cast
+    if c is None:
+        return None
+    cast_sf = CHAINS.get((c.cast_fmt, c.group, c.sf_format))
+    return None if cast_sf is None else (cast_sf[0], c.group, cast_sf[1])
+
+
+def _resident_ctas_per_sm(compiled, num_warps: int, device_index: int) -> int:
+    """CTAs of a compiled variant that fit on one SM at once (registers, warps, the block limit): a
+    persistent grid larger than that would run a second wave holding a fixed share of the tiles."""
+    compiled._init_handles()                      # loads the binary: n_regs
+    props = torch.cuda.get_device_properties(device_index)
+    regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    warps_per_sm = getattr(props, "max_threads_per_multi_processor", 2048) // 32
+    regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256     # allocated per warp in units of 256
+    warps = min(warps_per_sm, regs_per_sm // regs_per_warp)
+    return max(1, min(_MAX_CTAS_PER_SM, warps // num_warps))
+
+
+def launch_table(n_rows: int):
+    """(num_warps, rows_per_thread, pipeline) per batch size. A warp holds 4 rows of 128 (the bytes
+    of one MAIN_FP8 row), so this starts from gluon_main_fp8's table as measured on the H200 (one
+    one-warp tile per CTA at decode sizes, four warps around n = 4096, one warp loading its next
+    tile ahead at n >= 65536); not yet tuned for this kernel (benchmarks/gluon_check_index.py)."""
+    if n_rows <= 512:
+        return 1, 1, False
+    if n_rows <= 16384:
+        return 4, 1, False
+    return 1, 1, True
+
+
+def launch_args(plan, tensor, num_warps: int, rows_per_thread: int, pipeline: bool):
+    """(positional args, constexprs, options) of index_write_kernel for an eligible plan (no device
+    query); ``tensor(name)`` goes where the plan's tensor ``name`` goes (the tensor, or a
+    launcher.PlanTensor). Every other argument comes from the plan: computed once per signature and n."""
+    x = plan.x[:, 0, :]                                   # [n, 128]
+    weight, positions, cos_sin, slots, cache, a = (plan.weight, plan.positions, plan.cos_sin, plan.slot_mapping,
+                                                   plan.kv_cache, plan.addressing)
+    n = x.shape[0]
+    cast, group, sf = chain_of(plan)
+    block_size = cache.shape[1]
+    capacity = cache.shape[0] * block_size
+    T = tensor
+    args = (T("x"), x.stride(0) // 2, T("weight"), float(plan.eps), T("positions"), positions.stride(0),
+            T("cos_sin"), cos_sin.stride(0), cos_sin.shape[0], T("slot_mapping"), slots.stride(0),
+            T("kv_cache"), cache.stride(0), a.sf_offset, a.sf_token_stride, block_size, capacity, n)
+    # the largest offset each pointer is indexed with (x in words, the rest in elements / bytes)
+    spans = (n * (x.stride(0) // 2) + 64, n * max(positions.stride(0), slots.stride(0)) + 1,
+             cos_sin.shape[0] * cos_sin.stride(0) + 64, cache.shape[0] * cache.stride(0) + a.sf_offset)
+    constexprs = dict(CAST=cast, G=group, SF=sf, W_BF16=weight.dtype == torch.bfloat16,
+                      SLOT32=capacity <= _INT32_LIMIT,
+                      LOG2_BLOCK=block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1,
+                      ROWS_PER_THREAD=rows_per_thread, PIPELINE=bool(pipeline),
+                      OFFSETS32=max(spans) < _INT32_LIMIT, PACKED_E2M1=bool(PACKED_E2M1))
+    options = dict(num_warps=num_warps, num_stages=1, enable_fp_fusion=False)
+    return args, constexprs, options
+
+
+def _grid(plan, args, constexprs: dict, options: dict) -> tuple:
+    """The persistent grid: one CTA per tile up to what is resident on the device at once (the
+    compiled variant's occupancy, found once per variant by compiling it: Triton's cache then has it
+    for the launch)."""
+    x, num_warps = plan.x, options["num_warps"]
+    device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    key = (device_index, plan.weight.dtype, plan.positions.dtype, plan.cos_sin.dtype, plan.slot_mapping.dtype,
+           tuple(constexprs.items()), num_warps)
+    per_sm = _resident.get(key)
+    if per_sm is None:
+        real = (x[:, 0, :], args[1], plan.weight, args[3], plan.positions, args[5], plan.cos_sin, args[7], args[8],
+                plan.slot_mapping, args[10], plan.kv_cache, *args[12:])
+        compiled = index_write_kernel.warmup(*real, grid=(1,), **constexprs, **options)
+        per_sm = _resident[key] = _resident_ctas_per_sm(compiled, num_warps, device_index)
+    tiles = -(-x.shape[0] // (4 * constexprs["ROWS_PER_THREAD"] * num_warps))
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return (max(1, min(tiles, sms * per_sm)),)
+
+
+# --------------------------------------------------------------------------- kvfuse's dispatch
+def enabled() -> bool:
+    """On with Triton 3.6 on CUDA (``available()``; proven byte-equal on the H200, DEVICE_NOTES.md
+    session 3), unless KVFUSE_GLUON=0 (every Gluon path off) or KVFUSE_GLUON_SKIP (a comma list)
+    names "index"."""
+    skip = {t.strip() for t in os.environ.get("KVFUSE_GLUON_SKIP", "").split(",")}
+    return "index" not in skip and os.environ.get("KVFUSE_GLUON", "1") != "0" and available()
+
+
+# decode sizes stay on the plain kernel's one-row EARLY programs: measured as fast or faster there
+# (benchmarks/results/2026-11-29_h200_s3_gluon_check_*.txt)
+MIN_ROWS = 513
+
+
+def eligible(plan) -> bool:
+    """Whether a validated kvfuse.plan.Plan is exactly this kernel's chain: RMSNorm, NEOX RoPE on
+    columns 64..127 (not conjugate), no Hadamard, one of the casts of CHAINS over all 128 columns,
+    one head, a block-wide cache laid out as the INDEX presets (data_bytes per token from the block's
+    start, then block_size * data_bytes on, sf_bytes per token of scales), no stage copy, and the
+    alignments the kernel writes with (the cache pointer 8-byte aligned for e4m3 codes, 4 for e2m1:
+    part of the plan-cache key; the block stride is a multiple of 32). x's and the weight's 4-byte
+    alignment are checked per call (``word_aligned``)."""
+    x, cache, f, a = plan.x, plan.kv_cache, plan.fmt, plan.addressing
+    if cache is None or f is None or a is None or plan.weight is None or plan.positions is None:
+        return False
+    if plan.slot_mapping is None or plan.hadamard_scale is not None:
+        return False
+    if plan.out is not None or plan.out_stage is not None:
+        return False
+    if x.dim() != 3 or x.shape[1:] != (1, HEAD_DIM) or x.stride(2) != 1 or x.stride(0) % 2 or x.shape[0] >= 2 ** 30:
+        return False
+    if (plan.rotary_dim, plan.rope_offset, plan.is_neox, plan.conjugate) != (ROTARY_DIM, ROPE_OFFSET, True, False):
+        return False
+    chain = chain_of(plan)
+    if chain is None or plan.quant_dim != HEAD_DIM:
+        return False
+    cast, _, sf = chain
+    data_bytes = 128 if cast == 1 else 64
+    if f.token_interleaved or f.bf16_tail or f.head_dim != HEAD_DIM or f.data_bytes != data_bytes:
+        return False
+    if cache.dim() != 4 or cache.shape[2] != 1 or cache.stride(3) != 1:
+        return False
+    block_size = cache.shape[1]
+    if (a.data_offset, a.data_token_stride, a.sf_offset, a.sf_token_stride) != (
+            0, data_bytes, block_size * data_bytes, f.sf_bytes):
+        return False
+    if sf == 3 and a.sf_token_stride % 4:          # the fp32 scale leaves as one 32-bit store
+        return False
+    if cache.data_ptr() % CACHE_ALIGN[cast] or cache.stride(0) % 8:
+        return False
+    w, cs = plan.weight, plan.cos_sin
+    return w.shape == (HEAD_DIM,) and w.stride(0) == 1 and cs.dim() == 2 and cs.shape[1] == ROTARY_DIM \
+        and cs.shape[0] >= 1 and cs.stride(1) == 1
+
+
+def word_aligned(x, weight) -> bool:
+    """x (and a bf16 weight) are read as 4-byte words."""
+    return not ((x.data_ptr() | weight.data_ptr()) & 3)
+
+
+def plan_launch(plan, tensor) -> tuple:
+    """(kernel name, grid, positional args, keyword args, namespace) of this kernel for an eligible
+    plan; ``tensor(field)`` goes where the plan's tensor ``field`` goes (the tensor, or a
+    launcher.PlanTensor for a Launch kept with the call signature)."""
+    nw, rpt, pipe = launch_table(plan.x.shape[0])
+    args, constexprs, options = launch_args(plan, tensor, nw, rpt, pipe)
+    return "index_write_kernel", _grid(plan, args, constexprs, options), args, {**constexprs, **options}, globals()

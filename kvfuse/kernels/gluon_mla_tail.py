@@ -1,0 +1,553 @@
+"""A Gluon fast path for the two FlashMLA KV-cache writes (SPEC §9): RMSNorm -> NEOX RoPE on the
+64-column bf16 tail -> e4m3 with UE8M0 scales on the quantized part -> the FlashMLA records, byte
+for byte what ``kvfuse.kernels.fused.fused_kernel`` writes for these chains (SPEC §2, §4, §9).
+
+The two chains (``eligible`` checks every field; anything else goes to the plain kernel):
+- FLASHMLA_V32: head_dim 576 = 512 quantized (groups of 128, scale stored as the fp32 value 2^e,
+  ``ue8m0_fp32``) + 64 bf16 tail columns 512..575, which are the RoPE columns (pairs (512 + j,
+  544 + j)); token-interleaved record [512 codes | 4 fp32 scales | 128 tail bytes] = 656 bytes.
+- FLASHMLA_MODEL1: head_dim 512 = 448 quantized (groups of 64, one UE8M0 byte each: 7 bytes and one
+  reserved byte never written) + 64 bf16 tail columns 448..511 = the RoPE columns (pairs (448 + j,
+  480 + j)); block-wide: inside a block, every token's [448 codes | 128 tail bytes], then every
+  token's 8 scale bytes.
+Both: num_heads 1, x bf16 [n, D] with an even row stride (read as int32 words), weight [D] bf16 or
+fp32, positions / slot_mapping int32 or int64 [n], cos_sin [P, 64] fp32 or bf16, no Hadamard, no
+stage copy. Records are addressed from the plan's RecordAddressing (data_token_stride,
+sf_token_stride, sf_offset, tail_offset; data_offset 0): every data / tail / fp32-scale address is a
+multiple of 4 (``eligible``: cache pointer, block stride and the addressing), so codes and the tail
+leave as 32-bit words, or as 16-byte vectors where Triton's 16-divisibility specialization of the
+pointer and the strides proves it (V32 and MODEL1 records are 16-byte aligned in a 16-byte aligned
+cache: the launcher keys its direct path and kvfuse its plan cache by ``data_ptr() % 16``).
+
+Layout (one kernel; the format is a constexpr: QUANT_DIM 512 / 448, GROUP 128 / 64, SF_FP32):
+- a row (one token) is held by ONE warp. Columns 0..511 as int32 words [R, 32, 8]
+  (BlockedLayout size_per_thread [RPW, 1, 8], threads_per_warp [1, 32, 1], warps [num_warps, 1, 1]):
+  lane l owns columns 16 l .. 16 l + 15 (two 16-byte loads). The 64 tail columns once more as one
+  word per lane, [R, 32]: lane l owns tail columns 2 l, 2 l + 1 (a coalesced 128-byte load). For
+  MODEL1 the tail lies inside columns 0..511 (lanes 28..31 of the word tile, which then serve only
+  the norm): its words are read again (an L1 hit) and normalized again (same arithmetic, same bits).
+- RMSNorm's adjacent-pairs tree (SPEC §2): in-word pair, three in-lane levels over the 8 words, then
+  butterfly shuffles xor 1, 2, 4, 8, 16 (inline PTX; Triton's own warp reduction starts at xor 16):
+  with lane l owning columns 16 l .. 16 l + 15 that is the tree over 512 columns. V32 adds the tail's
+  own tree (in-word pair, then the 5 shuffles: lane l owns columns 512 + 2 l, 513 + 2 l) at the
+  root: the tree over 576 columns zero-padded to 1024 is tree(0..511) + tree(512..575) exactly (the
+  padding adds exact zeros), and mean = div_rn(ss, 576.0) (576 is not a power of two); MODEL1:
+  mean = ss * (1 / 512) (exact).
+- quantization: y = bf16((x * rstd) * w) packed two per word (cvt.rn.bf16x2.f32); a group is 8
+  (V32) or 4 (MODEL1) neighbouring lanes: in-lane max of 16, then shuffles xor 1, 2 (, 4); the UE8M0
+  exponent without a division (``group_scales`` SF 0/1 of numerics.py); codes packed four per word
+  (cvt.rn.satfinite.e4m3x2.f32: the plain kernel's NATIVE=2 encode, its codes are only stored), four
+  words per lane; the first lane of each group stores its scale (V32: the fp32 2^e as one 32-bit
+  word; MODEL1: the byte e + 127; lanes 28..31 own no group).
+- RoPE on the tail words, no shared memory: lane l < 16 holds (y_i0 of j = 2 l, 2 l + 1), lane
+  l + 16 the matching y_i1; one xor-16 shuffle brings the partner word. Each lane computes
+  bf16((own * c) + (partner * s')) with s' = -s on the first half (SPEC: a*c - b*s = (a*c) + (b*(-s))
+  exactly: x - y is x + (-y) in IEEE, and b*(-s) = -(b*s); the sign is flipped as a bit, never by
+  0 - s) and s' = s on the second half ((a*s) + (b*c) with the addition's operands swapped: fp32
+  addition is commutative); rows whose position is outside [0, P) keep the normalized tail.
+  The rotated word is stored as is: tail word l = tail columns 2 l, 2 l + 1.
+- a persistent grid (at most what is resident at once) walks over the row tiles; the weight is
+  loaded once per CTA; PIPELINE=True loads the next tile during this one's arithmetic.
+
+Numerics mirror the plain kernel exactly: fp32 ops rounded one by one (enable_fp_fusion=False: no
+FMA), div_rn / sqrt_rn, native bf16 rounding (cvt.rn), the UE8M0 exponent without division, the
+unguarded native e4m3 encode and NaN-ignoring max (max.f32) for amax.
+
+SASS warp-instructions per row, counted offline for sm_90 with Triton 3.6 (nvdisasm of the cubin;
+int32 indices, bf16 weight, fp32 cos/sin, 16-divisible pointers and strides as kvfuse's benchmark
+launches specialize them; sqrt/div slow-path subroutines excluded):
+  chain    Gluon loop body per row (1 warp / 4 warps / pipelined)   plain kernel per row (its launch table)
+  V32      314 / 321 / 341  (whole program 377)                     824 (BLOCK_M 1 at every n: 576 -> 1024 tile)
+  MODEL1   285 / 291 / 311  (whole program 348)                     490 (BLOCK_M 2, n > 512) / 589 (BLOCK_M 1)
+(the Gluon MAIN_FP8 kernel: ~295). 64-76 registers, no shared memory; PTX free of fma / .approx /
+div.full; codes leave as st.global.v4.b32, the tail and V32's scales as st.global.b32, MODEL1's
+scales as st.global.b8 (st.global.b32 codes where the pointer or a stride is not 16-divisible).
+
+The module imports without a GPU and under any Triton; ``available()`` says whether this path can
+run (Triton 3.6's Gluon API and a CUDA device); ``enabled()``: on there unless KVFUSE_GLUON=0 or
+KVFUSE_GLUON_SKIP names "mla_tail". Proven byte-equal on the H200 (14 of 14 whole-storage
+comparisons, 0 memcheck errors; DEVICE_NOTES.md session 3, run 6).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .launcher import PlanTensor
+
+try:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    _IMPORT_ERROR = None
+except Exception as e:  # pragma: no cover - triton without Gluon
+    triton = gluon = gl = None
+    _IMPORT_ERROR = e
+
+ROTARY_DIM = 64
+TAIL_DIM = 64                 # the bf16 tail = the RoPE columns
+_INT32_LIMIT = 2 ** 31
+
+# The record layouts this path takes: the format fields that fix a record (name and
+# block_alignment are free: "custom formats with the same records"), and the kernel's constexprs.
+SUPPORTED_RECORDS = {
+    # (head_dim, token_interleaved, cast_fmt, group, sf_format, sf_bytes, bf16_tail): format constexprs
+    (576, True, "e4m3", 128, "ue8m0_fp32", 16, 64): dict(QUANT_DIM=512, GROUP=128, SF_FP32=True),
+    (512, False, "e4m3", 64, "ue8m0", 8, 64): dict(QUANT_DIM=448, GROUP=64, SF_FP32=False),
+}
+
+
+def available() -> bool:
+    """True when the Gluon API this kernel is written for (Triton 3.6) and a CUDA device exist."""
+    if _IMPORT_ERROR is not None or not torch.cuda.is_available():
+        return False
+    try:
+        major, minor = (int(v) for v in triton.__version__.split(".")[:2])
+    except Exception:
+        return False
+    return (major, minor) == (3, 6)
+
+
+if gluon is not None:
+    ROPE_HALF_C = gl.constexpr(ROTARY_DIM // 2)     # the kernels read module globals only as constexprs
+    TAIL_DIM_C = gl.constexpr(TAIL_DIM)
+
+    @gluon.constexpr_function
+    def _bfly_asm(lane_mask):
+        # butterfly shuffle over the whole warp: lane l receives the value of lane l ^ lane_mask
+        return f"shfl.sync.bfly.b32 $0, $1, {lane_mask}, 0x1f, 0xffffffff;"
+
+    @gluon.jit
+    def _shfl_xor(v, LANE_MASK: gl.constexpr):
+        """v of lane l ^ LANE_MASK for a 32-bit tensor holding one value per lane and row (all 32 lanes
+        run it: the kernel has no divergent code)."""
+        return gl.inline_asm_elementwise(_bfly_asm(LANE_MASK), "=r,r", [v], dtype=v.dtype, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _lane_tree(v):
+        """The adjacent-pairs tree over the 32 lanes (lane l holds the partial sum of the l-th block):
+        level k adds the partner at xor 2^k; both lanes of a pair hold the same bits (commutative)."""
+        v = v + _shfl_xor(v, 1)
+        v = v + _shfl_xor(v, 2)
+        v = v + _shfl_xor(v, 4)
+        v = v + _shfl_xor(v, 8)
+        v = v + _shfl_xor(v, 16)
+        return v
+
+    @gluon.jit
+    def _bf16x2(lo, hi):
+        """Two fp32 -> one int32 word bf16(lo) | bf16(hi) << 16 (cvt.rn: round to nearest even)."""
+        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _e4m3x4(v0, v1, v2, v3):
+        """Four fp32 -> one int32 word of e4m3 codes, v0 in the low byte (cvt.rn.satfinite: RTNE,
+        saturating at +-448, NaN -> an e4m3 NaN): what .to(float8e4nv) emits on sm_90 (NATIVE=2)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [v0, v1, v2, v3], dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _lo_f32(w):
+        """The bf16 in the low half of int32 words, as fp32 (exact)."""
+        return (w << 16).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _hi_f32(w):
+        """The bf16 in the high half of int32 words, as fp32 (exact)."""
+        return (w & -65536).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _offset(v, OFFSETS32: gl.constexpr):
+        """An element / byte offset: int32 when every offset of the launch fits (cheaper address math)."""
+        if OFFSETS32:
+            off = v.to(gl.int32)
+        else:
+            off = v.to(gl.int64)
+        return off
+
+    @gluon.jit
+    def _load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32: gl.constexpr):
+        """Positions and slots of the rows [R] (-1 past n_rows: no position, no slot)."""
+        rmask = rows < n_rows
+        r = _offset(rows, OFFSETS32)
+        pos = gl.load(pos_ptr + r * s_pos, mask=rmask, other=-1)
+        slot = gl.load(slot_ptr + r * s_slot, mask=rmask, other=-1)
+        return pos, slot
+
+    @gluon.jit
+    def _load_x(x_ptr, sx_w, rows, n_rows, word, lane, TAIL_WORD0: gl.constexpr, OFFSETS32: gl.constexpr):
+        """x of the rows: columns 0..511 as int32 words [R, 32, 8] (two bf16 each) and the tail
+        columns as one word per lane [R, 32] (tail columns 2 l, 2 l + 1 on lane l)."""
+        rmask = gl.expand_dims(rows < n_rows, 1)                        # [R, 1]
+        x_row = gl.expand_dims(_offset(rows, OFFSETS32) * sx_w, 1)      # [R, 1] in words
+        x_words = x_ptr.to(gl.pointer_type(gl.int32))
+        xw = gl.load(x_words + gl.expand_dims(x_row, 2) + word, mask=gl.expand_dims(rmask, 2), other=0)
+        xt = gl.load(x_words + x_row + TAIL_WORD0 + lane, mask=rmask, other=0)
+        return xw, xt
+
+    @gluon.jit
+    def _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP: gl.constexpr, OFFSETS32: gl.constexpr):
+        """(cos, sin) of each row's position for the lane's two rotation indices j = 2 (l % 16) + {0, 1},
+        fp32 [R, 32, 2] each (zeros where the position is outside [0, P): such rows are not rotated)."""
+        pok = (rows < n_rows) & (pos >= 0) & (pos < P)
+        cs_row = _offset(gl.where(pok, pos, 0), OFFSETS32) * s_cs
+        cs_row3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(cs_row, gl.SliceLayout(1, gl.SliceLayout(2, LP)),
+                                                                  assert_trivial=True), 1), 2)
+        pok3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(pok, gl.SliceLayout(1, gl.SliceLayout(2, LP)),
+                                                               assert_trivial=True), 1), 2)
+        cos = gl.load(cs_ptr + cs_row3 + pair_col, mask=pok3, other=0.0).to(gl.float32)
+        sin = gl.load(cs_ptr + cs_row3 + ROPE_HALF_C + pair_col, mask=pok3, other=0.0).to(gl.float32)
+        return cos, sin
+
+    @gluon.jit
+    def _write_rows(xw, xt, cos, sin, pos, slot, rows, n_rows, w_lo, w_hi, wt_lo, wt_hi, sin_flip, eps, P,
+                    cache_ptr, s_blk, data_tok, sf_tok, sf_off, tail_off, block_size, capacity, lane, qword,
+                    R: gl.constexpr, LLANE: gl.constexpr, LQ: gl.constexpr,
+                    QUANT_DIM: gl.constexpr, GROUP: gl.constexpr, SF_FP32: gl.constexpr,
+                    SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, OFFSETS32: gl.constexpr):
+        """RMSNorm -> RoPE (tail) -> UE8M0 / e4m3 -> the records of one tile of R rows whose loads are done."""
+        HEAD_DIM: gl.constexpr = QUANT_DIM + TAIL_DIM_C
+        CODE_LANES: gl.constexpr = QUANT_DIM // 16                      # lanes owning quantized columns
+        GROUP_LANES: gl.constexpr = GROUP // 16
+        rmask = rows < n_rows
+        pok = rmask & (pos >= 0) & (pos < P)
+
+        # ---- RMSNorm: pair in each word, the tree over the lane's 8 words, 5 shuffles
+        x_lo = _lo_f32(xw)
+        x_hi = _hi_f32(xw)
+        sq = x_lo * x_lo + x_hi * x_hi
+        sq = gl.sum(gl.reshape(sq, [R, 32, 4, 2]), axis=3)
+        sq = gl.sum(gl.reshape(sq, [R, 32, 2, 2]), axis=3)
+        sq = gl.sum(gl.reshape(sq, [R, 32, 1, 2]), axis=3)
+        ss = _lane_tree(gl.convert_layout(gl.reshape(sq, [R, 32]), LLANE, assert_trivial=True))   # tree(0..511)
+        xt_lo = _lo_f32(xt)
+        xt_hi = _hi_f32(xt)
+        if QUANT_DIM == 512:
+            # V32: the tail's own tree (columns 512..575), added at the root of the zero-padded tree
+            ss = ss + _lane_tree(xt_lo * xt_lo + xt_hi * xt_hi)
+        if (HEAD_DIM & (HEAD_DIM - 1)) == 0:
+            mean = ss * (1.0 / HEAD_DIM)                                # exact: a power of two
+        else:
+            mean = gl.div_rn(ss, gl.full([R, 32], HEAD_DIM * 1.0, gl.float32, LLANE))
+        rstd = gl.div_rn(gl.full([R, 32], 1.0, gl.float32, LLANE), gl.sqrt_rn(mean + eps))   # [R, 32]
+        rstd3 = gl.expand_dims(rstd, 2)
+        yw = _bf16x2((x_lo * rstd3) * w_lo, (x_hi * rstd3) * w_hi)       # [R, 32, 8] bf16 pairs
+
+        # ---- RoPE on the tail words: own word and the partner's (lane ^ 16)
+        yt = _bf16x2((xt_lo * rstd) * wt_lo, (xt_hi * rstd) * wt_hi)     # [R, 32] normalized tail
+        partner = _shfl_xor(yt, 16)
+        c0, c1 = gl.split(cos)
+        s0, s1 = gl.split(sin)
+        c0 = gl.convert_layout(c0, LLANE, assert_trivial=True)
+        c1 = gl.convert_layout(c1, LLANE, assert_trivial=True)
+        # first-half lanes rotate with -s: flipped as a bit (0 - s would turn -0 into +0)
+        s0 = (gl.convert_layout(s0, LLANE, assert_trivial=True).to(gl.int32, bitcast=True) ^ sin_flip).to(
+            gl.float32, bitcast=True)
+        s1 = (gl.convert_layout(s1, LLANE, assert_trivial=True).to(gl.int32, bitcast=True) ^ sin_flip).to(
+            gl.float32, bitcast=True)
+        rot = _bf16x2((_lo_f32(yt) * c0) + (_lo_f32(partner) * s0), (_hi_f32(yt) * c1) + (_hi_f32(partner) * s1))
+        tail = gl.where(gl.expand_dims(pok, 1), rot, yt)
+
+        # ---- UE8M0 scale per group of GROUP_LANES lanes: group_scales(SF=0/1, FMAX=448) of numerics.py
+        y_lo = _lo_f32(yw)
+        y_hi = _hi_f32(yw)
+        amax = gl.max(gl.maximum(gl.abs(y_lo), gl.abs(y_hi)), axis=2)   # NaN-ignoring max, like tl.max
+        amax = gl.maximum(amax, _shfl_xor(amax, 1))
+        amax = gl.maximum(amax, _shfl_xor(amax, 2))
+        if GROUP_LANES == 8:
+            amax = gl.maximum(amax, _shfl_xor(amax, 4))
+        amax = gl.maximum(amax, 1e-4)
+        bits = amax.to(gl.int32, bitcast=True)
+        e = ((bits >> 23) - (127 + 8)) + ((bits & 0x7FFFFF) > 0x600000).to(gl.int32)
+        e = gl.where((bits >> 23) == 255, 128, e)
+        m = gl.where(e >= 127, 0x400000 >> gl.maximum(e - 127, 0), (127 - e) << 23).to(gl.float32, bitcast=True)
+        m3 = gl.expand_dims(m, 2)
+        # codes of columns 4q .. 4q + 3 = (lo, hi) of words 2q and 2q + 1
+        t0, t2 = gl.split(gl.reshape(y_lo * m3, [R, 32, 4, 2]))
+        t1, t3 = gl.split(gl.reshape(y_hi * m3, [R, 32, 4, 2]))
+        codes = gl.convert_layout(_e4m3x4(t0, t1, t2, t3), LQ, assert_trivial=True)   # [R, 32, 4]
+
+        # ---- the record addresses; an invalid slot (or a row past n_rows) writes nothing
+        ok = rmask & (slot >= 0) & (slot < capacity)
+        if SLOT32:
+            s32 = gl.where(ok, slot, 0).to(gl.int32)                    # capacity <= 2**31 (host)
+            if LOG2_BLOCK >= 0:
+                blk32 = s32 >> LOG2_BLOCK
+            else:
+                blk32 = s32 // block_size
+            blk = _offset(blk32, OFFSETS32)
+            tok = _offset(s32 - blk32 * block_size, OFFSETS32)
+        else:
+            s64 = gl.where(ok, slot, 0).to(gl.int64)
+            if LOG2_BLOCK >= 0:
+                blk = s64 >> LOG2_BLOCK
+            else:
+                blk = s64 // block_size
+            tok = s64 - blk * block_size
+        base = blk * s_blk
+        data = base + tok * data_tok                                    # [R] bytes (data_offset 0)
+        sf = base + tok * sf_tok + sf_off
+        tail_at = data + tail_off
+        ok2 = gl.expand_dims(ok, 1)                                     # [R, 1]
+        words = cache_ptr.to(gl.pointer_type(gl.int32))
+
+        # codes: four 32-bit words per lane (lanes < CODE_LANES), 4-byte aligned records (host)
+        data_q = gl.expand_dims(gl.expand_dims(gl.convert_layout(data >> 2, gl.SliceLayout(1, gl.SliceLayout(2, LQ)),
+                                                                 assert_trivial=True), 1), 2)
+        ok_q = gl.expand_dims(gl.expand_dims(gl.convert_layout(ok, gl.SliceLayout(1, gl.SliceLayout(2, LQ)),
+                                                               assert_trivial=True), 1), 2)
+        if CODE_LANES < 32:
+            ok_q = ok_q & (qword < QUANT_DIM // 4)
+        gl.store(words + data_q + qword, codes, mask=ok_q)
+        # scales: the first lane of each group
+        first = ok2 & ((lane & (GROUP_LANES - 1)) == 0)
+        if CODE_LANES < 32:
+            first = first & (lane < CODE_LANES)
+        if SF_FP32:
+            gl.store(words + gl.expand_dims(sf >> 2, 1) + lane // GROUP_LANES, (e + 127) << 23, mask=first)
+        else:
+            gl.store(cache_ptr + gl.expand_dims(sf, 1) + lane // GROUP_LANES, (e + 127).to(gl.uint8), mask=first)
+        # the tail: one 32-bit word per lane
+        gl.store(words + gl.expand_dims(tail_at >> 2, 1) + lane, tail, mask=ok2)
+
+    @gluon.jit(do_not_specialize=["n_rows", "P", "capacity"])
+    def mla_tail_kernel(
+        x_ptr, sx_w,                            # x bf16 [n, QUANT_DIM + 64] (read as int32 words); row stride in words
+        w_ptr, eps,                             # RMSNorm weight [QUANT_DIM + 64] (bf16 or fp32)
+        pos_ptr, s_pos, cs_ptr, s_cs, P,        # positions [n]; cos_sin [P, 64] (cos | sin; fp32 or bf16)
+        slot_ptr, s_slot,                       # slot_mapping [n]
+        cache_ptr, s_blk, data_tok, sf_tok, sf_off, tail_off, block_size, capacity,   # kv_cache uint8 (plan addressing)
+        n_rows,
+        QUANT_DIM: gl.constexpr, GROUP: gl.constexpr, SF_FP32: gl.constexpr,
+        W_BF16: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, ROWS_PER_WARP: gl.constexpr,
+        PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr,
+    ):
+        """A program walks over the tiles pid, pid + num_programs, ... (R = ROWS_PER_WARP * num_warps
+        rows each; warp w owns rows w * ROWS_PER_WARP ..). QUANT_DIM / GROUP / SF_FP32: the format
+        (512 / 128 / True: FLASHMLA_V32; 448 / 64 / False: FLASHMLA_MODEL1). LOG2_BLOCK:
+        log2(block_size) when it is a power of two, else -1 (a division). PIPELINE: load tile t + 1
+        (x, indices; its cos/sin after tile t's stores) while tile t computes. OFFSETS32: every x,
+        index, cos/sin and cache offset of the launch is below 2**31 (host)."""
+        NW: gl.constexpr = gl.num_warps()
+        R: gl.constexpr = ROWS_PER_WARP * NW
+        TAIL_WORD0: gl.constexpr = QUANT_DIM // 2                       # the tail's first word in x's row
+        # words [R, 32, 8]: lane l owns the 8 int32 words of bf16 columns 16 l .. 16 l + 15
+        LW: gl.constexpr = gl.BlockedLayout([ROWS_PER_WARP, 1, 8], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
+        # code words [R, 32, 4]: four e4m3 codes each, lane l owns record words 4 l .. 4 l + 3
+        LQ: gl.constexpr = gl.BlockedLayout([ROWS_PER_WARP, 1, 4], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
+        # cos / sin [R, 32, 2]: lane l holds rotation indices 2 (l % 16), 2 (l % 16) + 1
+        LP: gl.constexpr = gl.BlockedLayout([ROWS_PER_WARP, 1, 2], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
+        LLANE: gl.constexpr = gl.SliceLayout(2, LW)                     # [R, 32]: one value per lane and row
+        LROW: gl.constexpr = gl.SliceLayout(1, LLANE)                   # [R]
+
+        # ---- loop-invariant indices and the weight
+        r_idx = gl.arange(0, R, layout=LROW)
+        lane = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, LLANE)), 0)            # [1, 32]
+        k8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
+        word = gl.expand_dims(lane, 2) * 8 + gl.expand_dims(gl.expand_dims(k8, 0), 1)           # [1, 32, 8]
+        k4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LQ)))
+        qword = (gl.expand_dims(gl.convert_layout(lane, gl.SliceLayout(2, LQ), assert_trivial=True), 2) * 4
+                 + gl.expand_dims(gl.expand_dims(k4, 0), 1))                                    # [1, 32, 4]
+        k2 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, LP)))
+        pair_col = (gl.expand_dims(gl.convert_layout((lane & 15) * 2, gl.SliceLayout(2, LP), assert_trivial=True), 2)
+                    + gl.expand_dims(gl.expand_dims(k2, 0), 1))                                 # [1, 32, 2]
+        sin_flip = gl.where(lane < 16, -2147483648, 0)                  # the fp32 sign bit on first-half lanes
+
+        if W_BF16:
+            w_words = w_ptr.to(gl.pointer_type(gl.int32))
+            ww = gl.load(w_words + word)
+            w_lo = _lo_f32(ww)
+            w_hi = _hi_f32(ww)
+            wt = gl.load(w_words + TAIL_WORD0 + lane)
+            wt_lo = _lo_f32(wt)
+            wt_hi = _hi_f32(wt)
+        else:
+            w_lo = gl.load(w_ptr + 2 * word)
+            w_hi = gl.load(w_ptr + 2 * word + 1)
+            wt_lo = gl.load(w_ptr + QUANT_DIM + 2 * lane)
+            wt_hi = gl.load(w_ptr + QUANT_DIM + 2 * lane + 1)
+
+        pid = gl.program_id(0)
+        num_programs = gl.num_programs(0)
+        num_tiles = gl.cdiv(n_rows, R)
+        if PIPELINE:
+            rows = pid * R + r_idx                                      # [R] int32 (n_rows < 2**30: host)
+            pos, slot = _load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
+            xw, xt = _load_x(x_ptr, sx_w, rows, n_rows, word, lane, TAIL_WORD0, OFFSETS32)
+            cos, sin = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP, OFFSETS32)
+            for tile in range(pid, num_tiles, num_programs):
+                rows = tile * R + r_idx
+                next_rows = rows + num_programs * R
+                next_pos, next_slot = _load_indices(pos_ptr, s_pos, slot_ptr, s_slot, next_rows, n_rows, OFFSETS32)
+                next_xw, next_xt = _load_x(x_ptr, sx_w, next_rows, n_rows, word, lane, TAIL_WORD0, OFFSETS32)
+                _write_rows(xw, xt, cos, sin, pos, slot, rows, n_rows, w_lo, w_hi, wt_lo, wt_hi, sin_flip, eps, P,
+                            cache_ptr, s_blk, data_tok, sf_tok, sf_off, tail_off, block_size, capacity, lane, qword,
+                            R, LLANE, LQ, QUANT_DIM, GROUP, SF_FP32, SLOT32, LOG2_BLOCK, OFFSETS32)
+                # the next positions arrived while this tile computed
+                cos, sin = _load_cos_sin(cs_ptr, s_cs, P, next_pos, next_rows, n_rows, pair_col, LP, OFFSETS32)
+                pos = next_pos
+                slot = next_slot
+                xw = next_xw
+                xt = next_xt
+        else:
+            for tile in range(pid, num_tiles, num_programs):
+                rows = tile * R + r_idx
+                pos, slot = _load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
+                xw, xt = _load_x(x_ptr, sx_w, rows, n_rows, word, lane, TAIL_WORD0, OFFSETS32)
+                cos, sin = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP, OFFSETS32)
+                _write_rows(xw, xt, cos, sin, pos, slot, rows, n_rows, w_lo, w_hi, wt_lo, wt_hi, sin_flip, eps, P,
+                            cache_ptr, s_blk, data_tok, sf_tok, sf_off, tail_off, block_size, capacity, lane, qword,
+                            R, LLANE, LQ, QUANT_DIM, GROUP, SF_FP32, SLOT32, LOG2_BLOCK, OFFSETS32)
+
+
+# --------------------------------------------------------------------------- host side
+_MAX_CTAS_PER_SM = 32        # sm_90 resident-block limit
+_resident = {}               # launch key -> CTAs of that compiled variant resident on one SM
+
+
+def record_key(fmt) -> tuple:
+    """The format fields that fix a record's layout and numerics (SUPPORTED_RECORDS' keys)."""
+    return (fmt.head_dim, fmt.token_interleaved, fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format, fmt.sf_bytes,
+            fmt.bf16_tail)
+
+
+def format_constexprs(fmt):
+    """The kernel's format constexprs (QUANT_DIM, GROUP, SF_FP32) for a supported record, else None."""
+    return SUPPORTED_RECORDS.get(record_key(fmt))
+
+
+def launch_table(n_rows: int):
+    """(num_warps, rows_per_warp, pipeline) per batch size: the Gluon MAIN_FP8 kernel's table
+    (measured there on the H200; these rows have the same one-warp-per-row shape and ~the same bytes
+    per row), to be re-measured for the FlashMLA rows: one one-warp row per CTA at decode sizes,
+    four warps around n = 4096, one warp loading its next tile ahead (pipeline) at n >= 65536."""
+    if n_rows <= 512:
+        return 1, 1, False
+    if n_rows <= 16384:
+        return 4, 1, False
+    return 1, 1, True
+
+
+def _resident_ctas_per_sm(compiled, num_warps: int, device_index: int) -> int:
+    """CTAs of a compiled variant that fit on one SM at once (registers, warps, the block limit): a
+    persistent grid larger than that would run a second wave holding a fixed share of the tiles."""
+    compiled._init_handles()                      # loads the binary: n_regs
+    props = torch.cuda.get_device_properties(device_index)
+    regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    warps_per_sm = getattr(props, "max_threads_per_multi_processor", 2048) // 32
+    regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256     # allocated per warp in units of 256
+    warps = min(warps_per_sm, regs_per_sm // regs_per_warp)
+    return max(1, min(_MAX_CTAS_PER_SM, warps // num_warps))
+
+
+def launch_parts(plan, tensor, num_warps: int, rows_per_warp: int, pipeline: bool, ctas_per_sm: int = None,
+                 sm_count: int = None):
+    """(grid, positional args, constexprs, options) of mla_tail_kernel for an eligible plan.
+    ``tensor(field)`` goes where the plan's tensor ``field`` goes; the plan's tensors give strides.
+    ctas_per_sm / sm_count: given, no compilation and no device query (default: the compiled
+    variant's occupancy on the plan's device)."""
+    x = plan.x[:, 0, :]                                   # [n, D]
+    n = x.shape[0]
+    cache, a = plan.kv_cache, plan.addressing
+    block_size = cache.shape[1]
+    capacity = cache.shape[0] * block_size
+    T = tensor
+    args = (T("x"), x.stride(0) // 2, T("weight"), float(plan.eps),
+            T("positions"), plan.positions.stride(0), T("cos_sin"), plan.cos_sin.stride(0), plan.cos_sin.shape[0],
+            T("slot_mapping"), plan.slot_mapping.stride(0),
+            T("kv_cache"), cache.stride(0), a.data_token_stride, a.sf_token_stride, a.sf_offset, a.tail_offset,
+            block_size, capacity, n)
+    # the largest offset each pointer is indexed with (rows up to one tile per program past n included)
+    spans = ((n + 2 ** 20) * x.stride(0), (n + 2 ** 20) * max(plan.positions.stride(0), plan.slot_mapping.stride(0)),
+             (plan.cos_sin.shape[0] + 1) * plan.cos_sin.stride(0), (cache.shape[0] + 1) * cache.stride(0))
+    constexprs = dict(format_constexprs(plan.fmt), W_BF16=plan.weight.dtype == torch.bfloat16,
+                      SLOT32=capacity <= _INT32_LIMIT,
+                      LOG2_BLOCK=block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1,
+                      ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline), OFFSETS32=max(spans) < _INT32_LIMIT)
+    options = dict(num_warps=num_warps, num_stages=1, enable_fp_fusion=False)
+    per_sm = ctas_per_sm
+    if per_sm is None or sm_count is None:
+        device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        key = (device_index, x.dtype, plan.weight.dtype, plan.positions.dtype, plan.cos_sin.dtype,
+               plan.slot_mapping.dtype, tuple(constexprs.items()), num_warps)
+        per_sm = per_sm or _resident.get(key)
+        if per_sm is None:
+            real = {"x": plan.x, "weight": plan.weight, "positions": plan.positions, "cos_sin": plan.cos_sin,
+                    "slot_mapping": plan.slot_mapping, "kv_cache": cache}
+            real_args = tuple(real[arg.field] if isinstance(arg, PlanTensor) else arg for arg in args)
+            compiled = mla_tail_kernel.warmup(*real_args, grid=(1,), **constexprs, **options)
+            per_sm = _resident[key] = _resident_ctas_per_sm(compiled, num_warps, device_index)
+        if sm_count is None:
+            sm_count = torch.cuda.get_device_properties(device_index).multi_processor_count
+    tiles = -(-n // (rows_per_warp * num_warps))
+    return (max(1, min(tiles, sm_count * per_sm)),), args, constexprs, options
+
+
+# --------------------------------------------------------------------------- kvfuse's dispatch
+def enabled() -> bool:
+    """On with Triton 3.6 on CUDA (``available()``; proven byte-equal on the H200, DEVICE_NOTES.md
+    session 3), unless KVFUSE_GLUON=0 (every Gluon path off) or KVFUSE_GLUON_SKIP (a comma list)
+    names "mla_tail"."""
+    skip = {t.strip() for t in os.environ.get("KVFUSE_GLUON_SKIP", "").split(",")}
+    return "mla_tail" not in skip and os.environ.get("KVFUSE_GLUON", "1") != "0" and available()
+
+
+# decode sizes stay on the plain kernel's one-row EARLY programs: measured as fast or faster there
+# (benchmarks/results/2026-11-29_h200_s3_gluon_check_*.txt)
+MIN_ROWS = 513
+
+
+def eligible(plan) -> bool:
+    """Whether a validated kvfuse.plan.Plan is exactly one of this kernel's chains: RMSNorm (weight
+    present), NEOX RoPE (not conjugate) on the 64 tail columns, no Hadamard, no stage copy, one head,
+    a cache whose records are FLASHMLA_V32's or FLASHMLA_MODEL1's (any name: ``SUPPORTED_RECORDS``)
+    with the matching cast, and the alignments the kernel writes with: the cache pointer, the block
+    stride and every record offset / stride of the data, tail (and fp32 scales) multiples of 4 (the
+    cache pointer's alignment is part of the plan-cache key; x's and the weight's 4-byte alignment
+    is checked per call, ``word_aligned``)."""
+    x, cache, c, f, a = plan.x, plan.kv_cache, plan.cast, plan.fmt, plan.addressing
+    if cache is None or c is None or f is None or a is None or plan.weight is None or plan.positions is None:
+        return False
+    if plan.hadamard_scale is not None or plan.out is not None or plan.out_stage is not None:
+        return False
+    consts = format_constexprs(f)
+    if consts is None:
+        return False
+    D = f.head_dim
+    quant_dim = consts["QUANT_DIM"]
+    if x.dim() != 3 or tuple(x.shape[1:]) != (1, D) or x.stride(2) != 1 or x.stride(0) % 2:
+        return False
+    if x.shape[0] >= _INT32_LIMIT // 2:
+        return False
+    if (plan.rotary_dim, plan.rope_offset, plan.is_neox, plan.conjugate) != (ROTARY_DIM, quant_dim, True, False):
+        return False
+    if (c.cast_fmt, c.group, c.sf_format, plan.quant_dim) != (f.cast_fmt, f.elements_per_sf, f.sf_format, quant_dim):
+        return False
+    if cache.dim() != 4 or cache.shape[2] != 1 or a.data_offset != 0:
+        return False
+    word_addressed = [cache.data_ptr(), cache.stride(0), a.data_token_stride, a.tail_offset]
+    if consts["SF_FP32"]:
+        word_addressed += [a.sf_token_stride, a.sf_offset]
+    if any(v % 4 for v in word_addressed):
+        return False
+    w, cs = plan.weight, plan.cos_sin
+    return (tuple(w.shape) == (D,) and w.stride(0) == 1 and cs.dim() == 2 and cs.shape[1] == ROTARY_DIM
+            and cs.stride(1) == 1)
+
+
+def word_aligned(x, weight) -> bool:
+    """x and the weight are read as 4-byte words."""
+    return not ((x.data_ptr() | weight.data_ptr()) & 3)
+
+
+def plan_launch(plan, tensor) -> tuple:
+    """(kernel name, grid, positional args, keyword args, namespace) of this kernel for an eligible
+    plan; ``tensor(field)`` goes where the plan's tensor ``field`` goes (the tensor, or a
+    launcher.PlanTensor for a Launch kept with the call signature). Everything but the tensors is a
+    function of the plan's signature and n."""
+    num_warps, rows_per_warp, pipeline = launch_table(plan.x.shape[0])
+    grid, args, constexprs, options = launch_parts(plan, tensor, num_warps, rows_per_warp, pipeline)
+    return "mla_tail_kernel", grid, args, {**constexprs, **options}, globals()

@@ -1,0 +1,238 @@
+"""kvfuse/kernels/gluon_index.py on the CPU: which calls the Gluon INDEXER fast path takes
+(``eligible`` for each format's chain and not for its neighbours, the cache pointer's alignment,
+the per-call word alignment of x and the weight, force_config), its launch table and argument table
+(the kernel's parameter order: every non-constexpr first), that the module imports and stays off
+unless KVFUSE_GLUON / KVFUSE_GLUON_SKIP turn it off, and the host mirrors of its two e2m1 encoders against the
+reference encoder. The kernel itself runs only on the H200 (benchmarks/gluon_check_index.py; Gluon
+has no interpreter)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import kvfuse
+from kvfuse import KVCacheFormat
+from kvfuse import reference as ref
+from kvfuse.kernels import fused as fused_kernels
+from kvfuse.kernels import gluon_index as GI
+from kvfuse.kernels.launcher import tensor_arg
+from kvfuse.plan import build_plan
+from kernel_cases import Case, build
+
+F = kvfuse.formats
+INDEX_FORMATS = [F.INDEX_FP8_FP32, F.INDEX_MXFP8, F.INDEX_MXFP4, F.INDEX_NVFP4]
+
+
+def plan_of(case: Case):
+    args, _, _ = build(case, "cpu")
+    return build_plan(**args)[0]
+
+
+def index_case(fmt=F.INDEX_MXFP4, **kw):
+    """The fast path's chain: norm, NEOX RoPE on columns 64..127, an INDEX cache, no stage copy."""
+    base = dict(n=5, heads=1, head_dim=128, fmt=fmt, rotary_dim=64, neox=True, out_stage=None)
+    return Case(**{**base, **kw})
+
+
+def recast(plan, **fields):
+    """The plan with some fields replaced (a Plan is a plain dataclass)."""
+    return dataclasses.replace(plan, **fields)
+
+
+def cache_at(fmt, byte_offset: int, num_blocks=4, block_size=16):
+    """A zeroed cache of ``fmt`` starting ``byte_offset`` bytes into its storage."""
+    dense = fmt.allocate(num_blocks, block_size)
+    storage = torch.zeros(dense.untyped_storage().nbytes() + 64, dtype=torch.uint8)
+    return torch.as_strided(storage, dense.shape, dense.stride(), byte_offset)
+
+
+# ---------------------------------------------------------------------------------- eligible
+@pytest.mark.parametrize("fmt", INDEX_FORMATS, ids=lambda f: f.name)
+def test_each_index_chain_is_eligible(fmt):
+    assert GI.eligible(plan_of(index_case(fmt)))
+    assert GI.eligible(plan_of(index_case(fmt, w_fp32=True, cs_bf16=True, idx32=True, block_size=24,
+                                          block_padding=40, x2d=True, x_row_pad=8)))
+    assert GI.eligible(plan_of(index_case(fmt, n=1, slot_kind="invalid", block_size=1, num_blocks=7)))
+
+
+@pytest.mark.parametrize("fmt", INDEX_FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("change", [
+    dict(conjugate=True), dict(neox=False), dict(hadamard=True),
+    dict(out_stage="transform"), dict(out_stage="norm"), dict(out_stage="cast_back"),
+    dict(rotary_dim=32), dict(rotary_dim=64, rope_offset=0), dict(rope=False), dict(norm=False),
+], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_neighbouring_chains_are_not(fmt, change):
+    assert not GI.eligible(plan_of(index_case(fmt, **change)))
+
+
+@pytest.mark.parametrize("fmt", [
+    F.INDEX_BF16, F.MAIN_FP8, F.MAIN_FP4, F.FLASHMLA_MODEL1, F.FLASHMLA_V32,
+    KVCacheFormat("BW_E4M3_G16_E4M3", 128, "e4m3", 16, "e4m3", False),         # a cast it has no chain for
+    KVCacheFormat("BW_E4M3_G64_FP32", 128, "e4m3", 64, "fp32", False),
+    KVCacheFormat("BW_MXFP4_TAIL", 128, "e2m1", 32, "ue8m0", False, bf16_tail=32),
+    KVCacheFormat("TI_MXFP4_128", 128, "e2m1", 32, "ue8m0", True),               # token-interleaved records
+    KVCacheFormat("TI_FP8_FP32_128", 128, "e4m3", 128, "fp32", True),
+], ids=lambda f: f.name)
+def test_other_formats_are_not(fmt):
+    D = fmt.head_dim
+    assert not GI.eligible(plan_of(index_case(fmt, head_dim=D, rotary_dim=64)))
+
+
+def test_two_heads_are_not():
+    two = KVCacheFormat("TI_NVFP4_128", 128, "e2m1", 16, "e4m3", True)      # block-wide formats have one head
+    assert not GI.eligible(plan_of(index_case(two, heads=2)))
+    assert not GI.eligible(plan_of(index_case(two, heads=1)))             # and the record layout differs
+
+
+def test_user_formats_with_the_index_records_are_eligible():
+    for fmt in (KVCacheFormat("MY_MXFP4", 128, "e2m1", 32, "ue8m0", False),
+                KVCacheFormat("MY_NVFP4_RESERVED", 128, "e2m1", 16, "e4m3", False, sf_bytes=12),
+                KVCacheFormat("MY_MXFP8_RESERVED", 128, "e4m3", 32, "ue8m0", False, sf_bytes=5)):
+        assert GI.eligible(plan_of(index_case(fmt))), fmt.name
+    # an fp32 scale leaves as one 32-bit store: its per-token stride must keep 4-byte alignment
+    odd = KVCacheFormat("MY_FP8_FP32_6", 128, "e4m3", 128, "fp32", False, sf_bytes=6)
+    assert not GI.eligible(plan_of(index_case(odd)))
+    wide = KVCacheFormat("MY_FP8_FP32_8", 128, "e4m3", 128, "fp32", False, sf_bytes=8)
+    assert GI.eligible(plan_of(index_case(wide)))
+
+
+@pytest.mark.parametrize("fmt,offset,ok", [
+    (F.INDEX_FP8_FP32, 8, True), (F.INDEX_FP8_FP32, 4, False),       # e4m3 codes: 64-bit stores
+    (F.INDEX_MXFP8, 24, True), (F.INDEX_MXFP8, 12, False),
+    (F.INDEX_MXFP4, 4, True), (F.INDEX_MXFP4, 2, False),             # e2m1 codes: 32-bit stores
+    (F.INDEX_NVFP4, 36, True), (F.INDEX_NVFP4, 1, False),
+])
+def test_cache_pointer_alignment(fmt, offset, ok):
+    plan = plan_of(index_case(fmt))
+    cache = cache_at(fmt, offset)
+    moved = recast(plan, kv_cache=cache, addressing=fmt.addressing_for(cache))
+    assert GI.eligible(moved) is ok
+
+
+def test_plan_without_a_field_is_not():
+    plan = plan_of(index_case())
+    for field in ("weight", "positions", "kv_cache", "slot_mapping", "fmt", "addressing", "cast"):
+        assert not GI.eligible(recast(plan, **{field: None})), field
+    assert not GI.eligible(recast(plan, cos_sin=plan.cos_sin[:0]))                # P = 0: no row to load
+
+
+def test_addressing_must_be_the_index_layout():
+    plan = plan_of(index_case(F.INDEX_NVFP4))
+    a = plan.addressing
+    for change in (dict(data_offset=8), dict(sf_offset=a.sf_offset + 4), dict(sf_token_stride=16),
+                   dict(data_token_stride=128)):
+        assert not GI.eligible(recast(plan, addressing=dataclasses.replace(a, **change))), change
+
+
+# ---------------------------------------------------------------------------------- per call
+def test_word_alignment_is_per_call():
+    x = torch.zeros(2 * 128 + 1, dtype=torch.bfloat16)
+    w = torch.zeros(128, dtype=torch.bfloat16)
+    assert GI.word_aligned(x[:256], w)
+    assert not GI.word_aligned(x[1:], w)
+    assert not GI.word_aligned(x[:256], torch.zeros(129, dtype=torch.bfloat16)[1:])
+    assert GI.word_aligned(x[:256], torch.zeros(128, dtype=torch.float32))
+
+
+def test_odd_x_row_stride_is_not_eligible():
+    plan = plan_of(index_case(x_row_pad=1))                        # rows 129 bf16 apart: not whole words
+    assert not GI.eligible(plan)
+
+
+def test_launch_table():
+    assert GI.launch_table(1) == (1, 1, False) and GI.launch_table(512) == (1, 1, False)
+    assert GI.launch_table(4096) == (4, 1, False) and GI.launch_table(16384) == (4, 1, False)
+    assert GI.launch_table(65536) == (1, 1, True) and GI.launch_table(262144) == (1, 1, True)
+    for n in (1, 3, 300, 513, 4097, 20000, 1 << 20):
+        nw, rpt, pipe = GI.launch_table(n)
+        assert nw in (1, 2, 4, 8) and rpt in (1, 2) and isinstance(pipe, bool)
+
+
+@pytest.mark.parametrize("fmt,chain", [(F.INDEX_FP8_FP32, (1, 128, 3)), (F.INDEX_MXFP8, (1, 32, 0)),
+                                       (F.INDEX_MXFP4, (2, 32, 0)), (F.INDEX_NVFP4, (2, 16, 2))],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_argument_table(fmt, chain):
+    """The positional arguments come from the plan (tensors as placeholders) in the kernel's order, and
+    every kernel parameter after them is a constexpr given by name (kvfuse's direct launcher)."""
+    plan = plan_of(index_case(fmt, n=7, block_size=24, block_padding=40, idx32=True))
+    args, constexprs, options = GI.launch_args(plan, tensor_arg, 4, 1, False)
+    cache, a = plan.kv_cache, plan.addressing
+    assert [a_.field for a_ in args if hasattr(a_, "field")] == ["x", "weight", "positions", "cos_sin",
+                                                                 "slot_mapping", "kv_cache"]
+    numbers = [v for v in args if not hasattr(v, "field")]
+    assert numbers == [plan.x.stride(0) // 2, plan.eps, plan.positions.stride(0), plan.cos_sin.stride(0),
+                       plan.cos_sin.shape[0], plan.slot_mapping.stride(0), cache.stride(0), a.sf_offset,
+                       a.sf_token_stride, 24, cache.shape[0] * 24, 7]
+    assert (constexprs["CAST"], constexprs["G"], constexprs["SF"]) == chain
+    assert constexprs["LOG2_BLOCK"] == -1 and constexprs["SLOT32"] and constexprs["OFFSETS32"]
+    assert constexprs["W_BF16"] and constexprs["ROWS_PER_THREAD"] == 1 and not constexprs["PIPELINE"]
+    assert options == dict(num_warps=4, num_stages=1, enable_fp_fusion=False)
+    kernel = getattr(GI, "index_write_kernel", None)
+    if kernel is not None:                                       # Gluon importable: the parameter order
+        names = list(kernel.arg_names)
+        assert len(names) == len(args) + len(constexprs)
+        assert names[len(args):] == list(constexprs)
+    assert GI.launch_args(plan_of(index_case(fmt, block_size=64)), tensor_arg, 1, 1, True)[1]["LOG2_BLOCK"] == 6
+
+
+# ---------------------------------------------------------------------------------- dispatch
+def test_dispatch_follows_eligibility_and_force_config(monkeypatch):
+    plan = plan_of(index_case(F.INDEX_NVFP4))
+    monkeypatch.setattr(fused_kernels, "GLUON", True)
+    monkeypatch.setattr(fused_kernels, "FAST_PATHS", (GI,))
+    monkeypatch.setattr(GI, "MIN_ROWS", 1)           # the case's few rows (decode sizes stay plain)
+    assert fused_kernels.fast_path(plan) is GI
+    with fused_kernels.force_config(block_m=1):
+        assert fused_kernels.fast_path(plan) is None   # forced configurations are the plain kernel's
+    assert fused_kernels.fast_path(plan_of(index_case(F.INDEX_NVFP4, out_stage="transform"))) is None
+    monkeypatch.setattr(fused_kernels, "GLUON", False)
+    assert fused_kernels.fast_path(plan) is None
+
+
+def test_interface():
+    for name in ("enabled", "available", "eligible", "plan_launch", "word_aligned", "launch_table"):
+        assert callable(getattr(GI, name)), name
+
+
+def test_plan_fields_it_reads_exist():
+    """eligible() reads these Plan fields: a rename must fail here, not silently disable the path."""
+    names = {f.name for f in dataclasses.fields(kvfuse.plan.Plan)}
+    assert {"x", "weight", "eps", "positions", "cos_sin", "rotary_dim", "rope_offset", "is_neox", "conjugate",
+            "hadamard_scale", "cast", "quant_dim", "out", "out_stage", "kv_cache", "slot_mapping", "fmt",
+            "addressing"} <= names
+    a = {f.name for f in dataclasses.fields(kvfuse.formats.RecordAddressing)}
+    assert {"data_token_stride", "sf_token_stride", "data_offset", "sf_offset"} <= a
+
+
+# ---------------------------------------------------------------------------------- encoders
+def test_packed_bf16_e2m1_encoder_gives_the_reference_codes():
+    """INDEX_MXFP4's codes on packed bf16 (``_e2m1x2_bf16``): for every bf16 y and every UE8M0 multiplier
+    m = 2^-e the kernel makes (fp32-subnormal ones for an infinite amax included), the codes of the
+    bf16 product equal encode_e2m1 of the fp32 product wherever |y * m| <= 6 (always, for a y of the
+    group: m comes from its amax) or y is infinite. NaN inputs are left out (SPEC §2)."""
+    y = torch.arange(1 << 16, dtype=torch.int32)
+    yf = (y << 16).view(torch.float32)
+    for e in range(-15, 129):
+        m_bits = ((127 - e) << 23) if e < 127 else (0x400000 >> (e - 127))
+        m = torch.tensor([m_bits], dtype=torch.int32).view(torch.float32)
+        t = yf * m                                                  # exact in fp32 but below 2^-126
+        want = ref.encode_e2m1(t).to(torch.int32)
+        got = GI.e2m1_bf16_mirror(t.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF)
+        relevant = ~torch.isnan(yf) & ((t.abs() <= 6) | torch.isinf(yf))
+        assert torch.equal(want[relevant], got[relevant]), e
+
+
+def test_fp32_e2m1_encoder_gives_the_reference_codes():
+    """INDEX_NVFP4's codes (``_e2m1``) on 2^21 random fp32 patterns and around every rounding boundary
+    (benchmarks/gluon_check_index.py --prove-encoders runs all 2^32)."""
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (1 << 21,), generator=g, dtype=torch.int64).to(torch.int32)
+    edges = torch.tensor([0.0, 0.25, 0.75, 1.0, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, 2.0 ** -126, 2.0 ** -149,
+                          float("inf")], dtype=torch.float32).view(torch.int32)
+    near = (edges[:, None] + torch.arange(-3, 4, dtype=torch.int32)[None, :]).flatten()
+    near = torch.cat([near, near | -2 ** 31])                        # and the negatives
+    t = torch.cat([bits, near]).view(torch.float32)
+    keep = ~torch.isnan(t)
+    assert torch.equal(GI.e2m1_fp32_mirror(t)[keep], ref.encode_e2m1(t).to(torch.int32)[keep])

@@ -1,0 +1,224 @@
+"""kvfuse/kernels/gluon_mla_tail.py on the CPU: which calls the Gluon FlashMLA fast path takes
+(``eligible``: the FLASHMLA_V32 and FLASHMLA_MODEL1 chains and user formats with the same records,
+not their neighbours), the per-call word alignment, the launch table, the launch interface kvfuse's
+dispatch and direct launcher rely on, and that the module imports and stays off unless asked for
+with Triton 3.6 + CUDA (unless KVFUSE_GLUON=0 or KVFUSE_GLUON_SKIP names it). The kernel itself runs only on the H200
+(benchmarks/gluon_check_mla_tail.py; Gluon has no interpreter)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import kvfuse
+from kvfuse import CastArgs, KVCacheFormat
+from kvfuse.kernels import fused as fused_kernels
+from kvfuse.kernels import gluon_mla_tail as G
+from kvfuse.kernels.launcher import PlanTensor, tensor_arg
+from kvfuse.plan import build_plan
+from kernel_cases import Case, build
+
+V32 = kvfuse.formats.FLASHMLA_V32
+MODEL1 = kvfuse.formats.FLASHMLA_MODEL1
+TENSOR_FIELDS = {"x", "weight", "positions", "cos_sin", "slot_mapping", "kv_cache"}
+
+
+def plan_of(case: Case):
+    args, _, _ = build(case, "cpu")
+    return build_plan(**args)[0]
+
+
+def mla_case(fmt, **kw):
+    """The fast path's chain: norm, NEOX RoPE on the 64 tail columns, a FlashMLA cache, no stage copy."""
+    base = dict(n=5, heads=1, head_dim=fmt.head_dim, fmt=fmt, rotary_dim=64, neox=True, out_stage=None)
+    return Case(**{**base, **kw})
+
+
+BOTH = pytest.mark.parametrize("fmt", [V32, MODEL1], ids=["V32", "MODEL1"])
+
+
+@BOTH
+def test_the_flashmla_chains_are_eligible(fmt):
+    assert G.eligible(plan_of(mla_case(fmt)))
+    assert G.eligible(plan_of(mla_case(fmt, w_fp32=True, cs_bf16=True, idx32=True, block_size=24, x2d=True)))
+    assert G.eligible(plan_of(mla_case(fmt, block_size=1, num_blocks=9, block_padding=64, x_row_pad=16)))
+
+
+def test_padded_token_stride_is_eligible():
+    assert G.eligible(plan_of(mla_case(V32, token_padding=32)))
+
+
+@BOTH
+@pytest.mark.parametrize("change", [
+    dict(out_stage="transform"), dict(out_stage="cast_back"), dict(out_stage="norm"),   # a stage copy
+    dict(neox=False), dict(conjugate=True), dict(rotary_dim=32), dict(rope_offset=0), dict(rope=False),
+    dict(norm=False), dict(x_row_pad=1),                                                  # odd x row stride
+], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_neighbour_chains_are_not(fmt, change):
+    assert not G.eligible(plan_of(mla_case(fmt, **change)))
+
+
+def test_hadamard_and_two_heads_are_not():
+    assert not G.eligible(plan_of(mla_case(MODEL1, hadamard=True)))   # 576 is not a power of two: V32 can't
+    assert not G.eligible(plan_of(mla_case(V32, heads=2)))             # block-wide MODEL1 has one head
+
+
+@pytest.mark.parametrize("fmt", [f for f in kvfuse.formats.PRESETS.values() if f not in (V32, MODEL1)],
+                         ids=lambda f: f.name)
+def test_other_presets_are_not(fmt):
+    rope_ok = fmt.head_dim >= 64
+    case = mla_case(fmt, rotary_dim=64 if rope_ok else 32)
+    assert not G.eligible(plan_of(case))
+
+
+def test_user_formats_with_the_same_records_are_eligible():
+    same_v32 = KVCacheFormat("MY_V32", 576, "e4m3", 128, "ue8m0_fp32", True, bf16_tail=64)
+    same_model1 = KVCacheFormat("MY_MODEL1", 512, "e4m3", 64, "ue8m0", False, sf_bytes=8, bf16_tail=64)  # alignment 32
+    assert G.eligible(plan_of(mla_case(same_v32)))
+    assert G.eligible(plan_of(mla_case(same_model1)))
+
+
+@pytest.mark.parametrize("fmt", [
+    KVCacheFormat("V32_RESERVED", 576, "e4m3", 128, "ue8m0_fp32", True, sf_bytes=20, bf16_tail=64),  # other records
+    KVCacheFormat("V32_G64", 576, "e4m3", 64, "ue8m0_fp32", True, bf16_tail=64),
+    KVCacheFormat("V32_BYTE_SCALES", 576, "e4m3", 128, "ue8m0", True, bf16_tail=64),
+    KVCacheFormat("V32_BLOCKWIDE", 576, "e4m3", 128, "ue8m0_fp32", False, bf16_tail=64),
+    KVCacheFormat("MODEL1_TI", 512, "e4m3", 64, "ue8m0", True, sf_bytes=8, bf16_tail=64),
+    KVCacheFormat("MODEL1_EXACT_SF", 512, "e4m3", 64, "ue8m0", False, bf16_tail=64),                  # 7 scale bytes
+    KVCacheFormat("MODEL1_FP32_SCALES", 512, "e4m3", 64, "fp32", False, bf16_tail=64),
+    KVCacheFormat("TAIL_128", 512, "e4m3", 64, "ue8m0", False, sf_bytes=8, bf16_tail=128),
+], ids=lambda f: f.name)
+def test_user_formats_with_other_records_are_not(fmt):
+    assert not G.eligible(plan_of(mla_case(fmt)))
+
+
+def test_custom_tail_format_of_the_kernel_cases_is_not():
+    tail320 = next(f for f in __import__("kernel_cases").CUSTOM_FORMATS if f.name == "TI_TAIL_D320")
+    assert not G.eligible(plan_of(mla_case(tail320)))
+
+
+@BOTH
+def test_a_cache_pointer_not_4_byte_aligned_is_not(fmt):
+    plan = plan_of(mla_case(fmt))
+    cache = plan.kv_cache
+    storage = torch.zeros(cache.untyped_storage().nbytes() + 64, dtype=torch.uint8)
+    for offset, ok in ((0, True), (4, True), (2, False), (1, False)):
+        plan.kv_cache = torch.as_strided(storage, cache.shape, cache.stride(), offset)
+        assert G.eligible(plan) is ok, offset
+
+
+def test_word_alignment_is_per_call():
+    x = torch.zeros(2 * 576 + 1, dtype=torch.bfloat16)
+    w = torch.zeros(576, dtype=torch.bfloat16)
+    assert G.word_aligned(x[:1152], w)
+    assert not G.word_aligned(x[1:], w)
+    assert not G.word_aligned(x[:1152], torch.zeros(577, dtype=torch.bfloat16)[1:])
+    assert G.word_aligned(x[:1152], torch.zeros(576, dtype=torch.float32))
+
+
+def test_launch_table():
+    assert G.launch_table(1) == (1, 1, False) and G.launch_table(512) == (1, 1, False)
+    assert G.launch_table(4096) == (4, 1, False) and G.launch_table(16384) == (4, 1, False)
+    assert G.launch_table(65536) == (1, 1, True) and G.launch_table(262144) == (1, 1, True)
+    for n in (1, 2, 300, 513, 4097, 16385, 1 << 20):
+        num_warps, rows_per_warp, pipeline = G.launch_table(n)
+        assert num_warps in (1, 2, 4, 8) and rows_per_warp in (1, 2, 4) and isinstance(pipeline, bool)
+
+
+def _kernel_params():
+    kernel = G.mla_tail_kernel
+    return kernel.arg_names, [p.is_constexpr for p in kernel.params]
+
+
+@BOTH
+def test_launch_parts_fill_every_parameter_in_order(fmt):
+    """Positional args cover exactly the non-constexpr parameters (all first), keyword args the
+    constexprs (kvfuse's direct launcher relies on both); tensors go where the plan's fields say."""
+    plan = plan_of(mla_case(fmt, n=300, block_size=16, num_blocks=30))
+    names, is_constexpr = _kernel_params()
+    n_args = is_constexpr.index(True)
+    assert not any(is_constexpr[:n_args]) and all(is_constexpr[n_args:])
+    grid, args, constexprs, options = G.launch_parts(plan, tensor_arg, *G.launch_table(300), ctas_per_sm=4,
+                                                     sm_count=132)
+    assert len(args) == n_args
+    assert set(constexprs) == set(names[n_args:])
+    assert options["enable_fp_fusion"] is False and options["num_stages"] == 1
+    fields = {a.field for a in args if isinstance(a, PlanTensor)}
+    assert fields == TENSOR_FIELDS
+    by_name = dict(zip(names, args))
+    a = plan.addressing
+    assert by_name["x_ptr"] == tensor_arg("x") and by_name["cache_ptr"] == tensor_arg("kv_cache")
+    assert by_name["sx_w"] * 2 == plan.x.stride(0)
+    assert (by_name["data_tok"], by_name["sf_tok"], by_name["sf_off"], by_name["tail_off"]) == (
+        a.data_token_stride, a.sf_token_stride, a.sf_offset, a.tail_offset)
+    assert by_name["capacity"] == plan.kv_cache.shape[0] * plan.kv_cache.shape[1] and by_name["n_rows"] == 300
+    assert constexprs["LOG2_BLOCK"] == 4 and constexprs["SLOT32"] and constexprs["OFFSETS32"]
+    assert (constexprs["QUANT_DIM"], constexprs["GROUP"], constexprs["SF_FP32"]) == (
+        (512, 128, True) if fmt is V32 else (448, 64, False))
+    assert grid == (min(300, 132 * 4),)
+    # a non-power-of-two block size divides; every argument but the tensors is a plain number
+    plan24 = plan_of(mla_case(fmt, n=50, block_size=24))
+    _, args24, constexprs24, _ = G.launch_parts(plan24, tensor_arg, 1, 1, False, ctas_per_sm=1, sm_count=8)
+    assert constexprs24["LOG2_BLOCK"] == -1
+    assert all(isinstance(v, (int, float, PlanTensor)) for v in args24)
+
+
+@BOTH
+def test_plan_launch_shape(fmt, monkeypatch):
+    plan = plan_of(mla_case(fmt, n=7))
+    real = G.launch_parts
+    # no device here: a fixed occupancy (2 CTAs on each of 4 SMs) instead of compiling the kernel
+    monkeypatch.setattr(G, "launch_parts", lambda *a: real(*a, ctas_per_sm=2, sm_count=4))
+    name, grid, args, kwargs, namespace = G.plan_launch(plan, tensor_arg)
+    assert name == "mla_tail_kernel" and namespace[name] is G.mla_tail_kernel
+    assert grid == (7,) and kwargs["num_warps"] == 1 and kwargs["PIPELINE"] is False
+
+
+def test_dispatch_follows_eligibility_and_force_config(monkeypatch):
+    plan = plan_of(mla_case(V32))
+    monkeypatch.setattr(fused_kernels, "GLUON", True)
+    monkeypatch.setattr(fused_kernels, "FAST_PATHS", (G,))
+    monkeypatch.setattr(G, "MIN_ROWS", 1)           # the case's few rows (decode sizes stay plain)
+    assert fused_kernels.fast_path(plan) is G
+    assert fused_kernels.fast_path(plan_of(mla_case(MODEL1))) is G
+    with fused_kernels.force_config(block_m=1):
+        assert fused_kernels.fast_path(plan) is None   # forced configurations are the plain kernel's
+    assert fused_kernels.fast_path(plan_of(mla_case(V32, out_stage="transform"))) is None
+    assert fused_kernels.fast_path(plan_of(mla_case(MODEL1, conjugate=True))) is None
+    monkeypatch.setattr(fused_kernels, "GLUON", False)
+    assert fused_kernels.fast_path(plan) is None
+
+
+def test_main_fp8_is_not_taken_by_this_path_nor_the_mla_chains_by_main_fp8():
+    from kvfuse.kernels import gluon_main_fp8
+    main = Case(n=5, heads=1, head_dim=512, fmt=kvfuse.formats.MAIN_FP8, rotary_dim=64, neox=True)
+    assert gluon_main_fp8.eligible(plan_of(main)) and not G.eligible(plan_of(main))
+    for fmt in (V32, MODEL1):
+        assert not gluon_main_fp8.eligible(plan_of(mla_case(fmt)))
+
+
+def test_the_module_has_the_fast_path_interface():
+    for name in ("enabled", "available", "eligible", "plan_launch", "word_aligned", "launch_table"):
+        assert callable(getattr(G, name)), name
+
+
+def test_off_without_triton_36_and_cuda(monkeypatch):
+    if not torch.cuda.is_available():
+        assert not G.available() and not G.enabled()
+    assert G not in fused_kernels.FAST_PATHS or torch.cuda.is_available()
+
+
+def test_plan_fields_it_reads_exist():
+    """eligible() and launch_parts() read these fields: a rename must fail here, not silently
+    disable the path."""
+    names = {f.name for f in dataclasses.fields(kvfuse.plan.Plan)}
+    assert {"x", "weight", "eps", "positions", "cos_sin", "rotary_dim", "rope_offset", "is_neox", "conjugate",
+            "hadamard_scale", "cast", "quant_dim", "out", "out_stage", "kv_cache", "slot_mapping", "fmt",
+            "addressing"} <= names
+    addressing = {f.name for f in dataclasses.fields(kvfuse.formats.RecordAddressing)}
+    assert {"data_token_stride", "sf_token_stride", "head_stride", "data_offset", "sf_offset",
+            "tail_offset"} <= addressing
+    for fmt in (V32, MODEL1):
+        assert G.format_constexprs(fmt) is not None
+        assert CastArgs.from_cache_format(fmt).num_per_channels == fmt.elements_per_sf
