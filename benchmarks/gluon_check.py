@@ -12,24 +12,18 @@ A failing case or variant is reported and the run goes on (an illegal memory acc
 the CUDA context: what follows it errors too). About 2-4 minutes (most of it compiling variants).
 Usage: python3 benchmarks/gluon_check.py --out DIR   (writes DIR/gluon_check.json)
 """
-import argparse
-import json
 import os
-import platform
-import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
+import gluon_check_common as common  # first: puts the repository root on sys.path
+from gluon_check_common import EPS, T0, TIMING_SIZES, log, short
+from kvfuse import bench
+from kvfuse.formats import MAIN_FP8
+from kvfuse.kernels import gluon_main_fp8 as gluon_fp8
 
-import kvfuse  # noqa: E402
-from kvfuse import bench  # noqa: E402
-from kvfuse.formats import MAIN_FP8  # noqa: E402
-from kvfuse.kernels import gluon_main_fp8 as gluon_fp8  # noqa: E402
-
-EPS = bench.EPS
 # Gluon launch variants (keyword arguments of gluon_main_fp8_write)
 VARIANTS = {
     "w1": dict(num_warps=1),
@@ -39,120 +33,37 @@ VARIANTS = {
     "w4": dict(num_warps=4),
     "w4_pipe": dict(num_warps=4, pipeline=True),
 }
-DEVICE = "cuda"
-TIMING_SIZES = (1, 256, 4096, 65536, 262144)
 CORRECTNESS_SIZES = (1, 3, 256, 4097, 65536, 262144)
-T0 = time.perf_counter()
-
-
-def log(msg):
-    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
-
-
-def short(e, limit=400):
-    text = f"{type(e).__name__}: {e}".replace("\n", " ")
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 # ------------------------------------------------------------------------------------------ inputs
-class Case:
-    """One set of inputs and a poisoned cache storage (with guard bytes before and after the cache)."""
+class Case(common.Case):
+    """MAIN_FP8 inputs and a poisoned cache storage (guard bytes before and after the cache)."""
+    fmt = MAIN_FP8
 
-    def __init__(self, name, n, seed=0, block_size=64, extra_blocks=2, token_padding=0, block_padding=0,
-                 cache_offset=0, guard=64, x_row_pad=0, x_offset=0, w_dtype=torch.bfloat16,
-                 cs_dtype=torch.float32, pos_dtype=torch.int32, slot_dtype=torch.int32, index_stride=1,
-                 invalid_slots=0.05, bad_positions=0.03, max_position=bench.MAX_POSITION, eps=EPS, special=None):
-        dev = DEVICE
-        g = torch.Generator(device=dev)
-        g.manual_seed(seed * 7919 + n)
-        self.name, self.n, self.eps = name, n, eps
-        # x [n, 512] bf16: normal values at per-row scales 2^-8 .. 2^8, inside a padded / shifted buffer
-        row = 512 + x_row_pad
-        xbuf = torch.empty(x_offset + n * row, dtype=torch.bfloat16, device=dev)
-        self.x = torch.as_strided(xbuf, (n, 512), (row, 1), x_offset)
-        scale = torch.exp2(torch.randint(-8, 9, (n, 1), generator=g, device=dev).float())
-        self.x.copy_((torch.randn(n, 512, generator=g, device=dev) * scale).to(torch.bfloat16))
-        self.nonfinite_rows = torch.zeros(n, dtype=torch.bool, device=dev)
-        if special is not None:
-            special(self, g)
-        self.nonfinite_rows |= ~torch.isfinite(self.x.float()).all(dim=1)
-        self.weight = (torch.randn(512, generator=g, device=dev) * 0.2 + 1.0).to(w_dtype)
-        self.cos_sin = bench.rope_table(max_position, 64, dev).to(cs_dtype)
-        pos = torch.randint(0, max_position, (n,), generator=g, device=dev)
-        bad = torch.rand(n, generator=g, device=dev) < bad_positions
-        pos = torch.where(bad, torch.where(torch.rand(n, generator=g, device=dev) < 0.5, -1 - pos, pos + max_position),
-                          pos)
-        self.positions = self._strided(pos.to(pos_dtype), index_stride)
-        blocks = max(1, -(-n // block_size)) + extra_blocks
-        self.capacity = blocks * block_size
-        slots = torch.randperm(self.capacity, generator=g, device=dev)[:n]
-        bad = torch.rand(n, generator=g, device=dev) < invalid_slots
-        out = torch.where(torch.rand(n, generator=g, device=dev) < 0.5, torch.full_like(slots, -1),
-                          self.capacity + torch.randint(0, 1000, (n,), generator=g, device=dev))
-        self.slots = self._strided(torch.where(bad, out, slots).to(slot_dtype), index_stride)
-        # the cache inside a poisoned storage: guard bytes, then the records (4-byte aligned at least)
+    def __init__(self, name, n, block_size=64, token_padding=0, block_padding=0, cache_offset=0, guard=64, **inputs):
+        super().__init__(name, n, 512, block_size=block_size, **inputs)
+        # the records 4-byte aligned at least
         s1 = -(-(532 + token_padding) // 4) * 4
         s0 = -(-(block_size * s1 + block_padding) // 32) * 32
-        self.cache_offset = cache_offset
-        self.storage_bytes = cache_offset + blocks * s0 + guard
-        self.shape, self.strides = (blocks, block_size, 1, 532), (s0, s1, 532, 1)
-        self.poison = torch.randint(0, 256, (self.storage_bytes,), generator=g, device=dev, dtype=torch.uint8)
-
-    @staticmethod
-    def _strided(t, stride):
-        if stride == 1:
-            return t
-        buf = torch.zeros(t.shape[0] * stride, dtype=t.dtype, device=t.device)
-        view = buf[::stride]
-        view.copy_(t)
-        return view
-
-    def new_cache(self):
-        """(flat storage, cache view) holding the poison."""
-        flat = self.poison.clone()
-        return flat, torch.as_strided(flat, self.shape, self.strides, self.cache_offset)
+        self.place_cache((self.blocks, block_size, 1, 532), (s0, s1, 532, 1), cache_offset, guard)
 
     def row_of_byte(self):
-        """storage byte -> the row that owns it (-1: no row), from the valid slots."""
-        owner = torch.full((self.storage_bytes,), -1, dtype=torch.int64, device=self.x.device)
-        s = self.slots.long()
-        ok = (s >= 0) & (s < self.capacity)
-        rows = torch.arange(self.n, device=s.device)[ok]
-        s = s[ok]
-        bs = self.shape[1]
-        base = self.cache_offset + (s // bs) * self.strides[0] + (s % bs) * self.strides[1]
-        idx = base[:, None] + torch.arange(528, device=s.device)
-        owner[idx.flatten()] = rows.repeat_interleave(528)
-        return owner
-
-
-def plain_write(c, cache):
-    kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(
-        c.x, kvfuse.NormArgs(c.weight, c.eps), kvfuse.RopeArgs(c.positions, c.cos_sin, 64, True), None,
-        kvfuse.CastArgs.from_cache_format(MAIN_FP8), kvfuse.KVCacheOutArgs(cache, c.slots, layout=MAIN_FP8))
+        """storage byte -> the row that owns it (-1: no row), from the valid slots (528 record bytes)."""
+        rows, blk, tok = self.valid_slots()
+        return self.owner_map(rows, [(self.cache_offset + blk * self.strides[0] + tok * self.strides[1], 528)])
 
 
 def gluon_write(c, cache, variant):
     gluon_fp8.gluon_main_fp8_write(c.x, c.weight, c.eps, c.positions, c.cos_sin, c.slots, cache, **variant)
 
 
-# special contents (SPEC §2 edge cases); each marks nothing itself: non-finite rows are found from x
+# special contents (SPEC §2 edge cases): common.special_rows and these
 def special_values(c, g):
-    n, x, dev = c.n, c.x, c.x.device
-    k = torch.arange(n, device=dev)
-    x[k % 11 == 0] = 0.0                                                           # zero rows
-    x[k % 11 == 1] = (torch.randn(int((k % 11 == 1).sum()), 512, generator=g, device=dev) * 1e30).to(x.dtype)
-    x[k % 11 == 2] = (torch.randn(int((k % 11 == 2).sum()), 512, generator=g, device=dev) * 1e38).to(x.dtype)
-    sub = (torch.randint(-127, 128, (int((k % 11 == 3).sum()), 512), generator=g, device=dev).float()
-           * 2.0 ** -133).to(x.dtype)                                              # bf16 subnormals
-    x[k % 11 == 3] = sub
-    ties = torch.randint(-64, 65, (int((k % 11 == 4).sum()), 512), generator=g, device=dev).float() / 16
-    x[k % 11 == 4] = ties.to(x.dtype)                                              # e4m3 rounding ties
-    mixed = k % 11 == 5                                                            # one group far above the rest
-    x[mixed, 64:96] *= 2.0 ** 20
+    k = common.special_rows(c, g)
+    x = c.x
+    x[k % 11 == 5, 64:96] *= 2.0 ** 20                                            # one group far above the rest
     x[k % 11 == 6, 448:512] *= 1e-3                                                # a small RoPE tail
-    tiny = k % 11 == 7
-    x[tiny] = (x[tiny].float() * 2.0 ** -120).to(x.dtype)                          # mean + eps dominated by eps
     inf_rows = (k % 97 == 8).nonzero().flatten()
     x[inf_rows, (inf_rows * 37) % 512] = float("inf")                              # an inf in one group
     nan_rows = (k % 97 == 9).nonzero().flatten()
@@ -167,29 +78,13 @@ def compare(c, variant_name, variant):
     rec = dict(case=c.name, n=c.n, variant=variant_name, status="ok")
     flat_a, cache_a = c.new_cache()
     flat_b, cache_b = c.new_cache()
-    plain_write(c, cache_a)
+    common.public_write(c, cache_a)
     gluon_write(c, cache_b, variant)
     torch.cuda.synchronize()
     if torch.equal(flat_a, flat_b):
         rec.update(equal=True, diff_bytes=0)
         return rec
-    diff = (flat_a != flat_b).nonzero().flatten()
-    owner = c.row_of_byte()[diff]
-    nonfinite = torch.zeros_like(owner, dtype=torch.bool)
-    has_row = owner >= 0
-    nonfinite[has_row] = c.nonfinite_rows[owner[has_row]]
-    where = []
-    for off, row in zip(diff[:12].tolist(), owner[:12].tolist()):
-        rel = off - c.cache_offset
-        if 0 <= rel < c.shape[0] * c.strides[0]:
-            blk, r = divmod(rel, c.strides[0])
-            tok, byte = divmod(r, c.strides[1])
-            where.append(dict(offset=off, block=blk, token=tok, byte=byte, row=row,
-                              plain=int(flat_a[off]), gluon=int(flat_b[off])))
-        else:
-            where.append(dict(offset=off, outside_cache=True, plain=int(flat_a[off]), gluon=int(flat_b[off])))
-    rec.update(equal=False, diff_bytes=int(diff.numel()), diff_outside_nonfinite_rows=int((~nonfinite).sum()),
-               nonfinite_rows=int(c.nonfinite_rows.sum()), first_diffs=where)
+    rec.update(common.storage_diff(c, flat_a, flat_b, c.row_of_byte(), ("plain", "gluon"), split_tokens=True))
     if rec["diff_outside_nonfinite_rows"]:
         rec["status"] = "MISMATCH"
     else:
@@ -298,17 +193,13 @@ def run_timing(copy_gbps, deadline):
                 records.append(dict(n=n, peer=peer, status="skipped: time budget"))
                 continue
             try:
-                t = timer.measure([fn])
-                gbps = nbytes / (t.gpu_us * 1e-6) / 1e9
-                r = dict(n=n, peer=peer, status="ok", gpu_us=t.gpu_us, method=t.gpu_method, eager_us=t.eager_us,
-                         bytes=nbytes, GBps=gbps, pct_copy=100 * gbps / copy_gbps if copy_gbps else None, note=t.note)
+                r = dict(n=n, peer=peer, status="ok", bytes=nbytes, **common.timed(timer, fn, nbytes, copy_gbps))
             except Exception as e:
                 r = dict(n=n, peer=peer, status="error", error=short(e))
                 bench._recover_cuda()
             records.append(r)
             if r["status"] == "ok":
-                pct = f"{r['pct_copy']:5.1f}%" if r["pct_copy"] is not None else "  -  "
-                log(f"timing n={n:7d} {peer:14s} {r['gpu_us']:9.2f} us  {pct} of copy  ({r['method']})")
+                log(f"timing n={n:7d} {peer:14s} {r['gpu_us']:9.2f} us  {common.pct_text(r)} of copy  ({r['method']})")
             else:
                 log(f"timing n={n:7d} {peer:14s} {r['status']} {r.get('error', '')}")
         del inp, peers, plain
@@ -317,33 +208,12 @@ def run_timing(copy_gbps, deadline):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=os.environ.get("OUT", "gluon-check"))
-    p.add_argument("--budget-s", type=float, default=200.0, help="no new case / point starts after this")
-    p.add_argument("--skip-timing", action="store_true")
-    p.add_argument("--skip-correctness", action="store_true")
-    a = p.parse_args()
+    a = common.arg_parser(__doc__, "gluon-check", 200.0).parse_args()
     os.makedirs(a.out, exist_ok=True)
-    report = dict(meta=dict(python=platform.python_version(), torch=torch.__version__,
-                            triton=getattr(gluon_fp8.triton, "__version__", None), argv=sys.argv,
-                            variants=VARIANTS, gluon_available=gluon_fp8.available()))
-    if not torch.cuda.is_available():
-        log("no CUDA device: nothing to check")
-        report["status"] = "no CUDA"
-    elif not gluon_fp8.available():
-        log(f"Gluon path unavailable (triton {report['meta']['triton']}; needs 3.6): nothing to check")
-        report["status"] = "gluon unavailable"
-    else:
-        props = torch.cuda.get_device_properties(0)
-        report["meta"].update(device=props.name, sm_count=props.multi_processor_count)
-        log(f"{props.name}, torch {torch.__version__}, triton {report['meta']['triton']}")
+    report = common.new_report(variants=VARIANTS)
+    if common.device_ready(report):
         deadline = T0 + a.budget_s
-        try:
-            copy = bench.measure_copy_bandwidth(reps=5)
-        except Exception as e:
-            copy = dict(copy_error=short(e))
-        report["copy"] = copy
-        log(f"copy bandwidth {copy.get('copy_GBps', float('nan')):.0f} GB/s")
+        copy = common.copy_bandwidth(report)
         if not a.skip_correctness:
             # correctness starts no case after ~65% of the budget: timing must still run
             report["correctness"] = run_correctness(T0 + 0.65 * a.budget_s)
@@ -368,12 +238,7 @@ def main():
             if pl and gl:
                 log(f"n={n:7d}: plain {pl['gpu_us']:8.2f} us; best gluon {gl['peer']} {gl['gpu_us']:8.2f} us "
                     f"({pl['gpu_us'] / gl['gpu_us']:.2f}x, {gl['pct_copy'] or 0:.1f}% of copy)")
-    report["elapsed_s"] = time.perf_counter() - T0
-
-    path = os.path.join(a.out, "gluon_check.json")
-    with open(path, "w") as f:
-        json.dump(bench._json_safe(report), f, indent=1, default=str)
-    log(f"wrote {path}")
+    common.write_report(report, a.out, "gluon_check.json")
 
 
 if __name__ == "__main__":

@@ -24,38 +24,19 @@ Usage: python3 benchmarks/gluon_check_index.py --out DIR         (writes DIR/glu
        python3 benchmarks/gluon_check_index.py --prove-encoders  (CPU, minutes: the e2m1 encoders'
        host mirrors against kvfuse.reference.encode_e2m1 on every fp32 / bf16 input)
 """
-import argparse
-import json
 import os
-import platform
-import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
+import gluon_check_common as common  # first: puts the repository root on sys.path
+from gluon_check_common import DEVICE, T0, TIMING_SIZES, log, short
+from kvfuse import bench
+from kvfuse import formats as F
+from kvfuse.kernels import gluon_index as GI
 
-import kvfuse  # noqa: E402
-from kvfuse import bench  # noqa: E402
-from kvfuse import formats as F  # noqa: E402
-from kvfuse.kernels import fused  # noqa: E402
-from kvfuse.kernels import gluon_index as GI  # noqa: E402
-
-EPS = bench.EPS
-DEVICE = "cuda"
 FORMATS = {"index_fp8_fp32": F.INDEX_FP8_FP32, "index_mxfp4": F.INDEX_MXFP4, "index_nvfp4": F.INDEX_NVFP4}
-TIMING_SIZES = (1, 256, 4096, 65536, 262144)
-T0 = time.perf_counter()
-
-
-def log(msg):
-    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
-
-
-def short(e, limit=400):
-    text = f"{type(e).__name__}: {e}".replace("\n", " ")
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def is_cuda_error(e) -> bool:
@@ -66,134 +47,38 @@ def is_cuda_error(e) -> bool:
 
 
 # ------------------------------------------------------------------------------------ switching
-class CountingKernel:
-    """Stands in for gluon_index.index_write_kernel: counts the launches through Triton's path (the
-    first launch of every kept Launch; direct launches bypass it)."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self.arg_names = kernel.arg_names
-        self.launches = 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
-
-    def warmup(self, *args, **kwargs):
-        return self.kernel.warmup(*args, **kwargs)
-
-
-KERNEL = GI.index_write_kernel if hasattr(GI, "index_write_kernel") else None
-
-
 def fast_path(on: bool) -> None:
     """Route the public entry point's eligible calls to gluon_index (on) or keep the plain kernel."""
-    fused.FAST_PATHS = (GI,) if on else ()
-    GI.MIN_ROWS = 1                 # every size, decode included (the dispatch's default keeps those plain)
-    fused.GLUON = bool(on)
-    kvfuse.plan.clear_plan_cache()
+    common.fast_path(GI, on)
 
 
 # ------------------------------------------------------------------------------------ inputs
-class Case:
-    """One set of inputs and a poisoned cache storage (guard bytes before and after the cache)."""
+class Case(common.Case):
+    """One set of inputs and a poisoned block-wide cache storage (guard bytes before and after the cache)."""
 
-    def __init__(self, fmt, name, n, seed=0, block_size=64, extra_blocks=2, block_padding=0, cache_offset=0, guard=64,
-                 x_row_pad=0, x_offset=0, w_dtype=torch.bfloat16, cs_dtype=torch.float32, pos_dtype=torch.int32,
-                 slot_dtype=torch.int32, index_stride=1, invalid_slots=0.05, bad_positions=0.03,
-                 max_position=bench.MAX_POSITION, eps=EPS, special=None, expect_fast=True):
-        dev = DEVICE
-        g = torch.Generator(device=dev)
-        g.manual_seed(seed * 7919 + n)
-        self.fmt, self.name, self.n, self.eps, self.expect_fast = fmt, name, n, eps, expect_fast
-        # x [n, 128] bf16: normal values at per-row scales 2^-8 .. 2^8, inside a padded / shifted buffer
-        row = 128 + x_row_pad
-        xbuf = torch.empty(x_offset + n * row, dtype=torch.bfloat16, device=dev)
-        self.x = torch.as_strided(xbuf, (n, 128), (row, 1), x_offset)
-        scale = torch.exp2(torch.randint(-8, 9, (n, 1), generator=g, device=dev).float())
-        self.x.copy_((torch.randn(n, 128, generator=g, device=dev) * scale).to(torch.bfloat16))
-        if special is not None:
-            special(self, g)
-        self.nonfinite_rows = ~torch.isfinite(self.x.float()).all(dim=1)
-        self.weight = (torch.randn(128, generator=g, device=dev) * 0.2 + 1.0).to(w_dtype)
-        self.cos_sin = bench.rope_table(max_position, 64, dev).to(cs_dtype)
-        pos = torch.randint(0, max_position, (n,), generator=g, device=dev)
-        bad = torch.rand(n, generator=g, device=dev) < bad_positions
-        pos = torch.where(bad, torch.where(torch.rand(n, generator=g, device=dev) < 0.5, -1 - pos, pos + max_position),
-                          pos)
-        self.positions = self._strided(pos.to(pos_dtype), index_stride)
-        blocks = max(1, -(-n // block_size)) + extra_blocks
-        self.capacity = blocks * block_size
-        slots = torch.randperm(self.capacity, generator=g, device=dev)[:n]
-        bad = torch.rand(n, generator=g, device=dev) < invalid_slots
-        out = torch.where(torch.rand(n, generator=g, device=dev) < 0.5, torch.full_like(slots, -1),
-                          self.capacity + torch.randint(0, 1000, (n,), generator=g, device=dev))
-        self.slots = self._strided(torch.where(bad, out, slots).to(slot_dtype), index_stride)
-        # the block-wide cache inside a poisoned storage: guard bytes, then the blocks
+    def __init__(self, fmt, name, n, block_size=64, block_padding=0, cache_offset=0, guard=64, expect_fast=True,
+                 **inputs):
+        self.fmt, self.expect_fast = fmt, expect_fast
+        super().__init__(name, n, 128, block_size=block_size, **inputs)
         bpt = fmt.bytes_per_token
         s0 = -(-(block_size * bpt + block_padding) // 32) * 32
-        self.cache_offset = cache_offset
-        self.storage_bytes = cache_offset + blocks * s0 + guard
-        self.shape, self.strides = (blocks, block_size, 1, bpt), (s0, bpt, bpt, 1)
-        self.poison = torch.randint(0, 256, (self.storage_bytes,), generator=g, device=dev, dtype=torch.uint8)
-
-    @staticmethod
-    def _strided(t, stride):
-        if stride == 1:
-            return t
-        buf = torch.zeros(t.shape[0] * stride, dtype=t.dtype, device=t.device)
-        view = buf[::stride]
-        view.copy_(t)
-        return view
-
-    def new_cache(self):
-        """(flat storage, cache view) holding the poison."""
-        flat = self.poison.clone()
-        return flat, torch.as_strided(flat, self.shape, self.strides, self.cache_offset)
+        self.place_cache((self.blocks, block_size, 1, bpt), (s0, bpt, bpt, 1), cache_offset, guard)
 
     def row_of_byte(self):
         """storage byte -> the row whose record holds it (-1: none), from the valid slots."""
         fmt = self.fmt
-        owner = torch.full((self.storage_bytes,), -1, dtype=torch.int64, device=self.x.device)
-        s = self.slots.long()
-        ok = (s >= 0) & (s < self.capacity)
-        rows = torch.arange(self.n, device=s.device)[ok]
-        s = s[ok]
-        bs = self.shape[1]
-        base = self.cache_offset + (s // bs) * self.strides[0]
-        off = s % bs
-        data = base + off * fmt.data_bytes
-        owner[(data[:, None] + torch.arange(fmt.data_bytes, device=s.device)).flatten()] = \
-            rows.repeat_interleave(fmt.data_bytes)
-        sf = base + bs * fmt.data_bytes + off * fmt.sf_bytes
-        owner[(sf[:, None] + torch.arange(fmt.sf_bytes, device=s.device)).flatten()] = \
-            rows.repeat_interleave(fmt.sf_bytes)
-        return owner
+        rows, blk, off = self.valid_slots()
+        base = self.cache_offset + blk * self.strides[0]
+        sf = base + self.shape[1] * fmt.data_bytes + off * fmt.sf_bytes
+        return self.owner_map(rows, [(base + off * fmt.data_bytes, fmt.data_bytes), (sf, fmt.sf_bytes)])
 
 
-def public_write(c, cache):
-    kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(
-        c.x, kvfuse.NormArgs(c.weight, c.eps), kvfuse.RopeArgs(c.positions, c.cos_sin, 64, True), None,
-        kvfuse.CastArgs.from_cache_format(c.fmt), kvfuse.KVCacheOutArgs(cache, c.slots, layout=c.fmt))
-
-
-# special contents (SPEC §2 edge cases); non-finite rows are found from x afterwards
+# special contents (SPEC §2 edge cases): common.special_rows and these
 def special_values(c, g):
-    n, x, dev = c.n, c.x, c.x.device
-    k = torch.arange(n, device=dev)
-    x[k % 11 == 0] = 0.0                                                           # zero rows
-    x[k % 11 == 1] = (torch.randn(int((k % 11 == 1).sum()), 128, generator=g, device=dev) * 1e30).to(x.dtype)
-    x[k % 11 == 2] = (torch.randn(int((k % 11 == 2).sum()), 128, generator=g, device=dev) * 1e38).to(x.dtype)
-    sub = (torch.randint(-127, 128, (int((k % 11 == 3).sum()), 128), generator=g, device=dev).float()
-           * 2.0 ** -133).to(x.dtype)                                              # bf16 subnormals
-    x[k % 11 == 3] = sub
-    ties = torch.randint(-64, 65, (int((k % 11 == 4).sum()), 128), generator=g, device=dev).float() / 16
-    x[k % 11 == 4] = ties.to(x.dtype)                                              # rounding ties
-    mixed = k % 11 == 5                                                            # one group far above the rest
-    x[mixed, 32:48] *= 2.0 ** 20
+    k = common.special_rows(c, g)
+    x = c.x
+    x[k % 11 == 5, 32:48] *= 2.0 ** 20                                            # one group far above the rest
     x[k % 11 == 6, 64:128] *= 1e-3                                                 # a small RoPE half
-    tiny = k % 11 == 7
-    x[tiny] = (x[tiny].float() * 2.0 ** -120).to(x.dtype)                          # mean + eps dominated by eps
     x[k % 11 == 8, 16:32] = 0.0                                                    # an all-zero group (amax floor)
     inf_rows = (k % 97 == 9).nonzero().flatten()
     x[inf_rows, (inf_rows * 37) % 128] = float("inf")                              # an inf in one group
@@ -232,15 +117,13 @@ def compare(c):
     flat_a, cache_a = c.new_cache()
     flat_b, cache_b = c.new_cache()
     fast_path(False)
-    public_write(c, cache_a)
-    counting = CountingKernel(KERNEL)
-    GI.index_write_kernel = counting
-    try:
-        fast_path(True)
-        public_write(c, cache_b)
-    finally:
-        GI.index_write_kernel = KERNEL
-        fast_path(False)
+    common.public_write(c, cache_a)
+    with common.counting(GI, "index_write_kernel") as counting:
+        try:
+            fast_path(True)
+            common.public_write(c, cache_b)
+        finally:
+            fast_path(False)
     torch.cuda.synchronize()
     rec["fast_path_ran"] = counting.launches > 0
     if rec["fast_path_ran"] != c.expect_fast:
@@ -248,25 +131,9 @@ def compare(c):
     if torch.equal(flat_a, flat_b):
         rec.update(equal=True, diff_bytes=0)
         return rec
-    diff = (flat_a != flat_b).nonzero().flatten()
-    owner = c.row_of_byte()[diff]
-    has_row = owner >= 0
-    nonfinite = torch.zeros_like(has_row)
-    nonfinite[has_row] = c.nonfinite_rows[owner[has_row]]
-    where = []
-    for off, row in zip(diff[:8].tolist(), owner[:8].tolist()):
-        rel = off - c.cache_offset
-        if 0 <= rel < c.shape[0] * c.strides[0]:
-            blk, byte = divmod(rel, c.strides[0])
-            where.append(dict(offset=off, block=blk, byte_in_block=byte, row=row, plain=int(flat_a[off]),
-                              fast=int(flat_b[off])))
-        else:
-            where.append(dict(offset=off, outside_cache=True, plain=int(flat_a[off]), fast=int(flat_b[off])))
-    outside = int((~nonfinite).sum())
-    rec.update(equal=False, diff_bytes=int(diff.numel()), diff_outside_nonfinite_rows=outside,
-               nonfinite_rows=int(c.nonfinite_rows.sum()), first_diffs=where)
+    rec.update(common.storage_diff(c, flat_a, flat_b, c.row_of_byte(), ("plain", "fast"), first=8))
     if rec["status"] == "ok":
-        rec["status"] = "MISMATCH" if outside else "diff only in inf/NaN rows"
+        rec["status"] = "MISMATCH" if rec["diff_outside_nonfinite_rows"] else "diff only in inf/NaN rows"
     return rec
 
 
@@ -326,29 +193,19 @@ def run_timing(formats, copy_gbps, deadline, report):
                 inp = bench.build_inputs(wl, n, DEVICE)
                 call = bench.fused_call(wl, inp)
                 # the timing inputs written both ways must agree too
-                fast_path(False)
-                inp.cache.fill_(0x5A)
-                call()
-                want = inp.cache.clone()
-                fast_path(True)
-                inp.cache.fill_(0x5A)
-                call()
-                torch.cuda.synchronize()
-                if not torch.equal(want, inp.cache):
+                diff_bytes, _ = common.written_both_ways(GI, "index_write_kernel", inp, call)
+                if diff_bytes:
                     records.append(dict(format=fmt.name, n=n, status="MISMATCH on the timing inputs",
-                                        diff_bytes=int((want != inp.cache).sum())))
+                                        diff_bytes=diff_bytes))
                     log(f"timing {fmt.name} n={n}: MISMATCH on the timing inputs")
                 row = dict(format=fmt.name, n=n, status="ok", bytes=nbytes)
                 for label, on in (("plain", False), ("fast", True)):
                     fast_path(on)
-                    t = timer.measure([call])
-                    gbps = nbytes / (t.gpu_us * 1e-6) / 1e9
-                    row[label] = dict(gpu_us=t.gpu_us, method=t.gpu_method, eager_us=t.eager_us, GBps=gbps,
-                                      pct_copy=100 * gbps / copy_gbps if copy_gbps else None, note=t.note)
+                    row[label] = common.timed(timer, call, nbytes, copy_gbps)
                 fast_path(False)
                 row["speedup"] = row["plain"]["gpu_us"] / row["fast"]["gpu_us"]
                 records.append(row)
-                pct = lambda d: f"{d['pct_copy']:5.1f}%" if d["pct_copy"] is not None else "  -  "  # noqa: E731
+                pct = common.pct_text
                 log(f"timing {fmt.name:15s} n={n:7d} plain {row['plain']['gpu_us']:8.2f} us {pct(row['plain'])}  "
                     f"fast {row['fast']['gpu_us']:8.2f} us {pct(row['fast'])}  x{row['speedup']:.2f}")
                 del inp, call
@@ -392,11 +249,7 @@ def prove_encoders(report):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=os.environ.get("OUT", "gluon-check-index"))
-    p.add_argument("--budget-s", type=float, default=80.0, help="no new case / point starts after this")
-    p.add_argument("--skip-timing", action="store_true")
-    p.add_argument("--skip-correctness", action="store_true")
+    p = common.arg_parser(__doc__, "gluon-check-index", 80.0)
     p.add_argument("--mxfp8", action="store_true", help="INDEX_MXFP8 too (more compiles)")
     p.add_argument("--formats", default="", help="comma list of index_fp8_fp32,index_mxfp4,index_nvfp4,index_mxfp8")
     p.add_argument("--prove-encoders", action="store_true", help="CPU only: the exhaustive encoder proofs")
@@ -410,30 +263,14 @@ def main():
         formats = {k: everything[k] for k in a.formats.split(",")}
     if "index_mxfp8" in formats and "index_mxfp8" not in bench.WORKLOADS:
         bench.WORKLOADS["index_mxfp8"] = bench._write("index_mxfp8", F.INDEX_MXFP8, "indexer K 128")
-    report = dict(meta=dict(python=platform.python_version(), torch=torch.__version__,
-                            triton=getattr(GI.triton, "__version__", None), argv=sys.argv,
-                            formats=[f.name for f in formats.values()], gluon_available=GI.available(),
-                            packed_e2m1=GI.PACKED_E2M1, launch_table={n: GI.launch_table(n) for n in
-                                                                      (1, 3, 256, 300, 4096, 4097, 65536, 262144)}))
+    sizes = (1, 3, 256, 300, 4096, 4097, 65536, 262144)
+    report = common.new_report(formats=[f.name for f in formats.values()], packed_e2m1=GI.PACKED_E2M1,
+                               launch_table={n: GI.launch_table(n) for n in sizes})
     if a.prove_encoders:
         prove_encoders(report)
-    elif not torch.cuda.is_available():
-        log("no CUDA device: nothing to check")
-        report["status"] = "no CUDA"
-    elif not GI.available() or KERNEL is None:
-        log(f"Gluon path unavailable (triton {report['meta']['triton']}; needs 3.6): nothing to check")
-        report["status"] = "gluon unavailable"
-    else:
-        props = torch.cuda.get_device_properties(0)
-        report["meta"].update(device=props.name, sm_count=props.multi_processor_count)
-        log(f"{props.name}, torch {torch.__version__}, triton {report['meta']['triton']}, formats {list(formats)}")
+    elif common.device_ready(report, f", formats {list(formats)}"):
         deadline = T0 + a.budget_s
-        try:
-            copy = bench.measure_copy_bandwidth(nbytes=1 << 30, reps=5)
-        except Exception as e:
-            copy = dict(copy_error=short(e))
-        report["copy"] = copy
-        log(f"copy bandwidth {copy.get('copy_GBps', float('nan')):.0f} GB/s")
+        copy = common.copy_bandwidth(report, nbytes=1 << 30)
         going = True
         if not a.skip_correctness:
             # no correctness case starts after ~70% of the budget: timing must still run
@@ -451,11 +288,7 @@ def main():
                       if r.get("status") == "ok"})
         log(f"summary: {report['summary']['equal']} of {report['summary']['comparisons']} comparisons byte-equal, "
             f"fast path ran in {report['summary']['fast_path_ran']}; not ok: {report['summary']['not_ok']}")
-    report["elapsed_s"] = time.perf_counter() - T0
-    path = os.path.join(a.out, "gluon_check_index.json")
-    with open(path, "w") as f:
-        json.dump(bench._json_safe(report), f, indent=1, default=str)
-    log(f"wrote {path}")
+    common.write_report(report, a.out, "gluon_check_index.json")
 
 
 if __name__ == "__main__":

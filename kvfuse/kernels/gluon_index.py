@@ -91,18 +91,11 @@ session 3, run 6).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:
-    import triton
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    _IMPORT_ERROR = None
-except Exception as e:  # pragma: no cover - triton without Gluon
-    triton = gluon = gl = None
-    _IMPORT_ERROR = e
+from . import gluon_common
+from .gluon_common import (INT32_LIMIT, allowed_by_env, available, cached_ctas_per_sm, compile_options,
+                           device_index_of, gl, gluon, log2_block, persistent_grid)
 
 HEAD_DIM = 128
 ROTARY_DIM = 64
@@ -112,46 +105,11 @@ CHAINS = {("e4m3", 128, "fp32"): (1, 3), ("e4m3", 32, "ue8m0"): (1, 0), ("e2m1",
           ("e2m1", 16, "e4m3"): (2, 2)}
 # the cache pointer's alignment the code stores need (64-bit stores of e4m3 codes, 32-bit of e2m1)
 CACHE_ALIGN = {1: 8, 2: 4}
-_INT32_LIMIT = 2 ** 31
-
-
-def available() -> bool:
-    """True when the Gluon API this kernel is written for (Triton 3.6) and a CUDA device exist."""
-    if _IMPORT_ERROR is not None or not torch.cuda.is_available():
-        return False
-    try:
-        major, minor = (int(v) for v in triton.__version__.split(".")[:2])
-    except Exception:
-        return False
-    return (major, minor) == (3, 6)
 
 
 if gluon is not None:
-
-    @gluon.constexpr_function
-    def _bfly_asm(lane_mask):
-        # butterfly shuffle over the whole warp: lane i receives the value of lane i ^ lane_mask
-        return f"shfl.sync.bfly.b32 $0, $1, {lane_mask}, 0x1f, 0xffffffff;"
-
-    @gluon.jit
-    def _shfl_xor(v, LANE_MASK: gl.constexpr):
-        """v of lane i ^ LANE_MASK, for a 32-bit tensor (every lane of the warp runs it: no divergent
-        code around it in this kernel)."""
-        return gl.inline_asm_elementwise(_bfly_asm(LANE_MASK), "=r,r", [v], dtype=v.dtype, is_pure=True, pack=1)
-
-    @gluon.jit
-    def _bf16x2(lo, hi):
-        """Two fp32 -> one int32 word holding bf16(lo) | bf16(hi) << 16 (cvt.rn: round to nearest even)."""
-        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=gl.int32,
-                                         is_pure=True, pack=1)
-
-    @gluon.jit
-    def _e4m3x4(v0, v1, v2, v3):
-        """Four fp32 -> one int32 word of e4m3 codes, v0 in the low byte (cvt.rn.satfinite: RTNE,
-        saturating to +-448, NaN -> 0x7F): the plain kernel's NATIVE=2 encode."""
-        return gl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
-            "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [v0, v1, v2, v3], dtype=gl.int32, is_pure=True, pack=1)
+    from .gluon_common import (as_offset, bf16x2, block_and_token, e4m3x4, expand_rows, hi_f32, lo_f32, shfl_xor,
+                               ue8m0_scale)
 
     @gluon.jit
     def _e4m3_scale(s):
@@ -170,16 +128,6 @@ if gluon is not None:
         """Two int32 words -> one int64 (lo in the low half)."""
         return gl.inline_asm_elementwise("mov.b64 $0, {$1, $2};", "=l,r,r", [lo, hi], dtype=gl.int64,
                                          is_pure=True, pack=1)
-
-    @gluon.jit
-    def _lo_f32(w):
-        """The bf16 in the low half of int32 words, as fp32 (exact)."""
-        return (w << 16).to(gl.float32, bitcast=True)
-
-    @gluon.jit
-    def _hi_f32(w):
-        """The bf16 in the high half of int32 words, as fp32 (exact)."""
-        return (w & -65536).to(gl.float32, bitcast=True)
 
     @gluon.jit
     def _e2m1(t):
@@ -221,20 +169,6 @@ if gluon is not None:
             "=r,r,r", [yw, m2], dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
-    def _offset(v, OFFSETS32: gl.constexpr):
-        """An element / byte offset: int32 when every offset of the launch fits (cheaper address math)."""
-        if OFFSETS32:
-            off = v.to(gl.int32)
-        else:
-            off = v.to(gl.int64)
-        return off
-
-    @gluon.jit
-    def _rows3(v):
-        """[R] (row slice layout) -> [R, 1, 1] in the word layout (no data movement)."""
-        return gl.expand_dims(gl.expand_dims(v, 1), 2)
-
-    @gluon.jit
     def _rows_cs(v, LCROW: gl.constexpr):
         """[R] (row slice layout) -> [R, 1, 1] in the cos/sin layout (no data movement)."""
         return gl.expand_dims(gl.expand_dims(gl.convert_layout(v, LCROW, assert_trivial=True), 1), 2)
@@ -250,10 +184,10 @@ if gluon is not None:
     def _load_tile(x_ptr, sx_w, pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, word, OFFSETS32: gl.constexpr):
         """Positions and slots [R] and x's two chunks as int32 words [R, 8, 4]. Rows past n_rows load row
         n_rows - 1 (unmasked loads: no zero-fill, no predicates; such rows store nothing)."""
-        r = _offset(gl.minimum(rows, n_rows - 1), OFFSETS32)
+        r = as_offset(gl.minimum(rows, n_rows - 1), OFFSETS32)
         pos = gl.load(pos_ptr + r * s_pos)
         slot = gl.load(slot_ptr + r * s_slot)
-        xw_ptr = x_ptr.to(gl.pointer_type(gl.int32)) + _rows3(r * sx_w) + word     # [R, 8, 4]
+        xw_ptr = x_ptr.to(gl.pointer_type(gl.int32)) + expand_rows(r * sx_w) + word  # [R, 8, 4]
         xa = gl.load(xw_ptr)                                    # columns 8l .. 8l + 7
         xb = gl.load(xw_ptr + 32)                               # columns 64 + 8l .. 64 + 8l + 7
         return pos, slot, xa, xb
@@ -265,7 +199,7 @@ if gluon is not None:
         of the chunk, j = 8 (l & 3) + column. A position outside [0, P) loads row 0 (P >= 1: host; such
         rows are not rotated): unmasked loads."""
         pok = (pos >= 0) & (pos < P)
-        cs_row = _rows_cs(_offset(gl.where(pok, pos, 0), OFFSETS32) * s_cs, LCROW)
+        cs_row = _rows_cs(as_offset(gl.where(pok, pos, 0), OFFSETS32) * s_cs, LCROW)
         c = gl.load(cs_ptr + cs_row + cs_col).to(gl.float32)                             # [R, 8, 8]
         s = gl.load(cs_ptr + cs_row + 32 + cs_col).to(gl.float32)
         c_lo, c_hi = gl.split(gl.reshape(c, [R, 8, 4, 2]))
@@ -280,16 +214,16 @@ if gluon is not None:
         and ab are the same tensor)."""
         if G == 128:
             aa = gl.maximum(aa, ab)
-            aa = gl.maximum(aa, _shfl_xor(aa, 1))
-            aa = gl.maximum(aa, _shfl_xor(aa, 2))
-            aa = gl.maximum(aa, _shfl_xor(aa, 4))
+            aa = gl.maximum(aa, shfl_xor(aa, 1))
+            aa = gl.maximum(aa, shfl_xor(aa, 2))
+            aa = gl.maximum(aa, shfl_xor(aa, 4))
             ab = aa
         else:
-            aa = gl.maximum(aa, _shfl_xor(aa, 1))
-            ab = gl.maximum(ab, _shfl_xor(ab, 1))
+            aa = gl.maximum(aa, shfl_xor(aa, 1))
+            ab = gl.maximum(ab, shfl_xor(ab, 1))
             if G == 32:
-                aa = gl.maximum(aa, _shfl_xor(aa, 2))
-                ab = gl.maximum(ab, _shfl_xor(ab, 2))
+                aa = gl.maximum(aa, shfl_xor(aa, 2))
+                ab = gl.maximum(ab, shfl_xor(ab, 2))
         return gl.maximum(aa, 1e-4), gl.maximum(ab, 1e-4)
 
     @gluon.jit
@@ -297,13 +231,7 @@ if gluon is not None:
         """numerics.group_scales for SF 0 (ue8m0) and 2 (e4m3): (multiplier m, the stored scale byte as
         int32)."""
         if SF == 0:
-            # e = ceil(log2(RN(amax / FMAX))) without the division (see group_scales)
-            P2: gl.constexpr = 8 if FMAX == 448.0 else 2
-            FRAC: gl.constexpr = 0x600000 if FMAX == 448.0 else 0x400000
-            bits = amax.to(gl.int32, bitcast=True)
-            e = ((bits >> 23) - (127 + P2)) + ((bits & 0x7FFFFF) > FRAC).to(gl.int32)
-            e = gl.where((bits >> 23) == 255, 128, e)
-            m = gl.where(e >= 127, 0x400000 >> gl.maximum(e - 127, 0), (127 - e) << 23).to(gl.float32, bitcast=True)
+            e, m = ue8m0_scale(amax, FMAX)
             stored = e + 127
         else:
             s = gl.minimum(gl.maximum(gl.div_rn(amax, gl.full_like(amax, FMAX)), 0.001953125), 448.0)
@@ -325,13 +253,13 @@ if gluon is not None:
             amax = amax_a
             fmax = gl.full_like(amax, FMAX)
             q = gl.div_rn(gl.where(odd, amax, fmax), gl.where(odd, fmax, amax))     # even: m, odd: s
-            other = _shfl_xor(q, 1)
+            other = shfl_xor(q, 1)
             m_a = gl.where(odd, other, q)
             m_b = m_a
             stored = other.to(gl.int32, bitcast=True)
         else:
             m_own, stored = _scales(gl.where(odd, amax_b, amax_a), SF, FMAX)
-            m_other = _shfl_xor(m_own, 1)
+            m_other = shfl_xor(m_own, 1)
             m_a = gl.where(odd, m_other, m_own)
             m_b = gl.where(odd, m_own, m_other)
         return m_a, m_b, stored
@@ -340,9 +268,9 @@ if gluon is not None:
     def _fp8_chunk(y, m, R: gl.constexpr, LL: gl.constexpr):
         """A chunk's bf16 words [R, 8, 4] times m [R, 8] -> its 8 e4m3 codes as one int64 [R, 8]."""
         m3 = gl.expand_dims(m, 2)
-        lo0, lo1 = gl.split(gl.reshape(_lo_f32(y) * m3, [R, 8, 2, 2]))   # columns 4q, 4q + 2
-        hi0, hi1 = gl.split(gl.reshape(_hi_f32(y) * m3, [R, 8, 2, 2]))   # columns 4q + 1, 4q + 3
-        q0, q1 = gl.split(_e4m3x4(lo0, hi0, lo1, hi1))                   # codes of columns 0..3, 4..7
+        lo0, lo1 = gl.split(gl.reshape(lo_f32(y) * m3, [R, 8, 2, 2]))    # columns 4q, 4q + 2
+        hi0, hi1 = gl.split(gl.reshape(hi_f32(y) * m3, [R, 8, 2, 2]))    # columns 4q + 1, 4q + 3
+        q0, q1 = gl.split(e4m3x4(lo0, hi0, lo1, hi1))                    # codes of columns 0..3, 4..7
         return _b64(gl.convert_layout(q0, LL, assert_trivial=True), gl.convert_layout(q1, LL, assert_trivial=True))
 
     @gluon.jit
@@ -371,7 +299,7 @@ if gluon is not None:
         else:
             # the masks let ptxas drop the encoder's constant offsets; shifts and ors assemble the word
             m3 = gl.expand_dims(m, 2)
-            b = (_e2m1(_lo_f32(y) * m3) & 15) | ((_e2m1(_hi_f32(y) * m3) & 15) << 4)     # byte w
+            b = (_e2m1(lo_f32(y) * m3) & 15) | ((_e2m1(hi_f32(y) * m3) & 15) << 4)       # byte w
             b02, b13 = gl.split(gl.reshape(b, [R, 8, 2, 2]))
             h = b02 | (b13 << 8)
             h0, h1 = gl.split(h)
@@ -393,12 +321,12 @@ if gluon is not None:
         a = _max_bf16x2(a0, a1)
         a0, a1 = gl.split(a)
         a = _max_bf16x2(a0, a1)
-        return gl.maximum(_lo_f32(a), _hi_f32(a))
+        return gl.maximum(lo_f32(a), hi_f32(a))
 
     @gluon.jit
     def _chunk_amax(y):
         """max |y| over a chunk's bf16 words [R, 8, 4] -> [R, 8] (NaN-ignoring max.f32, like tl.max)."""
-        return gl.max(gl.maximum(gl.abs(_lo_f32(y)), gl.abs(_hi_f32(y))), axis=2)
+        return gl.max(gl.maximum(gl.abs(lo_f32(y)), gl.abs(hi_f32(y))), axis=2)
 
     @gluon.jit
     def _write_rows(xa, xb, c_lo, c_hi, s_lo, s_hi, pos, slot, rows, n_rows, wa_lo, wa_hi, wb_lo, wb_hi, eps, P,
@@ -411,28 +339,28 @@ if gluon is not None:
         pok = rmask & (pos >= 0) & (pos < P)
 
         # ---- RMSNorm: levels 1-3 inside each chunk, 4-6 across lanes, 7 the lane's two chunks
-        xa_lo = _lo_f32(xa)
-        xa_hi = _hi_f32(xa)
-        xb_lo = _lo_f32(xb)
-        xb_hi = _hi_f32(xb)
+        xa_lo = lo_f32(xa)
+        xa_hi = hi_f32(xa)
+        xb_lo = lo_f32(xb)
+        xb_hi = hi_f32(xb)
         ssa = _chunk_sum(xa_lo * xa_lo + xa_hi * xa_hi, R, LL)
         ssb = _chunk_sum(xb_lo * xb_lo + xb_hi * xb_hi, R, LL)
-        ssa = ssa + _shfl_xor(ssa, 1)
-        ssb = ssb + _shfl_xor(ssb, 1)
-        ssa = ssa + _shfl_xor(ssa, 2)
-        ssb = ssb + _shfl_xor(ssb, 2)
-        ssa = ssa + _shfl_xor(ssa, 4)
-        ssb = ssb + _shfl_xor(ssb, 4)
+        ssa = ssa + shfl_xor(ssa, 1)
+        ssb = ssb + shfl_xor(ssb, 1)
+        ssa = ssa + shfl_xor(ssa, 2)
+        ssb = ssb + shfl_xor(ssb, 2)
+        ssa = ssa + shfl_xor(ssa, 4)
+        ssb = ssb + shfl_xor(ssb, 4)
         mean = (ssa + ssb) * (1.0 / 128)                                # exact: a power of two
         rstd = gl.expand_dims(gl.div_rn(gl.full_like(mean, 1.0), gl.sqrt_rn(mean + eps)), 2)
-        ya = _bf16x2((xa_lo * rstd) * wa_lo, (xa_hi * rstd) * wa_hi)     # [R, 8, 4] bf16 pairs
-        yb = _bf16x2((xb_lo * rstd) * wb_lo, (xb_hi * rstd) * wb_hi)
+        ya = bf16x2((xa_lo * rstd) * wa_lo, (xa_hi * rstd) * wa_hi)      # [R, 8, 4] bf16 pairs
+        yb = bf16x2((xb_lo * rstd) * wb_lo, (xb_hi * rstd) * wb_hi)
 
         # ---- RoPE on chunk B: own * c + partner * s (the partner negated on first-half lanes)
-        partner = _shfl_xor(yb, 4) ^ partner_flip
-        rot = _bf16x2((_lo_f32(yb) * c_lo) + (_lo_f32(partner) * s_lo),
-                      (_hi_f32(yb) * c_hi) + (_hi_f32(partner) * s_hi))
-        yb = gl.where(_rows3(pok), rot, yb)
+        partner = shfl_xor(yb, 4) ^ partner_flip
+        rot = bf16x2((lo_f32(yb) * c_lo) + (lo_f32(partner) * s_lo),
+                      (hi_f32(yb) * c_hi) + (hi_f32(partner) * s_hi))
+        yb = gl.where(expand_rows(pok), rot, yb)
 
         # ---- scales per group and codes
         if PACKED_E2M1 and CAST == 2 and SF == 0:
@@ -452,21 +380,7 @@ if gluon is not None:
 
         # ---- the records; an invalid slot (or a row past n_rows) writes nothing
         ok = rmask & (slot >= 0) & (slot < capacity)
-        if SLOT32:
-            s32 = gl.where(ok, slot, 0).to(gl.int32)                    # capacity <= 2**31 (host)
-            if LOG2_BLOCK >= 0:
-                blk32 = s32 >> LOG2_BLOCK
-            else:
-                blk32 = s32 // block_size
-            blk = _offset(blk32, OFFSETS32)
-            off = _offset(s32 - blk32 * block_size, OFFSETS32)
-        else:
-            s64 = gl.where(ok, slot, 0).to(gl.int64)
-            if LOG2_BLOCK >= 0:
-                blk = s64 >> LOG2_BLOCK
-            else:
-                blk = s64 // block_size
-            off = s64 - blk * block_size
+        blk, off = block_and_token(slot, ok, block_size, SLOT32, LOG2_BLOCK, OFFSETS32)
         DATA_BYTES: gl.constexpr = 128 if CAST == 1 else 64
         base = blk * s_blk
         data = gl.expand_dims(base + off * DATA_BYTES, 1)              # [R, 1] bytes (8-aligned: host)
@@ -535,10 +449,10 @@ if gluon is not None:
             w_words = w_ptr.to(gl.pointer_type(gl.int32)) + word
             wa = gl.load(w_words)
             wb = gl.load(w_words + 32)
-            wa_lo = _lo_f32(wa)
-            wa_hi = _hi_f32(wa)
-            wb_lo = _lo_f32(wb)
-            wb_hi = _hi_f32(wb)
+            wa_lo = lo_f32(wa)
+            wa_hi = hi_f32(wa)
+            wb_lo = lo_f32(wb)
+            wb_hi = hi_f32(wb)
         else:
             wa_lo = gl.load(w_ptr + 2 * word)
             wa_hi = gl.load(w_ptr + 2 * word + 1)
@@ -605,7 +519,6 @@ def e2m1_bf16_mirror(h: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- host side
-_MAX_CTAS_PER_SM = 32        # sm_90 resident-block limit
 _resident = {}               # launch key -> CTAs of that compiled variant resident on one SM
 # the e2m1 codes of UE8M0 groups (INDEX_MXFP4) on packed bf16 words; False: the fp32 encoder
 PACKED_E2M1 = True
@@ -618,18 +531,6 @@ def chain_of(plan):
         return None
     cast_sf = CHAINS.get((c.cast_fmt, c.group, c.sf_format))
     return None if cast_sf is None else (cast_sf[0], c.group, cast_sf[1])
-
-
-def _resident_ctas_per_sm(compiled, num_warps: int, device_index: int) -> int:
-    """CTAs of a compiled variant that fit on one SM at once (registers, warps, the block limit): a
-    persistent grid larger than that would run a second wave holding a fixed share of the tiles."""
-    compiled._init_handles()                      # loads the binary: n_regs
-    props = torch.cuda.get_device_properties(device_index)
-    regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
-    warps_per_sm = getattr(props, "max_threads_per_multi_processor", 2048) // 32
-    regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256     # allocated per warp in units of 256
-    warps = min(warps_per_sm, regs_per_sm // regs_per_warp)
-    return max(1, min(_MAX_CTAS_PER_SM, warps // num_warps))
 
 
 def launch_table(n_rows: int):
@@ -663,11 +564,10 @@ def launch_args(plan, tensor, num_warps: int, rows_per_thread: int, pipeline: bo
     spans = (n * (x.stride(0) // 2) + 64, n * max(positions.stride(0), slots.stride(0)) + 1,
              cos_sin.shape[0] * cos_sin.stride(0) + 64, cache.shape[0] * cache.stride(0) + a.sf_offset)
     constexprs = dict(CAST=cast, G=group, SF=sf, W_BF16=weight.dtype == torch.bfloat16,
-                      SLOT32=capacity <= _INT32_LIMIT,
-                      LOG2_BLOCK=block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1,
+                      SLOT32=capacity <= INT32_LIMIT, LOG2_BLOCK=log2_block(block_size),
                       ROWS_PER_THREAD=rows_per_thread, PIPELINE=bool(pipeline),
-                      OFFSETS32=max(spans) < _INT32_LIMIT, PACKED_E2M1=bool(PACKED_E2M1))
-    options = dict(num_warps=num_warps, num_stages=1, enable_fp_fusion=False)
+                      OFFSETS32=max(spans) < INT32_LIMIT, PACKED_E2M1=bool(PACKED_E2M1))
+    options = compile_options(num_warps)
     return args, constexprs, options
 
 
@@ -676,18 +576,15 @@ def _grid(plan, args, constexprs: dict, options: dict) -> tuple:
     compiled variant's occupancy, found once per variant by compiling it: Triton's cache then has it
     for the launch)."""
     x, num_warps = plan.x, options["num_warps"]
-    device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    device_index = device_index_of(x)
     key = (device_index, plan.weight.dtype, plan.positions.dtype, plan.cos_sin.dtype, plan.slot_mapping.dtype,
            tuple(constexprs.items()), num_warps)
-    per_sm = _resident.get(key)
-    if per_sm is None:
-        real = (x[:, 0, :], args[1], plan.weight, args[3], plan.positions, args[5], plan.cos_sin, args[7], args[8],
-                plan.slot_mapping, args[10], plan.kv_cache, *args[12:])
-        compiled = index_write_kernel.warmup(*real, grid=(1,), **constexprs, **options)
-        per_sm = _resident[key] = _resident_ctas_per_sm(compiled, num_warps, device_index)
+    real = (x[:, 0, :], args[1], plan.weight, args[3], plan.positions, args[5], plan.cos_sin, args[7], args[8],
+            plan.slot_mapping, args[10], plan.kv_cache, *args[12:])
+    per_sm = cached_ctas_per_sm(index_write_kernel, _resident, key, real, constexprs, options, device_index)
     tiles = -(-x.shape[0] // (4 * constexprs["ROWS_PER_THREAD"] * num_warps))
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return (max(1, min(tiles, sms * per_sm)),)
+    return persistent_grid(tiles, per_sm, sms)
 
 
 # --------------------------------------------------------------------------- kvfuse's dispatch
@@ -695,8 +592,7 @@ def enabled() -> bool:
     """On with Triton 3.6 on CUDA (``available()``; proven byte-equal on the H200, DEVICE_NOTES.md
     session 3), unless KVFUSE_GLUON=0 (every Gluon path off) or KVFUSE_GLUON_SKIP (a comma list)
     names "index"."""
-    skip = {t.strip() for t in os.environ.get("KVFUSE_GLUON_SKIP", "").split(",")}
-    return "index" not in skip and os.environ.get("KVFUSE_GLUON", "1") != "0" and available()
+    return allowed_by_env("index") and available()
 
 
 # decode sizes stay on the plain kernel's one-row EARLY programs: measured as fast or faster there
@@ -745,9 +641,7 @@ def eligible(plan) -> bool:
         and cs.shape[0] >= 1 and cs.stride(1) == 1
 
 
-def word_aligned(x, weight) -> bool:
-    """x (and a bf16 weight) are read as 4-byte words."""
-    return not ((x.data_ptr() | weight.data_ptr()) & 3)
+word_aligned = gluon_common.word_aligned      # x (and a bf16 weight) are read as 4-byte words
 
 
 def plan_launch(plan, tensor) -> tuple:

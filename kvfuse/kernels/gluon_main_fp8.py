@@ -44,63 +44,20 @@ can run (Triton 3.6's Gluon API and a CUDA device).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:
-    import triton
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    _IMPORT_ERROR = None
-except Exception as e:  # pragma: no cover - triton without Gluon
-    triton = gluon = gl = None
-    _IMPORT_ERROR = e
+from . import gluon_common
+from .gluon_common import (INT32_LIMIT, allowed_by_env, available, cached_ctas_per_sm, compile_options,
+                           device_index_of, gl, gluon, log2_block, persistent_grid)
 
 HEAD_DIM = 512
 RECORD_BYTES = 532           # 512 codes + 16 scales + 4 reserved (never written)
 ROTARY_DIM = 64
-_INT32_LIMIT = 2 ** 31
-
-
-def available() -> bool:
-    """True when the Gluon API this kernel is written for (Triton 3.6) and a CUDA device exist."""
-    if _IMPORT_ERROR is not None or not torch.cuda.is_available():
-        return False
-    try:
-        major, minor = (int(v) for v in triton.__version__.split(".")[:2])
-    except Exception:
-        return False
-    return (major, minor) == (3, 6)
 
 
 if gluon is not None:
-
-    @gluon.constexpr_function
-    def _bfly_asm(lane_mask):
-        # butterfly shuffle over the whole warp: lane l receives the value of lane l ^ lane_mask
-        return f"shfl.sync.bfly.b32 $0, $1, {lane_mask}, 0x1f, 0xffffffff;"
-
-    @gluon.jit
-    def _shfl_xor(v, LANE_MASK: gl.constexpr):
-        """v of lane l ^ LANE_MASK, for a 32-bit tensor holding one value per lane and row (every
-        lane of the warp must run it: no divergent code around it in this kernel)."""
-        return gl.inline_asm_elementwise(_bfly_asm(LANE_MASK), "=r,r", [v], dtype=v.dtype, is_pure=True, pack=1)
-
-    @gluon.jit
-    def _bf16x2(lo, hi):
-        """Two fp32 -> one int32 word holding bf16(lo) | bf16(hi) << 16 (cvt.rn: round to nearest even)."""
-        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=gl.int32,
-                                         is_pure=True, pack=1)
-
-    @gluon.jit
-    def _e4m3x4(v0, v1, v2, v3):
-        """Four fp32 -> one int32 word of e4m3 codes, v0 in the low byte (cvt.rn.satfinite: RTNE,
-        saturating to +-448, NaN -> an e4m3 NaN): the instruction Triton emits for .to(float8e4nv) on
-        sm_90, the plain kernel's NATIVE=2 encode."""
-        return gl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
-            "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [v0, v1, v2, v3], dtype=gl.int32, is_pure=True, pack=1)
+    from .gluon_common import (as_offset, bf16x2, e4m3x4, expand_rows, hi_f32, lane_tree, lo_f32, load_indices,
+                               shfl_xor, slot_block, ue8m0_scale)
 
     @gluon.jit
     def _prmt(a, b, sel):
@@ -109,51 +66,18 @@ if gluon is not None:
                                          is_pure=True, pack=1)
 
     @gluon.jit
-    def _lo_f32(w):
-        """The bf16 in the low half of int32 words, as fp32 (exact)."""
-        return (w << 16).to(gl.float32, bitcast=True)
-
-    @gluon.jit
-    def _hi_f32(w):
-        """The bf16 in the high half of int32 words, as fp32 (exact)."""
-        return (w & -65536).to(gl.float32, bitcast=True)
-
-    @gluon.jit
-    def _lanes(v):
-        """[R] (row slice layout) -> [R, 1, 1] in the lane layout (no data movement)."""
-        return gl.expand_dims(gl.expand_dims(v, 1), 2)
-
-    @gluon.jit
     def _pairs(v, LPLANE: gl.constexpr):
         """[R] (row slice layout) -> [R, 1, 1, 1] in the pair layout (no data movement)."""
-        return gl.expand_dims(gl.convert_layout(_lanes(v), LPLANE, assert_trivial=True), 3)
-
-    @gluon.jit
-    def _offset(v, OFFSETS32: gl.constexpr):
-        """An element / byte offset: int32 when every offset of the launch fits (cheaper address math)."""
-        if OFFSETS32:
-            off = v.to(gl.int32)
-        else:
-            off = v.to(gl.int64)
-        return off
-
-    @gluon.jit
-    def _load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32: gl.constexpr):
-        """Positions and slots of the rows [R] (-1 past n_rows: no position, no slot)."""
-        rmask = rows < n_rows
-        r = _offset(rows, OFFSETS32)
-        pos = gl.load(pos_ptr + r * s_pos, mask=rmask, other=-1)
-        slot = gl.load(slot_ptr + r * s_slot, mask=rmask, other=-1)
-        return pos, slot
+        return gl.expand_dims(gl.convert_layout(expand_rows(v), LPLANE, assert_trivial=True), 3)
 
     @gluon.jit
     def _load_x(x_ptr, sx_w, rows, n_rows, word, pair_col, LPLANE: gl.constexpr, OFFSETS32: gl.constexpr):
         """x of the rows as int32 words [R, 8, 4, 8] (two bf16 each) and the RoPE pairs' x as fp32
         [R, 8, 4, 2] (x[448 + j], x[480 + j] on lane j)."""
         rmask = rows < n_rows
-        x_row = _offset(rows, OFFSETS32) * sx_w                         # in words
-        xw = gl.load(x_ptr.to(gl.pointer_type(gl.int32)) + gl.expand_dims(_lanes(x_row), 3) + word,
-                     mask=gl.expand_dims(_lanes(rmask), 3), other=0)
+        x_row = as_offset(rows, OFFSETS32) * sx_w                       # in words
+        xw = gl.load(x_ptr.to(gl.pointer_type(gl.int32)) + gl.expand_dims(expand_rows(x_row), 3) + word,
+                     mask=gl.expand_dims(expand_rows(rmask), 3), other=0)
         xp = gl.load(x_ptr + _pairs(x_row * 2, LPLANE) + 448 + pair_col, mask=_pairs(rmask, LPLANE), other=0.0)
         return xw, xp.to(gl.float32)
 
@@ -162,7 +86,7 @@ if gluon is not None:
         """(cos_j, sin_j) of each row's position as fp32 [R, 8, 4, 2] (zeros where the position is
         outside [0, P): such rows are not rotated)."""
         pok = (rows < n_rows) & (pos >= 0) & (pos < P)
-        cs_row = _offset(gl.where(pok, pos, 0), OFFSETS32) * s_cs
+        cs_row = as_offset(gl.where(pok, pos, 0), OFFSETS32) * s_cs
         cs = gl.load(cs_ptr + _pairs(cs_row, LPLANE) + pair_col, mask=_pairs(pok, LPLANE), other=0.0)
         return cs.to(gl.float32)
 
@@ -176,73 +100,56 @@ if gluon is not None:
         pok = rmask & (pos >= 0) & (pos < P)
 
         # ---- RMSNorm: p_2i + p_2i+1 inside each word, the tree over the lane's 8 words, 5 shuffles
-        x_lo = _lo_f32(xw)
-        x_hi = _hi_f32(xw)
+        x_lo = lo_f32(xw)
+        x_hi = hi_f32(xw)
         sq = x_lo * x_lo + x_hi * x_hi
         sq = gl.sum(gl.reshape(sq, [R, 8, 4, 4, 2]), axis=4)
         sq = gl.sum(gl.reshape(sq, [R, 8, 4, 2, 2]), axis=4)
         sq = gl.sum(gl.reshape(sq, [R, 8, 4, 1, 2]), axis=4)
-        ss = gl.convert_layout(gl.reshape(sq, [R, 8, 4]), LLANE, assert_trivial=True)
-        ss = ss + _shfl_xor(ss, 1)
-        ss = ss + _shfl_xor(ss, 2)
-        ss = ss + _shfl_xor(ss, 4)
-        ss = ss + _shfl_xor(ss, 8)
-        ss = ss + _shfl_xor(ss, 16)
+        ss = lane_tree(gl.convert_layout(gl.reshape(sq, [R, 8, 4]), LLANE, assert_trivial=True))
         mean = ss * (1.0 / 512)                                         # exact: a power of two
         rstd = gl.div_rn(gl.full([R, 8, 4], 1.0, gl.float32, LLANE), gl.sqrt_rn(mean + eps))
         rstd4 = gl.expand_dims(rstd, 3)
-        yw = _bf16x2((x_lo * rstd4) * w_lo, (x_hi * rstd4) * w_hi)       # [R, 8, 4, 8] bf16 pairs
+        yw = bf16x2((x_lo * rstd4) * w_lo, (x_hi * rstd4) * w_hi)        # [R, 8, 4, 8] bf16 pairs
 
         # ---- RoPE on the pair layout (the norm of the pair recomputed there: same arithmetic, same bits)
         yp = (xp * gl.expand_dims(gl.convert_layout(rstd, LPLANE, assert_trivial=True), 3)) * w_pair
         y0, y1 = gl.split(yp)
-        ypw = _bf16x2(y0, y1)                                           # (y_i0, y_i1) rounded to bf16
-        a = _lo_f32(ypw)
-        b = _hi_f32(ypw)
+        ypw = bf16x2(y0, y1)                                            # (y_i0, y_i1) rounded to bf16
+        a = lo_f32(ypw)
+        b = hi_f32(ypw)
         c, s = gl.split(cs)
-        rot = _bf16x2((a * c) - (b * s), (a * s) + (b * c))             # (r0_j, r1_j)
+        rot = bf16x2((a * c) - (b * s), (a * s) + (b * c))              # (r0_j, r1_j)
         # even lane j: tail word j / 2 = (r0_j, r0_j+1); odd lane j: tail word 16 + j / 2 = (r1_j-1, r1_j)
-        rot = _prmt(rot, _shfl_xor(rot, 1), merge_sel)
+        rot = _prmt(rot, shfl_xor(rot, 1), merge_sel)
         # through shared memory to lanes 28..31: lane j's word goes to [j & 1][j >> 1] of [R, 2, 16]
         tail_buf.reshape([R, 2, 16]).permute([0, 2, 1]).store(gl.reshape(rot, [R, 16, 2]))
         gl.thread_barrier()
         tail = tail_buf.reshape([R, 1, 4, 8]).load(LW)                  # lane 28 + d2: tail words 8 d2 .. 8 d2 + 7
         gl.thread_barrier()                                             # the next tile overwrites tail_buf
-        yw = gl.where(tail_lane & gl.expand_dims(_lanes(pok), 3), tail, yw)
+        yw = gl.where(tail_lane & gl.expand_dims(expand_rows(pok), 3), tail, yw)
 
         # ---- UE8M0 scale per 32 columns (two lanes): group_scales(SF=0, FMAX=448) of numerics.py
-        y_lo = _lo_f32(yw)
-        y_hi = _hi_f32(yw)
+        y_lo = lo_f32(yw)
+        y_hi = hi_f32(yw)
         amax = gl.max(gl.maximum(gl.abs(y_lo), gl.abs(y_hi)), axis=3)   # NaN-ignoring max, like tl.max
-        amax = gl.maximum(gl.maximum(amax, _shfl_xor(amax, 1)), 1e-4)
-        bits = amax.to(gl.int32, bitcast=True)
-        e = ((bits >> 23) - (127 + 8)) + ((bits & 0x7FFFFF) > 0x600000).to(gl.int32)
-        e = gl.where((bits >> 23) == 255, 128, e)
-        m = gl.where(e >= 127, 0x400000 >> gl.maximum(e - 127, 0), (127 - e) << 23).to(gl.float32, bitcast=True)
+        amax = gl.maximum(gl.maximum(amax, shfl_xor(amax, 1)), 1e-4)
+        e, m = ue8m0_scale(amax, 448.0)
         m4 = gl.expand_dims(m, 3)
         # codes of columns 4q .. 4q + 3 = (lo, hi) of words 2q and 2q + 1
         t0, t2 = gl.split(gl.reshape(y_lo * m4, [R, 8, 4, 4, 2]))
         t1, t3 = gl.split(gl.reshape(y_hi * m4, [R, 8, 4, 4, 2]))
-        codes = gl.convert_layout(_e4m3x4(t0, t1, t2, t3), LQ, assert_trivial=True)   # [R, 8, 4, 4]
+        codes = gl.convert_layout(e4m3x4(t0, t1, t2, t3), LQ, assert_trivial=True)    # [R, 8, 4, 4]
 
         # ---- the records; an invalid slot (or a row past n_rows) writes nothing
         ok = rmask & (slot >= 0) & (slot < capacity)
+        s_ok, blk = slot_block(slot, ok, block_size, SLOT32, LOG2_BLOCK)
         if SLOT32:
-            s32 = gl.where(ok, slot, 0).to(gl.int32)                    # capacity <= 2**31 (host)
-            if LOG2_BLOCK >= 0:
-                blk32 = s32 >> LOG2_BLOCK
-            else:
-                blk32 = s32 // block_size
-            rec = _offset(blk32, OFFSETS32) * s_blk + _offset(s32 - blk32 * block_size, OFFSETS32) * tok_stride
+            rec = as_offset(blk, OFFSETS32) * s_blk + as_offset(s_ok - blk * block_size, OFFSETS32) * tok_stride
         else:
-            s64 = gl.where(ok, slot, 0).to(gl.int64)
-            if LOG2_BLOCK >= 0:
-                blk = s64 >> LOG2_BLOCK
-            else:
-                blk = s64 // block_size
-            rec = blk * s_blk + (s64 - blk * block_size) * tok_stride
-        rec3 = _lanes(rec)
-        ok3 = _lanes(ok)
+            rec = blk * s_blk + (s_ok - blk * block_size) * tok_stride
+        rec3 = expand_rows(rec)
+        ok3 = expand_rows(ok)
         rec_q = gl.expand_dims(gl.convert_layout(rec3 >> 2, gl.SliceLayout(3, LQ), assert_trivial=True), 3)
         ok_q = gl.expand_dims(gl.convert_layout(ok3, gl.SliceLayout(3, LQ), assert_trivial=True), 3)
         # records are 4-byte aligned (host check): 32-bit stores of four codes
@@ -295,8 +202,8 @@ if gluon is not None:
 
         if W_BF16:
             w_words = gl.load(w_ptr.to(gl.pointer_type(gl.int32)) + word)
-            w_lo = _lo_f32(w_words)
-            w_hi = _hi_f32(w_words)
+            w_lo = lo_f32(w_words)
+            w_hi = hi_f32(w_words)
         else:
             w_lo = gl.load(w_ptr + 2 * word)
             w_hi = gl.load(w_ptr + 2 * word + 1)
@@ -308,13 +215,13 @@ if gluon is not None:
         num_tiles = gl.cdiv(n_rows, R)
         if PIPELINE:
             rows = pid * R + r_idx                                      # [R] int32 (n_rows < 2**31 - R: host)
-            pos, slot = _load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
+            pos, slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
             xw, xp = _load_x(x_ptr, sx_w, rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
             cs = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LPLANE, OFFSETS32)
             for tile in range(pid, num_tiles, num_programs):
                 rows = tile * R + r_idx
                 next_rows = rows + num_programs * R
-                next_pos, next_slot = _load_indices(pos_ptr, s_pos, slot_ptr, s_slot, next_rows, n_rows, OFFSETS32)
+                next_pos, next_slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, next_rows, n_rows, OFFSETS32)
                 next_xw, next_xp = _load_x(x_ptr, sx_w, next_rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
                 _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
                             cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
@@ -328,7 +235,7 @@ if gluon is not None:
         else:
             for tile in range(pid, num_tiles, num_programs):
                 rows = tile * R + r_idx
-                pos, slot = _load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
+                pos, slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
                 xw, xp = _load_x(x_ptr, sx_w, rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
                 cs = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LPLANE, OFFSETS32)
                 _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
@@ -337,7 +244,6 @@ if gluon is not None:
 
 
 # --------------------------------------------------------------------------- host side
-_MAX_CTAS_PER_SM = 32        # sm_90 resident-block limit
 _resident = {}               # launch key -> CTAs of that compiled variant resident on one SM
 
 
@@ -347,7 +253,7 @@ def supports(x, weight, positions, cos_sin, slot_mapping, kv_cache) -> str:
         return "x must be bf16 [n, 512] with unit column stride"
     if x.stride(0) % 2 or x.data_ptr() % 4:
         return "x rows must be 4-byte aligned (read as bf16 pairs)"
-    if x.shape[0] >= _INT32_LIMIT // 2:
+    if x.shape[0] >= INT32_LIMIT // 2:
         return "n must be < 2**30"
     if weight.shape != (HEAD_DIM,) or weight.dtype not in (torch.bfloat16, torch.float32) or weight.stride(0) != 1:
         return "weight must be a contiguous bf16/fp32 [512]"
@@ -368,18 +274,6 @@ def supports(x, weight, positions, cos_sin, slot_mapping, kv_cache) -> str:
     if len(devs) != 1 or next(iter(devs)).type != "cuda":
         return "all tensors must be on one CUDA device"
     return ""
-
-
-def _resident_ctas_per_sm(compiled, num_warps: int, device_index: int) -> int:
-    """CTAs of a compiled variant that fit on one SM at once (registers, warps, the block limit): a
-    persistent grid larger than that would run a second wave holding a fixed share of the tiles."""
-    compiled._init_handles()                      # loads the binary: n_regs
-    props = torch.cuda.get_device_properties(device_index)
-    regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
-    warps_per_sm = getattr(props, "max_threads_per_multi_processor", 2048) // 32
-    regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256     # allocated per warp in units of 256
-    warps = min(warps_per_sm, regs_per_sm // regs_per_warp)
-    return max(1, min(_MAX_CTAS_PER_SM, warps // num_warps))
 
 
 def launch_table(n_rows: int):
@@ -407,30 +301,28 @@ def _launch_parts(tensor, n: int, eps: float, x, weight, positions, cos_sin, slo
     # the largest offset each pointer is indexed with (rows up to one tile per program past n included)
     spans = ((n + 2 ** 20) * x.stride(0), (n + 2 ** 20) * max(positions.stride(0), slot_mapping.stride(0)),
              cos_sin.shape[0] * cos_sin.stride(0), kv_cache.shape[0] * kv_cache.stride(0) + RECORD_BYTES)
-    constexprs = dict(W_BF16=weight.dtype == torch.bfloat16, SLOT32=capacity <= _INT32_LIMIT,
-                      LOG2_BLOCK=block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1,
-                      ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline), OFFSETS32=max(spans) < _INT32_LIMIT)
-    options = dict(num_warps=num_warps, num_stages=1, enable_fp_fusion=False)
-    device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    key = (device_index, x.dtype, weight.dtype, positions.dtype, cos_sin.dtype, slot_mapping.dtype,
-           tuple(constexprs.items()), num_warps)
-    per_sm = ctas_per_sm or _resident.get(key)
-    if per_sm is None:
+    constexprs = dict(W_BF16=weight.dtype == torch.bfloat16, SLOT32=capacity <= INT32_LIMIT,
+                      LOG2_BLOCK=log2_block(block_size), ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline),
+                      OFFSETS32=max(spans) < INT32_LIMIT)
+    options = compile_options(num_warps)
+    device_index = device_index_of(x)
+    per_sm = ctas_per_sm
+    if not per_sm:
+        key = (device_index, x.dtype, weight.dtype, positions.dtype, cos_sin.dtype, slot_mapping.dtype,
+               tuple(constexprs.items()), num_warps)
         real = (x, x.stride(0) // 2, weight, float(eps), positions, positions.stride(0), cos_sin, cos_sin.stride(0),
                 cos_sin.shape[0], slot_mapping, slot_mapping.stride(0), kv_cache, *args[12:])
-        compiled = main_fp8_kernel.warmup(*real, grid=(1,), **constexprs, **options)
-        per_sm = _resident[key] = _resident_ctas_per_sm(compiled, num_warps, device_index)
+        per_sm = cached_ctas_per_sm(main_fp8_kernel, _resident, key, real, constexprs, options, device_index)
     tiles = -(-n // (rows_per_warp * num_warps))
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return (max(1, min(tiles, sms * per_sm)),), args, constexprs, options
+    return persistent_grid(tiles, per_sm, sms), args, constexprs, options
 
 
 # --------------------------------------------------------------------------- kvfuse's dispatch
 def enabled() -> bool:
     """The fused entry point uses this kernel for the calls it fits (``eligible``) unless
     KVFUSE_GLUON=0, KVFUSE_GLUON_SKIP (a comma list) names "main_fp8", or ``available()`` is false."""
-    skip = {t.strip() for t in os.environ.get("KVFUSE_GLUON_SKIP", "").split(",")}
-    return "main_fp8" not in skip and os.environ.get("KVFUSE_GLUON", "1") != "0" and available()
+    return allowed_by_env("main_fp8") and available()
 
 
 MIN_ROWS = 1   # faster than the plain kernel at every measured size, n = 1 included
@@ -448,7 +340,7 @@ def eligible(plan) -> bool:
         return False
     if plan.hadamard_scale is not None or plan.out is not None or plan.out_stage is not None:
         return False
-    if x.shape[1:] != (1, HEAD_DIM) or x.stride(0) % 2 or x.shape[0] >= _INT32_LIMIT // 2:
+    if x.shape[1:] != (1, HEAD_DIM) or x.stride(0) % 2 or x.shape[0] >= INT32_LIMIT // 2:
         return False
     if (plan.rotary_dim, plan.rope_offset, plan.is_neox, plan.conjugate) != (ROTARY_DIM, 448, True, False):
         return False
@@ -462,9 +354,7 @@ def eligible(plan) -> bool:
     return plan.weight.stride(0) == 1 and plan.cos_sin.shape[1] == ROTARY_DIM
 
 
-def word_aligned(x, weight) -> bool:
-    """x and the weight are read as 4-byte words."""
-    return not ((x.data_ptr() | weight.data_ptr()) & 3)
+word_aligned = gluon_common.word_aligned      # x and the weight are read as 4-byte words
 
 
 def plan_launch(plan, tensor) -> tuple:

@@ -70,24 +70,15 @@ comparisons, 0 memcheck errors; DEVICE_NOTES.md session 3, run 6).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from . import gluon_common
+from .gluon_common import (INT32_LIMIT, allowed_by_env, available, cached_ctas_per_sm, compile_options,
+                           device_index_of, gl, gluon, log2_block, persistent_grid)
 from .launcher import PlanTensor
-
-try:
-    import triton
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    _IMPORT_ERROR = None
-except Exception as e:  # pragma: no cover - triton without Gluon
-    triton = gluon = gl = None
-    _IMPORT_ERROR = e
 
 ROTARY_DIM = 64
 TAIL_DIM = 64                 # the bf16 tail = the RoPE columns
-_INT32_LIMIT = 2 ** 31
 
 # The record layouts this path takes: the format fields that fix a record (name and
 # block_alignment are free: "custom formats with the same records"), and the kernel's constexprs.
@@ -98,91 +89,19 @@ SUPPORTED_RECORDS = {
 }
 
 
-def available() -> bool:
-    """True when the Gluon API this kernel is written for (Triton 3.6) and a CUDA device exist."""
-    if _IMPORT_ERROR is not None or not torch.cuda.is_available():
-        return False
-    try:
-        major, minor = (int(v) for v in triton.__version__.split(".")[:2])
-    except Exception:
-        return False
-    return (major, minor) == (3, 6)
-
-
 if gluon is not None:
+    from .gluon_common import (as_offset, bf16x2, block_and_token, e4m3x4, hi_f32, lane_tree, lo_f32, load_indices,
+                               shfl_xor, ue8m0_scale)
+
     ROPE_HALF_C = gl.constexpr(ROTARY_DIM // 2)     # the kernels read module globals only as constexprs
     TAIL_DIM_C = gl.constexpr(TAIL_DIM)
-
-    @gluon.constexpr_function
-    def _bfly_asm(lane_mask):
-        # butterfly shuffle over the whole warp: lane l receives the value of lane l ^ lane_mask
-        return f"shfl.sync.bfly.b32 $0, $1, {lane_mask}, 0x1f, 0xffffffff;"
-
-    @gluon.jit
-    def _shfl_xor(v, LANE_MASK: gl.constexpr):
-        """v of lane l ^ LANE_MASK for a 32-bit tensor holding one value per lane and row (all 32 lanes
-        run it: the kernel has no divergent code)."""
-        return gl.inline_asm_elementwise(_bfly_asm(LANE_MASK), "=r,r", [v], dtype=v.dtype, is_pure=True, pack=1)
-
-    @gluon.jit
-    def _lane_tree(v):
-        """The adjacent-pairs tree over the 32 lanes (lane l holds the partial sum of the l-th block):
-        level k adds the partner at xor 2^k; both lanes of a pair hold the same bits (commutative)."""
-        v = v + _shfl_xor(v, 1)
-        v = v + _shfl_xor(v, 2)
-        v = v + _shfl_xor(v, 4)
-        v = v + _shfl_xor(v, 8)
-        v = v + _shfl_xor(v, 16)
-        return v
-
-    @gluon.jit
-    def _bf16x2(lo, hi):
-        """Two fp32 -> one int32 word bf16(lo) | bf16(hi) << 16 (cvt.rn: round to nearest even)."""
-        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=gl.int32,
-                                         is_pure=True, pack=1)
-
-    @gluon.jit
-    def _e4m3x4(v0, v1, v2, v3):
-        """Four fp32 -> one int32 word of e4m3 codes, v0 in the low byte (cvt.rn.satfinite: RTNE,
-        saturating at +-448, NaN -> an e4m3 NaN): what .to(float8e4nv) emits on sm_90 (NATIVE=2)."""
-        return gl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
-            "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [v0, v1, v2, v3], dtype=gl.int32, is_pure=True, pack=1)
-
-    @gluon.jit
-    def _lo_f32(w):
-        """The bf16 in the low half of int32 words, as fp32 (exact)."""
-        return (w << 16).to(gl.float32, bitcast=True)
-
-    @gluon.jit
-    def _hi_f32(w):
-        """The bf16 in the high half of int32 words, as fp32 (exact)."""
-        return (w & -65536).to(gl.float32, bitcast=True)
-
-    @gluon.jit
-    def _offset(v, OFFSETS32: gl.constexpr):
-        """An element / byte offset: int32 when every offset of the launch fits (cheaper address math)."""
-        if OFFSETS32:
-            off = v.to(gl.int32)
-        else:
-            off = v.to(gl.int64)
-        return off
-
-    @gluon.jit
-    def _load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32: gl.constexpr):
-        """Positions and slots of the rows [R] (-1 past n_rows: no position, no slot)."""
-        rmask = rows < n_rows
-        r = _offset(rows, OFFSETS32)
-        pos = gl.load(pos_ptr + r * s_pos, mask=rmask, other=-1)
-        slot = gl.load(slot_ptr + r * s_slot, mask=rmask, other=-1)
-        return pos, slot
 
     @gluon.jit
     def _load_x(x_ptr, sx_w, rows, n_rows, word, lane, TAIL_WORD0: gl.constexpr, OFFSETS32: gl.constexpr):
         """x of the rows: columns 0..511 as int32 words [R, 32, 8] (two bf16 each) and the tail
         columns as one word per lane [R, 32] (tail columns 2 l, 2 l + 1 on lane l)."""
         rmask = gl.expand_dims(rows < n_rows, 1)                        # [R, 1]
-        x_row = gl.expand_dims(_offset(rows, OFFSETS32) * sx_w, 1)      # [R, 1] in words
+        x_row = gl.expand_dims(as_offset(rows, OFFSETS32) * sx_w, 1)    # [R, 1] in words
         x_words = x_ptr.to(gl.pointer_type(gl.int32))
         xw = gl.load(x_words + gl.expand_dims(x_row, 2) + word, mask=gl.expand_dims(rmask, 2), other=0)
         xt = gl.load(x_words + x_row + TAIL_WORD0 + lane, mask=rmask, other=0)
@@ -193,7 +112,7 @@ if gluon is not None:
         """(cos, sin) of each row's position for the lane's two rotation indices j = 2 (l % 16) + {0, 1},
         fp32 [R, 32, 2] each (zeros where the position is outside [0, P): such rows are not rotated)."""
         pok = (rows < n_rows) & (pos >= 0) & (pos < P)
-        cs_row = _offset(gl.where(pok, pos, 0), OFFSETS32) * s_cs
+        cs_row = as_offset(gl.where(pok, pos, 0), OFFSETS32) * s_cs
         cs_row3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(cs_row, gl.SliceLayout(1, gl.SliceLayout(2, LP)),
                                                                   assert_trivial=True), 1), 2)
         pok3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(pok, gl.SliceLayout(1, gl.SliceLayout(2, LP)),
@@ -216,29 +135,29 @@ if gluon is not None:
         pok = rmask & (pos >= 0) & (pos < P)
 
         # ---- RMSNorm: pair in each word, the tree over the lane's 8 words, 5 shuffles
-        x_lo = _lo_f32(xw)
-        x_hi = _hi_f32(xw)
+        x_lo = lo_f32(xw)
+        x_hi = hi_f32(xw)
         sq = x_lo * x_lo + x_hi * x_hi
         sq = gl.sum(gl.reshape(sq, [R, 32, 4, 2]), axis=3)
         sq = gl.sum(gl.reshape(sq, [R, 32, 2, 2]), axis=3)
         sq = gl.sum(gl.reshape(sq, [R, 32, 1, 2]), axis=3)
-        ss = _lane_tree(gl.convert_layout(gl.reshape(sq, [R, 32]), LLANE, assert_trivial=True))   # tree(0..511)
-        xt_lo = _lo_f32(xt)
-        xt_hi = _hi_f32(xt)
+        ss = lane_tree(gl.convert_layout(gl.reshape(sq, [R, 32]), LLANE, assert_trivial=True))    # tree(0..511)
+        xt_lo = lo_f32(xt)
+        xt_hi = hi_f32(xt)
         if QUANT_DIM == 512:
             # V32: the tail's own tree (columns 512..575), added at the root of the zero-padded tree
-            ss = ss + _lane_tree(xt_lo * xt_lo + xt_hi * xt_hi)
+            ss = ss + lane_tree(xt_lo * xt_lo + xt_hi * xt_hi)
         if (HEAD_DIM & (HEAD_DIM - 1)) == 0:
             mean = ss * (1.0 / HEAD_DIM)                                # exact: a power of two
         else:
             mean = gl.div_rn(ss, gl.full([R, 32], HEAD_DIM * 1.0, gl.float32, LLANE))
         rstd = gl.div_rn(gl.full([R, 32], 1.0, gl.float32, LLANE), gl.sqrt_rn(mean + eps))   # [R, 32]
         rstd3 = gl.expand_dims(rstd, 2)
-        yw = _bf16x2((x_lo * rstd3) * w_lo, (x_hi * rstd3) * w_hi)       # [R, 32, 8] bf16 pairs
+        yw = bf16x2((x_lo * rstd3) * w_lo, (x_hi * rstd3) * w_hi)        # [R, 32, 8] bf16 pairs
 
         # ---- RoPE on the tail words: own word and the partner's (lane ^ 16)
-        yt = _bf16x2((xt_lo * rstd) * wt_lo, (xt_hi * rstd) * wt_hi)     # [R, 32] normalized tail
-        partner = _shfl_xor(yt, 16)
+        yt = bf16x2((xt_lo * rstd) * wt_lo, (xt_hi * rstd) * wt_hi)      # [R, 32] normalized tail
+        partner = shfl_xor(yt, 16)
         c0, c1 = gl.split(cos)
         s0, s1 = gl.split(sin)
         c0 = gl.convert_layout(c0, LLANE, assert_trivial=True)
@@ -248,45 +167,28 @@ if gluon is not None:
             gl.float32, bitcast=True)
         s1 = (gl.convert_layout(s1, LLANE, assert_trivial=True).to(gl.int32, bitcast=True) ^ sin_flip).to(
             gl.float32, bitcast=True)
-        rot = _bf16x2((_lo_f32(yt) * c0) + (_lo_f32(partner) * s0), (_hi_f32(yt) * c1) + (_hi_f32(partner) * s1))
+        rot = bf16x2((lo_f32(yt) * c0) + (lo_f32(partner) * s0), (hi_f32(yt) * c1) + (hi_f32(partner) * s1))
         tail = gl.where(gl.expand_dims(pok, 1), rot, yt)
 
         # ---- UE8M0 scale per group of GROUP_LANES lanes: group_scales(SF=0/1, FMAX=448) of numerics.py
-        y_lo = _lo_f32(yw)
-        y_hi = _hi_f32(yw)
+        y_lo = lo_f32(yw)
+        y_hi = hi_f32(yw)
         amax = gl.max(gl.maximum(gl.abs(y_lo), gl.abs(y_hi)), axis=2)   # NaN-ignoring max, like tl.max
-        amax = gl.maximum(amax, _shfl_xor(amax, 1))
-        amax = gl.maximum(amax, _shfl_xor(amax, 2))
+        amax = gl.maximum(amax, shfl_xor(amax, 1))
+        amax = gl.maximum(amax, shfl_xor(amax, 2))
         if GROUP_LANES == 8:
-            amax = gl.maximum(amax, _shfl_xor(amax, 4))
+            amax = gl.maximum(amax, shfl_xor(amax, 4))
         amax = gl.maximum(amax, 1e-4)
-        bits = amax.to(gl.int32, bitcast=True)
-        e = ((bits >> 23) - (127 + 8)) + ((bits & 0x7FFFFF) > 0x600000).to(gl.int32)
-        e = gl.where((bits >> 23) == 255, 128, e)
-        m = gl.where(e >= 127, 0x400000 >> gl.maximum(e - 127, 0), (127 - e) << 23).to(gl.float32, bitcast=True)
+        e, m = ue8m0_scale(amax, 448.0)
         m3 = gl.expand_dims(m, 2)
         # codes of columns 4q .. 4q + 3 = (lo, hi) of words 2q and 2q + 1
         t0, t2 = gl.split(gl.reshape(y_lo * m3, [R, 32, 4, 2]))
         t1, t3 = gl.split(gl.reshape(y_hi * m3, [R, 32, 4, 2]))
-        codes = gl.convert_layout(_e4m3x4(t0, t1, t2, t3), LQ, assert_trivial=True)   # [R, 32, 4]
+        codes = gl.convert_layout(e4m3x4(t0, t1, t2, t3), LQ, assert_trivial=True)    # [R, 32, 4]
 
         # ---- the record addresses; an invalid slot (or a row past n_rows) writes nothing
         ok = rmask & (slot >= 0) & (slot < capacity)
-        if SLOT32:
-            s32 = gl.where(ok, slot, 0).to(gl.int32)                    # capacity <= 2**31 (host)
-            if LOG2_BLOCK >= 0:
-                blk32 = s32 >> LOG2_BLOCK
-            else:
-                blk32 = s32 // block_size
-            blk = _offset(blk32, OFFSETS32)
-            tok = _offset(s32 - blk32 * block_size, OFFSETS32)
-        else:
-            s64 = gl.where(ok, slot, 0).to(gl.int64)
-            if LOG2_BLOCK >= 0:
-                blk = s64 >> LOG2_BLOCK
-            else:
-                blk = s64 // block_size
-            tok = s64 - blk * block_size
+        blk, tok = block_and_token(slot, ok, block_size, SLOT32, LOG2_BLOCK, OFFSETS32)
         base = blk * s_blk
         data = base + tok * data_tok                                    # [R] bytes (data_offset 0)
         sf = base + tok * sf_tok + sf_off
@@ -359,11 +261,11 @@ if gluon is not None:
         if W_BF16:
             w_words = w_ptr.to(gl.pointer_type(gl.int32))
             ww = gl.load(w_words + word)
-            w_lo = _lo_f32(ww)
-            w_hi = _hi_f32(ww)
+            w_lo = lo_f32(ww)
+            w_hi = hi_f32(ww)
             wt = gl.load(w_words + TAIL_WORD0 + lane)
-            wt_lo = _lo_f32(wt)
-            wt_hi = _hi_f32(wt)
+            wt_lo = lo_f32(wt)
+            wt_hi = hi_f32(wt)
         else:
             w_lo = gl.load(w_ptr + 2 * word)
             w_hi = gl.load(w_ptr + 2 * word + 1)
@@ -375,13 +277,13 @@ if gluon is not None:
         num_tiles = gl.cdiv(n_rows, R)
         if PIPELINE:
             rows = pid * R + r_idx                                      # [R] int32 (n_rows < 2**30: host)
-            pos, slot = _load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
+            pos, slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
             xw, xt = _load_x(x_ptr, sx_w, rows, n_rows, word, lane, TAIL_WORD0, OFFSETS32)
             cos, sin = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP, OFFSETS32)
             for tile in range(pid, num_tiles, num_programs):
                 rows = tile * R + r_idx
                 next_rows = rows + num_programs * R
-                next_pos, next_slot = _load_indices(pos_ptr, s_pos, slot_ptr, s_slot, next_rows, n_rows, OFFSETS32)
+                next_pos, next_slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, next_rows, n_rows, OFFSETS32)
                 next_xw, next_xt = _load_x(x_ptr, sx_w, next_rows, n_rows, word, lane, TAIL_WORD0, OFFSETS32)
                 _write_rows(xw, xt, cos, sin, pos, slot, rows, n_rows, w_lo, w_hi, wt_lo, wt_hi, sin_flip, eps, P,
                             cache_ptr, s_blk, data_tok, sf_tok, sf_off, tail_off, block_size, capacity, lane, qword,
@@ -395,7 +297,7 @@ if gluon is not None:
         else:
             for tile in range(pid, num_tiles, num_programs):
                 rows = tile * R + r_idx
-                pos, slot = _load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
+                pos, slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
                 xw, xt = _load_x(x_ptr, sx_w, rows, n_rows, word, lane, TAIL_WORD0, OFFSETS32)
                 cos, sin = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP, OFFSETS32)
                 _write_rows(xw, xt, cos, sin, pos, slot, rows, n_rows, w_lo, w_hi, wt_lo, wt_hi, sin_flip, eps, P,
@@ -404,7 +306,6 @@ if gluon is not None:
 
 
 # --------------------------------------------------------------------------- host side
-_MAX_CTAS_PER_SM = 32        # sm_90 resident-block limit
 _resident = {}               # launch key -> CTAs of that compiled variant resident on one SM
 
 
@@ -431,18 +332,6 @@ def launch_table(n_rows: int):
     return 1, 1, True
 
 
-def _resident_ctas_per_sm(compiled, num_warps: int, device_index: int) -> int:
-    """CTAs of a compiled variant that fit on one SM at once (registers, warps, the block limit): a
-    persistent grid larger than that would run a second wave holding a fixed share of the tiles."""
-    compiled._init_handles()                      # loads the binary: n_regs
-    props = torch.cuda.get_device_properties(device_index)
-    regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
-    warps_per_sm = getattr(props, "max_threads_per_multi_processor", 2048) // 32
-    regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256     # allocated per warp in units of 256
-    warps = min(warps_per_sm, regs_per_sm // regs_per_warp)
-    return max(1, min(_MAX_CTAS_PER_SM, warps // num_warps))
-
-
 def launch_parts(plan, tensor, num_warps: int, rows_per_warp: int, pipeline: bool, ctas_per_sm: int = None,
                  sm_count: int = None):
     """(grid, positional args, constexprs, options) of mla_tail_kernel for an eligible plan.
@@ -464,26 +353,23 @@ def launch_parts(plan, tensor, num_warps: int, rows_per_warp: int, pipeline: boo
     spans = ((n + 2 ** 20) * x.stride(0), (n + 2 ** 20) * max(plan.positions.stride(0), plan.slot_mapping.stride(0)),
              (plan.cos_sin.shape[0] + 1) * plan.cos_sin.stride(0), (cache.shape[0] + 1) * cache.stride(0))
     constexprs = dict(format_constexprs(plan.fmt), W_BF16=plan.weight.dtype == torch.bfloat16,
-                      SLOT32=capacity <= _INT32_LIMIT,
-                      LOG2_BLOCK=block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1,
-                      ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline), OFFSETS32=max(spans) < _INT32_LIMIT)
-    options = dict(num_warps=num_warps, num_stages=1, enable_fp_fusion=False)
+                      SLOT32=capacity <= INT32_LIMIT, LOG2_BLOCK=log2_block(block_size),
+                      ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline), OFFSETS32=max(spans) < INT32_LIMIT)
+    options = compile_options(num_warps)
     per_sm = ctas_per_sm
     if per_sm is None or sm_count is None:
-        device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        key = (device_index, x.dtype, plan.weight.dtype, plan.positions.dtype, plan.cos_sin.dtype,
-               plan.slot_mapping.dtype, tuple(constexprs.items()), num_warps)
-        per_sm = per_sm or _resident.get(key)
-        if per_sm is None:
+        device_index = device_index_of(x)
+        if not per_sm:
+            key = (device_index, x.dtype, plan.weight.dtype, plan.positions.dtype, plan.cos_sin.dtype,
+                   plan.slot_mapping.dtype, tuple(constexprs.items()), num_warps)
             real = {"x": plan.x, "weight": plan.weight, "positions": plan.positions, "cos_sin": plan.cos_sin,
                     "slot_mapping": plan.slot_mapping, "kv_cache": cache}
             real_args = tuple(real[arg.field] if isinstance(arg, PlanTensor) else arg for arg in args)
-            compiled = mla_tail_kernel.warmup(*real_args, grid=(1,), **constexprs, **options)
-            per_sm = _resident[key] = _resident_ctas_per_sm(compiled, num_warps, device_index)
+            per_sm = cached_ctas_per_sm(mla_tail_kernel, _resident, key, real_args, constexprs, options, device_index)
         if sm_count is None:
             sm_count = torch.cuda.get_device_properties(device_index).multi_processor_count
     tiles = -(-n // (rows_per_warp * num_warps))
-    return (max(1, min(tiles, sm_count * per_sm)),), args, constexprs, options
+    return persistent_grid(tiles, per_sm, sm_count), args, constexprs, options
 
 
 # --------------------------------------------------------------------------- kvfuse's dispatch
@@ -491,8 +377,7 @@ def enabled() -> bool:
     """On with Triton 3.6 on CUDA (``available()``; proven byte-equal on the H200, DEVICE_NOTES.md
     session 3), unless KVFUSE_GLUON=0 (every Gluon path off) or KVFUSE_GLUON_SKIP (a comma list)
     names "mla_tail"."""
-    skip = {t.strip() for t in os.environ.get("KVFUSE_GLUON_SKIP", "").split(",")}
-    return "mla_tail" not in skip and os.environ.get("KVFUSE_GLUON", "1") != "0" and available()
+    return allowed_by_env("mla_tail") and available()
 
 
 # decode sizes stay on the plain kernel's one-row EARLY programs: measured as fast or faster there
@@ -520,7 +405,7 @@ def eligible(plan) -> bool:
     quant_dim = consts["QUANT_DIM"]
     if x.dim() != 3 or tuple(x.shape[1:]) != (1, D) or x.stride(2) != 1 or x.stride(0) % 2:
         return False
-    if x.shape[0] >= _INT32_LIMIT // 2:
+    if x.shape[0] >= INT32_LIMIT // 2:
         return False
     if (plan.rotary_dim, plan.rope_offset, plan.is_neox, plan.conjugate) != (ROTARY_DIM, quant_dim, True, False):
         return False
@@ -538,9 +423,7 @@ def eligible(plan) -> bool:
             and cs.stride(1) == 1)
 
 
-def word_aligned(x, weight) -> bool:
-    """x and the weight are read as 4-byte words."""
-    return not ((x.data_ptr() | weight.data_ptr()) & 3)
+word_aligned = gluon_common.word_aligned      # x and the weight are read as 4-byte words
 
 
 def plan_launch(plan, tensor) -> tuple:

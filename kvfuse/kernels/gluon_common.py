@@ -1,0 +1,198 @@
+"""What the Gluon fast paths (gluon_main_fp8, gluon_mla_tail, gluon_index) share: the Gluon import,
+the host-side checks and switches, and the @gluon.jit helpers their kernels have in common (inline
+PTX shuffles and conversions, bf16 unpacking, offsets, index loads, slot addressing, UE8M0 scales).
+
+Imports without a GPU and under any Triton: the jit helpers exist only where Gluon imports.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    IMPORT_ERROR = None
+except Exception as e:  # pragma: no cover - triton without Gluon
+    triton = gluon = gl = None
+    IMPORT_ERROR = e
+
+INT32_LIMIT = 2 ** 31
+MAX_CTAS_PER_SM = 32         # sm_90 resident-block limit
+
+
+def available() -> bool:
+    """True when the Gluon API these kernels are written for (Triton 3.6) and a CUDA device exist."""
+    if IMPORT_ERROR is not None or not torch.cuda.is_available():
+        return False
+    try:
+        major, minor = (int(v) for v in triton.__version__.split(".")[:2])
+    except Exception:
+        return False
+    return (major, minor) == (3, 6)
+
+
+def allowed_by_env(path: str) -> bool:
+    """False when KVFUSE_GLUON=0 (every Gluon path off) or KVFUSE_GLUON_SKIP (a comma list) names ``path``."""
+    skip = {t.strip() for t in os.environ.get("KVFUSE_GLUON_SKIP", "").split(",")}
+    return path not in skip and os.environ.get("KVFUSE_GLUON", "1") != "0"
+
+
+def word_aligned(x, weight) -> bool:
+    """x and the weight are read as 4-byte words."""
+    return not ((x.data_ptr() | weight.data_ptr()) & 3)
+
+
+def log2_block(block_size: int) -> int:
+    """The kernels' LOG2_BLOCK: log2(block_size) when it is a power of two, else -1 (a division)."""
+    return block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
+
+
+def compile_options(num_warps: int) -> dict:
+    """The launch options of every Gluon kernel here (no FMA: fp32 ops rounded one by one)."""
+    return dict(num_warps=num_warps, num_stages=1, enable_fp_fusion=False)
+
+
+def device_index_of(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def resident_ctas_per_sm(compiled, num_warps: int, device_index: int) -> int:
+    """CTAs of a compiled variant that fit on one SM at once (registers, warps, the block limit): a
+    persistent grid larger than that would run a second wave holding a fixed share of the tiles."""
+    compiled._init_handles()                      # loads the binary: n_regs
+    props = torch.cuda.get_device_properties(device_index)
+    regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    warps_per_sm = getattr(props, "max_threads_per_multi_processor", 2048) // 32
+    regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256     # allocated per warp in units of 256
+    warps = min(warps_per_sm, regs_per_sm // regs_per_warp)
+    return max(1, min(MAX_CTAS_PER_SM, warps // num_warps))
+
+
+def cached_ctas_per_sm(kernel, known: dict, key, real_args, constexprs: dict, options: dict, device_index: int) -> int:
+    """``resident_ctas_per_sm`` of a kernel variant, found once per ``key`` (kept in ``known``) by
+    compiling it with ``real_args``: Triton's cache then has it for the launch."""
+    per_sm = known.get(key)
+    if per_sm is None:
+        compiled = kernel.warmup(*real_args, grid=(1,), **constexprs, **options)
+        per_sm = known[key] = resident_ctas_per_sm(compiled, options["num_warps"], device_index)
+    return per_sm
+
+
+def persistent_grid(tiles: int, ctas_per_sm: int, sm_count: int) -> tuple:
+    """One CTA per tile up to what is resident on the device at once (each CTA then loops over tiles)."""
+    return (max(1, min(tiles, sm_count * ctas_per_sm)),)
+
+
+if gluon is not None:
+
+    @gluon.constexpr_function
+    def _bfly_asm(lane_mask):
+        # butterfly shuffle over the whole warp: lane l receives the value of lane l ^ lane_mask
+        return f"shfl.sync.bfly.b32 $0, $1, {lane_mask}, 0x1f, 0xffffffff;"
+
+    @gluon.jit
+    def shfl_xor(v, LANE_MASK: gl.constexpr):
+        """v of lane l ^ LANE_MASK, for a 32-bit tensor (every lane of the warp must run it: the kernels
+        have no divergent code around it)."""
+        return gl.inline_asm_elementwise(_bfly_asm(LANE_MASK), "=r,r", [v], dtype=v.dtype, is_pure=True, pack=1)
+
+    @gluon.jit
+    def lane_tree(v):
+        """The adjacent-pairs tree over the 32 lanes (lane l holds the partial sum of the l-th block):
+        level k adds the partner at xor 2^k; both lanes of a pair hold the same bits (commutative)."""
+        v = v + shfl_xor(v, 1)
+        v = v + shfl_xor(v, 2)
+        v = v + shfl_xor(v, 4)
+        v = v + shfl_xor(v, 8)
+        v = v + shfl_xor(v, 16)
+        return v
+
+    @gluon.jit
+    def bf16x2(lo, hi):
+        """Two fp32 -> one int32 word holding bf16(lo) | bf16(hi) << 16 (cvt.rn: round to nearest even)."""
+        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def e4m3x4(v0, v1, v2, v3):
+        """Four fp32 -> one int32 word of e4m3 codes, v0 in the low byte (cvt.rn.satfinite: RTNE,
+        saturating to +-448, NaN -> an e4m3 NaN): what .to(float8e4nv) emits on sm_90, the plain
+        kernel's NATIVE=2 encode."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [v0, v1, v2, v3], dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def lo_f32(w):
+        """The bf16 in the low half of int32 words, as fp32 (exact)."""
+        return (w << 16).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def hi_f32(w):
+        """The bf16 in the high half of int32 words, as fp32 (exact)."""
+        return (w & -65536).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def expand_rows(v):
+        """[R] (a row slice layout) -> [R, 1, 1] in its parent layout (no data movement)."""
+        return gl.expand_dims(gl.expand_dims(v, 1), 2)
+
+    @gluon.jit
+    def as_offset(v, OFFSETS32: gl.constexpr):
+        """An element / byte offset: int32 when every offset of the launch fits (cheaper address math)."""
+        if OFFSETS32:
+            off = v.to(gl.int32)
+        else:
+            off = v.to(gl.int64)
+        return off
+
+    @gluon.jit
+    def load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32: gl.constexpr):
+        """Positions and slots of the rows [R] (-1 past n_rows: no position, no slot)."""
+        rmask = rows < n_rows
+        r = as_offset(rows, OFFSETS32)
+        pos = gl.load(pos_ptr + r * s_pos, mask=rmask, other=-1)
+        slot = gl.load(slot_ptr + r * s_slot, mask=rmask, other=-1)
+        return pos, slot
+
+    @gluon.jit
+    def slot_block(slot, ok, block_size, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr):
+        """(slot, its block) of each row, 0 where not ok: int32 when capacity <= 2**31 (SLOT32, host),
+        else int64; the block by a shift where LOG2_BLOCK >= 0, else by a division."""
+        if SLOT32:
+            s = gl.where(ok, slot, 0).to(gl.int32)
+        else:
+            s = gl.where(ok, slot, 0).to(gl.int64)
+        if LOG2_BLOCK >= 0:
+            blk = s >> LOG2_BLOCK
+        else:
+            blk = s // block_size
+        return s, blk
+
+    @gluon.jit
+    def block_and_token(slot, ok, block_size, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr,
+                        OFFSETS32: gl.constexpr):
+        """(block, token inside the block) of each row's slot (``slot_block``), as offsets."""
+        s, blk = slot_block(slot, ok, block_size, SLOT32, LOG2_BLOCK)
+        if SLOT32:
+            blk_at = as_offset(blk, OFFSETS32)
+            tok = as_offset(s - blk * block_size, OFFSETS32)
+        else:
+            blk_at = blk
+            tok = s - blk * block_size
+        return blk_at, tok
+
+    @gluon.jit
+    def ue8m0_scale(amax, FMAX: gl.constexpr):
+        """numerics.group_scales SF=0 for FMAX 448 (e4m3) or 6 (e2m1): the exponent e = ceil(log2(RN(amax /
+        FMAX))) without the division, and the multiplier 2^-e as fp32 (amax > 0)."""
+        P2: gl.constexpr = 8 if FMAX == 448.0 else 2
+        FRAC: gl.constexpr = 0x600000 if FMAX == 448.0 else 0x400000
+        bits = amax.to(gl.int32, bitcast=True)
+        e = ((bits >> 23) - (127 + P2)) + ((bits & 0x7FFFFF) > FRAC).to(gl.int32)
+        e = gl.where((bits >> 23) == 255, 128, e)
+        m = gl.where(e >= 127, 0x400000 >> gl.maximum(e - 127, 0), (127 - e) << 23).to(gl.float32, bitcast=True)
+        return e, m
