@@ -4,6 +4,7 @@
 #   bash scripts/h200_check.sh bench [SECONDS]   host overhead + the full benchmark
 #   bash scripts/h200_check.sh quick [SECONDS]   launcher / streams / compile GPU tests, real eager host
 #                                                cost (direct launch on and off), the fused peer only
+#   bash scripts/h200_check.sh gluon             the three Gluon fast-path checks (byte equality + timing)
 # (two calls: together they exceed one call's 10 minutes). Results and logs go under $OUT.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -23,6 +24,11 @@ if [ "$part" = tests ]; then
   timeout -s INT 150 compute-sanitizer --tool memcheck --error-exitcode 3 \
     python3 tests/gpu/sanitize_cases.py --quick --no-large > "$OUT/memcheck.log" 2>&1
   echo "memcheck rc=$?"; tail -n 2 "$OUT/memcheck.log"
+elif [ "$part" = gluon ]; then
+  for c in gluon_check gluon_check_mla_tail gluon_check_index; do
+    timeout 150 python3 benchmarks/$c.py --out "$OUT" > "$OUT/$c.log" 2>&1
+    echo "$c rc=$?"; grep -E "summary|wrote" "$OUT/$c.log" | cut -c1-300
+  done
 elif [ "$part" = quick ]; then
   KVFUSE_TEST_GPU=1 timeout -s INT 200 python3 -m pytest -q -s -rf -p no:cacheprovider \
     tests/gpu/test_gpu_gluon.py tests/gpu/test_gpu_launcher.py tests/gpu/test_gpu_streams.py tests/gpu/test_gpu_compile_graphs.py \
