@@ -14,6 +14,7 @@ from kvfuse import CastArgs, KVCacheFormat
 from kvfuse.kernels import fused as fused_kernels
 from kvfuse.kernels import gluon_main_fp8 as G
 from kvfuse.plan import build_plan
+from helpers import CountingKernel
 from kernel_cases import Case, build
 
 MAIN = kvfuse.formats.MAIN_FP8
@@ -133,3 +134,43 @@ def test_decode_sizes_follow_min_rows(monkeypatch):
     assert fused_kernels.fast_path(plan_of(main_case(n=6))) is G
     from kvfuse.kernels import gluon_index, gluon_mla_tail
     assert gluon_mla_tail.MIN_ROWS == gluon_index.MIN_ROWS == 513
+
+
+def test_a_rejected_call_runs_the_plain_kernel(monkeypatch):
+    """The dispatch wiring around a fast path's per-call guard, in the interpreter: a stand-in fast
+    path (the plain kernel's own launch parts under the fast path's guard) takes word-aligned x; a
+    call whose x is 2 bytes off is rejected by the guard and runs the plain kernel uncached. Both
+    give the reference's bytes."""
+    taken = []
+    stand_in = CountingKernel(fused_kernels.fused_kernel)     # launches through the kept (guarded) launch
+
+    def plan_launch(plan, tensor):
+        taken.append(plan.x.data_ptr())
+        return ("fused_kernel", *fused_kernels.fused_args(plan, tensor), {"fused_kernel": stand_in})
+    monkeypatch.setattr(fused_kernels, "GLUON", True)
+    monkeypatch.setattr(fused_kernels, "FAST_PATHS", (G,))
+    monkeypatch.setattr(G, "plan_launch", plan_launch)
+    kvfuse.plan.clear_plan_cache()
+    n, fmt = 3, MAIN
+    g = torch.Generator().manual_seed(5)
+    big = (torch.randn(n * 512 + 2, generator=g) * 3).to(torch.bfloat16)
+    w = (torch.rand(512, generator=g) * 2).to(torch.bfloat16)
+    ang = torch.rand(16, 32, generator=g) * 6
+    rope = kvfuse.RopeArgs(torch.tensor([1, 5, 9]), torch.cat([ang.cos(), ang.sin()], 1), 64, True)
+    slots = torch.tensor([4, 0, 7])
+    for offset, guarded_launches in ((0, 1), (1, 1), (0, 2)):
+        x = big[offset:offset + n * 512].view(n, 512)
+        caches = []
+        for backend in ("triton", "reference"):
+            cache = fmt.allocate(2, 4)
+            storage = cache.as_strided((cache.untyped_storage().nbytes(),), (1,), 0)
+            storage.copy_(torch.randint(0, 256, storage.shape, dtype=torch.uint8,
+                                        generator=torch.Generator().manual_seed(6)))
+            with kvfuse.use_backend(backend):
+                kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(
+                    x, kvfuse.NormArgs(w), rope, None, CastArgs.from_cache_format(fmt),
+                    kvfuse.KVCacheOutArgs(cache, slots, layout=fmt))
+            caches.append(storage)
+        assert torch.equal(caches[0], caches[1]), f"x offset {offset}"
+        assert len(taken) == 1                    # one launch kept for the signature
+        assert stand_in.launches == guarded_launches, "the rejected call must not use the kept launch"

@@ -185,3 +185,24 @@ def test_the_interpreter_never_launches_directly():
     from kvfuse.kernels import fused
     if fused.INTERPRET:
         assert fused.DIRECT_LAUNCH is False
+
+
+def test_guard_is_checked_only_off_the_direct_path(env):
+    """A fast path's 4-byte-word guard: a call it rejects launches nothing and says so (the caller
+    runs the plain kernel); the direct path (every pointer 16-byte aligned) implies it."""
+    kernel = FakeKernel()
+    launch, _ = make_launch(kernel)
+    calls = []
+
+    def word_aligned(a, b):
+        calls.append((a.ptr, b.ptr))
+        return not ((a.ptr | b.ptr) & 3)
+    launch.guard = (word_aligned, 0, 1)
+    assert launch.run((FakeTensor(0), FakeTensor(0))) is True       # through Triton: guard checked
+    assert len(calls) == 1 and len(kernel.calls) == 1
+    assert launch.run((FakeTensor(16), FakeTensor(32))) is True     # direct: guard not needed
+    assert len(calls) == 1 and len(kernel.compiled.runs) == 1
+    assert launch.run((FakeTensor(2), FakeTensor(0))) is False      # rejected: nothing launched
+    assert len(kernel.calls) == 1 and len(kernel.compiled.runs) == 1
+    assert launch.run((FakeTensor(4), FakeTensor(0))) is True       # 4-aligned, not 16: Triton's path
+    assert len(kernel.calls) == 2

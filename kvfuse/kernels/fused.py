@@ -630,13 +630,13 @@ def fast_path(plan: Plan):
 def fused_launch(plan: Plan, tensor_index: dict, num_tensors: int) -> Launch:
     """The fused kernel's launch for ``plan``, its tensors left open (see Launch): a Gluon fast
     path where one applies (whose reads of x and the weight as 4-byte words are checked per call:
-    ``fast_path_check``), else the plain kernel."""
+    ``Launch.guard``), else the plain kernel."""
     module = fast_path(plan)
     if module is not None:
         name, grid, args, options, namespace = module.plan_launch(plan, tensor_arg)
         launch = Launch(name, grid, args, options, tensor_index, num_tensors, namespace, allow_direct=DIRECT_LAUNCH)
         x_at = tensor_index["x"]
-        launch.fast_path_check = (module.word_aligned, x_at, tensor_index.get("weight", x_at))
+        launch.guard = (module.word_aligned, x_at, tensor_index.get("weight", x_at))
         return launch
     return Launch("fused_kernel", *fused_args(plan, tensor_arg), tensor_index, num_tensors, globals(),
                   allow_direct=DIRECT_LAUNCH)
@@ -674,13 +674,9 @@ def run_template(template, tensors: tuple) -> None:
             if len(launches) >= LAUNCHES_PER_TEMPLATE:
                 launches.clear()
             launches[n] = launch
-    if launch.fast_path_check is not None:
-        aligned, i, j = launch.fast_path_check
-        if not aligned(tensors[i], tensors[j]):
-            # x or the weight is not 4-byte aligned for this call: the plain kernel, launched uncached
-            run_plan(template.bind(tensors), plain=True)
-            return
-    launch.run(tensors)
+    if not launch.run(tensors):
+        # a fast path's guard failed (x or the weight not 4-byte aligned): the plain kernel, uncached
+        run_plan(template.bind(tensors), plain=True)
 
 
 # --------------------------------------------------------------------------- store / load

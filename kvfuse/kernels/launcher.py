@@ -109,7 +109,7 @@ class Launch:
     looked up by name in ``namespace`` at each launch (tests and benchmarks swap kernel objects)."""
 
     __slots__ = ("kernel_name", "namespace", "grid", "pick", "constants", "options", "tensor_at", "direct",
-                 "allow_direct", "fast_path_check")
+                 "allow_direct", "guard")
 
     def __init__(self, kernel_name: str, grid: tuple, args: tuple, options: dict, tensor_index: dict,
                  num_tensors: int, namespace: dict, stand_in: str = "x", allow_direct: bool = False):
@@ -130,20 +130,26 @@ class Launch:
         self.tensor_at = tuple(i for i, a in enumerate(args) if isinstance(a, PlanTensor))
         self.direct = None
         self.allow_direct = allow_direct
-        # a Gluon fast path's per-call check: (check(x, weight) -> bool, x's and the weight's positions)
-        self.fast_path_check = None
+        # a per-call precondition weaker than 16-byte pointer alignment (a Gluon fast path reads x and
+        # the weight as 4-byte words): (check(a, b) -> bool, a's and b's positions in the tensors)
+        self.guard = None
 
-    def run(self, tensors: tuple) -> None:
+    def run(self, tensors: tuple) -> bool:
+        """Launch with this call's tensors; False (nothing launched) when the guard rejects them."""
         kernel = self.namespace[self.kernel_name]
         args = self.pick(tensors + self.constants)
         direct = self.direct
         if (direct is not None and direct.kernel is kernel and _all_aligned(args, self.tensor_at)
                 and _current_device() == direct.device):
-            direct.launch(args)
-            return
+            direct.launch(args)        # every pointer 16-byte aligned: the guard holds too
+            return True
+        guard = self.guard
+        if guard is not None and not guard[0](tensors[guard[1]], tensors[guard[2]]):
+            return False
         compiled = kernel[self.grid](*args, **self.options)
         if self.allow_direct and direct is None:
             self.direct = self._direct_for(kernel, compiled, args)
+        return True
 
     def _direct_for(self, kernel, compiled, args: tuple):
         """The DirectLaunch for the kernel Triton just compiled or found for ``args``, when those
