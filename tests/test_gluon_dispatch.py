@@ -174,3 +174,14 @@ def test_a_rejected_call_runs_the_plain_kernel(monkeypatch):
         assert torch.equal(caches[0], caches[1]), f"x offset {offset}"
         assert len(taken) == 1                    # one launch kept for the signature
         assert stand_in.launches == guarded_launches, "the rejected call must not use the kept launch"
+
+
+def test_bind_tensors_replaces_plan_tensor_slots_only():
+    from kvfuse.kernels import gluon_common
+    from kvfuse.kernels.launcher import tensor_arg
+    x, w = torch.zeros(2), torch.ones(2)
+    args = (tensor_arg("x"), 7, tensor_arg("weight"), 0.5, w)
+    assert gluon_common.bind_tensors(args, {"x": x, "weight": w}) == (x, 7, w, 0.5, w)
+    plan = plan_of(main_case())
+    named = gluon_common.plan_tensors(plan)
+    assert named["x"] is plan.x and named["kv_cache"] is plan.kv_cache and named["weight"] is plan.weight

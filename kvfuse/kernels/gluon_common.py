@@ -10,6 +10,8 @@ import os
 
 import torch
 
+from .launcher import PlanTensor
+
 try:
     import triton
     from triton.experimental import gluon
@@ -69,6 +71,18 @@ def resident_ctas_per_sm(compiled, num_warps: int, device_index: int) -> int:
     regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256     # allocated per warp in units of 256
     warps = min(warps_per_sm, regs_per_sm // regs_per_warp)
     return max(1, min(MAX_CTAS_PER_SM, warps // num_warps))
+
+
+def bind_tensors(args: tuple, tensors: dict) -> tuple:
+    """``args`` with each launcher.PlanTensor replaced by ``tensors[field]`` (everything else, tensors
+    already in place included, as it is): the real arguments a compile for the occupancy needs."""
+    return tuple(tensors[a.field] if isinstance(a, PlanTensor) else a for a in args)
+
+
+def plan_tensors(plan) -> dict:
+    """The tensors the Gluon kernels take, by field, from a validated plan."""
+    return {"x": plan.x, "weight": plan.weight, "positions": plan.positions, "cos_sin": plan.cos_sin,
+            "slot_mapping": plan.slot_mapping, "kv_cache": plan.kv_cache}
 
 
 def cached_ctas_per_sm(kernel, known: dict, key, real_args, constexprs: dict, options: dict, device_index: int) -> int:

@@ -94,8 +94,8 @@ from __future__ import annotations
 import torch
 
 from . import gluon_common
-from .gluon_common import (INT32_LIMIT, allowed_by_env, available, cached_ctas_per_sm, compile_options,
-                           device_index_of, gl, gluon, log2_block, persistent_grid)
+from .gluon_common import (INT32_LIMIT, allowed_by_env, available, bind_tensors, cached_ctas_per_sm,
+                           compile_options, device_index_of, gl, gluon, log2_block, persistent_grid, plan_tensors)
 
 HEAD_DIM = 128
 ROTARY_DIM = 64
@@ -579,9 +579,8 @@ def _grid(plan, args, constexprs: dict, options: dict) -> tuple:
     device_index = device_index_of(x)
     key = (device_index, plan.weight.dtype, plan.positions.dtype, plan.cos_sin.dtype, plan.slot_mapping.dtype,
            tuple(constexprs.items()), num_warps)
-    real = (x[:, 0, :], args[1], plan.weight, args[3], plan.positions, args[5], plan.cos_sin, args[7], args[8],
-            plan.slot_mapping, args[10], plan.kv_cache, *args[12:])
-    per_sm = cached_ctas_per_sm(index_write_kernel, _resident, key, real, constexprs, options, device_index)
+    per_sm = cached_ctas_per_sm(index_write_kernel, _resident, key, bind_tensors(args, plan_tensors(plan)),
+                                constexprs, options, device_index)
     tiles = -(-x.shape[0] // (4 * constexprs["ROWS_PER_THREAD"] * num_warps))
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
     return persistent_grid(tiles, per_sm, sms)

@@ -47,8 +47,8 @@ from __future__ import annotations
 import torch
 
 from . import gluon_common
-from .gluon_common import (INT32_LIMIT, allowed_by_env, available, cached_ctas_per_sm, compile_options,
-                           device_index_of, gl, gluon, log2_block, persistent_grid)
+from .gluon_common import (INT32_LIMIT, allowed_by_env, available, bind_tensors, cached_ctas_per_sm,
+                           compile_options, device_index_of, gl, gluon, log2_block, persistent_grid)
 
 HEAD_DIM = 512
 RECORD_BYTES = 532           # 512 codes + 16 scales + 4 reserved (never written)
@@ -310,8 +310,8 @@ def _launch_parts(tensor, n: int, eps: float, x, weight, positions, cos_sin, slo
     if not per_sm:
         key = (device_index, x.dtype, weight.dtype, positions.dtype, cos_sin.dtype, slot_mapping.dtype,
                tuple(constexprs.items()), num_warps)
-        real = (x, x.stride(0) // 2, weight, float(eps), positions, positions.stride(0), cos_sin, cos_sin.stride(0),
-                cos_sin.shape[0], slot_mapping, slot_mapping.stride(0), kv_cache, *args[12:])
+        real = bind_tensors(args, dict(x=x, weight=weight, positions=positions, cos_sin=cos_sin,
+                                       slot_mapping=slot_mapping, kv_cache=kv_cache))
         per_sm = cached_ctas_per_sm(main_fp8_kernel, _resident, key, real, constexprs, options, device_index)
     tiles = -(-n // (rows_per_warp * num_warps))
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count

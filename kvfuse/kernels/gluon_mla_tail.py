@@ -73,9 +73,8 @@ from __future__ import annotations
 import torch
 
 from . import gluon_common
-from .gluon_common import (INT32_LIMIT, allowed_by_env, available, cached_ctas_per_sm, compile_options,
-                           device_index_of, gl, gluon, log2_block, persistent_grid)
-from .launcher import PlanTensor
+from .gluon_common import (INT32_LIMIT, allowed_by_env, available, bind_tensors, cached_ctas_per_sm,
+                           compile_options, device_index_of, gl, gluon, log2_block, persistent_grid, plan_tensors)
 
 ROTARY_DIM = 64
 TAIL_DIM = 64                 # the bf16 tail = the RoPE columns
@@ -362,10 +361,8 @@ def launch_parts(plan, tensor, num_warps: int, rows_per_warp: int, pipeline: boo
         if not per_sm:
             key = (device_index, x.dtype, plan.weight.dtype, plan.positions.dtype, plan.cos_sin.dtype,
                    plan.slot_mapping.dtype, tuple(constexprs.items()), num_warps)
-            real = {"x": plan.x, "weight": plan.weight, "positions": plan.positions, "cos_sin": plan.cos_sin,
-                    "slot_mapping": plan.slot_mapping, "kv_cache": cache}
-            real_args = tuple(real[arg.field] if isinstance(arg, PlanTensor) else arg for arg in args)
-            per_sm = cached_ctas_per_sm(mla_tail_kernel, _resident, key, real_args, constexprs, options, device_index)
+            per_sm = cached_ctas_per_sm(mla_tail_kernel, _resident, key, bind_tensors(args, plan_tensors(plan)),
+                                        constexprs, options, device_index)
         if sm_count is None:
             sm_count = torch.cuda.get_device_properties(device_index).multi_processor_count
     tiles = -(-n // (rows_per_warp * num_warps))
