@@ -363,75 +363,43 @@ def layout_cases():
         yield f"contiguous {cast.cast_fmt}/{cast.num_per_channels}/{cast.sf_format}, padded q/sf", spec
 
 
-def gluon_cases(large):
-    """The Gluon MAIN_FP8 fast path's chain (norm, NEOX RoPE on the last 64, no Hadamard, no stage
-    copy): adversarial slots and positions, non-finite rows, a cache ending at its allocation's
-    end (base 4-aligned: the fast path; +2: the plain kernel), every launch-table row (1 warp,
-    4 warps, the pipelined persistent loop) and a large batch."""
-    fmt = formats.MAIN_FP8
-    kw = dict(hadamard=False, rope_dim=64, neox=True, out_stage=None)
-    cap = 12
-    for dt in (torch.int32, torch.int64):
-        s = adversarial_slots(cap, dt)
-        yield f"gluon chain adversarial slots {str(dt)[6:]}", fused_spec(fmt, s.numel(), 1, 31, s, **kw)
-    P = 24
-    pos = torch.tensor([I64_MIN, I64_MAX, 2 ** 32 + 1, -1, P, 3, 17, P - 1], dtype=torch.int64)
-    yield "gluon chain positions out of range", fused_spec(fmt, pos.numel(), 1, 32, torch.randperm(cap)[:pos.numel()],
-                                                           pos=pos, P=P, **kw)
-    x = random_bf16((6, 1, 512), seed=33)
-    x[1, 0, 3] = float("nan")
-    x[3, 0, 511] = float("inf")
-    x[4] = float("-inf")
-    yield "gluon chain NaN/inf rows", fused_spec(fmt, 6, 1, 33, torch.tensor([3, 11, 0, 7, 5, 9]), x=x,
-                                                 bad_rows=(1, 3, 4), **kw)
-    for before in (0, 4, 2):
-        c = make_cache(fmt, 2, 3, 1, token_padding=24, block_padding=64, before=before, after=0, seed=34)
-        yield f"gluon chain cache at the end of its allocation, base +{before}", fused_spec(
-            fmt, 4, 1, 34, torch.tensor([5, 0, 2, -1]), cache=c, **kw)
-    for n in [1, 700, 4099] + ([70000] if large else []):
-        bs = 64
-        nb = n // bs + 2
-        g = torch.Generator().manual_seed(n + 35)
-        slots = torch.randperm(nb * bs, generator=g)[:n]
-        slots = torch.where(torch.rand(n, generator=g) < 0.1, torch.tensor(-1), slots)
-        c = make_cache(fmt, nb, bs, 1, block_padding=32, after=0, seed=n)
-        yield f"gluon chain n={n}", fused_spec(fmt, n, 1, n + 35, slots, pos=torch.randint(-2, 66, (n,), generator=g),
-                                               cache=c, **kw)
-
-
 def fast_chain_cases(large):
-    """The bench's write chain (norm, NEOX RoPE on the last 64, no Hadamard, no stage copy) for the
-    formats other Gluon fast paths target (kvfuse/kernels/gluon_mla_tail.py, gluon_index.py; they run
-    from 513 rows, the plain kernel below): adversarial slots, positions
-    out of range, non-finite rows, a cache ending at its allocation's end, several batch sizes."""
+    """The bench's write chain (norm, NEOX RoPE on the last 64, no Hadamard, no stage copy) that the
+    Gluon fast paths take (kvfuse/kernels/gluon_*.py: MAIN_FP8 at every size, the FlashMLA and index
+    formats from 513 rows, the plain kernel otherwise): adversarial slots and positions, non-finite
+    rows, a cache ending at its allocation's end (base +0 / +4: the fast paths where their alignment
+    allows; +2: the plain kernel), every launch-table row and a large batch."""
     kw = dict(hadamard=False, rope_dim=64, neox=True, out_stage=None)
-    for fmt in (formats.FLASHMLA_V32, formats.FLASHMLA_MODEL1, formats.INDEX_MXFP4, formats.INDEX_NVFP4,
-                formats.INDEX_FP8_FP32, formats.INDEX_MXFP8):
-        D = fmt.head_dim
-        s = adversarial_slots(12, torch.int64)
-        yield f"fast chain {fmt.name} adversarial slots", fused_spec(fmt, s.numel(), 1, 41, s, **kw)
-        P = 24
-        pos = torch.tensor([I64_MIN, I64_MAX, -1, P, 3, 17, P - 1], dtype=torch.int64)
-        yield f"fast chain {fmt.name} positions out of range", fused_spec(
-            fmt, pos.numel(), 1, 42, torch.randperm(12)[:pos.numel()], pos=pos, P=P, **kw)
+    P = 24
+    for fmt in (formats.MAIN_FP8, formats.FLASHMLA_V32, formats.FLASHMLA_MODEL1, formats.INDEX_MXFP4,
+                formats.INDEX_NVFP4, formats.INDEX_FP8_FP32, formats.INDEX_MXFP8):
+        D, name = fmt.head_dim, f"fast chain {fmt.name}"
+        for dt in (torch.int32, torch.int64):
+            s = adversarial_slots(12, dt)
+            yield f"{name} adversarial slots {str(dt)[6:]}", fused_spec(fmt, s.numel(), 1, 41, s, **kw)
+        pos = torch.tensor([I64_MIN, I64_MAX, 2 ** 32 + 1, -1, P, 3, 17, P - 1], dtype=torch.int64)
+        yield f"{name} positions out of range", fused_spec(fmt, pos.numel(), 1, 42, torch.randperm(12)[:pos.numel()],
+                                                           pos=pos, P=P, **kw)
         x = random_bf16((6, 1, D), seed=43)
         x[1, 0, 3] = float("nan")
         x[3, 0, D - 1] = float("inf")
         x[4] = float("-inf")
-        yield f"fast chain {fmt.name} NaN/inf rows", fused_spec(fmt, 6, 1, 43, torch.tensor([3, 11, 0, 7, 5, 9]), x=x,
-                                                               bad_rows=(1, 3, 4), **kw)
-        c = make_cache(fmt, 2, 3, 1, block_padding=64, before=0, after=0, seed=44)
-        yield f"fast chain {fmt.name} cache at the end of its allocation", fused_spec(
-            fmt, 4, 1, 44, torch.tensor([5, 0, 2, -1]), cache=c, **kw)
-        for n in [700, 4099] + ([70000] if large else []):
+        yield f"{name} NaN/inf rows", fused_spec(fmt, 6, 1, 43, torch.tensor([3, 11, 0, 7, 5, 9]), x=x,
+                                                 bad_rows=(1, 3, 4), **kw)
+        for before in (0, 4, 2):
+            c = make_cache(fmt, 2, 3, 1, token_padding=24 if fmt.token_interleaved else 0, block_padding=64,
+                           before=before, after=0, seed=44)
+            yield f"{name} cache at the end of its allocation, base +{before}", fused_spec(
+                fmt, 4, 1, 44, torch.tensor([5, 0, 2, -1]), cache=c, **kw)
+        for n in [1, 700, 4099] + ([70000] if large else []):
             bs = 64
             nb = n // bs + 2
             g = torch.Generator().manual_seed(n + 45)
             slots = torch.randperm(nb * bs, generator=g)[:n]
             slots = torch.where(torch.rand(n, generator=g) < 0.1, torch.tensor(-1), slots)
             c = make_cache(fmt, nb, bs, 1, block_padding=32, after=0, seed=n)
-            yield f"fast chain {fmt.name} n={n}", fused_spec(fmt, n, 1, n + 45, slots,
-                                                             pos=torch.randint(-2, 66, (n,), generator=g), cache=c, **kw)
+            yield f"{name} n={n}", fused_spec(fmt, n, 1, n + 45, slots, pos=torch.randint(-2, 66, (n,), generator=g),
+                                              cache=c, **kw)
 
 
 def force_config_cases():
@@ -463,7 +431,6 @@ def main(argv=None):
         cases += [(nm, sp, None) for nm, sp in per_format_cases(fmt, a.quick)]
     cases += [(nm, sp, None) for nm, sp in batch_cases(large)]
     cases += [(nm, sp, None) for nm, sp in layout_cases()]
-    cases += [(nm, sp, None) for nm, sp in gluon_cases(large)]
     cases += [(nm, sp, None) for nm, sp in fast_chain_cases(large)]
     if not a.quick:
         cases += list(force_config_cases())
