@@ -50,7 +50,7 @@ def route(module, table) -> None:
 
 def cache_bytes(call, inp) -> torch.Tensor:
     """The cache storage after one call on a cache poisoned with fixed random bytes."""
-    g = torch.Generator(device=inp.kv_cache.device).manual_seed(1)
+    g = torch.Generator(device=inp.cache.device).manual_seed(1)
     storage = inp.cache
     storage.copy_(torch.randint(0, 256, storage.shape, dtype=torch.uint8, device=storage.device, generator=g))
     call()

@@ -142,9 +142,9 @@ def test_odd_x_row_stride_is_not_eligible():
 
 
 def test_launch_table():
-    assert GI.launch_table(1) == (1, 1, False) and GI.launch_table(512) == (1, 1, False)
-    assert GI.launch_table(4096) == (4, 1, False) and GI.launch_table(16384) == (4, 1, False)
-    assert GI.launch_table(65536) == (1, 1, True) and GI.launch_table(262144) == (1, 1, True)
+    assert GI.launch_table(2) == (4, 1, False) and GI.launch_table(16384) == (4, 1, False)
+    assert GI.launch_table(16385) == (2, 1, False) and GI.launch_table(65536) == (2, 1, False)
+    assert GI.launch_table(65537) == (4, 2, True) and GI.launch_table(262144) == (4, 2, True)
     for n in (1, 3, 300, 513, 4097, 20000, 1 << 20):
         nw, rpt, pipe = GI.launch_table(n)
         assert nw in (1, 2, 4, 8) and rpt in (1, 2) and isinstance(pipe, bool)

@@ -118,9 +118,9 @@ def test_word_alignment_is_per_call():
 
 
 def test_launch_table():
-    assert G.launch_table(1) == (1, 1, False) and G.launch_table(512) == (1, 1, False)
+    assert G.launch_table(1) == (2, 1, False) and G.launch_table(512) == (2, 1, False)
     assert G.launch_table(4096) == (4, 1, False) and G.launch_table(16384) == (4, 1, False)
-    assert G.launch_table(65536) == (1, 1, True) and G.launch_table(262144) == (1, 1, True)
+    assert G.launch_table(16385) == (2, 2, False) and G.launch_table(262144) == (2, 2, False)
     for n in (1, 2, 300, 513, 4097, 16385, 1 << 20):
         num_warps, rows_per_warp, pipeline = G.launch_table(n)
         assert num_warps in (1, 2, 4, 8) and rows_per_warp in (1, 2, 4) and isinstance(pipeline, bool)
@@ -156,7 +156,7 @@ def test_launch_parts_fill_every_parameter_in_order(fmt):
     assert constexprs["LOG2_BLOCK"] == 4 and constexprs["SLOT32"] and constexprs["OFFSETS32"]
     assert (constexprs["QUANT_DIM"], constexprs["GROUP"], constexprs["SF_FP32"]) == (
         (512, 128, True) if fmt is V32 else (448, 64, False))
-    assert grid == (min(300, 132 * 4),)
+    assert grid == (150,)                           # 300 rows in tiles of 2 (two one-row warps)
     # a non-power-of-two block size divides; every argument but the tensors is a plain number
     plan24 = plan_of(mla_case(fmt, n=50, block_size=24))
     _, args24, constexprs24, _ = G.launch_parts(plan24, tensor_arg, 1, 1, False, ctas_per_sm=1, sm_count=8)
@@ -172,7 +172,7 @@ def test_plan_launch_shape(fmt, monkeypatch):
     monkeypatch.setattr(G, "launch_parts", lambda *a: real(*a, ctas_per_sm=2, sm_count=4))
     name, grid, args, kwargs, namespace = G.plan_launch(plan, tensor_arg)
     assert name == "mla_tail_kernel" and namespace[name] is G.mla_tail_kernel
-    assert grid == (7,) and kwargs["num_warps"] == 1 and kwargs["PIPELINE"] is False
+    assert grid == (4,) and kwargs["num_warps"] == 2 and kwargs["PIPELINE"] is False   # 7 rows, tiles of 2
 
 
 def test_dispatch_follows_eligibility_and_force_config(monkeypatch):

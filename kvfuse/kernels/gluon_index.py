@@ -534,15 +534,19 @@ def chain_of(plan):
 
 
 def launch_table(n_rows: int):
-    """(num_warps, rows_per_thread, pipeline) per batch size. A warp holds 4 rows of 128 (the bytes
-    of one MAIN_FP8 row), so this starts from gluon_main_fp8's table as measured on the H200 (one
-    one-warp tile per CTA at decode sizes, four warps around n = 4096, one warp loading its next
-    tile ahead at n >= 65536); not yet tuned for this kernel (benchmarks/gluon_check_index.py)."""
-    if n_rows <= 512:
-        return 1, 1, False
+    """(num_warps, rows_per_thread, pipeline) per batch size, from the H200 sweep of session 4
+    (benchmarks/gluon_tune.py; benchmarks/results/2026-11-29_h200_s4_gluon_tune.txt; a warp holds
+    4 * rows_per_thread rows): four one-row-per-thread warps up to n = 16384 (best or within 0.05 us
+    at n = 256 and 4096 for all three formats), two warps, no pipeline, around n = 65536 (MXFP4
+    11.3 us against 12.4 with the session-3 table), four warps of two rows per thread loading their
+    next tile ahead above (at n = 262144: MXFP4 41.7 us = 88.6% of copy, NVFP4 47.4 us = 78.4%,
+    FP8_FP32 33.6 us, against 52.3 / 51.1 / 47.2 us with the session-3 table's one pipelined warp).
+    The thresholds between the measured sizes (1, 256, 4096, 65536, 262144) are not tuned."""
     if n_rows <= 16384:
         return 4, 1, False
-    return 1, 1, True
+    if n_rows <= 65536:
+        return 2, 1, False
+    return 4, 2, True
 
 
 def launch_args(plan, tensor, num_warps: int, rows_per_thread: int, pipeline: bool):
@@ -594,10 +598,11 @@ def enabled() -> bool:
     return allowed_by_env("index") and available()
 
 
-# decode sizes stay on the plain kernel's one-row EARLY programs, close to this kernel there
-# (MXFP4 0.15 / FP8_FP32 0.07 us faster on the plain kernel at n = 1, NVFP4 0.11 slower)
-# (benchmarks/results/2026-11-29_h200_s3_gluon_check_*.txt)
-MIN_ROWS = 513
+# one-row calls stay on the plain kernel's EARLY program, mixed against this kernel there (n = 1:
+# plain 1.75 / 1.79 / 2.15 us for MXFP4 / FP8_FP32 / NVFP4, this kernel's best 1.94 / 1.83 / 1.93); from
+# two rows on this kernel (n = 256: 2.08 / 1.95 / 2.06 us against the plain kernel's 2.34 / 1.99 / 2.37;
+# benchmarks/results/2026-11-29_h200_s4_gluon_tune.txt)
+MIN_ROWS = 2
 
 
 def eligible(plan) -> bool:

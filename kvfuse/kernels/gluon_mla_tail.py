@@ -320,15 +320,18 @@ def format_constexprs(fmt):
 
 
 def launch_table(n_rows: int):
-    """(num_warps, rows_per_warp, pipeline) per batch size: the Gluon MAIN_FP8 kernel's table
-    (measured there on the H200; these rows have the same one-warp-per-row shape and ~the same bytes
-    per row), to be re-measured for the FlashMLA rows: one one-warp row per CTA at decode sizes,
-    four warps around n = 4096, one warp loading its next tile ahead (pipeline) at n >= 65536."""
+    """(num_warps, rows_per_warp, pipeline) per batch size, from the H200 sweep of session 4
+    (benchmarks/gluon_tune.py; benchmarks/results/2026-11-29_h200_s4_gluon_tune.txt): two one-row
+    warps per CTA at decode sizes (n = 1: 1.70 / 1.73 us for V32 / MODEL1 against 1.76 / 1.84 with
+    one warp), four warps around n = 4096, two warps of two rows each, no pipeline, for large n
+    (V32 at n = 262144: 145.1 us = 89.7% of copy, against 195.8 us with the session-3 table's one
+    pipelined warp; MODEL1 128.2 us). The thresholds between the measured sizes (1, 256, 4096,
+    65536, 262144) are not tuned."""
     if n_rows <= 512:
-        return 1, 1, False
+        return 2, 1, False
     if n_rows <= 16384:
         return 4, 1, False
-    return 1, 1, True
+    return 2, 2, False
 
 
 def launch_parts(plan, tensor, num_warps: int, rows_per_warp: int, pipeline: bool, ctas_per_sm: int = None,
@@ -377,10 +380,10 @@ def enabled() -> bool:
     return allowed_by_env("mla_tail") and available()
 
 
-# decode sizes stay on the plain kernel's one-row EARLY programs, close to this kernel there
-# (MODEL1 0.22 us faster on the plain kernel at n = 1, V32 0.11 slower)
-# (benchmarks/results/2026-11-29_h200_s3_gluon_check_*.txt)
-MIN_ROWS = 513
+# faster than (or within 0.02 us of) the plain kernel at every measured size with the session-4
+# table (n = 1: V32 1.70 vs 1.87 us, MODEL1 1.73 vs 1.75; n = 256: V32 2.15 vs 2.30, MODEL1 1.96 vs
+# 1.94; benchmarks/results/2026-11-29_h200_s4_gluon_tune.txt)
+MIN_ROWS = 1
 
 
 def eligible(plan) -> bool:

@@ -365,8 +365,8 @@ def layout_cases():
 
 def fast_chain_cases(large):
     """The bench's write chain (norm, NEOX RoPE on the last 64, no Hadamard, no stage copy) that the
-    Gluon fast paths take (kvfuse/kernels/gluon_*.py: MAIN_FP8 at every size, the FlashMLA and index
-    formats from 513 rows, the plain kernel otherwise): adversarial slots and positions, non-finite
+    Gluon fast paths take (kvfuse/kernels/gluon_*.py: MAIN_FP8 and the FlashMLA formats at every size,
+    the index formats from 2 rows, the plain kernel otherwise): adversarial slots and positions, non-finite
     rows, a cache ending at its allocation's end (base +0 / +4: the fast paths where their alignment
     allows; +2: the plain kernel), every launch-table row and a large batch."""
     kw = dict(hadamard=False, rope_dim=64, neox=True, out_stage=None)
@@ -391,7 +391,7 @@ def fast_chain_cases(large):
                            before=before, after=0, seed=44)
             yield f"{name} cache at the end of its allocation, base +{before}", fused_spec(
                 fmt, 4, 1, 44, torch.tensor([5, 0, 2, -1]), cache=c, **kw)
-        for n in [1, 700, 4099] + ([70000] if large else []):
+        for n in [1, 700, 4099, 20000] + ([70000] if large else []):
             bs = 64
             nb = n // bs + 2
             g = torch.Generator().manual_seed(n + 45)
