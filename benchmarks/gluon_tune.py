@@ -23,18 +23,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kvfuse.plan  # noqa: E402
 from kvfuse import bench  # noqa: E402
-from kvfuse.kernels import fused, gluon_index, gluon_main_fp8, gluon_mla_tail  # noqa: E402
+from kvfuse.kernels import fused, gluon_index, gluon_main_fp4, gluon_main_fp8, gluon_mla_tail  # noqa: E402
 
-MODULES = {"main_fp8": gluon_main_fp8, "flashmla_v32": gluon_mla_tail, "flashmla_model1": gluon_mla_tail,
-           "index_fp8_fp32": gluon_index, "index_mxfp4": gluon_index, "index_nvfp4": gluon_index}
+MODULES = {"main_fp8": gluon_main_fp8, "main_fp4": gluon_main_fp4, "flashmla_v32": gluon_mla_tail,
+           "flashmla_model1": gluon_mla_tail, "index_fp8_fp32": gluon_index, "index_mxfp4": gluon_index,
+           "index_nvfp4": gluon_index, "index_q": gluon_index}
 SIZES = (1, 256, 4096, 65536, 262144)
 
 
-def variants(n: int):
+def variants(n: int, rows=(1, 2)):
     """Decode sizes: one tile per CTA at 1/2/4 warps; larger n: every warps x rows x pipeline mix."""
     if n <= 512:
         return [(nw, 1, False) for nw in (1, 2, 4)]
-    return [(nw, r, p) for nw in (1, 2, 4) for r in (1, 2) for p in (False, True)]
+    return [(nw, r, p) for nw in (1, 2, 4) for r in rows for p in (False, True)]
 
 
 def route(module, table) -> None:
@@ -48,14 +49,16 @@ def route(module, table) -> None:
     kvfuse.plan.clear_plan_cache()
 
 
-def cache_bytes(call, inp) -> torch.Tensor:
-    """The cache storage after one call on a cache poisoned with fixed random bytes."""
-    g = torch.Generator(device=inp.cache.device).manual_seed(1)
-    storage = inp.cache
-    storage.copy_(torch.randint(0, 256, storage.shape, dtype=torch.uint8, device=storage.device, generator=g))
+def written_bytes(call, inp) -> torch.Tensor:
+    """What one call writes (the cache, or the contiguous q and sf), poisoned first with fixed random bytes."""
+    outs = [inp.cache] if inp.cache is not None else [inp.q, inp.sf]
+    g = torch.Generator(device=inp.x.device).manual_seed(1)
+    for t in outs:
+        b = t.view(torch.uint8)
+        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, device=b.device, generator=g))
     call()
     torch.cuda.synchronize()
-    return storage.clone()
+    return torch.cat([t.view(torch.uint8).flatten() for t in outs])
 
 
 def main():
@@ -63,6 +66,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--workloads", default=",".join(MODULES))
     p.add_argument("--n", default=",".join(map(str, SIZES)))
+    p.add_argument("--rows", default="1,2", help="rows per warp (per thread for the index kernel) to try")
     p.add_argument("--budget-s", type=float, default=400.0, help="no new point starts after this")
     args = p.parse_args()
     t0 = time.perf_counter()
@@ -81,13 +85,14 @@ def main():
             call = bench.fused_call(wl, inp)
             nbytes = bench.moved_bytes(wl, n)["total"]
             route(module, None)
-            plain = cache_bytes(call, inp)
+            plain = written_bytes(call, inp)
             plain_us = timer.measure([call]).gpu_us
-            default = originals[module](n)
+            rows_n = n * wl.num_heads                     # the launch tables count (token, head) rows
+            default = originals[module](rows_n)
             point = []
-            for v in variants(n):
+            for v in variants(rows_n, tuple(map(int, args.rows.split(",")))):
                 route(module, lambda _n, v=v: v)
-                got = cache_bytes(call, inp)
+                got = written_bytes(call, inp)
                 if not torch.equal(got, plain):
                     diff = int((got != plain).sum())
                     lines.append(f"{name} n={n} {v}: MISMATCH ({diff} bytes differ from the plain kernel)")

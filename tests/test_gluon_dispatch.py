@@ -81,7 +81,7 @@ def test_dispatch_follows_eligibility_and_force_config(monkeypatch):
 
 def test_every_fast_path_module_has_the_interface():
     for module in fused_kernels.FAST_PATH_MODULES:
-        for name in ("enabled", "available", "eligible", "plan_launch", "word_aligned", "launch_table"):
+        for name in ("enabled", "available", "eligible", "plan_launch", "word_aligned", "call_guard", "launch_table"):
             assert callable(getattr(module, name)), (module.__name__, name)
         assert isinstance(module.MIN_ROWS, int) and module.MIN_ROWS >= 1
 
@@ -105,7 +105,8 @@ def test_plan_fields_it_reads_exist():
 
 @pytest.mark.parametrize("module", fused_kernels.FAST_PATH_MODULES, ids=lambda m: m.__name__.rsplit(".", 1)[1])
 def test_on_where_available_unless_turned_off(module, monkeypatch):
-    name = {"gluon_main_fp8": "main_fp8", "gluon_mla_tail": "mla_tail", "gluon_index": "index"}[
+    name = {"gluon_main_fp8": "main_fp8", "gluon_main_fp4": "main_fp4", "gluon_mla_tail": "mla_tail",
+            "gluon_index": "index"}[
         module.__name__.rsplit(".", 1)[1]]
     monkeypatch.setattr(module, "available", lambda: True)
     monkeypatch.delenv("KVFUSE_GLUON", raising=False)

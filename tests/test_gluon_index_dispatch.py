@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kvfuse
-from kvfuse import KVCacheFormat
+from kvfuse import CastArgs, KVCacheFormat
 from kvfuse import reference as ref
 from kvfuse.kernels import fused as fused_kernels
 from kvfuse.kernels import gluon_index as GI
@@ -160,12 +160,13 @@ def test_argument_table(fmt, chain):
     args, constexprs, options = GI.launch_args(plan, tensor_arg, 4, 1, False)
     cache, a = plan.kv_cache, plan.addressing
     assert [a_.field for a_ in args if hasattr(a_, "field")] == ["x", "weight", "positions", "cos_sin",
-                                                                 "slot_mapping", "kv_cache"]
+                                                                 "slot_mapping", "kv_cache", "kv_cache"]
     numbers = [v for v in args if not hasattr(v, "field")]
     assert numbers == [plan.x.stride(0) // 2, plan.eps, plan.positions.stride(0), plan.cos_sin.stride(0),
                        plan.cos_sin.shape[0], plan.slot_mapping.stride(0), cache.stride(0), a.sf_offset,
-                       a.sf_token_stride, 24, cache.shape[0] * 24, 7]
+                       a.sf_token_stride, 24, cache.shape[0] * 24, 7, 0, 0]
     assert (constexprs["CAST"], constexprs["G"], constexprs["SF"]) == chain
+    assert constexprs["NORM"] and not constexprs["CONTIG"] and constexprs["LOG2_HEADS"] == 0
     assert constexprs["LOG2_BLOCK"] == -1 and constexprs["SLOT32"] and constexprs["OFFSETS32"]
     assert constexprs["W_BF16"] and constexprs["ROWS_PER_THREAD"] == 1 and not constexprs["PIPELINE"]
     assert options == dict(num_warps=4, num_stages=1, enable_fp_fusion=False)
@@ -192,7 +193,7 @@ def test_dispatch_follows_eligibility_and_force_config(monkeypatch):
 
 
 def test_interface():
-    for name in ("enabled", "available", "eligible", "plan_launch", "word_aligned", "launch_table"):
+    for name in ("enabled", "available", "eligible", "plan_launch", "word_aligned", "call_guard", "launch_table"):
         assert callable(getattr(GI, name)), name
 
 
@@ -236,3 +237,82 @@ def test_fp32_e2m1_encoder_gives_the_reference_codes():
     t = torch.cat([bits, near]).view(torch.float32)
     keep = ~torch.isnan(t)
     assert torch.equal(GI.e2m1_fp32_mirror(t)[keep], ref.encode_e2m1(t).to(torch.int32)[keep])
+
+
+# ---------------------------------------------------------------------------------- contiguous (q, sf)
+CASTS = {f.name: CastArgs.from_cache_format(f) for f in INDEX_FORMATS}
+
+
+def q_case(cast=CASTS["INDEX_MXFP4"], **kw):
+    """The indexer's Q: x [n, H, 128], NEOX RoPE on columns 64..127 (no norm), a cast into
+    contiguous (q, sf)."""
+    base = dict(n=3, heads=4, head_dim=128, fmt=None, norm=False, cast=cast, rotary_dim=64, neox=True)
+    return Case(**{**base, **kw})
+
+
+@pytest.mark.parametrize("name", sorted(CASTS))
+def test_contiguous_q_chains_are_eligible(name):
+    cast = CASTS[name]
+    assert GI.eligible(plan_of(q_case(cast)))
+    assert GI.eligible(plan_of(q_case(cast, norm=True, w_fp32=True, heads=64, x_row_pad=8, idx32=True)))
+    assert GI.eligible(plan_of(q_case(cast, heads=1, x2d=True, n=1)))
+
+
+def test_contiguous_q_deviations_are_not_eligible():
+    assert not GI.eligible(plan_of(q_case(heads=3)))                 # heads not a power of two
+    assert not GI.eligible(plan_of(q_case(x_row_pad=1)))             # rows 129 bf16 apart: not whole words
+    assert not GI.eligible(plan_of(q_case(rope_offset=0)))
+    assert not GI.eligible(plan_of(q_case(neox=False)))
+    assert not GI.eligible(plan_of(q_case(conjugate=True)))
+    assert not GI.eligible(plan_of(q_case(hadamard=True)))
+    assert not GI.eligible(plan_of(q_case(cast=CastArgs("e2m1", 32, True, "ue8m0", cast_back=True))))
+    assert not GI.eligible(plan_of(q_case(cast=CastArgs("e4m3", 64, True, "ue8m0"))))   # no such chain
+    plan = plan_of(q_case())
+    q = plan.q_out
+    wide = torch.zeros(q.shape[0], q.shape[1], q.shape[2] + 2, dtype=q.dtype)[..., :q.shape[2]]
+    assert not GI.eligible(recast(plan, q_out=wide))                  # q rows 66 bytes apart: no 32-bit stores
+    heads_apart = torch.zeros(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype).transpose(0, 1)
+    assert not GI.eligible(recast(plan, q_out=heads_apart))           # rows not one evenly spaced sequence
+
+
+def test_contiguous_argument_table():
+    plan = plan_of(q_case(CASTS["INDEX_FP8_FP32"], n=5, heads=8, x_row_pad=8, idx32=True))
+    args, constexprs, options = GI.launch_args(plan, tensor_arg, 2, 1, False)
+    assert [a_.field for a_ in args if hasattr(a_, "field")] == ["x", "weight", "positions", "cos_sin",
+                                                                 "slot_mapping", "q_out", "sf_out"]
+    numbers = [v for v in args if not hasattr(v, "field")]
+    assert numbers == [136 // 2, plan.eps, plan.positions.stride(0), plan.cos_sin.stride(0),
+                       plan.cos_sin.shape[0], 0, 0, 0, 0, 1, 0, 40, 128, 4]
+    assert (constexprs["CAST"], constexprs["G"], constexprs["SF"]) == (1, 128, 3)
+    assert constexprs["CONTIG"] and not constexprs["NORM"] and constexprs["LOG2_HEADS"] == 3
+    kernel = getattr(GI, "index_write_kernel", None)
+    if kernel is not None:
+        names = list(kernel.arg_names)
+        assert len(names) == len(args) + len(constexprs) and names[len(args):] == list(constexprs)
+
+
+def test_contiguous_call_guard():
+    """x (and a weight) 4-byte aligned, q as wide as its code stores, an fp32 sf 4-byte aligned."""
+    plan = plan_of(q_case(CASTS["INDEX_FP8_FP32"], norm=True))
+    check, fields = GI.call_guard(plan)
+    assert fields == ("x", "q_out", "sf_out", "weight")
+    x, q, sf, w = plan.x, plan.q_out, plan.sf_out, plan.weight
+    assert check(x, q, sf, w)
+    buf = torch.zeros(q.numel() + 8, dtype=torch.uint8)
+    assert not check(x, buf[4:4 + q.numel()].view(q.dtype).view(q.shape), sf, w)     # e4m3 codes: 8 bytes
+    xbuf = torch.zeros(x.numel() + 1, dtype=torch.bfloat16)
+    assert not check(xbuf[1:].view(x.shape), q, sf, w)
+    check4, fields4 = GI.call_guard(plan_of(q_case()))                 # e2m1 codes: 4 bytes, byte scales
+    assert fields4 == ("x", "q_out", "sf_out")
+    p4 = plan_of(q_case())
+    qb = torch.zeros(p4.q_out.numel() + 8, dtype=torch.uint8)
+    assert check4(p4.x, qb[4:4 + p4.q_out.numel()].view(p4.q_out.shape), p4.sf_out)
+    assert not check4(p4.x, qb[2:2 + p4.q_out.numel()].view(p4.q_out.shape), p4.sf_out)
+    assert GI.call_guard(plan_of(index_case()))[1] == ("x", "weight")
+
+
+def test_contiguous_dispatch_counts_rows_of_every_head(monkeypatch):
+    monkeypatch.setattr(fused_kernels, "GLUON", True)
+    monkeypatch.setattr(fused_kernels, "FAST_PATHS", (GI,))
+    assert fused_kernels.fast_path(plan_of(q_case(n=1, heads=4))) is GI       # 4 rows >= MIN_ROWS
+    assert fused_kernels.fast_path(plan_of(q_case(n=1, heads=1, x2d=True))) is None

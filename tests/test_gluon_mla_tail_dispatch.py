@@ -199,7 +199,7 @@ def test_main_fp8_is_not_taken_by_this_path_nor_the_mla_chains_by_main_fp8():
 
 
 def test_the_module_has_the_fast_path_interface():
-    for name in ("enabled", "available", "eligible", "plan_launch", "word_aligned", "launch_table"):
+    for name in ("enabled", "available", "eligible", "plan_launch", "word_aligned", "call_guard", "launch_table"):
         assert callable(getattr(G, name)), name
 
 

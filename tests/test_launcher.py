@@ -197,7 +197,7 @@ def test_guard_is_checked_only_off_the_direct_path(env):
     def word_aligned(a, b):
         calls.append((a.ptr, b.ptr))
         return not ((a.ptr | b.ptr) & 3)
-    launch.guard = (word_aligned, 0, 1)
+    launch.guard = (word_aligned, (0, 1))
     assert launch.run((FakeTensor(0), FakeTensor(0))) is True       # through Triton: guard checked
     assert len(calls) == 1 and len(kernel.calls) == 1
     assert launch.run((FakeTensor(16), FakeTensor(32))) is True     # direct: guard not needed

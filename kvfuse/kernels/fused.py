@@ -22,7 +22,7 @@ import triton.language as tl
 from .. import backend as _backend
 from ..formats import FMAX
 from ..plan import LAUNCHES_PER_TEMPLATE, X, Plan
-from . import gluon_index, gluon_main_fp8, gluon_mla_tail
+from . import gluon_index, gluon_main_fp4, gluon_main_fp8, gluon_mla_tail
 from .launcher import Launch, direct_launch_supported, tensor_arg
 from .numerics import (bf16_bits, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3, group_scales, load_f32,
                        round_bf16)
@@ -434,9 +434,10 @@ DIRECT_LAUNCH = direct_launch_supported(INTERPRET)   # see kvfuse/kernels/launch
 # Gluon fast paths (Triton 3.6 on CUDA; KVFUSE_GLUON=0 turns them all off, KVFUSE_GLUON_SKIP=a,b
 # some). Each module gives enabled(), MIN_ROWS (fewer rows stay on the plain kernel), eligible(plan)
 # -> bool, plan_launch(plan, tensor) -> (kernel name, grid, args, keyword args, namespace) and
-# word_aligned(x, weight) -> bool (its per-call check); the first eligible one takes a plan. See
+# call_guard(plan) -> (check, fields): its per-call check, on the call's tensors of those plan fields
+# (4-byte alignment of x and the weight, say); the first eligible one takes a plan. See
 # kvfuse/kernels/gluon_main_fp8.py.
-FAST_PATH_MODULES = (gluon_main_fp8, gluon_mla_tail, gluon_index)
+FAST_PATH_MODULES = (gluon_main_fp8, gluon_main_fp4, gluon_mla_tail, gluon_index)
 FAST_PATHS = () if INTERPRET else tuple(m for m in FAST_PATH_MODULES if m.enabled())
 GLUON = bool(FAST_PATHS)
 # the launch path is hot: plain-Python helpers (triton.next_power_of_2 costs microseconds a call)
@@ -629,14 +630,15 @@ def fast_path(plan: Plan):
 
 def fused_launch(plan: Plan, tensor_index: dict, num_tensors: int) -> Launch:
     """The fused kernel's launch for ``plan``, its tensors left open (see Launch): a Gluon fast
-    path where one applies (whose reads of x and the weight as 4-byte words are checked per call:
-    ``Launch.guard``), else the plain kernel."""
+    path where one applies (whose own precondition, e.g. x and the weight read as 4-byte words, is
+    checked per call: ``Launch.guard``), else the plain kernel."""
     module = fast_path(plan)
     if module is not None:
         name, grid, args, options, namespace = module.plan_launch(plan, tensor_arg)
         launch = Launch(name, grid, args, options, tensor_index, num_tensors, namespace, allow_direct=DIRECT_LAUNCH)
+        check, fields = module.call_guard(plan)
         x_at = tensor_index["x"]
-        launch.guard = (module.word_aligned, x_at, tensor_index.get("weight", x_at))
+        launch.guard = (check, tuple(tensor_index.get(f, x_at) for f in fields))
         return launch
     return Launch("fused_kernel", *fused_args(plan, tensor_arg), tensor_index, num_tensors, globals(),
                   allow_direct=DIRECT_LAUNCH)
@@ -651,7 +653,11 @@ def run_plan(plan: Plan, plain: bool = False) -> None:
         return x if t is None else t
 
     module = None if plain else fast_path(plan)
-    if module is not None and module.word_aligned(x, x if plan.weight is None else plan.weight):
+    if module is not None:
+        check, fields = module.call_guard(plan)
+        if not check(*(tensor(f) for f in fields)):
+            module = None
+    if module is not None:
         name, grid, args, options, namespace = module.plan_launch(plan, tensor)
         namespace[name][grid](*args, **options)
         return
@@ -675,7 +681,7 @@ def run_template(template, tensors: tuple) -> None:
                 launches.clear()
             launches[n] = launch
     if not launch.run(tensors):
-        # a fast path's guard failed (x or the weight not 4-byte aligned): the plain kernel, uncached
+        # a fast path's guard failed (e.g. x or the weight not 4-byte aligned): the plain kernel, uncached
         run_plan(template.bind(tensors), plain=True)
 
 

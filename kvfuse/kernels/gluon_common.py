@@ -47,6 +47,12 @@ def word_aligned(x, weight) -> bool:
     return not ((x.data_ptr() | weight.data_ptr()) & 3)
 
 
+def x_weight_guard(plan) -> tuple:
+    """A fast path's ``call_guard`` when it reads x and the weight as 4-byte words: (word_aligned,
+    their plan fields); a plan without a weight gives x twice (kvfuse's stand-in)."""
+    return word_aligned, ("x", "weight")
+
+
 def log2_block(block_size: int) -> int:
     """The kernels' LOG2_BLOCK: log2(block_size) when it is a power of two, else -1 (a division)."""
     return block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1

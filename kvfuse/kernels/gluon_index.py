@@ -91,6 +91,8 @@ session 3, run 6).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import gluon_common
@@ -181,12 +183,19 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(sq, [R, 8]), LL, assert_trivial=True)
 
     @gluon.jit
-    def _load_tile(x_ptr, sx_w, pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, word, OFFSETS32: gl.constexpr):
+    def _load_tile(x_ptr, sx_w, pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, word, OFFSETS32: gl.constexpr,
+                   CONTIG: gl.constexpr, LOG2_HEADS: gl.constexpr):
         """Positions and slots [R] and x's two chunks as int32 words [R, 8, 4]. Rows past n_rows load row
-        n_rows - 1 (unmasked loads: no zero-fill, no predicates; such rows store nothing)."""
+        n_rows - 1 (unmasked loads: no zero-fill, no predicates; such rows store nothing). CONTIG: row
+        r is head r % 2^LOG2_HEADS of token r >> LOG2_HEADS (the token's position), and there are no
+        slots (the returned ``slot`` is a placeholder)."""
         r = as_offset(gl.minimum(rows, n_rows - 1), OFFSETS32)
-        pos = gl.load(pos_ptr + r * s_pos)
-        slot = gl.load(slot_ptr + r * s_slot)
+        if CONTIG:
+            pos = gl.load(pos_ptr + (r >> LOG2_HEADS) * s_pos)
+            slot = pos
+        else:
+            pos = gl.load(pos_ptr + r * s_pos)
+            slot = gl.load(slot_ptr + r * s_slot)
         xw_ptr = x_ptr.to(gl.pointer_type(gl.int32)) + expand_rows(r * sx_w) + word  # [R, 8, 4]
         xa = gl.load(xw_ptr)                                    # columns 8l .. 8l + 7
         xb = gl.load(xw_ptr + 32)                               # columns 64 + 8l .. 64 + 8l + 7
@@ -330,31 +339,36 @@ if gluon is not None:
 
     @gluon.jit
     def _write_rows(xa, xb, c_lo, c_hi, s_lo, s_hi, pos, slot, rows, n_rows, wa_lo, wa_hi, wb_lo, wb_hi, eps, P,
-                    cache_ptr, s_blk, sf_off, sf_tok, block_size, capacity, lane, partner_flip,
+                    cache_ptr, s_blk, sf_off, sf_tok, block_size, capacity, lane, partner_flip, sf_ptr, q_row, sf_row,
                     R: gl.constexpr, LL: gl.constexpr, CAST: gl.constexpr, G: gl.constexpr, SF: gl.constexpr,
                     PACKED_E2M1: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr,
-                    OFFSETS32: gl.constexpr):
-        """RMSNorm -> RoPE -> quantization -> the records of one tile of R rows whose loads are done."""
+                    OFFSETS32: gl.constexpr, NORM: gl.constexpr, CONTIG: gl.constexpr):
+        """RMSNorm -> RoPE -> quantization -> the records of one tile of R rows whose loads are done
+        (CONTIG: the rows of the contiguous q / sf outputs instead of cache records)."""
         rmask = rows < n_rows
         pok = rmask & (pos >= 0) & (pos < P)
 
-        # ---- RMSNorm: levels 1-3 inside each chunk, 4-6 across lanes, 7 the lane's two chunks
-        xa_lo = lo_f32(xa)
-        xa_hi = hi_f32(xa)
-        xb_lo = lo_f32(xb)
-        xb_hi = hi_f32(xb)
-        ssa = _chunk_sum(xa_lo * xa_lo + xa_hi * xa_hi, R, LL)
-        ssb = _chunk_sum(xb_lo * xb_lo + xb_hi * xb_hi, R, LL)
-        ssa = ssa + shfl_xor(ssa, 1)
-        ssb = ssb + shfl_xor(ssb, 1)
-        ssa = ssa + shfl_xor(ssa, 2)
-        ssb = ssb + shfl_xor(ssb, 2)
-        ssa = ssa + shfl_xor(ssa, 4)
-        ssb = ssb + shfl_xor(ssb, 4)
-        mean = (ssa + ssb) * (1.0 / 128)                                # exact: a power of two
-        rstd = gl.expand_dims(gl.div_rn(gl.full_like(mean, 1.0), gl.sqrt_rn(mean + eps)), 2)
-        ya = bf16x2((xa_lo * rstd) * wa_lo, (xa_hi * rstd) * wa_hi)      # [R, 8, 4] bf16 pairs
-        yb = bf16x2((xb_lo * rstd) * wb_lo, (xb_hi * rstd) * wb_hi)
+        if NORM:
+            # ---- RMSNorm: levels 1-3 inside each chunk, 4-6 across lanes, 7 the lane's two chunks
+            xa_lo = lo_f32(xa)
+            xa_hi = hi_f32(xa)
+            xb_lo = lo_f32(xb)
+            xb_hi = hi_f32(xb)
+            ssa = _chunk_sum(xa_lo * xa_lo + xa_hi * xa_hi, R, LL)
+            ssb = _chunk_sum(xb_lo * xb_lo + xb_hi * xb_hi, R, LL)
+            ssa = ssa + shfl_xor(ssa, 1)
+            ssb = ssb + shfl_xor(ssb, 1)
+            ssa = ssa + shfl_xor(ssa, 2)
+            ssb = ssb + shfl_xor(ssb, 2)
+            ssa = ssa + shfl_xor(ssa, 4)
+            ssb = ssb + shfl_xor(ssb, 4)
+            mean = (ssa + ssb) * (1.0 / 128)                            # exact: a power of two
+            rstd = gl.expand_dims(gl.div_rn(gl.full_like(mean, 1.0), gl.sqrt_rn(mean + eps)), 2)
+            ya = bf16x2((xa_lo * rstd) * wa_lo, (xa_hi * rstd) * wa_hi)  # [R, 8, 4] bf16 pairs
+            yb = bf16x2((xb_lo * rstd) * wb_lo, (xb_hi * rstd) * wb_hi)
+        else:
+            ya = xa                                                     # no norm: RoPE reads x's bf16
+            yb = xb
 
         # ---- RoPE on chunk B: own * c + partner * s (the partner negated on first-half lanes)
         partner = shfl_xor(yb, 4) ^ partner_flip
@@ -378,13 +392,22 @@ if gluon is not None:
             qa = _fp4_chunk(ya, m_a, PACKED_E2M1 and SF == 0, R, LL)
             qb = _fp4_chunk(yb, m_b, PACKED_E2M1 and SF == 0, R, LL)
 
-        # ---- the records; an invalid slot (or a row past n_rows) writes nothing
-        ok = rmask & (slot >= 0) & (slot < capacity)
-        blk, off = block_and_token(slot, ok, block_size, SLOT32, LOG2_BLOCK, OFFSETS32)
-        DATA_BYTES: gl.constexpr = 128 if CAST == 1 else 64
-        base = blk * s_blk
-        data = gl.expand_dims(base + off * DATA_BYTES, 1)              # [R, 1] bytes (8-aligned: host)
-        sf = gl.expand_dims(base + sf_off + off * sf_tok, 1)
+        if CONTIG:
+            # ---- the rows of q [rows, q_row bytes] and sf [rows, sf_row bytes]; rows past n_rows write nothing
+            ok = rmask
+            r = as_offset(rows, OFFSETS32)
+            data = gl.expand_dims(r * q_row, 1)                         # [R, 1] bytes (8 / 4-aligned: host)
+            sf = gl.expand_dims(r * sf_row, 1)
+            sf_base = sf_ptr.to(gl.pointer_type(gl.uint8))                 # fp8 / fp32 scales as bytes
+        else:
+            # ---- the records; an invalid slot (or a row past n_rows) writes nothing
+            ok = rmask & (slot >= 0) & (slot < capacity)
+            blk, off = block_and_token(slot, ok, block_size, SLOT32, LOG2_BLOCK, OFFSETS32)
+            DATA_BYTES: gl.constexpr = 128 if CAST == 1 else 64
+            base = blk * s_blk
+            data = gl.expand_dims(base + off * DATA_BYTES, 1)          # [R, 1] bytes (8-aligned: host)
+            sf = gl.expand_dims(base + sf_off + off * sf_tok, 1)
+            sf_base = cache_ptr
         ok2 = gl.expand_dims(ok, 1)
         if CAST == 1:
             q_ptr = cache_ptr.to(gl.pointer_type(gl.int64)) + (data >> 3) + lane      # [R, 8]: 8 codes a lane
@@ -397,11 +420,11 @@ if gluon is not None:
         # a scale leaves from the lane that computed it (``_split_scales``): chunk A's from even lanes,
         # chunk B's from odd ones; INDEX_FP8_FP32's s from lane 0 (it holds lane 1's quotient)
         if G == 128:
-            gl.store(cache_ptr.to(gl.pointer_type(gl.int32)) + (sf >> 2) + lane * 0, stored, mask=ok2 & (lane == 0))
+            gl.store(sf_base.to(gl.pointer_type(gl.int32)) + (sf >> 2) + lane * 0, stored, mask=ok2 & (lane == 0))
         elif G == 32:
-            gl.store(cache_ptr + sf + (lane >> 2) + 2 * (lane & 1), stored.to(gl.uint8), mask=ok2 & ((lane & 2) == 0))
+            gl.store(sf_base + sf + (lane >> 2) + 2 * (lane & 1), stored.to(gl.uint8), mask=ok2 & ((lane & 2) == 0))
         else:
-            gl.store(cache_ptr + sf + (lane >> 1) + 4 * (lane & 1), stored.to(gl.uint8), mask=ok2)
+            gl.store(sf_base + sf + (lane >> 1) + 4 * (lane & 1), stored.to(gl.uint8), mask=ok2)
 
     @gluon.jit(do_not_specialize=["n_rows", "P", "capacity"])
     def index_write_kernel(
@@ -412,9 +435,10 @@ if gluon is not None:
         cache_ptr, s_blk, sf_off, sf_tok,       # kv_cache uint8 [blocks, block_size, 1, bytes_per_token], block-wide
         block_size, capacity,
         n_rows,
+        sf_ptr, q_row, sf_row,                  # CONTIG: sf uint8 [rows, sf_row]; q (cache_ptr) [rows, q_row] bytes
         CAST: gl.constexpr, G: gl.constexpr, SF: gl.constexpr, W_BF16: gl.constexpr, SLOT32: gl.constexpr,
         LOG2_BLOCK: gl.constexpr, ROWS_PER_THREAD: gl.constexpr, PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr,
-        PACKED_E2M1: gl.constexpr,
+        PACKED_E2M1: gl.constexpr, NORM: gl.constexpr, CONTIG: gl.constexpr, LOG2_HEADS: gl.constexpr,
     ):
         """A program walks over the tiles pid, pid + num_programs, ... of R = 4 * ROWS_PER_THREAD *
         num_warps rows. CAST 1 e4m3 / 2 e2m1; G the group; SF 0 ue8m0 / 2 e4m3 / 3 fp32 (group_scales).
@@ -422,7 +446,11 @@ if gluon is not None:
         log2(block_size) when it is a power of two, else -1 (a division). PIPELINE: load tile t + 1
         (x, indices; its cos/sin after tile t's stores) while tile t computes. OFFSETS32: every x,
         index, cos/sin and cache offset of the launch is below 2**31 (host). PACKED_E2M1: the e2m1
-        codes of UE8M0 groups on packed bf16 words (``_e2m1x2_bf16``), else fp32 (``_e2m1``)."""
+        codes of UE8M0 groups on packed bf16 words (``_e2m1x2_bf16``), else fp32 (``_e2m1``). NORM:
+        RMSNorm on (off: RoPE reads x itself, w_ptr is not read). CONTIG: contiguous outputs instead of a
+        cache (kvfuse's (q, sf) of a cast without a cache: the indexer's Q): row r is head r % 2^LOG2_HEADS
+        of token r >> LOG2_HEADS, its codes go to cache_ptr + r * q_row and its scales to sf_ptr + r *
+        sf_row (bytes); the slot and cache-geometry arguments are not read."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = 4 * ROWS_PER_THREAD * NW
         # words [R, 8, 4]: lane l of a row owns 4 int32 words (8 bf16 columns) of each chunk
@@ -445,7 +473,12 @@ if gluon is not None:
         # first-half lanes (l < 4) negate the partner: sign bits of both bf16 (0x80008000)
         partner_flip = gl.expand_dims(gl.where(lane < 4, -2147450880, 0), 2)             # [1, 8, 1]
 
-        if W_BF16:
+        if not NORM:
+            wa_lo = gl.full([1, 8, 4], 0.0, gl.float32, LW)              # not used (w_ptr is a stand-in)
+            wa_hi = wa_lo
+            wb_lo = wa_lo
+            wb_hi = wa_lo
+        elif W_BF16:
             w_words = w_ptr.to(gl.pointer_type(gl.int32)) + word
             wa = gl.load(w_words)
             wb = gl.load(w_words + 32)
@@ -465,16 +498,18 @@ if gluon is not None:
         if PIPELINE:
             rows = pid * R + r_idx                                      # [R] int32 (n_rows < 2**30: host)
             pos, slot, xa, xb = _load_tile(x_ptr, sx_w, pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, word,
-                                           OFFSETS32)
+                                           OFFSETS32, CONTIG, LOG2_HEADS)
             c_lo, c_hi, s_lo, s_hi = _load_cos_sin(cs_ptr, s_cs, P, pos, cs_col, R, LW, LCROW, OFFSETS32)
             for tile in range(pid, num_tiles, num_programs):
                 rows = tile * R + r_idx
                 next_rows = rows + num_programs * R
                 next_pos, next_slot, next_xa, next_xb = _load_tile(x_ptr, sx_w, pos_ptr, s_pos, slot_ptr, s_slot,
-                                                                   next_rows, n_rows, word, OFFSETS32)
+                                                                   next_rows, n_rows, word, OFFSETS32, CONTIG,
+                                                                   LOG2_HEADS)
                 _write_rows(xa, xb, c_lo, c_hi, s_lo, s_hi, pos, slot, rows, n_rows, wa_lo, wa_hi, wb_lo, wb_hi,
                             eps, P, cache_ptr, s_blk, sf_off, sf_tok, block_size, capacity, lane, partner_flip,
-                            R, LL, CAST, G, SF, PACKED_E2M1, SLOT32, LOG2_BLOCK, OFFSETS32)
+                            sf_ptr, q_row, sf_row,
+                            R, LL, CAST, G, SF, PACKED_E2M1, SLOT32, LOG2_BLOCK, OFFSETS32, NORM, CONTIG)
                 # the next positions arrived while this tile computed
                 c_lo, c_hi, s_lo, s_hi = _load_cos_sin(cs_ptr, s_cs, P, next_pos, cs_col, R, LW,
                                                        LCROW, OFFSETS32)
@@ -486,12 +521,13 @@ if gluon is not None:
             for tile in range(pid, num_tiles, num_programs):
                 rows = tile * R + r_idx
                 pos, slot, xa, xb = _load_tile(x_ptr, sx_w, pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, word,
-                                               OFFSETS32)
+                                               OFFSETS32, CONTIG, LOG2_HEADS)
                 c_lo, c_hi, s_lo, s_hi = _load_cos_sin(cs_ptr, s_cs, P, pos, cs_col, R, LW,
                                                        LCROW, OFFSETS32)
                 _write_rows(xa, xb, c_lo, c_hi, s_lo, s_hi, pos, slot, rows, n_rows, wa_lo, wa_hi, wb_lo, wb_hi,
                             eps, P, cache_ptr, s_blk, sf_off, sf_tok, block_size, capacity, lane, partner_flip,
-                            R, LL, CAST, G, SF, PACKED_E2M1, SLOT32, LOG2_BLOCK, OFFSETS32)
+                            sf_ptr, q_row, sf_row,
+                            R, LL, CAST, G, SF, PACKED_E2M1, SLOT32, LOG2_BLOCK, OFFSETS32, NORM, CONTIG)
 
 
 # --------------------------------------------------------------------------- host mirrors
@@ -549,28 +585,55 @@ def launch_table(n_rows: int):
     return 4, 2, True
 
 
+def row_stride(t: torch.Tensor) -> int:
+    """Elements between consecutive (token, head) rows of a [n, H, k] tensor whose rows are evenly
+    spaced (``rows_evenly_spaced``)."""
+    return t.stride(0) if t.shape[1] == 1 else t.stride(1)
+
+
+def rows_evenly_spaced(t: torch.Tensor) -> bool:
+    """[n, H, k] with unit column stride whose (token, head) rows are one evenly spaced sequence."""
+    return t.dim() == 3 and (t.shape[2] == 1 or t.stride(2) == 1) and (
+        t.shape[1] == 1 or t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1))
+
+
 def launch_args(plan, tensor, num_warps: int, rows_per_thread: int, pipeline: bool):
     """(positional args, constexprs, options) of index_write_kernel for an eligible plan (no device
     query); ``tensor(name)`` goes where the plan's tensor ``name`` goes (the tensor, or a
-    launcher.PlanTensor). Every other argument comes from the plan: computed once per signature and n."""
-    x = plan.x[:, 0, :]                                   # [n, 128]
-    weight, positions, cos_sin, slots, cache, a = (plan.weight, plan.positions, plan.cos_sin, plan.slot_mapping,
-                                                   plan.kv_cache, plan.addressing)
-    n = x.shape[0]
+    launcher.PlanTensor). Every other argument comes from the plan: computed once per signature and n.
+    A cache write (one head) or the contiguous (q, sf) of a cast (CONTIG: rows are (token, head))."""
+    x, weight, positions, cos_sin = plan.x, plan.weight, plan.positions, plan.cos_sin
+    n, heads = x.shape[0], x.shape[1]
+    rows = n * heads
+    x_row = row_stride(x) // 2                                       # in int32 words
     cast, group, sf = chain_of(plan)
-    block_size = cache.shape[1]
-    capacity = cache.shape[0] * block_size
     T = tensor
-    args = (T("x"), x.stride(0) // 2, T("weight"), float(plan.eps), T("positions"), positions.stride(0),
-            T("cos_sin"), cos_sin.stride(0), cos_sin.shape[0], T("slot_mapping"), slots.stride(0),
-            T("kv_cache"), cache.stride(0), a.sf_offset, a.sf_token_stride, block_size, capacity, n)
+    contig = plan.kv_cache is None
+    if contig:
+        q, sfo = plan.q_out, plan.sf_out
+        q_row, sf_row = row_stride(q) * q.element_size(), row_stride(sfo) * sfo.element_size()
+        # the slot and cache-geometry arguments are not read (x stands in for slot_mapping)
+        args = (T("x"), x_row, T("weight"), float(plan.eps), T("positions"), positions.stride(0),
+                T("cos_sin"), cos_sin.stride(0), cos_sin.shape[0], T("slot_mapping"), 0,
+                T("q_out"), 0, 0, 0, 1, 0, rows, T("sf_out"), q_row, sf_row)
+        out_span = max(rows * q_row + 128, rows * sf_row + 16)
+        slot32, log2_blk = True, 0
+    else:
+        slots, cache, a = plan.slot_mapping, plan.kv_cache, plan.addressing
+        block_size = cache.shape[1]
+        capacity = cache.shape[0] * block_size
+        args = (T("x"), x_row, T("weight"), float(plan.eps), T("positions"), positions.stride(0),
+                T("cos_sin"), cos_sin.stride(0), cos_sin.shape[0], T("slot_mapping"), slots.stride(0),
+                T("kv_cache"), cache.stride(0), a.sf_offset, a.sf_token_stride, block_size, capacity, rows,
+                T("kv_cache"), 0, 0)
+        out_span = max(rows * slots.stride(0) + 1, cache.shape[0] * cache.stride(0) + a.sf_offset)
+        slot32, log2_blk = capacity <= INT32_LIMIT, log2_block(block_size)
     # the largest offset each pointer is indexed with (x in words, the rest in elements / bytes)
-    spans = (n * (x.stride(0) // 2) + 64, n * max(positions.stride(0), slots.stride(0)) + 1,
-             cos_sin.shape[0] * cos_sin.stride(0) + 64, cache.shape[0] * cache.stride(0) + a.sf_offset)
-    constexprs = dict(CAST=cast, G=group, SF=sf, W_BF16=weight.dtype == torch.bfloat16,
-                      SLOT32=capacity <= INT32_LIMIT, LOG2_BLOCK=log2_block(block_size),
-                      ROWS_PER_THREAD=rows_per_thread, PIPELINE=bool(pipeline),
-                      OFFSETS32=max(spans) < INT32_LIMIT, PACKED_E2M1=bool(PACKED_E2M1))
+    spans = (rows * x_row + 64, n * positions.stride(0) + 1, cos_sin.shape[0] * cos_sin.stride(0) + 64, out_span)
+    constexprs = dict(CAST=cast, G=group, SF=sf, W_BF16=weight is None or weight.dtype == torch.bfloat16,
+                      SLOT32=slot32, LOG2_BLOCK=log2_blk, ROWS_PER_THREAD=rows_per_thread, PIPELINE=bool(pipeline),
+                      OFFSETS32=max(spans) < INT32_LIMIT, PACKED_E2M1=bool(PACKED_E2M1), NORM=weight is not None,
+                      CONTIG=contig, LOG2_HEADS=heads.bit_length() - 1)
     options = compile_options(num_warps)
     return args, constexprs, options
 
@@ -581,11 +644,14 @@ def _grid(plan, args, constexprs: dict, options: dict) -> tuple:
     for the launch)."""
     x, num_warps = plan.x, options["num_warps"]
     device_index = device_index_of(x)
-    key = (device_index, plan.weight.dtype, plan.positions.dtype, plan.cos_sin.dtype, plan.slot_mapping.dtype,
-           tuple(constexprs.items()), num_warps)
-    per_sm = cached_ctas_per_sm(index_write_kernel, _resident, key, bind_tensors(args, plan_tensors(plan)),
+    dtypes = tuple(getattr(t, "dtype", None) for t in (plan.weight, plan.positions, plan.cos_sin,
+                                                        plan.slot_mapping, plan.sf_out))
+    key = (device_index, dtypes, tuple(constexprs.items()), num_warps)
+    tensors = {**plan_tensors(plan), "q_out": plan.q_out, "sf_out": plan.sf_out}
+    tensors = {k: (x if t is None else t) for k, t in tensors.items()}      # x stands in (never read)
+    per_sm = cached_ctas_per_sm(index_write_kernel, _resident, key, bind_tensors(args, tensors),
                                 constexprs, options, device_index)
-    tiles = -(-x.shape[0] // (4 * constexprs["ROWS_PER_THREAD"] * num_warps))
+    tiles = -(-(x.shape[0] * x.shape[1]) // (4 * constexprs["ROWS_PER_THREAD"] * num_warps))
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
     return persistent_grid(tiles, per_sm, sms)
 
@@ -605,27 +671,37 @@ def enabled() -> bool:
 MIN_ROWS = 2
 
 
-def eligible(plan) -> bool:
-    """Whether a validated kvfuse.plan.Plan is exactly this kernel's chain: RMSNorm, NEOX RoPE on
-    columns 64..127 (not conjugate), no Hadamard, one of the casts of CHAINS over all 128 columns,
-    one head, a block-wide cache laid out as the INDEX presets (data_bytes per token from the block's
-    start, then block_size * data_bytes on, sf_bytes per token of scales), no stage copy, and the
-    alignments the kernel writes with (the cache pointer 8-byte aligned for e4m3 codes, 4 for e2m1:
-    part of the plan-cache key; the block stride is a multiple of 32). x's and the weight's 4-byte
-    alignment are checked per call (``word_aligned``)."""
-    x, cache, f, a = plan.x, plan.kv_cache, plan.fmt, plan.addressing
-    if cache is None or f is None or a is None or plan.weight is None or plan.positions is None:
-        return False
-    if plan.slot_mapping is None or plan.hadamard_scale is not None:
-        return False
-    if plan.out is not None or plan.out_stage is not None:
-        return False
-    if x.dim() != 3 or x.shape[1:] != (1, HEAD_DIM) or x.stride(2) != 1 or x.stride(0) % 2 or x.shape[0] >= 2 ** 30:
-        return False
+def _common_chain(plan):
+    """The chain both kinds of call share: NEOX RoPE on columns 64..127 (not conjugate), no Hadamard,
+    no stage copy, one of the casts of CHAINS over all 128 columns, x rows as int32 words, a
+    contiguous weight if any, cos/sin [P, 64]. Returns the (CAST, G, SF) chain or None."""
+    x = plan.x
+    if plan.positions is None or plan.hadamard_scale is not None or plan.out is not None \
+            or plan.out_stage is not None:
+        return None
+    if x.dim() != 3 or x.shape[2] != HEAD_DIM or not rows_evenly_spaced(x) or row_stride(x) % 2 \
+            or x.shape[0] * x.shape[1] >= 2 ** 30:
+        return None
     if (plan.rotary_dim, plan.rope_offset, plan.is_neox, plan.conjugate) != (ROTARY_DIM, ROPE_OFFSET, True, False):
-        return False
+        return None
     chain = chain_of(plan)
     if chain is None or plan.quant_dim != HEAD_DIM:
+        return None
+    w, cs = plan.weight, plan.cos_sin
+    if w is not None and (w.shape != (HEAD_DIM,) or w.stride(0) != 1):
+        return None
+    if cs.dim() != 2 or cs.shape[1] != ROTARY_DIM or cs.shape[0] < 1 or cs.stride(1) != 1:
+        return None
+    return chain
+
+
+def _eligible_write(plan, chain) -> bool:
+    """A cache write: RMSNorm on, one head, a block-wide cache laid out as the INDEX presets (data_bytes
+    per token from the block's start, then block_size * data_bytes on, sf_bytes per token of scales),
+    the cache pointer 8-byte aligned for e4m3 codes, 4 for e2m1 (part of the plan-cache key), the
+    block stride a multiple of 8."""
+    x, cache, f, a = plan.x, plan.kv_cache, plan.fmt, plan.addressing
+    if f is None or a is None or plan.weight is None or plan.slot_mapping is None or x.shape[1] != 1:
         return False
     cast, _, sf = chain
     data_bytes = 128 if cast == 1 else 64
@@ -639,20 +715,65 @@ def eligible(plan) -> bool:
         return False
     if sf == 3 and a.sf_token_stride % 4:          # the fp32 scale leaves as one 32-bit store
         return False
-    if cache.data_ptr() % CACHE_ALIGN[cast] or cache.stride(0) % 8:
+    return not (cache.data_ptr() % CACHE_ALIGN[cast] or cache.stride(0) % 8)
+
+
+def _eligible_contig(plan, chain) -> bool:
+    """The (q, sf) outputs of a cast without a cache (RMSNorm optional; any power-of-two number of
+    heads): q and sf with evenly spaced rows, q's rows a multiple of the code stores' width (8 bytes
+    for e4m3, 4 for e2m1) apart. The pointers' alignments are checked per call (``call_guard``)."""
+    x, q, sfo = plan.x, plan.q_out, plan.sf_out
+    heads = x.shape[1]
+    if q is None or sfo is None or heads & (heads - 1):
         return False
-    w, cs = plan.weight, plan.cos_sin
-    return w.shape == (HEAD_DIM,) and w.stride(0) == 1 and cs.dim() == 2 and cs.shape[1] == ROTARY_DIM \
-        and cs.shape[0] >= 1 and cs.stride(1) == 1
+    if not (rows_evenly_spaced(q) and rows_evenly_spaced(sfo)):
+        return False
+    return (row_stride(q) * q.element_size()) % CACHE_ALIGN[chain[0]] == 0
+
+
+def eligible(plan) -> bool:
+    """Whether a validated kvfuse.plan.Plan is one of this kernel's chains (``_common_chain``), as a
+    cache write (``_eligible_write``) or into contiguous (q, sf) outputs (``_eligible_contig``: the
+    indexer's Q). x's (and a bf16 weight's) 4-byte alignment, and the contiguous outputs', are checked
+    per call (``call_guard``)."""
+    chain = _common_chain(plan)
+    if chain is None:
+        return False
+    return _eligible_write(plan, chain) if plan.kv_cache is not None else _eligible_contig(plan, chain)
 
 
 word_aligned = gluon_common.word_aligned      # x (and a bf16 weight) are read as 4-byte words
+
+
+@functools.lru_cache(maxsize=None)
+def contig_aligned(q_align: int, with_weight: bool):
+    """The per-call check of a contiguous (q, sf) call: x (and the weight) 4-byte aligned (read as
+    words), q ``q_align``-byte aligned (its codes leave as 8- or 4-byte stores), sf 4-byte aligned
+    (an fp32 scale leaves as one 32-bit store; byte scales are fine anywhere, and 4 costs nothing)."""
+    def check(x, q, sf, weight=None) -> bool:
+        bad = (x.data_ptr() & 3) | (q.data_ptr() & (q_align - 1))
+        if sf.element_size() == 4:
+            bad |= sf.data_ptr() & 3
+        if with_weight:
+            bad |= weight.data_ptr() & 3
+        return not bad
+    return check
+
+
+def call_guard(plan):
+    """(check, fields): the per-call precondition of an eligible plan, on the call's tensors of those
+    fields (kvfuse.kernels.fused runs the plain kernel when it fails)."""
+    if plan.kv_cache is not None:
+        return word_aligned, ("x", "weight")
+    with_weight = plan.weight is not None
+    check = contig_aligned(CACHE_ALIGN[chain_of(plan)[0]], with_weight)
+    return check, ("x", "q_out", "sf_out") + (("weight",) if with_weight else ())
 
 
 def plan_launch(plan, tensor) -> tuple:
     """(kernel name, grid, positional args, keyword args, namespace) of this kernel for an eligible
     plan; ``tensor(field)`` goes where the plan's tensor ``field`` goes (the tensor, or a
     launcher.PlanTensor for a Launch kept with the call signature)."""
-    nw, rpt, pipe = launch_table(plan.x.shape[0])
+    nw, rpt, pipe = launch_table(plan.x.shape[0] * plan.x.shape[1])
     args, constexprs, options = launch_args(plan, tensor, nw, rpt, pipe)
     return "index_write_kernel", _grid(plan, args, constexprs, options), args, {**constexprs, **options}, globals()

@@ -91,14 +91,11 @@ if gluon is not None:
         return cs.to(gl.float32)
 
     @gluon.jit
-    def _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
-                    cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel, qword,
-                    R: gl.constexpr, LLANE: gl.constexpr, LPLANE: gl.constexpr, LQ: gl.constexpr,
-                    LW: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, OFFSETS32: gl.constexpr):
-        """RMSNorm -> RoPE -> UE8M0/e4m3 -> the records of one tile of R rows whose loads are done."""
-        rmask = rows < n_rows
-        pok = rmask & (pos >= 0) & (pos < P)
-
+    def norm_rope(xw, xp, cs, pok, w_lo, w_hi, w_pair, eps, tail_buf, tail_lane, merge_sel,
+                  R: gl.constexpr, LLANE: gl.constexpr, LPLANE: gl.constexpr, LW: gl.constexpr):
+        """RMSNorm -> RoPE of one tile of R rows whose loads are done: y as bf16 pairs [R, 8, 4, 8] in LW
+        (lane l: columns 16 l .. 16 l + 15), the rotated tail in place where pok (the position is in
+        [0, P) and the row < n_rows). Shared with gluon_main_fp4 (the same transform, another cast)."""
         # ---- RMSNorm: p_2i + p_2i+1 inside each word, the tree over the lane's 8 words, 5 shuffles
         x_lo = lo_f32(xw)
         x_hi = hi_f32(xw)
@@ -127,7 +124,17 @@ if gluon is not None:
         gl.thread_barrier()
         tail = tail_buf.reshape([R, 1, 4, 8]).load(LW)                  # lane 28 + d2: tail words 8 d2 .. 8 d2 + 7
         gl.thread_barrier()                                             # the next tile overwrites tail_buf
-        yw = gl.where(tail_lane & gl.expand_dims(expand_rows(pok), 3), tail, yw)
+        return gl.where(tail_lane & gl.expand_dims(expand_rows(pok), 3), tail, yw)
+
+    @gluon.jit
+    def _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
+                    cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel, qword,
+                    R: gl.constexpr, LLANE: gl.constexpr, LPLANE: gl.constexpr, LQ: gl.constexpr,
+                    LW: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, OFFSETS32: gl.constexpr):
+        """RMSNorm -> RoPE -> UE8M0/e4m3 -> the records of one tile of R rows whose loads are done."""
+        rmask = rows < n_rows
+        pok = rmask & (pos >= 0) & (pos < P)
+        yw = norm_rope(xw, xp, cs, pok, w_lo, w_hi, w_pair, eps, tail_buf, tail_lane, merge_sel, R, LLANE, LPLANE, LW)
 
         # ---- UE8M0 scale per 32 columns (two lanes): group_scales(SF=0, FMAX=448) of numerics.py
         y_lo = lo_f32(yw)
@@ -355,6 +362,7 @@ def eligible(plan) -> bool:
 
 
 word_aligned = gluon_common.word_aligned      # x and the weight are read as 4-byte words
+call_guard = gluon_common.x_weight_guard      # checked per call (the plan cache keys neither pointer)
 
 
 def plan_launch(plan, tensor) -> tuple:

@@ -425,6 +425,7 @@ def eligible(plan) -> bool:
 
 
 word_aligned = gluon_common.word_aligned      # x and the weight are read as 4-byte words
+call_guard = gluon_common.x_weight_guard      # checked per call (the plan cache keys neither pointer)
 
 
 def plan_launch(plan, tensor) -> tuple:

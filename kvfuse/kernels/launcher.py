@@ -131,7 +131,7 @@ class Launch:
         self.direct = None
         self.allow_direct = allow_direct
         # a per-call precondition weaker than 16-byte pointer alignment (a Gluon fast path reads x and
-        # the weight as 4-byte words): (check(a, b) -> bool, a's and b's positions in the tensors)
+        # the weight as 4-byte words): (check(*tensors) -> bool, those tensors' positions)
         self.guard = None
 
     def run(self, tensors: tuple) -> bool:
@@ -144,7 +144,7 @@ class Launch:
             direct.launch(args)        # every pointer 16-byte aligned: the guard holds too
             return True
         guard = self.guard
-        if guard is not None and not guard[0](tensors[guard[1]], tensors[guard[2]]):
+        if guard is not None and not guard[0](*[tensors[i] for i in guard[1]]):
             return False
         compiled = kernel[self.grid](*args, **self.options)
         if self.allow_direct and direct is None:

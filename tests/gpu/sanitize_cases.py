@@ -365,14 +365,14 @@ def layout_cases():
 
 def fast_chain_cases(large):
     """The bench's write chain (norm, NEOX RoPE on the last 64, no Hadamard, no stage copy) that the
-    Gluon fast paths take (kvfuse/kernels/gluon_*.py: MAIN_FP8 and the FlashMLA formats at every size,
-    the index formats from 2 rows, the plain kernel otherwise): adversarial slots and positions, non-finite
+    Gluon fast paths take (kvfuse/kernels/gluon_*.py: MAIN_FP8 / MAIN_FP4 and the FlashMLA formats at
+    every size, the index formats from 2 rows, the plain kernel otherwise): adversarial slots and positions, non-finite
     rows, a cache ending at its allocation's end (base +0 / +4: the fast paths where their alignment
     allows; +2: the plain kernel), every launch-table row and a large batch."""
     kw = dict(hadamard=False, rope_dim=64, neox=True, out_stage=None)
     P = 24
-    for fmt in (formats.MAIN_FP8, formats.FLASHMLA_V32, formats.FLASHMLA_MODEL1, formats.INDEX_MXFP4,
-                formats.INDEX_NVFP4, formats.INDEX_FP8_FP32, formats.INDEX_MXFP8):
+    for fmt in (formats.MAIN_FP8, formats.MAIN_FP4, formats.FLASHMLA_V32, formats.FLASHMLA_MODEL1,
+                formats.INDEX_MXFP4, formats.INDEX_NVFP4, formats.INDEX_FP8_FP32, formats.INDEX_MXFP8):
         D, name = fmt.head_dim, f"fast chain {fmt.name}"
         for dt in (torch.int32, torch.int64):
             s = adversarial_slots(12, dt)
@@ -400,6 +400,39 @@ def fast_chain_cases(large):
             c = make_cache(fmt, nb, bs, 1, block_padding=32, after=0, seed=n)
             yield f"{name} n={n}", fused_spec(fmt, n, 1, n + 45, slots, pos=torch.randint(-2, 66, (n,), generator=g),
                                               cache=c, **kw)
+
+
+def fast_q_cases(large):
+    """The index kernel's contiguous path (gluon_index CONTIG: the (q, sf) of a cast without a cache,
+    x [n, H, 128], NEOX RoPE on columns 64..127, norm optional): 64 heads with positions out of range,
+    NaN/inf rows, padded q / sf rows, both launch-table regimes of a large batch."""
+    P = 24
+    for fmt in (formats.INDEX_MXFP4, formats.INDEX_NVFP4, formats.INDEX_FP8_FP32, formats.INDEX_MXFP8):
+        cast = CastArgs.from_cache_format(fmt)
+        qd, qdt = (64, torch.uint8) if cast.cast_fmt == "e2m1" else (128, torch.float8_e4m3fn)
+        sdt = {"ue8m0": torch.uint8, "e4m3": torch.float8_e4m3fn}.get(cast.sf_format, torch.float32)
+        ng = 128 // cast.num_per_channels
+        item = torch.empty((), dtype=sdt).element_size()             # the buffers are bytes, viewed as sdt
+        name = f"fast chain Q {fmt.name}"
+
+        def spec(n, H, seed, pos, norm=False, x=None, pad=0, bad_rows=()):
+            x = random_bf16((n, H, 128), seed=seed) if x is None else x
+            return Spec("fused", x=x, stage_kw=stages(128, seed, norm=norm, hadamard=False),
+                        rope=(pos, cos_sin_cache(P, 64), 64, True, None, False), cast=cast,
+                        contiguous=[((n, H, qd + pad), qdt, (slice(None), slice(None), slice(0, qd))),
+                                    ((n, H, (ng + pad) * item), sdt, (slice(None), slice(None), slice(0, ng)))],
+                        bad_rows=bad_rows)
+        pos = torch.tensor([I64_MIN, I64_MAX, 2 ** 32 + 1, -1, P, 3, 17, P - 1], dtype=torch.int64)
+        yield f"{name} 64 heads, positions out of range", spec(8, 64, 51, pos)
+        x = random_bf16((6, 4, 128), seed=52)
+        x[1, 0, 3] = float("nan")
+        x[3, 2, 127] = float("inf")
+        x[4] = float("-inf")
+        yield f"{name} NaN/inf rows, norm, padded rows", spec(6, 4, 52, torch.arange(6) % P, norm=True, x=x, pad=8,
+                                                           bad_rows=(1, 3, 4))
+        for n in [1, 300] + ([1100] if large else []):
+            g = torch.Generator().manual_seed(n + 53)
+            yield f"{name} 64 heads n={n}", spec(n, 64, n + 53, torch.randint(-2, P + 2, (n,), generator=g))
 
 
 def force_config_cases():
@@ -432,6 +465,7 @@ def main(argv=None):
     cases += [(nm, sp, None) for nm, sp in batch_cases(large)]
     cases += [(nm, sp, None) for nm, sp in layout_cases()]
     cases += [(nm, sp, None) for nm, sp in fast_chain_cases(large)]
+    cases += [(nm, sp, None) for nm, sp in fast_q_cases(large)]
     if not a.quick:
         cases += list(force_config_cases())
     if large:

@@ -1,0 +1,412 @@
+"""A Gluon fast path for ONE workload: the MAIN_FP4 KV-cache write (RMSNorm -> NEOX RoPE on the
+last 64 dims -> e2m1 with e4m3 scales per 16 (NVFP4) -> token-interleaved 288-byte records), byte
+for byte what ``kvfuse.kernels.fused.fused_kernel`` writes (SPEC §2, §4).
+
+Assumptions (``supports`` / ``eligible`` check them; anything else goes to the plain kernel):
+head_dim 512, num_heads 1, x bf16 [n, 512] with unit column stride (rows 4-byte aligned: read as
+int32 words); RMSNorm weight [512] bf16 or fp32; positions int32/int64 [n]; cos_sin [P, 64] fp32 or
+bf16 (cos | sin); slot_mapping int32/int64 [n]; kv_cache uint8 [num_blocks, block_size, 1, 288] in
+the MAIN_FP4 layout (record = 256 data bytes: 512 e2m1 codes, two a byte, the even element in the
+low nibble | 32 e4m3 scale bytes, one per group of 16), the cache pointer and both strides multiples
+of 8 (each lane's codes leave as one 64-bit store; the format makes the strides multiples of 32).
+
+Layout: gluon_main_fp8's, up to the cast (its ``norm_rope`` is this kernel's transform):
+- a row (one token) is held by ONE warp: lane l = 4 * d1 + d2 owns the 16 contiguous columns
+  16 l .. 16 l + 15 as 8 int32 words (two bf16 each), [R, 8, 4, 8] per CTA of R = ROWS_PER_WARP *
+  num_warps rows; RMSNorm's adjacent-pairs tree in-lane then 5 butterflies; y = bf16((x * rstd) * w)
+  packed two per word; RoPE on the pair layout with the 128-byte shared-memory hop to lanes 28..31.
+- a lane's 16 columns are EXACTLY one NVFP4 group: amax in-lane (no shuffle), and each lane computes
+  its group's scale: s = min(max(amax / 6, 2^-9), 448) (div_rn), its e4m3 code by the native
+  conversion and the code's exact value d, the multiplier m = 1 / d (div_rn; gluon_index's
+  ``_scales``), t = y * m and the 16 e2m1 codes (``_e2m1_nibble``), packed into 8 bytes (byte k:
+  column 16 l + 2k in the low nibble, 16 l + 2k + 1 in the high one) = ONE 64-bit store per lane at
+  record byte 8 l; the lane's scale byte at record byte 256 + l (the 32 lanes write 32 consecutive
+  bytes).
+- a persistent grid (at most what is resident at once) walks over the row tiles; the weight is
+  loaded once per CTA. PIPELINE=True loads the next tile during this one's arithmetic.
+
+Numerics mirror the plain kernel exactly: fp32 ops rounded one by one (enable_fp_fusion=False: no
+FMA; the PTX has no fma / .approx / div.full), div_rn/sqrt_rn, native bf16 rounding (cvt.rn),
+NaN-ignoring max (max.f32) for amax floored at 1e-4 (AMAX_MARGIN), numerics.group_scales SF=2 (the
+e4m3 scale by cvt.rn.satfinite.e4m3x2.f32, decoded exactly: the signed-zero guard of the plain
+kernel's encode cannot fire, s >= 2^-9) -- the arithmetic of INDEX_NVFP4 in gluon_index, proven
+byte-equal on the H200. The e2m1 encoder is not the plain kernel's instructions but gives
+numerics.encode_e2m1's codes for every fp32 input (NaN aside: SPEC §2 leaves its group free):
+``_e2m1_nibble`` rounds with one fp32 addition of a per-binade magic number (8 SASS instructions a
+value from t = y * m to the signed nibble; 66 instructions a row fewer than with gluon_index's
+``_e2m1``, packing included); its host mirror
+``e2m1_nibble_mirror`` was checked against kvfuse.reference.encode_e2m1 on all 2^32 fp32 patterns
+(benchmarks/gluon_check_main_fp4.py --prove-encoder; 0 differ). FAST_E2M1 = False selects
+gluon_index's ``_e2m1`` instead (a diagnostic).
+
+SASS, offline (sm_90, Triton 3.6, enable_fp_fusion=False; bf16 weight, int32 indices, fp32 cos/sin,
+16-byte-aligned pointers; the persistent loop body, IEEE div/sqrt slow paths not counted), warp-
+instructions per row: 448 with PIPELINE (one warp; 71 registers), 423 without (63 registers; the same
+at four warps, 70 registers); gluon_main_fp8 counted the same way: 318 / 295. With gluon_index's
+``_e2m1`` (FAST_E2M1 = False): 506 / 489. The plain fused_kernel's whole program for MAIN_FP4: ~912
+per row (BLOCK_M 2). Per row the loop loads x as two 16-byte loads a lane, the RoPE pair (two
+2-byte loads), position, slot and cos/sin (32-bit loads), and stores one 64-bit word and one byte a
+lane. Time: the report of benchmarks/gluon_check_main_fp4.py (not yet run on the H200).
+
+The module imports without a GPU and under any Triton; ``available()`` says whether this path can
+run (Triton 3.6's Gluon API and a CUDA device); ``enabled()``: on there unless KVFUSE_GLUON=0 or
+KVFUSE_GLUON_SKIP names "main_fp4".
+"""
+from __future__ import annotations
+
+import torch
+
+from . import gluon_common
+from .gluon_common import (INT32_LIMIT, allowed_by_env, available, bind_tensors, cached_ctas_per_sm,
+                           compile_options, device_index_of, gl, gluon, log2_block, persistent_grid)
+
+HEAD_DIM = 512
+DATA_BYTES = 256             # 512 e2m1 codes, two a byte
+RECORD_BYTES = 288           # 256 code bytes + 32 e4m3 scale bytes
+ROTARY_DIM = 64
+GROUP = 16
+CACHE_ALIGN = 8              # the codes leave as 64-bit stores
+
+
+if gluon is not None:
+    from .gluon_common import block_and_token, expand_rows, hi_f32, lo_f32, load_indices
+    from .gluon_index import _b64, _e2m1, _scales
+    from .gluon_main_fp8 import _load_cos_sin, _load_x, norm_rope
+
+    @gluon.jit
+    def _e2m1_nibble(t):
+        """fp32 -> e2m1 code 0..15 (sign in bit 3): numerics.encode_e2m1's bits for every fp32, the
+        rounding done by one fp32 addition. a = min(|t|, 6) (NaN -> 6, as encode_e2m1's saturation);
+        the binade's magic number 2^(E + 22) (E = max(exponent of a, 0)) plus 6 units in its last place:
+        the sum a + magic rounds a to the e2m1 grid of its binade (RTNE: the offset 6 is even), and its
+        low bits are 6 + k (k: a rounded, in units of the grid, 0..4); the code is k + 2E, which is
+        bits(sum) + (magic >> 22) modulo 8 (magic >> 22 = 298 + 2E; 6 + 298 = 304 = 0 mod 8)."""
+        a = gl.minimum(gl.abs(t), 6.0)
+        magic = gl.maximum((a.to(gl.int32, bitcast=True) & 0x7F800000) + 0x0B000006, 0x4A800006)
+        code = (a + magic.to(gl.float32, bitcast=True)).to(gl.int32, bitcast=True) + (magic >> 22)
+        sign = (t.to(gl.uint32, bitcast=True) >> 28).to(gl.int32)                  # the sign in bit 3, zeros above
+        # bits 0..2 of code, bits 3.. of sign: one lop3 (0xE4: a & c | b & ~c)
+        return gl.inline_asm_elementwise("lop3.b32 $0, $1, $2, 7, 0xE4;", "=r,r,r", [code, sign], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _codes(y_lo, y_hi, m, R: gl.constexpr, LLANE: gl.constexpr, FAST_E2M1: gl.constexpr):
+        """A lane's 16 values (words [R, 8, 4, 8]: y_lo columns 2k, y_hi columns 2k + 1) times its
+        multiplier m [R, 8, 4] -> the 16 e2m1 codes as one int64 [R, 8, 4] (byte k: column 2k in the
+        low nibble, 2k + 1 in the high one)."""
+        m4 = gl.expand_dims(m, 3)
+        # the fields never overlap: + is |, and shift-and-add is one instruction (LEA)
+        if FAST_E2M1:
+            b = _e2m1_nibble(y_lo * m4) + (_e2m1_nibble(y_hi * m4) << 4)             # byte k
+        else:
+            # the masks let ptxas drop the encoder's constant offsets
+            b = (_e2m1(y_lo * m4) & 15) + ((_e2m1(y_hi * m4) & 15) << 4)
+        b_even, b_odd = gl.split(gl.reshape(b, [R, 8, 4, 4, 2]))                    # bytes 2h, 2h + 1
+        h = b_even + (b_odd << 8)                                                   # halves h = 0..3
+        h_even, h_odd = gl.split(gl.reshape(h, [R, 8, 4, 2, 2]))
+        w = h_even + (h_odd << 16)                                                  # words 0, 1
+        w0, w1 = gl.split(w)
+        return _b64(gl.convert_layout(w0, LLANE, assert_trivial=True),
+                    gl.convert_layout(w1, LLANE, assert_trivial=True))
+
+    @gluon.jit
+    def _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
+                    cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
+                    R: gl.constexpr, LLANE: gl.constexpr, LPLANE: gl.constexpr, LW: gl.constexpr,
+                    SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, OFFSETS32: gl.constexpr,
+                    FAST_E2M1: gl.constexpr):
+        """RMSNorm -> RoPE -> NVFP4 (e4m3 scale per 16, e2m1) -> the records of one tile of R rows
+        whose loads are done."""
+        rmask = rows < n_rows
+        pok = rmask & (pos >= 0) & (pos < P)
+        yw = norm_rope(xw, xp, cs, pok, w_lo, w_hi, w_pair, eps, tail_buf, tail_lane, merge_sel, R, LLANE, LPLANE, LW)
+
+        # ---- the lane's group: amax in-lane, numerics.group_scales(SF=2, FMAX=6), 16 e2m1 codes
+        y_lo = lo_f32(yw)
+        y_hi = hi_f32(yw)
+        amax = gl.maximum(gl.max(gl.maximum(gl.abs(y_lo), gl.abs(y_hi)), axis=3), 1e-4)   # NaN-ignoring, like tl.max
+        m, stored = _scales(amax, 2, 6.0)
+        codes = _codes(y_lo, y_hi, m, R, LLANE, FAST_E2M1)                                    # [R, 8, 4] int64
+
+        # ---- the records; an invalid slot (or a row past n_rows) writes nothing
+        ok = rmask & (slot >= 0) & (slot < capacity)
+        blk, tok = block_and_token(slot, ok, block_size, SLOT32, LOG2_BLOCK, OFFSETS32)
+        rec = expand_rows(blk * s_blk + tok * tok_stride)                          # [R, 1, 1] bytes, 8-aligned
+        ok3 = expand_rows(ok)
+        gl.store(cache_ptr.to(gl.pointer_type(gl.int64)) + (rec >> 3) + lane, codes, mask=ok3)
+        gl.store(cache_ptr + rec + 256 + lane, stored.to(gl.uint8), mask=ok3)     # scale l at byte 256 + l
+
+    @gluon.jit(do_not_specialize=["n_rows", "P", "capacity"])
+    def main_fp4_kernel(
+        x_ptr, sx_w,                            # x bf16 [n, 512] (read as int32 words); row stride in words
+        w_ptr, eps,                             # RMSNorm weight [512] (bf16 or fp32)
+        pos_ptr, s_pos, cs_ptr, s_cs, P,        # positions [n]; cos_sin [P, 64] (cos | sin; fp32 or bf16)
+        slot_ptr, s_slot,                       # slot_mapping [n]
+        cache_ptr, s_blk, tok_stride, block_size, capacity,   # kv_cache uint8 [blocks, block_size, 1, 288]
+        n_rows,
+        W_BF16: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, ROWS_PER_WARP: gl.constexpr,
+        PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr, FAST_E2M1: gl.constexpr,
+    ):
+        """A program walks over the tiles pid, pid + num_programs, ... (R = ROWS_PER_WARP * num_warps
+        rows each; warp w owns rows w * ROWS_PER_WARP ..). LOG2_BLOCK: log2(block_size) when it is a
+        power of two, else -1 (a division). PIPELINE: load tile t + 1 (x, indices; its cos/sin after
+        tile t's stores) while tile t computes, instead of loading each tile at its start.
+        OFFSETS32: every x, index, cos/sin and cache offset of the launch is below 2**31 (host)."""
+        NW: gl.constexpr = gl.num_warps()
+        R: gl.constexpr = ROWS_PER_WARP * NW
+        # words [R, 8, 4, 8]: lane l = 4 * d1 + d2 owns the 8 int32 words (bf16 columns 16 l .. 16 l + 15)
+        LW: gl.constexpr = gl.BlockedLayout([ROWS_PER_WARP, 1, 1, 8], [1, 8, 4, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+        # RoPE pairs [R, 8, 4, 2]: pair j on lane j, (i0, i1) = (448 + j, 480 + j) in two registers
+        LP: gl.constexpr = gl.BlockedLayout([ROWS_PER_WARP, 1, 1, 2], [1, 8, 4, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+        LLANE: gl.constexpr = gl.SliceLayout(3, LW)                     # [R, 8, 4]: one value per lane and row
+        LPLANE: gl.constexpr = gl.SliceLayout(3, LP)                    # the same mapping, seen from LP
+        LROW: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LLANE))  # [R]
+
+        # ---- loop-invariant indices and the weight
+        r_idx = gl.arange(0, R, layout=LROW)
+        d1 = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, LLANE))), 0), 2)
+        d2 = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LLANE))), 0), 1)
+        lane = d1 * 4 + d2                                              # [1, 8, 4]
+        k8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LW))))
+        word = gl.expand_dims(lane, 3) * 8 + gl.expand_dims(gl.expand_dims(gl.expand_dims(k8, 0), 1), 2)  # [1, 8, 4, 8]
+        tail_lane = gl.expand_dims(d1 == 7, 3)                          # lanes 28..31 own columns 448..511
+        lane_p = gl.convert_layout(lane, LPLANE, assert_trivial=True)
+        half = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LP))))
+        pair_col = gl.expand_dims(lane_p, 3) + 32 * gl.expand_dims(gl.expand_dims(gl.expand_dims(half, 0), 1), 2)
+        merge_sel = gl.where((lane_p & 1) == 0, 0x5410, 0x3276)        # prmt: (own.lo, other.lo) / (other.hi, own.hi)
+
+        if W_BF16:
+            w_words = gl.load(w_ptr.to(gl.pointer_type(gl.int32)) + word)
+            w_lo = lo_f32(w_words)
+            w_hi = hi_f32(w_words)
+        else:
+            w_lo = gl.load(w_ptr + 2 * word)
+            w_hi = gl.load(w_ptr + 2 * word + 1)
+        w_pair = gl.load(w_ptr + 448 + pair_col).to(gl.float32)         # [1, 8, 4, 2]
+        tail_buf = gl.allocate_shared_memory(gl.int32, [R, 32], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+
+        pid = gl.program_id(0)
+        num_programs = gl.num_programs(0)
+        num_tiles = gl.cdiv(n_rows, R)
+        if PIPELINE:
+            rows = pid * R + r_idx                                      # [R] int32 (n_rows < 2**30: host)
+            pos, slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
+            xw, xp = _load_x(x_ptr, sx_w, rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
+            cs = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LPLANE, OFFSETS32)
+            for tile in range(pid, num_tiles, num_programs):
+                rows = tile * R + r_idx
+                next_rows = rows + num_programs * R
+                next_pos, next_slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, next_rows, n_rows, OFFSETS32)
+                next_xw, next_xp = _load_x(x_ptr, sx_w, next_rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
+                _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
+                            cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
+                            R, LLANE, LPLANE, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FAST_E2M1)
+                # the next positions arrived while this tile computed
+                cs = _load_cos_sin(cs_ptr, s_cs, P, next_pos, next_rows, n_rows, pair_col, LPLANE, OFFSETS32)
+                pos = next_pos
+                slot = next_slot
+                xw = next_xw
+                xp = next_xp
+        else:
+            for tile in range(pid, num_tiles, num_programs):
+                rows = tile * R + r_idx
+                pos, slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
+                xw, xp = _load_x(x_ptr, sx_w, rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
+                cs = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LPLANE, OFFSETS32)
+                _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
+                            cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
+                            R, LLANE, LPLANE, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FAST_E2M1)
+
+
+# --------------------------------------------------------------------------- host mirror
+# ``_e2m1_nibble`` restated with torch integer / fp32 ops, step for step (the proof that it gives
+# kvfuse.reference.encode_e2m1's codes runs on this: tests/test_gluon_main_fp4_dispatch.py on samples,
+# benchmarks/gluon_check_main_fp4.py --prove-encoder over every fp32 input).
+def e2m1_nibble_mirror(t: torch.Tensor) -> torch.Tensor:
+    """``_e2m1_nibble`` on the host: fp32 t -> int32 codes 0..15."""
+    a = torch.fmin(t.abs(), torch.tensor(6.0))                    # fmin ignores NaN, as min.f32
+    magic = torch.clamp_min((a.view(torch.int32) & 0x7F800000) + 0x0B000006, 0x4A800006)
+    code = (a + magic.view(torch.float32)).view(torch.int32) + (magic >> 22)
+    sign = (t.view(torch.int32) >> 28) & 15                        # the logical shift of the kernel
+    return (code & 7) | (sign & ~7)
+
+
+# --------------------------------------------------------------------------- host side
+_resident = {}               # launch key -> CTAs of that compiled variant resident on one SM
+# the e2m1 codes by ``_e2m1_nibble`` (one fp32 addition rounds); False: gluon_index's ``_e2m1`` (the
+# INDEX_NVFP4 encoder proven on the H200), kept to tell an encoder fault from another on the device
+FAST_E2M1 = True
+
+
+def supports(x, weight, positions, cos_sin, slot_mapping, kv_cache) -> str:
+    """'' when this kernel handles the call, else why not (the caller keeps the plain kernel)."""
+    if x.dim() != 2 or x.shape[1] != HEAD_DIM or x.dtype != torch.bfloat16 or x.stride(1) != 1:
+        return "x must be bf16 [n, 512] with unit column stride"
+    if x.stride(0) % 2 or x.data_ptr() % 4:
+        return "x rows must be 4-byte aligned (read as bf16 pairs)"
+    if x.shape[0] >= INT32_LIMIT // 2:
+        return "n must be < 2**30"
+    if weight.shape != (HEAD_DIM,) or weight.dtype not in (torch.bfloat16, torch.float32) or weight.stride(0) != 1:
+        return "weight must be a contiguous bf16/fp32 [512]"
+    if weight.data_ptr() % 4:
+        return "weight must be 4-byte aligned"
+    if cos_sin.dim() != 2 or cos_sin.shape[1] != ROTARY_DIM or cos_sin.dtype not in (torch.float32, torch.bfloat16) \
+            or cos_sin.stride(1) != 1 or cos_sin.shape[0] < 1:
+        return "cos_sin must be fp32/bf16 [P, 64] (P >= 1) with unit column stride"
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if t.dim() != 1 or t.shape[0] != x.shape[0] or t.dtype not in (torch.int32, torch.int64):
+            return f"{name} must be int32/int64 [n]"
+    c = kv_cache
+    if c.dtype != torch.uint8 or c.dim() != 4 or c.shape[2] != 1 or c.shape[3] != RECORD_BYTES or c.stride(3) != 1:
+        return "kv_cache must be uint8 [num_blocks, block_size, 1, 288] (MAIN_FP4)"
+    if c.stride(1) % CACHE_ALIGN or c.stride(1) < RECORD_BYTES or c.stride(0) % CACHE_ALIGN \
+            or c.data_ptr() % CACHE_ALIGN:
+        return "kv_cache records must be 8-byte aligned (pointer, token and block strides multiples of 8)"
+    devs = {t.device for t in (x, weight, positions, cos_sin, slot_mapping, kv_cache)}
+    if len(devs) != 1 or next(iter(devs)).type != "cuda":
+        return "all tensors must be on one CUDA device"
+    return ""
+
+
+def launch_table(n_rows: int):
+    """(num_warps, rows_per_warp, pipeline) per batch size, from the H200 sweep of session 4
+    (benchmarks/gluon_tune.py, benchmarks/results/2026-11-29_h200_s4_gluon_tune_fp4_q.txt): two one-row
+    warps per CTA up to n = 16384 (n = 1: 1.76 us against 1.85 with one warp; n = 4096: 4.03 us),
+    one warp without pipeline around n = 65536 (39.9 us against 41.1 pipelined), one pipelined warp
+    above (n = 262144: 153.4 us in benchmarks/gluon_check_main_fp4.py; the other variants were not
+    measured there). The thresholds between the measured sizes are not tuned."""
+    if n_rows <= 16384:
+        return 2, 1, False
+    if n_rows <= 65536:
+        return 1, 1, False
+    return 1, 1, True
+
+
+def _launch_parts(tensor, n: int, eps: float, x, weight, positions, cos_sin, slot_mapping, kv_cache,
+                  num_warps: int, rows_per_warp: int, pipeline: bool, ctas_per_sm=None, sm_count=None):
+    """(grid, args, constexprs, options) of main_fp4_kernel; ``tensor(name)`` goes where the tensor
+    ``name`` goes (the tensor itself, or a launcher.PlanTensor), the tensors give the strides.
+    ctas_per_sm / sm_count: given, no compilation and no device query (default: the compiled variant's
+    occupancy and the SM count of x's device)."""
+    block_size = kv_cache.shape[1]
+    capacity = kv_cache.shape[0] * block_size
+    T = tensor
+    args = (T("x"), x.stride(0) // 2, T("weight"), float(eps), T("positions"), positions.stride(0), T("cos_sin"),
+            cos_sin.stride(0), cos_sin.shape[0], T("slot_mapping"), slot_mapping.stride(0),
+            T("kv_cache"), kv_cache.stride(0), kv_cache.stride(1), block_size, capacity, n)
+    # the largest offset each pointer is indexed with (rows up to one tile per program past n included)
+    spans = ((n + 2 ** 20) * x.stride(0), (n + 2 ** 20) * max(positions.stride(0), slot_mapping.stride(0)),
+             cos_sin.shape[0] * cos_sin.stride(0), kv_cache.shape[0] * kv_cache.stride(0) + RECORD_BYTES)
+    constexprs = dict(W_BF16=weight.dtype == torch.bfloat16, SLOT32=capacity <= INT32_LIMIT,
+                      LOG2_BLOCK=log2_block(block_size), ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline),
+                      OFFSETS32=max(spans) < INT32_LIMIT, FAST_E2M1=bool(FAST_E2M1))
+    options = compile_options(num_warps)
+    per_sm = ctas_per_sm
+    if not per_sm or sm_count is None:
+        device_index = device_index_of(x)
+        if not per_sm:
+            key = (device_index, x.dtype, weight.dtype, positions.dtype, cos_sin.dtype, slot_mapping.dtype,
+                   tuple(constexprs.items()), num_warps)
+            real = bind_tensors(args, dict(x=x, weight=weight, positions=positions, cos_sin=cos_sin,
+                                           slot_mapping=slot_mapping, kv_cache=kv_cache))
+            per_sm = cached_ctas_per_sm(main_fp4_kernel, _resident, key, real, constexprs, options, device_index)
+        if sm_count is None:
+            sm_count = torch.cuda.get_device_properties(device_index).multi_processor_count
+    tiles = -(-n // (rows_per_warp * num_warps))
+    return persistent_grid(tiles, per_sm, sm_count), args, constexprs, options
+
+
+# --------------------------------------------------------------------------- kvfuse's dispatch
+def enabled() -> bool:
+    """The fused entry point uses this kernel for the calls it fits (``eligible``) unless
+    KVFUSE_GLUON=0, KVFUSE_GLUON_SKIP (a comma list) names "main_fp4", or ``available()`` is false."""
+    return allowed_by_env("main_fp4") and available()
+
+
+# faster than the plain kernel at every measured size (n = 1: 1.76 us against 2.11; n = 256: 2.18 against
+# 2.50; benchmarks/results/2026-11-29_h200_s4_gluon_tune_fp4_q.txt)
+MIN_ROWS = 1
+
+
+def eligible(plan) -> bool:
+    """Whether a validated kvfuse.plan.Plan is exactly this kernel's chain: RMSNorm, NEOX RoPE on
+    columns 448..511 (not conjugate), no Hadamard, e2m1 / e4m3 scales / g16 over all 512 columns, one
+    head, records laid out as MAIN_FP4's (token-interleaved, 256 code bytes then 32 scale bytes), no
+    stage copy, and the alignments the kernel reads and writes with (x rows and weight as 4-byte
+    words; the cache pointer and strides multiples of 8: the pointer's alignment is part of the
+    plan-cache key; x's and the weight's are checked per call, ``word_aligned``)."""
+    x, cache, c, f, a = plan.x, plan.kv_cache, plan.cast, plan.fmt, plan.addressing
+    if cache is None or c is None or plan.weight is None or plan.positions is None or f is None or a is None:
+        return False
+    if plan.slot_mapping is None or plan.hadamard_scale is not None:
+        return False
+    if plan.out is not None or plan.out_stage is not None:
+        return False
+    if x.dim() != 3 or x.shape[1:] != (1, HEAD_DIM) or x.stride(2) != 1 or x.stride(0) % 2 \
+            or x.shape[0] >= INT32_LIMIT // 2:
+        return False
+    if (plan.rotary_dim, plan.rope_offset, plan.is_neox, plan.conjugate) != (ROTARY_DIM, 448, True, False):
+        return False
+    if (c.cast_fmt, c.group, c.sf_format, plan.quant_dim) != ("e2m1", GROUP, "e4m3", HEAD_DIM):
+        return False
+    if not f.token_interleaved or f.bytes_per_token != RECORD_BYTES or f.bf16_tail:
+        return False
+    if cache.dim() != 4 or cache.shape[2] != 1 or cache.shape[3] != RECORD_BYTES or cache.stride(3) != 1:
+        return False
+    if (a.data_offset, a.sf_offset) != (0, DATA_BYTES) \
+            or a.data_token_stride != cache.stride(1) or a.sf_token_stride != cache.stride(1):
+        return False
+    if cache.stride(1) % CACHE_ALIGN or cache.stride(0) % CACHE_ALIGN or cache.data_ptr() % CACHE_ALIGN:
+        return False
+    w, cs = plan.weight, plan.cos_sin
+    return w.shape == (HEAD_DIM,) and w.stride(0) == 1 and cs.dim() == 2 and cs.shape[1] == ROTARY_DIM \
+        and cs.shape[0] >= 1 and cs.stride(1) == 1
+
+
+word_aligned = gluon_common.word_aligned      # x and the weight are read as 4-byte words
+call_guard = gluon_common.x_weight_guard      # checked per call (the plan cache keys neither pointer)
+
+
+def plan_launch(plan, tensor) -> tuple:
+    """(kernel name, grid, positional args, keyword args, namespace) of this kernel for an eligible
+    plan; ``tensor(field)`` goes where the plan's tensor ``field`` goes (the tensor, or a
+    launcher.PlanTensor for a Launch kept with the call signature)."""
+    x = plan.x[:, 0, :]
+    n = x.shape[0]
+    nw, rpw, pipe = launch_table(n)
+    grid, args, constexprs, options = _launch_parts(
+        tensor, n, plan.eps, x, plan.weight, plan.positions, plan.cos_sin, plan.slot_mapping, plan.kv_cache,
+        nw, rpw, pipe)
+    return "main_fp4_kernel", grid, args, {**constexprs, **options}, globals()
+
+
+def gluon_main_fp4_write(x, weight, eps, positions, cos_sin, slot_mapping, kv_cache, *, num_warps: int = 1,
+                         rows_per_warp: int = 1, pipeline: bool = False, ctas_per_sm: int = None) -> None:
+    """Write MAIN_FP4 records for the rows of x: the same bytes as
+    ``fused_norm_rope_hadamard_cast_store_kvcache(x, NormArgs(weight, eps), RopeArgs(positions,
+    cos_sin, 64, True), None, CastArgs.from_cache_format(MAIN_FP4), KVCacheOutArgs(kv_cache,
+    slot_mapping, layout=MAIN_FP4))`` (block_size = kv_cache.shape[1]). kvfuse's fused entry point
+    calls this kernel itself for such calls (``eligible``); this direct entry is for check scripts
+    and launch variants.
+
+    Launch: tiles of rows_per_warp * num_warps rows; one CTA per tile up to what fits on the GPU at
+    once (ctas_per_sm per SM: default, the compiled variant's occupancy), then each CTA loops over
+    tiles (pipeline: load the next tile while computing this one). No host synchronization: CUDA
+    graphs can capture it once it has been compiled (call it once before capturing).
+    Raises ValueError outside this kernel's assumptions (see ``supports``)."""
+    if not available():
+        raise RuntimeError("the Gluon MAIN_FP4 path needs Triton 3.6's Gluon and a CUDA device")
+    why = supports(x, weight, positions, cos_sin, slot_mapping, kv_cache)
+    if num_warps not in (1, 2, 4, 8) or rows_per_warp not in (1, 2, 4):
+        why = f"num_warps must be 1/2/4/8 and rows_per_warp 1/2/4 (powers of two), got {num_warps}, {rows_per_warp}"
+    if why:
+        raise ValueError(f"gluon_main_fp4_write: {why}")
+    n = x.shape[0]
+    if n == 0:
+        return
+    tensors = dict(x=x, weight=weight, positions=positions, cos_sin=cos_sin, slot_mapping=slot_mapping,
+                   kv_cache=kv_cache)
+    grid, args, constexprs, options = _launch_parts(tensors.__getitem__, n, eps, x, weight, positions, cos_sin,
+                                                    slot_mapping, kv_cache, num_warps, rows_per_warp, pipeline,
+                                                    ctas_per_sm)
+    main_fp4_kernel[grid](*args, **constexprs, **options)
