@@ -10,7 +10,9 @@ the MAIN_FP4 layout (record = 256 data bytes: 512 e2m1 codes, two a byte, the ev
 low nibble | 32 e4m3 scale bytes, one per group of 16), the cache pointer and both strides multiples
 of 8 (each lane's codes leave as one 64-bit store; the format makes the strides multiples of 32).
 
-Layout: gluon_main_fp8's, up to the cast (its ``norm_rope`` is this kernel's transform):
+The kernel is gluon_main_fp8's (``main_fp4_kernel`` is ``main_fp8_kernel``, launched with FP4=True):
+its layout, loads, ``norm_rope`` and persistent loop; this module gives the cast and the store
+(``_quantize_store``, the kernel's FP4 branch). Layout:
 - a row (one token) is held by ONE warp: lane l = 4 * d1 + d2 owns the 16 contiguous columns
   16 l .. 16 l + 15 as 8 int32 words (two bf16 each), [R, 8, 4, 8] per CTA of R = ROWS_PER_WARP *
   num_warps rows; RMSNorm's adjacent-pairs tree in-lane then 5 butterflies; y = bf16((x * rstd) * w)
@@ -69,9 +71,10 @@ CACHE_ALIGN = 8              # the codes leave as 64-bit stores
 
 
 if gluon is not None:
-    from .gluon_common import block_and_token, expand_rows, hi_f32, lo_f32, load_indices
+    from .gluon_common import block_and_token, expand_rows, hi_f32, lo_f32
     from .gluon_index import _b64, _e2m1, _scales
-    from .gluon_main_fp8 import _load_cos_sin, _load_x, norm_rope
+    # the kernel: gluon_main_fp8's, launched with FP4=True (its FP4 branch calls _quantize_store below)
+    from .gluon_main_fp8 import main_fp8_kernel as main_fp4_kernel
 
     @gluon.jit
     def _e2m1_nibble(t):
@@ -110,17 +113,10 @@ if gluon is not None:
                     gl.convert_layout(w1, LLANE, assert_trivial=True))
 
     @gluon.jit
-    def _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
-                    cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
-                    R: gl.constexpr, LLANE: gl.constexpr, LPLANE: gl.constexpr, LW: gl.constexpr,
-                    SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, OFFSETS32: gl.constexpr,
-                    FAST_E2M1: gl.constexpr):
-        """RMSNorm -> RoPE -> NVFP4 (e4m3 scale per 16, e2m1) -> the records of one tile of R rows
-        whose loads are done."""
-        rmask = rows < n_rows
-        pok = rmask & (pos >= 0) & (pos < P)
-        yw = norm_rope(xw, xp, cs, pok, w_lo, w_hi, w_pair, eps, tail_buf, tail_lane, merge_sel, R, LLANE, LPLANE, LW)
-
+    def _quantize_store(yw, rmask, slot, capacity, cache_ptr, s_blk, tok_stride, block_size, lane,
+                        R: gl.constexpr, LLANE: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr,
+                        OFFSETS32: gl.constexpr, FAST_E2M1: gl.constexpr):
+        """y (bf16 pairs [R, 8, 4, 8]) of one tile -> NVFP4 (e4m3 scale per 16, e2m1) -> the MAIN_FP4 records."""
         # ---- the lane's group: amax in-lane, numerics.group_scales(SF=2, FMAX=6), 16 e2m1 codes
         y_lo = lo_f32(yw)
         y_hi = hi_f32(yw)
@@ -135,87 +131,6 @@ if gluon is not None:
         ok3 = expand_rows(ok)
         gl.store(cache_ptr.to(gl.pointer_type(gl.int64)) + (rec >> 3) + lane, codes, mask=ok3)
         gl.store(cache_ptr + rec + 256 + lane, stored.to(gl.uint8), mask=ok3)     # scale l at byte 256 + l
-
-    @gluon.jit(do_not_specialize=["n_rows", "P", "capacity"])
-    def main_fp4_kernel(
-        x_ptr, sx_w,                            # x bf16 [n, 512] (read as int32 words); row stride in words
-        w_ptr, eps,                             # RMSNorm weight [512] (bf16 or fp32)
-        pos_ptr, s_pos, cs_ptr, s_cs, P,        # positions [n]; cos_sin [P, 64] (cos | sin; fp32 or bf16)
-        slot_ptr, s_slot,                       # slot_mapping [n]
-        cache_ptr, s_blk, tok_stride, block_size, capacity,   # kv_cache uint8 [blocks, block_size, 1, 288]
-        n_rows,
-        W_BF16: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, ROWS_PER_WARP: gl.constexpr,
-        PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr, FAST_E2M1: gl.constexpr,
-    ):
-        """A program walks over the tiles pid, pid + num_programs, ... (R = ROWS_PER_WARP * num_warps
-        rows each; warp w owns rows w * ROWS_PER_WARP ..). LOG2_BLOCK: log2(block_size) when it is a
-        power of two, else -1 (a division). PIPELINE: load tile t + 1 (x, indices; its cos/sin after
-        tile t's stores) while tile t computes, instead of loading each tile at its start.
-        OFFSETS32: every x, index, cos/sin and cache offset of the launch is below 2**31 (host)."""
-        NW: gl.constexpr = gl.num_warps()
-        R: gl.constexpr = ROWS_PER_WARP * NW
-        # words [R, 8, 4, 8]: lane l = 4 * d1 + d2 owns the 8 int32 words (bf16 columns 16 l .. 16 l + 15)
-        LW: gl.constexpr = gl.BlockedLayout([ROWS_PER_WARP, 1, 1, 8], [1, 8, 4, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
-        # RoPE pairs [R, 8, 4, 2]: pair j on lane j, (i0, i1) = (448 + j, 480 + j) in two registers
-        LP: gl.constexpr = gl.BlockedLayout([ROWS_PER_WARP, 1, 1, 2], [1, 8, 4, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
-        LLANE: gl.constexpr = gl.SliceLayout(3, LW)                     # [R, 8, 4]: one value per lane and row
-        LPLANE: gl.constexpr = gl.SliceLayout(3, LP)                    # the same mapping, seen from LP
-        LROW: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LLANE))  # [R]
-
-        # ---- loop-invariant indices and the weight
-        r_idx = gl.arange(0, R, layout=LROW)
-        d1 = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, LLANE))), 0), 2)
-        d2 = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LLANE))), 0), 1)
-        lane = d1 * 4 + d2                                              # [1, 8, 4]
-        k8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LW))))
-        word = gl.expand_dims(lane, 3) * 8 + gl.expand_dims(gl.expand_dims(gl.expand_dims(k8, 0), 1), 2)  # [1, 8, 4, 8]
-        tail_lane = gl.expand_dims(d1 == 7, 3)                          # lanes 28..31 own columns 448..511
-        lane_p = gl.convert_layout(lane, LPLANE, assert_trivial=True)
-        half = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LP))))
-        pair_col = gl.expand_dims(lane_p, 3) + 32 * gl.expand_dims(gl.expand_dims(gl.expand_dims(half, 0), 1), 2)
-        merge_sel = gl.where((lane_p & 1) == 0, 0x5410, 0x3276)        # prmt: (own.lo, other.lo) / (other.hi, own.hi)
-
-        if W_BF16:
-            w_words = gl.load(w_ptr.to(gl.pointer_type(gl.int32)) + word)
-            w_lo = lo_f32(w_words)
-            w_hi = hi_f32(w_words)
-        else:
-            w_lo = gl.load(w_ptr + 2 * word)
-            w_hi = gl.load(w_ptr + 2 * word + 1)
-        w_pair = gl.load(w_ptr + 448 + pair_col).to(gl.float32)         # [1, 8, 4, 2]
-        tail_buf = gl.allocate_shared_memory(gl.int32, [R, 32], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-
-        pid = gl.program_id(0)
-        num_programs = gl.num_programs(0)
-        num_tiles = gl.cdiv(n_rows, R)
-        if PIPELINE:
-            rows = pid * R + r_idx                                      # [R] int32 (n_rows < 2**30: host)
-            pos, slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
-            xw, xp = _load_x(x_ptr, sx_w, rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
-            cs = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LPLANE, OFFSETS32)
-            for tile in range(pid, num_tiles, num_programs):
-                rows = tile * R + r_idx
-                next_rows = rows + num_programs * R
-                next_pos, next_slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, next_rows, n_rows, OFFSETS32)
-                next_xw, next_xp = _load_x(x_ptr, sx_w, next_rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
-                _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
-                            cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
-                            R, LLANE, LPLANE, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FAST_E2M1)
-                # the next positions arrived while this tile computed
-                cs = _load_cos_sin(cs_ptr, s_cs, P, next_pos, next_rows, n_rows, pair_col, LPLANE, OFFSETS32)
-                pos = next_pos
-                slot = next_slot
-                xw = next_xw
-                xp = next_xp
-        else:
-            for tile in range(pid, num_tiles, num_programs):
-                rows = tile * R + r_idx
-                pos, slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
-                xw, xp = _load_x(x_ptr, sx_w, rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
-                cs = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LPLANE, OFFSETS32)
-                _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
-                            cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
-                            R, LLANE, LPLANE, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FAST_E2M1)
 
 
 # --------------------------------------------------------------------------- host mirror
@@ -299,7 +214,7 @@ def _launch_parts(tensor, n: int, eps: float, x, weight, positions, cos_sin, slo
              cos_sin.shape[0] * cos_sin.stride(0), kv_cache.shape[0] * kv_cache.stride(0) + RECORD_BYTES)
     constexprs = dict(W_BF16=weight.dtype == torch.bfloat16, SLOT32=capacity <= INT32_LIMIT,
                       LOG2_BLOCK=log2_block(block_size), ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline),
-                      OFFSETS32=max(spans) < INT32_LIMIT, FAST_E2M1=bool(FAST_E2M1))
+                      OFFSETS32=max(spans) < INT32_LIMIT, FP4=True, FAST_E2M1=bool(FAST_E2M1))
     options = compile_options(num_warps)
     per_sm = ctas_per_sm
     if not per_sm or sm_count is None:

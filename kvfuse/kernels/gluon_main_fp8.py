@@ -39,6 +39,9 @@ enable_fp_fusion=False: no FMA), div_rn/sqrt_rn, native bf16 rounding (cvt.rn), 
 exponent without division (``group_scales`` SF=0), the unguarded native e4m3 encode
 (cvt.rn.satfinite.e4m3x2.f32; NATIVE=2 in fused.py) and NaN-ignoring max (max.f32) for amax.
 
+The kernel also writes gluon_main_fp4's MAIN_FP4 records (FP4=True): the same loads, norm, RoPE and
+persistent loop, that module's cast and store (``gluon_main_fp4._quantize_store``).
+
 The module imports without a GPU and under any Triton; ``available()`` says whether this path
 can run (Triton 3.6's Gluon API and a CUDA device).
 """
@@ -127,15 +130,10 @@ if gluon is not None:
         return gl.where(tail_lane & gl.expand_dims(expand_rows(pok), 3), tail, yw)
 
     @gluon.jit
-    def _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
-                    cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel, qword,
-                    R: gl.constexpr, LLANE: gl.constexpr, LPLANE: gl.constexpr, LQ: gl.constexpr,
-                    LW: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, OFFSETS32: gl.constexpr):
-        """RMSNorm -> RoPE -> UE8M0/e4m3 -> the records of one tile of R rows whose loads are done."""
-        rmask = rows < n_rows
-        pok = rmask & (pos >= 0) & (pos < P)
-        yw = norm_rope(xw, xp, cs, pok, w_lo, w_hi, w_pair, eps, tail_buf, tail_lane, merge_sel, R, LLANE, LPLANE, LW)
-
+    def _quantize_store(yw, rmask, slot, capacity, cache_ptr, s_blk, tok_stride, block_size, lane, qword,
+                        R: gl.constexpr, LQ: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr,
+                        OFFSETS32: gl.constexpr):
+        """y (bf16 pairs [R, 8, 4, 8]) of one tile -> UE8M0/e4m3 -> the MAIN_FP8 records."""
         # ---- UE8M0 scale per 32 columns (two lanes): group_scales(SF=0, FMAX=448) of numerics.py
         y_lo = lo_f32(yw)
         y_hi = hi_f32(yw)
@@ -163,27 +161,47 @@ if gluon is not None:
         gl.store(cache_ptr.to(gl.pointer_type(gl.int32)) + rec_q + qword, codes, mask=ok_q)
         gl.store(cache_ptr + rec3 + 512 + (lane >> 1), (e + 127).to(gl.uint8), mask=ok3 & ((lane & 1) == 0))
 
+    @gluon.jit
+    def _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
+                    cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel, qword,
+                    R: gl.constexpr, LLANE: gl.constexpr, LPLANE: gl.constexpr, LQ: gl.constexpr,
+                    LW: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, OFFSETS32: gl.constexpr,
+                    FP4: gl.constexpr, FAST_E2M1: gl.constexpr):
+        """RMSNorm -> RoPE -> the cast -> the records of one tile of R rows whose loads are done: MAIN_FP8's
+        (UE8M0/e4m3), or with FP4 MAIN_FP4's (gluon_main_fp4: NVFP4, FAST_E2M1 its e2m1 encoder)."""
+        rmask = rows < n_rows
+        pok = rmask & (pos >= 0) & (pos < P)
+        yw = norm_rope(xw, xp, cs, pok, w_lo, w_hi, w_pair, eps, tail_buf, tail_lane, merge_sel, R, LLANE, LPLANE, LW)
+        if FP4:
+            gluon_main_fp4._quantize_store(yw, rmask, slot, capacity, cache_ptr, s_blk, tok_stride, block_size, lane,
+                                           R, LLANE, SLOT32, LOG2_BLOCK, OFFSETS32, FAST_E2M1)
+        else:
+            _quantize_store(yw, rmask, slot, capacity, cache_ptr, s_blk, tok_stride, block_size, lane, qword,
+                            R, LQ, SLOT32, LOG2_BLOCK, OFFSETS32)
+
     @gluon.jit(do_not_specialize=["n_rows", "P", "capacity"])
     def main_fp8_kernel(
         x_ptr, sx_w,                            # x bf16 [n, 512] (read as int32 words); row stride in words
         w_ptr, eps,                             # RMSNorm weight [512] (bf16 or fp32)
         pos_ptr, s_pos, cs_ptr, s_cs, P,        # positions [n]; cos_sin [P, 64] (cos | sin; fp32 or bf16)
         slot_ptr, s_slot,                       # slot_mapping [n]
-        cache_ptr, s_blk, tok_stride, block_size, capacity,   # kv_cache uint8 [blocks, block_size, 1, 532]
+        cache_ptr, s_blk, tok_stride, block_size, capacity,   # kv_cache uint8 [blocks, block_size, 1, 532 | 288]
         n_rows,
         W_BF16: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, ROWS_PER_WARP: gl.constexpr,
-        PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr,
+        PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr, FP4: gl.constexpr, FAST_E2M1: gl.constexpr,
     ):
         """A program walks over the tiles pid, pid + num_programs, ... (R = ROWS_PER_WARP * num_warps
         rows each; warp w owns rows w * ROWS_PER_WARP ..). LOG2_BLOCK: log2(block_size) when it is a
         power of two, else -1 (a division). PIPELINE: load tile t + 1 (x, indices; its cos/sin after
         tile t's stores) while tile t computes, instead of loading each tile at its start.
-        OFFSETS32: every x, index, cos/sin and cache offset of the launch is below 2**31 (host)."""
+        OFFSETS32: every x, index, cos/sin and cache offset of the launch is below 2**31 (host).
+        FP4: write MAIN_FP4 records instead (gluon_main_fp4 launches this kernel so; FAST_E2M1 picks its
+        e2m1 encoder, unused without FP4)."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = ROWS_PER_WARP * NW
         # words [R, 8, 4, 8]: lane l = 4 * d1 + d2 owns the 8 int32 words (bf16 columns 16 l .. 16 l + 15)
         LW: gl.constexpr = gl.BlockedLayout([ROWS_PER_WARP, 1, 1, 8], [1, 8, 4, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
-        # output words [R, 8, 4, 4]: four e4m3 codes each, lane l owns record words 4 l .. 4 l + 3
+        # MAIN_FP8's output words [R, 8, 4, 4]: four e4m3 codes each, lane l owns record words 4 l .. 4 l + 3
         LQ: gl.constexpr = gl.BlockedLayout([ROWS_PER_WARP, 1, 1, 4], [1, 8, 4, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
         # RoPE pairs [R, 8, 4, 2]: pair j on lane j, (i0, i1) = (448 + j, 480 + j) in two registers
         LP: gl.constexpr = gl.BlockedLayout([ROWS_PER_WARP, 1, 1, 2], [1, 8, 4, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
@@ -232,7 +250,7 @@ if gluon is not None:
                 next_xw, next_xp = _load_x(x_ptr, sx_w, next_rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
                 _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
                             cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
-                            qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32)
+                            qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4, FAST_E2M1)
                 # the next positions arrived while this tile computed
                 cs = _load_cos_sin(cs_ptr, s_cs, P, next_pos, next_rows, n_rows, pair_col, LPLANE, OFFSETS32)
                 pos = next_pos
@@ -247,7 +265,10 @@ if gluon is not None:
                 cs = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LPLANE, OFFSETS32)
                 _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
                             cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
-                            qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32)
+                            qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4, FAST_E2M1)
+
+    # the FP4 branch's cast and store (_write_rows); imported last: gluon_main_fp4 imports this module's kernel
+    from . import gluon_main_fp4
 
 
 # --------------------------------------------------------------------------- host side
@@ -310,7 +331,7 @@ def _launch_parts(tensor, n: int, eps: float, x, weight, positions, cos_sin, slo
              cos_sin.shape[0] * cos_sin.stride(0), kv_cache.shape[0] * kv_cache.stride(0) + RECORD_BYTES)
     constexprs = dict(W_BF16=weight.dtype == torch.bfloat16, SLOT32=capacity <= INT32_LIMIT,
                       LOG2_BLOCK=log2_block(block_size), ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline),
-                      OFFSETS32=max(spans) < INT32_LIMIT)
+                      OFFSETS32=max(spans) < INT32_LIMIT, FP4=False, FAST_E2M1=False)
     options = compile_options(num_warps)
     device_index = device_index_of(x)
     per_sm = ctas_per_sm
