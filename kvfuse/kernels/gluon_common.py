@@ -1,4 +1,4 @@
-"""What the Gluon fast paths (gluon_main_fp8, gluon_mla_tail, gluon_index) share: the Gluon import,
+"""What the Gluon fast paths (gluon_main_fp8, gluon_main_fp4, gluon_mla_tail, gluon_index) share: the Gluon import,
 the host-side checks and switches, and the @gluon.jit helpers their kernels have in common (inline
 PTX shuffles and conversions, bf16 unpacking, offsets, index loads, slot addressing, UE8M0 scales).
 
