@@ -34,6 +34,13 @@ def log(msg):
     print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
 
 
+def is_cuda_error(e) -> bool:
+    """An error that ends the CUDA context (what follows it would fail too)."""
+    text = str(e)
+    return any(k in text for k in ("CUDA error", "illegal memory access", "unspecified launch failure",
+                                   "device-side assert", "misaligned address"))
+
+
 def short(e, limit=400):
     text = f"{type(e).__name__}: {e}".replace("\n", " ")
     return text if len(text) <= limit else text[:limit] + "..."

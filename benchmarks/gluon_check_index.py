@@ -39,13 +39,6 @@ from kvfuse.kernels import gluon_index as GI
 FORMATS = {"index_fp8_fp32": F.INDEX_FP8_FP32, "index_mxfp4": F.INDEX_MXFP4, "index_nvfp4": F.INDEX_NVFP4}
 
 
-def is_cuda_error(e) -> bool:
-    """An error that ends the CUDA context (what follows it would fail too)."""
-    text = str(e)
-    return any(k in text for k in ("CUDA error", "illegal memory access", "unspecified launch failure",
-                                   "device-side assert", "misaligned address"))
-
-
 # ------------------------------------------------------------------------------------ switching
 def fast_path(on: bool) -> None:
     """Route the public entry point's eligible calls to gluon_index (on) or keep the plain kernel."""
@@ -161,7 +154,7 @@ def run_correctness(formats, deadline, report):
                          trace=traceback.format_exc()[-1500:])
                 records.append(r)
                 log(f"correctness {fmt.name:15s} {name:55s} ERROR {short(e)}")
-                if is_cuda_error(e):
+                if common.is_cuda_error(e):
                     report["stopped"] = f"CUDA error in {fmt.name} / {name}"
                     return False
                 continue
@@ -213,7 +206,7 @@ def run_timing(formats, copy_gbps, deadline, report):
                 fast_path(False)
                 records.append(dict(format=fmt.name, n=n, status="error", error=short(e)))
                 log(f"timing {fmt.name} n={n}: ERROR {short(e)}")
-                if is_cuda_error(e):
+                if common.is_cuda_error(e):
                     report["stopped"] = f"CUDA error timing {fmt.name} n={n}"
                     return False
                 bench._recover_cuda()

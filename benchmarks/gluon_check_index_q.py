@@ -141,7 +141,7 @@ def run_correctness(report, deadline):
             except Exception as e:
                 fast_path(False)
                 rec = dict(cast=cast_name, case=name, status="error", error=short(e))
-                if "CUDA error" in str(e) or "illegal" in str(e):
+                if common.is_cuda_error(e):
                     out.append(rec)
                     report["stopped"] = f"CUDA error in {cast_name} {name}"
                     return False

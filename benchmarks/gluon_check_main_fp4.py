@@ -50,13 +50,6 @@ def say(msg):
     LINES.append(f"[{time.perf_counter() - T0:6.1f}s] {msg}")
 
 
-def is_cuda_error(e) -> bool:
-    """An error that ends the CUDA context (what follows it would fail too)."""
-    text = str(e)
-    return any(k in text for k in ("CUDA error", "illegal memory access", "unspecified launch failure",
-                                   "device-side assert", "misaligned address"))
-
-
 # ------------------------------------------------------------------------------------ switching
 def fast_path(on: bool) -> None:
     """Route the public entry point's eligible calls to gluon_main_fp4 (on) or keep the plain kernel."""
@@ -207,7 +200,7 @@ def run_correctness(deadline, report, variants):
             r = dict(case=name, n=kw.get("n"), status="error", error=short(e), trace=traceback.format_exc()[-1500:])
             records.append(r)
             say(f"correctness {name:72s} ERROR {short(e)}")
-            if is_cuda_error(e):
+            if common.is_cuda_error(e):
                 report["stopped"] = f"CUDA error in {name}"
                 return False
             continue
@@ -223,7 +216,7 @@ def run_correctness(deadline, report, variants):
                     rv = compare_variant(c, vname, v)
                 except Exception as e:
                     rv = dict(case=name, variant=vname, status="error", error=short(e))
-                    if is_cuda_error(e):
+                    if common.is_cuda_error(e):
                         records.append(rv)
                         report["stopped"] = f"CUDA error in {name} / {vname}"
                         return False
@@ -269,7 +262,7 @@ def run_timing(copy_gbps, deadline, report):
             fast_path(False)
             records.append(dict(n=n, status="error", error=short(e)))
             say(f"timing n={n}: ERROR {short(e)}")
-            if is_cuda_error(e):
+            if common.is_cuda_error(e):
                 report["stopped"] = f"CUDA error timing n={n}"
                 return False
             bench._recover_cuda()

@@ -200,3 +200,10 @@ class CountingKernel:
 
     def warmup(self, *args, **kwargs):
         return self.kernel.warmup(*args, **kwargs)
+
+
+def cache_at(fmt: KVCacheFormat, byte_offset: int, num_blocks: int = 4, block_size: int = 16) -> torch.Tensor:
+    """A zeroed cache of ``fmt`` starting ``byte_offset`` bytes into its storage."""
+    dense = fmt.allocate(num_blocks, block_size)
+    storage = torch.zeros(dense.untyped_storage().nbytes() + 64, dtype=torch.uint8)
+    return torch.as_strided(storage, dense.shape, dense.stride(), byte_offset)

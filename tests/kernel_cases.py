@@ -12,6 +12,7 @@ import torch
 import kvfuse
 from kvfuse import (CastArgs, ContiguousOutArgs, HadamardArgs, KVCacheFormat, KVCacheOutArgs, NormArgs, RopeArgs,
                     formats)
+from kvfuse.plan import build_plan
 
 CUSTOM_FORMATS = [
     KVCacheFormat("TI_E4M3_G64_FP32_D192", 192, "e4m3", 64, "fp32", True),
@@ -208,3 +209,14 @@ def diff_report(a: dict, b: dict, limit: int = 8) -> str:
             shown = ", ".join(f"@{int(i)}: {int(fa[i]):#04x} vs {int(fb[i]):#04x}" for i in idx[:limit])
             lines.append(f"{k}: {idx.numel()} bytes differ ({shown})")
     return "; ".join(lines)
+
+
+def plan_of(case: Case):
+    """The validated kvfuse.plan.Plan of a case's call (CPU tensors)."""
+    args, _, _ = build(case, "cpu")
+    return build_plan(**args)[0]
+
+
+def recast(plan, **fields):
+    """The plan with some fields replaced (a Plan is a plain dataclass)."""
+    return dataclasses.replace(plan, **fields)

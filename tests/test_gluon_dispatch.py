@@ -13,16 +13,10 @@ import kvfuse
 from kvfuse import CastArgs, KVCacheFormat
 from kvfuse.kernels import fused as fused_kernels
 from kvfuse.kernels import gluon_main_fp8 as G
-from kvfuse.plan import build_plan
 from helpers import CountingKernel
-from kernel_cases import Case, build
+from kernel_cases import Case, plan_of
 
 MAIN = kvfuse.formats.MAIN_FP8
-
-
-def plan_of(case: Case):
-    args, _, _ = build(case, "cpu")
-    return build_plan(**args)[0]
 
 
 def main_case(**kw):

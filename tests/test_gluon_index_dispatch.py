@@ -18,34 +18,17 @@ from kvfuse import reference as ref
 from kvfuse.kernels import fused as fused_kernels
 from kvfuse.kernels import gluon_index as GI
 from kvfuse.kernels.launcher import tensor_arg
-from kvfuse.plan import build_plan
-from kernel_cases import Case, build
+from helpers import cache_at
+from kernel_cases import Case, plan_of, recast
 
 F = kvfuse.formats
 INDEX_FORMATS = [F.INDEX_FP8_FP32, F.INDEX_MXFP8, F.INDEX_MXFP4, F.INDEX_NVFP4]
-
-
-def plan_of(case: Case):
-    args, _, _ = build(case, "cpu")
-    return build_plan(**args)[0]
 
 
 def index_case(fmt=F.INDEX_MXFP4, **kw):
     """The fast path's chain: norm, NEOX RoPE on columns 64..127, an INDEX cache, no stage copy."""
     base = dict(n=5, heads=1, head_dim=128, fmt=fmt, rotary_dim=64, neox=True, out_stage=None)
     return Case(**{**base, **kw})
-
-
-def recast(plan, **fields):
-    """The plan with some fields replaced (a Plan is a plain dataclass)."""
-    return dataclasses.replace(plan, **fields)
-
-
-def cache_at(fmt, byte_offset: int, num_blocks=4, block_size=16):
-    """A zeroed cache of ``fmt`` starting ``byte_offset`` bytes into its storage."""
-    dense = fmt.allocate(num_blocks, block_size)
-    storage = torch.zeros(dense.untyped_storage().nbytes() + 64, dtype=torch.uint8)
-    return torch.as_strided(storage, dense.shape, dense.stride(), byte_offset)
 
 
 # ---------------------------------------------------------------------------------- eligible

@@ -16,17 +16,11 @@ from kvfuse import CastArgs, KVCacheFormat
 from kvfuse.kernels import fused as fused_kernels
 from kvfuse.kernels import gluon_mla_tail as G
 from kvfuse.kernels.launcher import PlanTensor, tensor_arg
-from kvfuse.plan import build_plan
-from kernel_cases import Case, build
+from kernel_cases import Case, plan_of
 
 V32 = kvfuse.formats.FLASHMLA_V32
 MODEL1 = kvfuse.formats.FLASHMLA_MODEL1
 TENSOR_FIELDS = {"x", "weight", "positions", "cos_sin", "slot_mapping", "kv_cache"}
-
-
-def plan_of(case: Case):
-    args, _, _ = build(case, "cpu")
-    return build_plan(**args)[0]
 
 
 def mla_case(fmt, **kw):

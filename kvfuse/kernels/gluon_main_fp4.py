@@ -59,8 +59,8 @@ from __future__ import annotations
 import torch
 
 from . import gluon_common
-from .gluon_common import (INT32_LIMIT, allowed_by_env, available, bind_tensors, cached_ctas_per_sm,
-                           compile_options, device_index_of, gl, gluon, log2_block, persistent_grid)
+from . import gluon_main_fp8 as main
+from .gluon_common import allowed_by_env, available, gl, gluon
 
 HEAD_DIM = 512
 DATA_BYTES = 256             # 512 e2m1 codes, two a byte
@@ -147,40 +147,16 @@ def e2m1_nibble_mirror(t: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- host side
-_resident = {}               # launch key -> CTAs of that compiled variant resident on one SM
+# (gluon_main_fp8's, for this module's MainRecords)
 # the e2m1 codes by ``_e2m1_nibble`` (one fp32 addition rounds); False: gluon_index's ``_e2m1`` (the
 # INDEX_NVFP4 encoder proven on the H200), kept to tell an encoder fault from another on the device
 FAST_E2M1 = True
+RECORDS = main.MainRecords("MAIN_FP4", ("e2m1", GROUP, "e4m3"), RECORD_BYTES, DATA_BYTES, CACHE_ALIGN, True)
 
 
 def supports(x, weight, positions, cos_sin, slot_mapping, kv_cache) -> str:
     """'' when this kernel handles the call, else why not (the caller keeps the plain kernel)."""
-    if x.dim() != 2 or x.shape[1] != HEAD_DIM or x.dtype != torch.bfloat16 or x.stride(1) != 1:
-        return "x must be bf16 [n, 512] with unit column stride"
-    if x.stride(0) % 2 or x.data_ptr() % 4:
-        return "x rows must be 4-byte aligned (read as bf16 pairs)"
-    if x.shape[0] >= INT32_LIMIT // 2:
-        return "n must be < 2**30"
-    if weight.shape != (HEAD_DIM,) or weight.dtype not in (torch.bfloat16, torch.float32) or weight.stride(0) != 1:
-        return "weight must be a contiguous bf16/fp32 [512]"
-    if weight.data_ptr() % 4:
-        return "weight must be 4-byte aligned"
-    if cos_sin.dim() != 2 or cos_sin.shape[1] != ROTARY_DIM or cos_sin.dtype not in (torch.float32, torch.bfloat16) \
-            or cos_sin.stride(1) != 1 or cos_sin.shape[0] < 1:
-        return "cos_sin must be fp32/bf16 [P, 64] (P >= 1) with unit column stride"
-    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
-        if t.dim() != 1 or t.shape[0] != x.shape[0] or t.dtype not in (torch.int32, torch.int64):
-            return f"{name} must be int32/int64 [n]"
-    c = kv_cache
-    if c.dtype != torch.uint8 or c.dim() != 4 or c.shape[2] != 1 or c.shape[3] != RECORD_BYTES or c.stride(3) != 1:
-        return "kv_cache must be uint8 [num_blocks, block_size, 1, 288] (MAIN_FP4)"
-    if c.stride(1) % CACHE_ALIGN or c.stride(1) < RECORD_BYTES or c.stride(0) % CACHE_ALIGN \
-            or c.data_ptr() % CACHE_ALIGN:
-        return "kv_cache records must be 8-byte aligned (pointer, token and block strides multiples of 8)"
-    devs = {t.device for t in (x, weight, positions, cos_sin, slot_mapping, kv_cache)}
-    if len(devs) != 1 or next(iter(devs)).type != "cuda":
-        return "all tensors must be on one CUDA device"
-    return ""
+    return main.supports_records(RECORDS, x, weight, positions, cos_sin, slot_mapping, kv_cache)
 
 
 def launch_table(n_rows: int):
@@ -199,36 +175,9 @@ def launch_table(n_rows: int):
 
 def _launch_parts(tensor, n: int, eps: float, x, weight, positions, cos_sin, slot_mapping, kv_cache,
                   num_warps: int, rows_per_warp: int, pipeline: bool, ctas_per_sm=None, sm_count=None):
-    """(grid, args, constexprs, options) of main_fp4_kernel; ``tensor(name)`` goes where the tensor
-    ``name`` goes (the tensor itself, or a launcher.PlanTensor), the tensors give the strides.
-    ctas_per_sm / sm_count: given, no compilation and no device query (default: the compiled variant's
-    occupancy and the SM count of x's device)."""
-    block_size = kv_cache.shape[1]
-    capacity = kv_cache.shape[0] * block_size
-    T = tensor
-    args = (T("x"), x.stride(0) // 2, T("weight"), float(eps), T("positions"), positions.stride(0), T("cos_sin"),
-            cos_sin.stride(0), cos_sin.shape[0], T("slot_mapping"), slot_mapping.stride(0),
-            T("kv_cache"), kv_cache.stride(0), kv_cache.stride(1), block_size, capacity, n)
-    # the largest offset each pointer is indexed with (rows up to one tile per program past n included)
-    spans = ((n + 2 ** 20) * x.stride(0), (n + 2 ** 20) * max(positions.stride(0), slot_mapping.stride(0)),
-             cos_sin.shape[0] * cos_sin.stride(0), kv_cache.shape[0] * kv_cache.stride(0) + RECORD_BYTES)
-    constexprs = dict(W_BF16=weight.dtype == torch.bfloat16, SLOT32=capacity <= INT32_LIMIT,
-                      LOG2_BLOCK=log2_block(block_size), ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline),
-                      OFFSETS32=max(spans) < INT32_LIMIT, FP4=True, FAST_E2M1=bool(FAST_E2M1))
-    options = compile_options(num_warps)
-    per_sm = ctas_per_sm
-    if not per_sm or sm_count is None:
-        device_index = device_index_of(x)
-        if not per_sm:
-            key = (device_index, x.dtype, weight.dtype, positions.dtype, cos_sin.dtype, slot_mapping.dtype,
-                   tuple(constexprs.items()), num_warps)
-            real = bind_tensors(args, dict(x=x, weight=weight, positions=positions, cos_sin=cos_sin,
-                                           slot_mapping=slot_mapping, kv_cache=kv_cache))
-            per_sm = cached_ctas_per_sm(main_fp4_kernel, _resident, key, real, constexprs, options, device_index)
-        if sm_count is None:
-            sm_count = torch.cuda.get_device_properties(device_index).multi_processor_count
-    tiles = -(-n // (rows_per_warp * num_warps))
-    return persistent_grid(tiles, per_sm, sm_count), args, constexprs, options
+    """gluon_main_fp8's ``launch_parts_records`` for MAIN_FP4 records (FP4=True, FAST_E2M1 this module's)."""
+    return main.launch_parts_records(RECORDS, tensor, n, eps, x, weight, positions, cos_sin, slot_mapping, kv_cache,
+                                     num_warps, rows_per_warp, pipeline, ctas_per_sm, sm_count, FAST_E2M1)
 
 
 # --------------------------------------------------------------------------- kvfuse's dispatch
@@ -244,38 +193,10 @@ MIN_ROWS = 1
 
 
 def eligible(plan) -> bool:
-    """Whether a validated kvfuse.plan.Plan is exactly this kernel's chain: RMSNorm, NEOX RoPE on
-    columns 448..511 (not conjugate), no Hadamard, e2m1 / e4m3 scales / g16 over all 512 columns, one
-    head, records laid out as MAIN_FP4's (token-interleaved, 256 code bytes then 32 scale bytes), no
-    stage copy, and the alignments the kernel reads and writes with (x rows and weight as 4-byte
-    words; the cache pointer and strides multiples of 8: the pointer's alignment is part of the
-    plan-cache key; x's and the weight's are checked per call, ``word_aligned``)."""
-    x, cache, c, f, a = plan.x, plan.kv_cache, plan.cast, plan.fmt, plan.addressing
-    if cache is None or c is None or plan.weight is None or plan.positions is None or f is None or a is None:
-        return False
-    if plan.slot_mapping is None or plan.hadamard_scale is not None:
-        return False
-    if plan.out is not None or plan.out_stage is not None:
-        return False
-    if x.dim() != 3 or x.shape[1:] != (1, HEAD_DIM) or x.stride(2) != 1 or x.stride(0) % 2 \
-            or x.shape[0] >= INT32_LIMIT // 2:
-        return False
-    if (plan.rotary_dim, plan.rope_offset, plan.is_neox, plan.conjugate) != (ROTARY_DIM, 448, True, False):
-        return False
-    if (c.cast_fmt, c.group, c.sf_format, plan.quant_dim) != ("e2m1", GROUP, "e4m3", HEAD_DIM):
-        return False
-    if not f.token_interleaved or f.bytes_per_token != RECORD_BYTES or f.bf16_tail:
-        return False
-    if cache.dim() != 4 or cache.shape[2] != 1 or cache.shape[3] != RECORD_BYTES or cache.stride(3) != 1:
-        return False
-    if (a.data_offset, a.sf_offset) != (0, DATA_BYTES) \
-            or a.data_token_stride != cache.stride(1) or a.sf_token_stride != cache.stride(1):
-        return False
-    if cache.stride(1) % CACHE_ALIGN or cache.stride(0) % CACHE_ALIGN or cache.data_ptr() % CACHE_ALIGN:
-        return False
-    w, cs = plan.weight, plan.cos_sin
-    return w.shape == (HEAD_DIM,) and w.stride(0) == 1 and cs.dim() == 2 and cs.shape[1] == ROTARY_DIM \
-        and cs.shape[0] >= 1 and cs.stride(1) == 1
+    """Whether a validated plan is the kernel's MAIN_FP4 chain (gluon_main_fp8's ``eligible_records``:
+    e2m1 / e4m3 scales / g16, records of 256 code bytes then 32 scale bytes, the cache pointer and
+    strides multiples of 8)."""
+    return main.eligible_records(RECORDS, plan)
 
 
 word_aligned = gluon_common.word_aligned      # x and the weight are read as 4-byte words
@@ -283,45 +204,21 @@ call_guard = gluon_common.x_weight_guard      # checked per call (the plan cache
 
 
 def plan_launch(plan, tensor) -> tuple:
-    """(kernel name, grid, positional args, keyword args, namespace) of this kernel for an eligible
-    plan; ``tensor(field)`` goes where the plan's tensor ``field`` goes (the tensor, or a
-    launcher.PlanTensor for a Launch kept with the call signature)."""
-    x = plan.x[:, 0, :]
-    n = x.shape[0]
-    nw, rpw, pipe = launch_table(n)
-    grid, args, constexprs, options = _launch_parts(
-        tensor, n, plan.eps, x, plan.weight, plan.positions, plan.cos_sin, plan.slot_mapping, plan.kv_cache,
-        nw, rpw, pipe)
-    return "main_fp4_kernel", grid, args, {**constexprs, **options}, globals()
+    """(kernel name, grid, positional args, keyword args, namespace) of the kernel for an eligible plan
+    (gluon_main_fp8's ``plan_launch_parts`` with this module's table; the name resolves here, to the
+    kernel, so a stand-in put in its place sees the launches)."""
+    grid, args, kwargs = main.plan_launch_parts(plan, tensor, launch_table, _launch_parts)
+    return "main_fp4_kernel", grid, args, kwargs, globals()
 
 
 def gluon_main_fp4_write(x, weight, eps, positions, cos_sin, slot_mapping, kv_cache, *, num_warps: int = 1,
                          rows_per_warp: int = 1, pipeline: bool = False, ctas_per_sm: int = None) -> None:
-    """Write MAIN_FP4 records for the rows of x: the same bytes as
-    ``fused_norm_rope_hadamard_cast_store_kvcache(x, NormArgs(weight, eps), RopeArgs(positions,
-    cos_sin, 64, True), None, CastArgs.from_cache_format(MAIN_FP4), KVCacheOutArgs(kv_cache,
-    slot_mapping, layout=MAIN_FP4))`` (block_size = kv_cache.shape[1]). kvfuse's fused entry point
-    calls this kernel itself for such calls (``eligible``); this direct entry is for check scripts
-    and launch variants.
-
-    Launch: tiles of rows_per_warp * num_warps rows; one CTA per tile up to what fits on the GPU at
-    once (ctas_per_sm per SM: default, the compiled variant's occupancy), then each CTA loops over
-    tiles (pipeline: load the next tile while computing this one). No host synchronization: CUDA
-    graphs can capture it once it has been compiled (call it once before capturing).
-    Raises ValueError outside this kernel's assumptions (see ``supports``)."""
-    if not available():
-        raise RuntimeError("the Gluon MAIN_FP4 path needs Triton 3.6's Gluon and a CUDA device")
-    why = supports(x, weight, positions, cos_sin, slot_mapping, kv_cache)
-    if num_warps not in (1, 2, 4, 8) or rows_per_warp not in (1, 2, 4):
-        why = f"num_warps must be 1/2/4/8 and rows_per_warp 1/2/4 (powers of two), got {num_warps}, {rows_per_warp}"
-    if why:
-        raise ValueError(f"gluon_main_fp4_write: {why}")
-    n = x.shape[0]
-    if n == 0:
-        return
-    tensors = dict(x=x, weight=weight, positions=positions, cos_sin=cos_sin, slot_mapping=slot_mapping,
-                   kv_cache=kv_cache)
-    grid, args, constexprs, options = _launch_parts(tensors.__getitem__, n, eps, x, weight, positions, cos_sin,
-                                                    slot_mapping, kv_cache, num_warps, rows_per_warp, pipeline,
-                                                    ctas_per_sm)
-    main_fp4_kernel[grid](*args, **constexprs, **options)
+    """Write MAIN_FP4 records for the rows of x: gluon_main_fp8_write's contract and launch, for
+    ``CastArgs.from_cache_format(MAIN_FP4)`` and MAIN_FP4 caches (the direct entry of
+    benchmarks/gluon_check_main_fp4.py). Raises ValueError outside this kernel's assumptions
+    (``supports``)."""
+    parts = main.checked_write_parts(RECORDS, "gluon_main_fp4_write", _launch_parts, x, weight, eps, positions,
+                                     cos_sin, slot_mapping, kv_cache, num_warps, rows_per_warp, pipeline, ctas_per_sm)
+    if parts is not None:
+        grid, args, kwargs = parts
+        main_fp4_kernel[grid](*args, **kwargs)

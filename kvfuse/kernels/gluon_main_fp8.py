@@ -47,6 +47,8 @@ can run (Triton 3.6's Gluon API and a CUDA device).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from . import gluon_common
@@ -267,16 +269,28 @@ if gluon is not None:
                             cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
                             qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4, FAST_E2M1)
 
-    # the FP4 branch's cast and store (_write_rows); imported last: gluon_main_fp4 imports this module's kernel
-    from . import gluon_main_fp4
-
 
 # --------------------------------------------------------------------------- host side
+# (shared with gluon_main_fp4, which launches this kernel with FP4=True: ``MainRecords`` says which)
 _resident = {}               # launch key -> CTAs of that compiled variant resident on one SM
 
 
-def supports(x, weight, positions, cos_sin, slot_mapping, kv_cache) -> str:
-    """'' when this kernel handles the call, else why not (the caller keeps the plain kernel)."""
+@dataclasses.dataclass(frozen=True)
+class MainRecords:
+    """What the host code of the kernel's two casts differs in."""
+    name: str                # the format, in messages
+    chain: tuple             # (cast_fmt, group, sf_format) over all 512 columns
+    record_bytes: int        # bytes_per_token
+    sf_offset: int           # the scales' byte offset in a record
+    align: int               # the cache pointer and both strides: multiples of this (the widest code store)
+    fp4: bool                # the kernel's FP4 constexpr
+
+
+RECORDS = MainRecords("MAIN_FP8", ("e4m3", 32, "ue8m0"), RECORD_BYTES, 512, 4, False)
+
+
+def supports_records(rec: MainRecords, x, weight, positions, cos_sin, slot_mapping, kv_cache) -> str:
+    """'' when the kernel handles the call for ``rec``'s records, else why not."""
     if x.dim() != 2 or x.shape[1] != HEAD_DIM or x.dtype != torch.bfloat16 or x.stride(1) != 1:
         return "x must be bf16 [n, 512] with unit column stride"
     if x.stride(0) % 2 or x.data_ptr() % 4:
@@ -288,27 +302,35 @@ def supports(x, weight, positions, cos_sin, slot_mapping, kv_cache) -> str:
     if weight.data_ptr() % 4:
         return "weight must be 4-byte aligned"
     if cos_sin.dim() != 2 or cos_sin.shape[1] != ROTARY_DIM or cos_sin.dtype not in (torch.float32, torch.bfloat16) \
-            or cos_sin.stride(1) != 1:
-        return "cos_sin must be fp32/bf16 [P, 64] with unit column stride"
+            or cos_sin.stride(1) != 1 or cos_sin.shape[0] < 1:
+        return "cos_sin must be fp32/bf16 [P, 64] (P >= 1) with unit column stride"
     for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
         if t.dim() != 1 or t.shape[0] != x.shape[0] or t.dtype not in (torch.int32, torch.int64):
             return f"{name} must be int32/int64 [n]"
-    c = kv_cache
-    if c.dtype != torch.uint8 or c.dim() != 4 or c.shape[2] != 1 or c.shape[3] != RECORD_BYTES or c.stride(3) != 1:
-        return "kv_cache must be uint8 [num_blocks, block_size, 1, 532] (MAIN_FP8)"
-    if c.stride(1) % 4 or c.stride(1) < RECORD_BYTES or c.stride(0) % 4 or c.data_ptr() % 4:
-        return "kv_cache records must be 4-byte aligned (token and block strides multiples of 4)"
+    c, k = kv_cache, rec.align
+    if c.dtype != torch.uint8 or c.dim() != 4 or c.shape[2] != 1 or c.shape[3] != rec.record_bytes \
+            or c.stride(3) != 1:
+        return f"kv_cache must be uint8 [num_blocks, block_size, 1, {rec.record_bytes}] ({rec.name})"
+    if c.stride(1) % k or c.stride(1) < rec.record_bytes or c.stride(0) % k or c.data_ptr() % k:
+        return f"kv_cache records must be {k}-byte aligned (pointer, token and block strides multiples of {k})"
     devs = {t.device for t in (x, weight, positions, cos_sin, slot_mapping, kv_cache)}
     if len(devs) != 1 or next(iter(devs)).type != "cuda":
         return "all tensors must be on one CUDA device"
     return ""
 
 
+def supports(x, weight, positions, cos_sin, slot_mapping, kv_cache) -> str:
+    """'' when this kernel handles the call, else why not (the caller keeps the plain kernel)."""
+    return supports_records(RECORDS, x, weight, positions, cos_sin, slot_mapping, kv_cache)
+
+
 def launch_table(n_rows: int):
     """(num_warps, rows_per_warp, pipeline) per batch size, from the H200 check of session 3
-    (benchmarks/gluon_check.py, DEVICE_NOTES.md): one one-warp row per CTA at decode sizes, four
-    warps around n = 4096, one warp loading its next tile ahead (pipeline) at n >= 65536. The
-    thresholds between the measured sizes (1, 256, 4096, 65536, 262144) are not tuned."""
+    (benchmarks/gluon_check.py, DEVICE_NOTES.md) and confirmed by session 4's sweep
+    (benchmarks/gluon_tune.py: (1, 1, pipeline) best at 65536 / 262144 by 1-3%): one one-warp row
+    per CTA at decode sizes, four warps around n = 4096, one warp loading its next tile ahead
+    (pipeline) at n >= 65536. The thresholds between the measured sizes (1, 256, 4096, 65536,
+    262144) are not tuned."""
     if n_rows <= 512:
         return 1, 1, False
     if n_rows <= 16384:
@@ -316,10 +338,13 @@ def launch_table(n_rows: int):
     return 1, 1, True
 
 
-def _launch_parts(tensor, n: int, eps: float, x, weight, positions, cos_sin, slot_mapping, kv_cache,
-                  num_warps: int, rows_per_warp: int, pipeline: bool, ctas_per_sm):
-    """(grid, args, constexprs, options) of main_fp8_kernel; ``tensor(name)`` goes where the tensor
-    ``name`` goes (the tensor itself, or a launcher.PlanTensor), the tensors give the strides."""
+def launch_parts_records(rec: MainRecords, tensor, n: int, eps: float, x, weight, positions, cos_sin, slot_mapping,
+                         kv_cache, num_warps: int, rows_per_warp: int, pipeline: bool, ctas_per_sm=None,
+                         sm_count=None, fast_e2m1: bool = False):
+    """(grid, args, constexprs, options) of main_fp8_kernel writing ``rec``'s records; ``tensor(name)``
+    goes where the tensor ``name`` goes (the tensor itself, or a launcher.PlanTensor), the tensors
+    give the strides. ctas_per_sm / sm_count: given, no compilation and no device query (default:
+    the compiled variant's occupancy and the SM count of x's device)."""
     block_size = kv_cache.shape[1]
     capacity = kv_cache.shape[0] * block_size
     T = tensor
@@ -328,22 +353,90 @@ def _launch_parts(tensor, n: int, eps: float, x, weight, positions, cos_sin, slo
             T("kv_cache"), kv_cache.stride(0), kv_cache.stride(1), block_size, capacity, n)
     # the largest offset each pointer is indexed with (rows up to one tile per program past n included)
     spans = ((n + 2 ** 20) * x.stride(0), (n + 2 ** 20) * max(positions.stride(0), slot_mapping.stride(0)),
-             cos_sin.shape[0] * cos_sin.stride(0), kv_cache.shape[0] * kv_cache.stride(0) + RECORD_BYTES)
+             cos_sin.shape[0] * cos_sin.stride(0), kv_cache.shape[0] * kv_cache.stride(0) + rec.record_bytes)
     constexprs = dict(W_BF16=weight.dtype == torch.bfloat16, SLOT32=capacity <= INT32_LIMIT,
                       LOG2_BLOCK=log2_block(block_size), ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline),
-                      OFFSETS32=max(spans) < INT32_LIMIT, FP4=False, FAST_E2M1=False)
+                      OFFSETS32=max(spans) < INT32_LIMIT, FP4=rec.fp4, FAST_E2M1=bool(rec.fp4 and fast_e2m1))
     options = compile_options(num_warps)
-    device_index = device_index_of(x)
     per_sm = ctas_per_sm
-    if not per_sm:
-        key = (device_index, x.dtype, weight.dtype, positions.dtype, cos_sin.dtype, slot_mapping.dtype,
-               tuple(constexprs.items()), num_warps)
-        real = bind_tensors(args, dict(x=x, weight=weight, positions=positions, cos_sin=cos_sin,
-                                       slot_mapping=slot_mapping, kv_cache=kv_cache))
-        per_sm = cached_ctas_per_sm(main_fp8_kernel, _resident, key, real, constexprs, options, device_index)
+    if not per_sm or sm_count is None:
+        device_index = device_index_of(x)
+        if not per_sm:
+            key = (device_index, x.dtype, weight.dtype, positions.dtype, cos_sin.dtype, slot_mapping.dtype,
+                   tuple(constexprs.items()), num_warps)
+            real = bind_tensors(args, dict(x=x, weight=weight, positions=positions, cos_sin=cos_sin,
+                                           slot_mapping=slot_mapping, kv_cache=kv_cache))
+            per_sm = cached_ctas_per_sm(main_fp8_kernel, _resident, key, real, constexprs, options, device_index)
+        if sm_count is None:
+            sm_count = torch.cuda.get_device_properties(device_index).multi_processor_count
     tiles = -(-n // (rows_per_warp * num_warps))
-    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return persistent_grid(tiles, per_sm, sms), args, constexprs, options
+    return persistent_grid(tiles, per_sm, sm_count), args, constexprs, options
+
+
+def _launch_parts(tensor, n: int, eps: float, x, weight, positions, cos_sin, slot_mapping, kv_cache,
+                  num_warps: int, rows_per_warp: int, pipeline: bool, ctas_per_sm=None, sm_count=None):
+    """``launch_parts_records`` for MAIN_FP8 records."""
+    return launch_parts_records(RECORDS, tensor, n, eps, x, weight, positions, cos_sin, slot_mapping, kv_cache,
+                                num_warps, rows_per_warp, pipeline, ctas_per_sm, sm_count)
+
+
+def eligible_records(rec: MainRecords, plan) -> bool:
+    """Whether a validated kvfuse.plan.Plan is exactly the kernel's chain for ``rec``: RMSNorm, NEOX
+    RoPE on columns 448..511 (not conjugate), no Hadamard, ``rec.chain`` over all 512 columns, one
+    head, records laid out as ``rec``'s (token-interleaved, the codes then the scales at
+    ``rec.sf_offset``), no stage copy, and the alignments the kernel reads and writes with (x rows
+    and weight as 4-byte words; the cache pointer and strides multiples of ``rec.align``: the
+    pointer's alignment is part of the plan-cache key; x's and the weight's are checked per call,
+    ``call_guard``)."""
+    x, cache, c, f, a = plan.x, plan.kv_cache, plan.cast, plan.fmt, plan.addressing
+    if cache is None or c is None or plan.weight is None or plan.positions is None or f is None or a is None:
+        return False
+    if plan.slot_mapping is None or plan.hadamard_scale is not None:
+        return False
+    if plan.out is not None or plan.out_stage is not None:
+        return False
+    if x.dim() != 3 or x.shape[1:] != (1, HEAD_DIM) or x.stride(2) != 1 or x.stride(0) % 2 \
+            or x.shape[0] >= INT32_LIMIT // 2:
+        return False
+    if (plan.rotary_dim, plan.rope_offset, plan.is_neox, plan.conjugate) != (ROTARY_DIM, 448, True, False):
+        return False
+    if (c.cast_fmt, c.group, c.sf_format) != rec.chain or plan.quant_dim != HEAD_DIM:
+        return False
+    if not f.token_interleaved or f.bytes_per_token != rec.record_bytes or f.bf16_tail:
+        return False
+    if cache.dim() != 4 or cache.shape[2] != 1 or cache.shape[3] != rec.record_bytes or cache.stride(3) != 1:
+        return False
+    if (a.data_offset, a.sf_offset) != (0, rec.sf_offset) \
+            or a.data_token_stride != cache.stride(1) or a.sf_token_stride != cache.stride(1):
+        return False
+    k = rec.align
+    if cache.stride(1) % k or cache.stride(0) % k or cache.data_ptr() % k:
+        return False
+    w, cs = plan.weight, plan.cos_sin
+    return w.shape == (HEAD_DIM,) and w.stride(0) == 1 and cs.dim() == 2 and cs.shape[1] == ROTARY_DIM \
+        and cs.shape[0] >= 1 and cs.stride(1) == 1
+
+
+def checked_write_parts(rec: MainRecords, entry: str, launch_parts, x, weight, eps, positions, cos_sin,
+                        slot_mapping, kv_cache, num_warps: int, rows_per_warp: int, pipeline: bool, ctas_per_sm):
+    """A direct write entry's checks (RuntimeError without the Gluon path, ValueError outside the
+    kernel's assumptions, naming ``entry``), then its (grid, args, keyword args); None for n = 0."""
+    if not available():
+        raise RuntimeError(f"{entry}: the Gluon {rec.name} path needs Triton 3.6's Gluon and a CUDA device")
+    why = supports_records(rec, x, weight, positions, cos_sin, slot_mapping, kv_cache)
+    if num_warps not in (1, 2, 4, 8) or rows_per_warp not in (1, 2, 4):
+        why = f"num_warps must be 1/2/4/8 and rows_per_warp 1/2/4 (powers of two), got {num_warps}, {rows_per_warp}"
+    if why:
+        raise ValueError(f"{entry}: {why}")
+    n = x.shape[0]
+    if n == 0:
+        return None
+    tensors = dict(x=x, weight=weight, positions=positions, cos_sin=cos_sin, slot_mapping=slot_mapping,
+                   kv_cache=kv_cache)
+    grid, args, constexprs, options = launch_parts(tensors.__getitem__, n, eps, x, weight, positions, cos_sin,
+                                                   slot_mapping, kv_cache, num_warps, rows_per_warp, pipeline,
+                                                   ctas_per_sm)
+    return grid, args, {**constexprs, **options}
 
 
 # --------------------------------------------------------------------------- kvfuse's dispatch
@@ -357,46 +450,32 @@ MIN_ROWS = 1   # faster than the plain kernel at every measured size, n = 1 incl
 
 
 def eligible(plan) -> bool:
-    """Whether a validated kvfuse.plan.Plan is exactly this kernel's chain: RMSNorm, NEOX RoPE on
-    columns 448..511 (not conjugate), no Hadamard, e4m3 / UE8M0 / g32 over all 512 columns, one
-    head, records laid out as MAIN_FP8's (token-interleaved, 512 codes then 16 scales), no stage
-    copy, and the alignments the kernel reads with (x rows and weight as 4-byte words, records
-    4-byte aligned: the cache pointer's alignment is part of the plan-cache key; x's and the
-    weight's are checked per call, ``word_aligned``)."""
-    x, cache, c, f = plan.x, plan.kv_cache, plan.cast, plan.fmt
-    if cache is None or c is None or plan.weight is None or plan.positions is None or f is None:
-        return False
-    if plan.hadamard_scale is not None or plan.out is not None or plan.out_stage is not None:
-        return False
-    if x.shape[1:] != (1, HEAD_DIM) or x.stride(0) % 2 or x.shape[0] >= INT32_LIMIT // 2:
-        return False
-    if (plan.rotary_dim, plan.rope_offset, plan.is_neox, plan.conjugate) != (ROTARY_DIM, 448, True, False):
-        return False
-    if (c.cast_fmt, c.group, c.sf_format, plan.quant_dim) != ("e4m3", 32, "ue8m0", HEAD_DIM):
-        return False
-    a = plan.addressing
-    if not f.token_interleaved or f.bytes_per_token != RECORD_BYTES or f.bf16_tail:
-        return False
-    if (a.data_offset, a.sf_offset) != (0, 512) or cache.stride(1) % 4 or cache.stride(0) % 4 or cache.data_ptr() % 4:
-        return False
-    return plan.weight.stride(0) == 1 and plan.cos_sin.shape[1] == ROTARY_DIM
+    """Whether a validated plan is this kernel's MAIN_FP8 chain (``eligible_records``: e4m3 / UE8M0 / g32,
+    records of 512 codes then 16 scales, 4-byte aligned)."""
+    return eligible_records(RECORDS, plan)
 
 
 word_aligned = gluon_common.word_aligned      # x and the weight are read as 4-byte words
 call_guard = gluon_common.x_weight_guard      # checked per call (the plan cache keys neither pointer)
 
 
-def plan_launch(plan, tensor) -> tuple:
-    """(kernel name, grid, positional args, keyword args, namespace) of this kernel for an eligible
-    plan; ``tensor(field)`` goes where the plan's tensor ``field`` goes (the tensor, or a
-    launcher.PlanTensor for a Launch kept with the call signature)."""
+def plan_launch_parts(plan, tensor, table, launch_parts) -> tuple:
+    """(grid, positional args, keyword args) of the kernel for an eligible plan, from a module's
+    launch table and ``launch_parts``; ``tensor(field)`` goes where the plan's tensor ``field`` goes
+    (the tensor, or a launcher.PlanTensor for a Launch kept with the call signature)."""
     x = plan.x[:, 0, :]
     n = x.shape[0]
-    nw, rpw, pipe = launch_table(n)
-    grid, args, constexprs, options = _launch_parts(
-        tensor, n, plan.eps, x, plan.weight, plan.positions, plan.cos_sin, plan.slot_mapping, plan.kv_cache,
-        nw, rpw, pipe, None)
-    return "main_fp8_kernel", grid, args, {**constexprs, **options}, globals()
+    nw, rpw, pipe = table(n)
+    grid, args, constexprs, options = launch_parts(tensor, n, plan.eps, x, plan.weight, plan.positions, plan.cos_sin,
+                                                   plan.slot_mapping, plan.kv_cache, nw, rpw, pipe)
+    return grid, args, {**constexprs, **options}
+
+
+def plan_launch(plan, tensor) -> tuple:
+    """(kernel name, grid, positional args, keyword args, namespace) of this kernel for an eligible
+    plan (``plan_launch_parts``)."""
+    grid, args, kwargs = plan_launch_parts(plan, tensor, launch_table, _launch_parts)
+    return "main_fp8_kernel", grid, args, kwargs, globals()
 
 
 def gluon_main_fp8_write(x, weight, eps, positions, cos_sin, slot_mapping, kv_cache, *, num_warps: int = 1,
@@ -413,19 +492,13 @@ def gluon_main_fp8_write(x, weight, eps, positions, cos_sin, slot_mapping, kv_ca
     tiles (pipeline: load the next tile while computing this one). No host synchronization: CUDA
     graphs can capture it once it has been compiled (call it once before capturing).
     Raises ValueError outside this kernel's assumptions (see ``supports``)."""
-    if not available():
-        raise RuntimeError("the Gluon MAIN_FP8 path needs Triton 3.6's Gluon and a CUDA device")
-    why = supports(x, weight, positions, cos_sin, slot_mapping, kv_cache)
-    if num_warps not in (1, 2, 4, 8) or rows_per_warp not in (1, 2, 4):
-        why = f"num_warps must be 1/2/4/8 and rows_per_warp 1/2/4 (powers of two), got {num_warps}, {rows_per_warp}"
-    if why:
-        raise ValueError(f"gluon_main_fp8_write: {why}")
-    n = x.shape[0]
-    if n == 0:
-        return
-    tensors = dict(x=x, weight=weight, positions=positions, cos_sin=cos_sin, slot_mapping=slot_mapping,
-                   kv_cache=kv_cache)
-    grid, args, constexprs, options = _launch_parts(tensors.__getitem__, n, eps, x, weight, positions, cos_sin,
-                                                    slot_mapping, kv_cache, num_warps, rows_per_warp, pipeline,
-                                                    ctas_per_sm)
-    main_fp8_kernel[grid](*args, **constexprs, **options)
+    parts = checked_write_parts(RECORDS, "gluon_main_fp8_write", _launch_parts, x, weight, eps, positions, cos_sin,
+                                slot_mapping, kv_cache, num_warps, rows_per_warp, pipeline, ctas_per_sm)
+    if parts is not None:
+        grid, args, kwargs = parts
+        main_fp8_kernel[grid](*args, **kwargs)
+
+
+# the kernel's FP4 branch (``_write_rows``) and MAIN_FP4's host side; imported last because
+# gluon_main_fp4 uses this module's kernel and host code
+from . import gluon_main_fp4  # noqa: E402
