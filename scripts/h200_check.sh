@@ -4,7 +4,7 @@
 #   bash scripts/h200_check.sh bench [SECONDS]   host overhead + the full benchmark
 #   bash scripts/h200_check.sh quick [SECONDS]   launcher / streams / compile GPU tests, real eager host
 #                                                cost (direct launch on and off), the fused peer only
-#   bash scripts/h200_check.sh gluon             the three Gluon fast-path checks (byte equality + timing)
+#   bash scripts/h200_check.sh gluon             the Gluon fast-path checks (byte equality + timing; ~4 min)
 # (two calls: together they exceed one call's 10 minutes). Results and logs go under $OUT.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -25,7 +25,7 @@ if [ "$part" = tests ]; then
     python3 tests/gpu/sanitize_cases.py --quick --no-large > "$OUT/memcheck.log" 2>&1
   echo "memcheck rc=$?"; tail -n 2 "$OUT/memcheck.log"
 elif [ "$part" = gluon ]; then
-  for c in gluon_check gluon_check_mla_tail gluon_check_index; do
+  for c in gluon_check gluon_check_main_fp4 gluon_check_mla_tail gluon_check_index gluon_check_index_q; do
     timeout 150 python3 benchmarks/$c.py --out "$OUT" > "$OUT/$c.log" 2>&1
     echo "$c rc=$?"; grep -E "summary|wrote" "$OUT/$c.log" | cut -c1-300
   done

@@ -220,3 +220,50 @@ def plan_of(case: Case):
 def recast(plan, **fields):
     """The plan with some fields replaced (a Plan is a plain dataclass)."""
     return dataclasses.replace(plan, **fields)
+
+
+FAST_MAIN = dict(heads=1, head_dim=512, rotary_dim=64, neox=True, out_stage=None)       # + a fmt
+FAST_CHAIN = dict(heads=1, rotary_dim=64, neox=True, out_stage=None)
+FAST_Q = dict(fmt=None, head_dim=128, norm=False, rotary_dim=64, neox=True)            # the indexer Q
+
+
+def _q_cast(fmt):
+    return CastArgs.from_cache_format(fmt)
+
+
+# The Gluon fast paths' cases (tests/gpu/test_gpu_gluon.py runs them on the GPU; tests/test_gluon_dispatch.py
+# checks that each is eligible for its module): (module in kvfuse.kernels, its kernel's name there, case)
+_M8, _M4, _MLA, _IX = (("gluon_main_fp8", "main_fp8_kernel"), ("gluon_main_fp4", "main_fp4_kernel"),
+                       ("gluon_mla_tail", "mla_tail_kernel"), ("gluon_index", "index_write_kernel"))
+FAST_CASES = [(*where, case) for where, case in [
+    (_M8, Case(n=1, **FAST_MAIN, fmt=formats.MAIN_FP8, seed=1)),
+    (_M8, Case(n=3, **FAST_MAIN, fmt=formats.MAIN_FP8, seed=2, idx32=True, w_fp32=True)),
+    (_M8, Case(n=300, **FAST_MAIN, fmt=formats.MAIN_FP8, seed=3, cs_bf16=True, slot_kind="invalid", block_size=24,
+               num_blocks=16)),
+    (_M8, Case(n=4097, **FAST_MAIN, fmt=formats.MAIN_FP8, seed=4, block_size=64, num_blocks=70,
+               slot_kind="cross_page", token_padding=8, block_padding=96)),
+    (_M8, Case(n=20000, **FAST_MAIN, fmt=formats.MAIN_FP8, seed=5, block_size=1, num_blocks=20050, x_row_pad=16)),
+    (_M8, Case(n=65537, **FAST_MAIN, fmt=formats.MAIN_FP8, seed=6, block_size=64, num_blocks=1100,
+               slot_kind="random", idx32=True, x2d=True)),
+    (_M4, Case(n=1, **FAST_MAIN, fmt=formats.MAIN_FP4, seed=11)),
+    (_M4, Case(n=300, **FAST_MAIN, fmt=formats.MAIN_FP4, seed=12, idx32=True, w_fp32=True, cs_bf16=True,
+               slot_kind="invalid", block_size=24, num_blocks=16)),
+    (_M4, Case(n=20000, **FAST_MAIN, fmt=formats.MAIN_FP4, seed=13, block_size=64, num_blocks=330,
+               slot_kind="cross_page", token_padding=32, block_padding=64)),
+    (_M4, Case(n=65537, **FAST_MAIN, fmt=formats.MAIN_FP4, seed=14, block_size=64, num_blocks=1100,
+               slot_kind="random", x2d=True)),
+    (_MLA, Case(n=1, head_dim=576, fmt=formats.FLASHMLA_V32, **FAST_CHAIN, seed=21)),
+    (_MLA, Case(n=4097, head_dim=576, fmt=formats.FLASHMLA_V32, **FAST_CHAIN, seed=22, block_size=64, num_blocks=70,
+                slot_kind="random", idx32=True)),
+    (_MLA, Case(n=20000, head_dim=512, fmt=formats.FLASHMLA_MODEL1, **FAST_CHAIN, seed=23, block_size=64,
+                num_blocks=330, slot_kind="cross_page", w_fp32=True)),
+    (_IX, Case(n=300, head_dim=128, fmt=formats.INDEX_NVFP4, **FAST_CHAIN, seed=31, block_size=24, num_blocks=16,
+               slot_kind="invalid")),
+    (_IX, Case(n=70000, head_dim=128, fmt=formats.INDEX_MXFP4, **FAST_CHAIN, seed=32, block_size=64, num_blocks=1100,
+               slot_kind="random", cs_bf16=True)),
+    (_IX, Case(n=1, heads=64, **FAST_Q, cast=_q_cast(formats.INDEX_MXFP4), seed=41)),
+    (_IX, Case(n=3, heads=64, **FAST_Q, cast=_q_cast(formats.INDEX_NVFP4), seed=42, idx32=True)),
+    (_IX, Case(n=300, heads=4, **{**FAST_Q, "norm": True}, cast=_q_cast(formats.INDEX_FP8_FP32), seed=43,
+               x_row_pad=8, w_fp32=True)),
+    (_IX, Case(n=1100, heads=64, **FAST_Q, cast=_q_cast(formats.INDEX_MXFP8), seed=44, cs_bf16=True)),
+]]

@@ -5,6 +5,7 @@ imports and stays off without Triton 3.6 + CUDA. The kernel itself runs only on 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from kvfuse import CastArgs, KVCacheFormat
 from kvfuse.kernels import fused as fused_kernels
 from kvfuse.kernels import gluon_main_fp8 as G
 from helpers import CountingKernel
-from kernel_cases import Case, plan_of
+from kernel_cases import FAST_CASES, Case, plan_of
 
 MAIN = kvfuse.formats.MAIN_FP8
 
@@ -180,3 +181,16 @@ def test_bind_tensors_replaces_plan_tensor_slots_only():
     plan = plan_of(main_case())
     named = gluon_common.plan_tensors(plan)
     assert named["x"] is plan.x and named["kv_cache"] is plan.kv_cache and named["weight"] is plan.weight
+
+
+@pytest.mark.parametrize("entry", FAST_CASES, ids=lambda e: f"{e[0]}-n{e[2].n}-h{e[2].heads}-s{e[2].seed}")
+def test_gpu_cases_reach_their_fast_path(entry, monkeypatch):
+    """Each case of the GPU module tests/gpu/test_gpu_gluon.py is the chain of the module it names
+    (eligible, and no other registered module's), at a size the dispatch sends there: so the GPU
+    test compares that fast path, not the plain kernel, against the reference."""
+    module_name, kernel_name, case = entry
+    module = importlib.import_module(f"kvfuse.kernels.{module_name}")
+    assert hasattr(module, kernel_name) or module.gluon is None
+    monkeypatch.setattr(fused_kernels, "GLUON", True)
+    monkeypatch.setattr(fused_kernels, "FAST_PATHS", fused_kernels.FAST_PATH_MODULES)
+    assert fused_kernels.fast_path(plan_of(case)) is module

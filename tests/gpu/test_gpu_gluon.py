@@ -1,8 +1,11 @@
-"""GPU module for the Gluon MAIN_FP8 fast path (kvfuse/kernels/gluon_main_fp8.py; skipped without
-CUDA + Triton 3.6; KVFUSE_TEST_GPU=1): the public entry point takes it for the MAIN_FP8 chain
-and writes the same bytes as the reference (the whole cache storage with guard bytes), over the
-launch table's rows (1-warp rows, 4 warps, the pipelined persistent loop), index dtypes, weight and
-cos/sin dtypes, block sizes, paddings and slot kinds; a misaligned x goes to the plain kernel."""
+"""GPU module for the Gluon fast paths (kvfuse/kernels/gluon_*.py; skipped without CUDA + Triton 3.6;
+KVFUSE_TEST_GPU=1): the public entry point takes each fast path for its chain and writes the same
+bytes as the reference (the whole cache storage with guard bytes, or the whole q / sf outputs), over
+the launch tables' rows, index dtypes, weight and cos/sin dtypes, block sizes, paddings, slot kinds and
+head counts (kernel_cases.FAST_CASES; tests/test_gluon_dispatch.py checks on the CPU that every case
+is eligible for the module it names); a misaligned x goes to the plain kernel."""
+import importlib
+
 import pytest
 import torch
 
@@ -10,29 +13,23 @@ import kvfuse
 from kvfuse.kernels import fused
 from kvfuse.kernels import gluon_main_fp8 as G
 from helpers import CountingKernel
-from kernel_cases import Case, diff_bytes, diff_report, run_case
+from kernel_cases import FAST_CASES, diff_bytes, diff_report, run_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or kvfuse.backend.interpreter_enabled()
                                 or not G.available(), reason="needs CUDA, compiled kernels and Triton 3.6's Gluon")
 
-
-MAIN = dict(heads=1, head_dim=512, fmt=kvfuse.formats.MAIN_FP8, rotary_dim=64, neox=True, out_stage=None)
-CASES = [
-    Case(n=1, **MAIN, seed=1),
-    Case(n=3, **MAIN, seed=2, idx32=True, w_fp32=True),
-    Case(n=300, **MAIN, seed=3, cs_bf16=True, slot_kind="invalid", block_size=24, num_blocks=16),
-    Case(n=4097, **MAIN, seed=4, block_size=64, num_blocks=70, slot_kind="cross_page", token_padding=8,
-         block_padding=96),
-    Case(n=20000, **MAIN, seed=5, block_size=1, num_blocks=20050, x_row_pad=16),
-    Case(n=65537, **MAIN, seed=6, block_size=64, num_blocks=1100, slot_kind="random", idx32=True, x2d=True),
-]
+def case_id(entry):
+    module, _, c = entry
+    return f"{module}-n{c.n}-h{c.heads}-s{c.seed}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"n{c.n}-s{c.seed}")
-def test_fast_path_taken_and_exact(case, monkeypatch):
-    assert fused.GLUON, "the fast path should be on with Triton 3.6 on CUDA"
-    counting = CountingKernel(G.main_fp8_kernel)
-    monkeypatch.setattr(G, "main_fp8_kernel", counting)
+@pytest.mark.parametrize("entry", FAST_CASES, ids=case_id)
+def test_fast_path_taken_and_exact(entry, monkeypatch):
+    module_name, kernel_name, case = entry
+    module = importlib.import_module(f"kvfuse.kernels.{module_name}")
+    assert fused.GLUON, "the fast paths should be on with Triton 3.6 on CUDA"
+    counting = CountingKernel(getattr(module, kernel_name))
+    monkeypatch.setattr(module, kernel_name, counting)
     kvfuse.plan.clear_plan_cache()
     tri = run_case(case, "triton", "cuda")
     ref = run_case(case, "reference", "cuda")
