@@ -1,6 +1,6 @@
-"""A Gluon fast path for the 128-d INDEXER cache writes: RMSNorm -> NEOX RoPE on columns 64..127 ->
-per-group quantization -> a BLOCK-WIDE cache (inside a block: every token's data, then every
-token's scales), byte for byte what ``kvfuse.kernels.fused.fused_kernel`` writes (SPEC §2, §4) for
+"""A Gluon fast path for the 128-d INDEXER cache writes (and the indexer Q, below): RMSNorm -> NEOX
+RoPE on columns 64..127 -> per-group quantization -> a BLOCK-WIDE cache (inside a block: every
+token's data, then every token's scales), byte for byte what ``kvfuse.kernels.fused.fused_kernel`` writes (SPEC §2, §4) for
 
 | format          | values | group | scale | data + scale bytes per token  |
 |-----------------|--------|-------|-------|-------------------------------|
@@ -82,6 +82,15 @@ launch table's BLOCK_M (4 rows; e2m1 8 rows from n = 16384), warp-instructions p
 | INDEX_NVFP4     | 125                                  | 334 (8 rows: 228)       |
 
 (72-75 registers; 88 with PIPELINE.) Time: the report of benchmarks/gluon_check_index.py.
+
+The same kernel writes CONTIGUOUS outputs too (CONTIG, session 4): kvfuse's (q, sf) of these casts
+without a cache, e.g. the indexer's Q (x [n, H, 128], H a power of two, RoPE, no norm: NORM off). Its
+rows are the (token, head) pairs, r = token * H + head (a head's position is its token's), row r's
+codes go to q + r * q_row and its scales to sf + r * sf_row (bytes; ``_eligible_contig``: evenly
+spaced rows, q rows a multiple of the code stores' width apart; the pointers' alignments per call,
+``call_guard``); there are no slots. The cache-write variants compile to the same SASS as before the
+switch existed (40 variants, offline). Checked on the H200 by benchmarks/gluon_check_index_q.py (24 of
+24 whole-buffer comparisons byte-equal; index_q 770 -> 452 us at n = 65536).
 
 The module imports without a GPU and under any Triton; ``available()`` says whether this path can
 run (Triton 3.6's Gluon API and a CUDA device); ``enabled()``: on there unless KVFUSE_GLUON=0 or
