@@ -106,6 +106,18 @@ def persistent_grid(tiles: int, ctas_per_sm: int, sm_count: int) -> tuple:
     return (max(1, min(tiles, sm_count * ctas_per_sm)),)
 
 
+# ``e2m1_nibble`` restated with torch integer / fp32 ops, step for step (the proof that it gives
+# kvfuse.reference.encode_e2m1's codes runs on this: tests/test_gluon_main_fp4_dispatch.py on samples,
+# benchmarks/gluon_check_main_fp4.py --prove-encoder over every fp32 input).
+def e2m1_nibble_mirror(t: torch.Tensor) -> torch.Tensor:
+    """``e2m1_nibble`` on the host: fp32 t -> int32 codes 0..15."""
+    a = torch.fmin(t.abs(), torch.tensor(6.0))                    # fmin ignores NaN, as min.f32
+    magic = torch.clamp_min((a.view(torch.int32) & 0x7F800000) + 0x0B000006, 0x4A800006)
+    code = (a + magic.view(torch.float32)).view(torch.int32) + (magic >> 22)
+    sign = (t.view(torch.int32) >> 28) & 15                        # the logical shift of the kernel
+    return (code & 7) | (sign & ~7)
+
+
 if gluon is not None:
 
     @gluon.constexpr_function
@@ -216,3 +228,19 @@ if gluon is not None:
         e = gl.where((bits >> 23) == 255, 128, e)
         m = gl.where(e >= 127, 0x400000 >> gl.maximum(e - 127, 0), (127 - e) << 23).to(gl.float32, bitcast=True)
         return e, m
+
+    @gluon.jit
+    def e2m1_nibble(t):
+        """fp32 -> e2m1 code 0..15 (sign in bit 3): numerics.encode_e2m1's bits for every fp32, the
+        rounding done by one fp32 addition. a = min(|t|, 6) (NaN -> 6, as encode_e2m1's saturation);
+        the binade's magic number 2^(E + 22) (E = max(exponent of a, 0)) plus 6 units in its last place:
+        the sum a + magic rounds a to the e2m1 grid of its binade (RTNE: the offset 6 is even), and its
+        low bits are 6 + k (k: a rounded, in units of the grid, 0..4); the code is k + 2E, which is
+        bits(sum) + (magic >> 22) modulo 8 (magic >> 22 = 298 + 2E; 6 + 298 = 304 = 0 mod 8)."""
+        a = gl.minimum(gl.abs(t), 6.0)
+        magic = gl.maximum((a.to(gl.int32, bitcast=True) & 0x7F800000) + 0x0B000006, 0x4A800006)
+        code = (a + magic.to(gl.float32, bitcast=True)).to(gl.int32, bitcast=True) + (magic >> 22)
+        sign = (t.to(gl.uint32, bitcast=True) >> 28).to(gl.int32)                  # the sign in bit 3, zeros above
+        # bits 0..2 of code, bits 3.. of sign: one lop3 (0xE4: a & c | b & ~c)
+        return gl.inline_asm_elementwise("lop3.b32 $0, $1, $2, 7, 0xE4;", "=r,r,r", [code, sign], dtype=gl.int32,
+                                         is_pure=True, pack=1)
