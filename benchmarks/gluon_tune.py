@@ -32,9 +32,10 @@ SIZES = (1, 256, 4096, 65536, 262144)
 
 
 def variants(n: int, rows=(1, 2)):
-    """Decode sizes: one tile per CTA at 1/2/4 warps; larger n: every warps x rows x pipeline mix."""
+    """Decode sizes: 1/2/4 warps of 1 or 2 rows, no pipeline (one tile per CTA); larger n: every
+    warps x rows x pipeline mix."""
     if n <= 512:
-        return [(nw, 1, False) for nw in (1, 2, 4)]
+        return [(nw, r, False) for nw in (1, 2, 4) for r in (1, 2) if r == 1 or n > 1]
     return [(nw, r, p) for nw in (1, 2, 4) for r in rows for p in (False, True)]
 
 
