@@ -246,13 +246,9 @@ def main():
     p.add_argument("--mxfp8", action="store_true", help="INDEX_MXFP8 too (more compiles)")
     p.add_argument("--formats", default="", help="comma list of index_fp8_fp32,index_mxfp4,index_nvfp4,index_mxfp8")
     p.add_argument("--prove-encoders", action="store_true", help="CPU only: the exhaustive encoder proofs")
-    p.add_argument("--fast-e2m1", action="store_true",
-                   help="the fp32 e2m1 codes (INDEX_NVFP4) by gluon_common.e2m1_nibble (gluon_index.FAST_E2M1 = True)")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     formats = dict(FORMATS)
-    if a.fast_e2m1:
-        GI.FAST_E2M1 = True
     if a.mxfp8:
         formats["index_mxfp8"] = F.INDEX_MXFP8
     if a.formats:
@@ -262,7 +258,6 @@ def main():
         bench.WORKLOADS["index_mxfp8"] = bench._write("index_mxfp8", F.INDEX_MXFP8, "indexer K 128")
     sizes = (1, 3, 256, 300, 4096, 4097, 65536, 262144)
     report = common.new_report(formats=[f.name for f in formats.values()], packed_e2m1=GI.PACKED_E2M1,
-                               fast_e2m1=GI.FAST_E2M1,
                                launch_table={n: GI.launch_table(n) for n in sizes})
     if a.prove_encoders:
         prove_encoders(report)

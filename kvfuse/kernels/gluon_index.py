@@ -119,8 +119,8 @@ CACHE_ALIGN = {1: 8, 2: 4}
 
 
 if gluon is not None:
-    from .gluon_common import (as_offset, bf16x2, block_and_token, e2m1_nibble, e4m3x4, expand_rows, hi_f32, lo_f32,
-                               shfl_xor, ue8m0_scale)
+    from .gluon_common import (as_offset, bf16x2, block_and_token, e4m3x4, expand_rows, hi_f32, lo_f32, shfl_xor,
+                               ue8m0_scale)
 
     @gluon.jit
     def _e4m3_scale(s):
@@ -304,11 +304,10 @@ if gluon is not None:
         return gl.convert_layout(word, LL, assert_trivial=True)
 
     @gluon.jit
-    def _fp4_chunk(y, m, PACKED: gl.constexpr, R: gl.constexpr, LL: gl.constexpr, FAST_E2M1: gl.constexpr):
+    def _fp4_chunk(y, m, PACKED: gl.constexpr, R: gl.constexpr, LL: gl.constexpr):
         """A chunk's bf16 words [R, 8, 4] times m [R, 8] -> its 8 e2m1 codes as one int32 [R, 8] (byte w:
         columns 2w (low nibble), 2w + 1). PACKED: m is a power of two (UE8M0): two codes per
-        instruction on the bf16 words. Else fp32 products, encoded by gluon_common.e2m1_nibble
-        (FAST_E2M1: one rounding addition, MAIN_FP4's encoder) or ``_e2m1``."""
+        instruction on the bf16 words."""
         if PACKED:
             m_bits = m.to(gl.int32, bitcast=True)
             m2 = gl.expand_dims(((m_bits >> 16) & 0xFFFF) | (m_bits & -65536), 2)   # bf16 of m, twice (exact)
@@ -318,10 +317,7 @@ if gluon is not None:
         else:
             # the masks let ptxas drop the encoder's constant offsets; shifts and ors assemble the word
             m3 = gl.expand_dims(m, 2)
-            if FAST_E2M1:
-                b = e2m1_nibble(lo_f32(y) * m3) + (e2m1_nibble(hi_f32(y) * m3) << 4)         # byte w
-            else:
-                b = (_e2m1(lo_f32(y) * m3) & 15) | ((_e2m1(hi_f32(y) * m3) & 15) << 4)
+            b = (_e2m1(lo_f32(y) * m3) & 15) | ((_e2m1(hi_f32(y) * m3) & 15) << 4)       # byte w
             b02, b13 = gl.split(gl.reshape(b, [R, 8, 2, 2]))
             h = b02 | (b13 << 8)
             h0, h1 = gl.split(h)
@@ -355,7 +351,7 @@ if gluon is not None:
                     cache_ptr, s_blk, sf_off, sf_tok, block_size, capacity, lane, partner_flip, sf_ptr, q_row, sf_row,
                     R: gl.constexpr, LL: gl.constexpr, CAST: gl.constexpr, G: gl.constexpr, SF: gl.constexpr,
                     PACKED_E2M1: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr,
-                    OFFSETS32: gl.constexpr, NORM: gl.constexpr, CONTIG: gl.constexpr, FAST_E2M1: gl.constexpr):
+                    OFFSETS32: gl.constexpr, NORM: gl.constexpr, CONTIG: gl.constexpr):
         """RMSNorm -> RoPE -> quantization -> the records of one tile of R rows whose loads are done
         (CONTIG: the rows of the contiguous q / sf outputs instead of cache records)."""
         rmask = rows < n_rows
@@ -402,8 +398,8 @@ if gluon is not None:
             qa = _fp8_chunk(ya, m_a, R, LL)
             qb = _fp8_chunk(yb, m_b, R, LL)
         else:
-            qa = _fp4_chunk(ya, m_a, PACKED_E2M1 and SF == 0, R, LL, FAST_E2M1)
-            qb = _fp4_chunk(yb, m_b, PACKED_E2M1 and SF == 0, R, LL, FAST_E2M1)
+            qa = _fp4_chunk(ya, m_a, PACKED_E2M1 and SF == 0, R, LL)
+            qb = _fp4_chunk(yb, m_b, PACKED_E2M1 and SF == 0, R, LL)
 
         if CONTIG:
             # ---- the rows of q [rows, q_row bytes] and sf [rows, sf_row bytes]; rows past n_rows write nothing
@@ -452,7 +448,6 @@ if gluon is not None:
         CAST: gl.constexpr, G: gl.constexpr, SF: gl.constexpr, W_BF16: gl.constexpr, SLOT32: gl.constexpr,
         LOG2_BLOCK: gl.constexpr, ROWS_PER_THREAD: gl.constexpr, PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr,
         PACKED_E2M1: gl.constexpr, NORM: gl.constexpr, CONTIG: gl.constexpr, LOG2_HEADS: gl.constexpr,
-        FAST_E2M1: gl.constexpr,
     ):
         """A program walks over the tiles pid, pid + num_programs, ... of R = 4 * ROWS_PER_THREAD *
         num_warps rows. CAST 1 e4m3 / 2 e2m1; G the group; SF 0 ue8m0 / 2 e4m3 / 3 fp32 (group_scales).
@@ -464,8 +459,7 @@ if gluon is not None:
         RMSNorm on (off: RoPE reads x itself, w_ptr is not read). CONTIG: contiguous outputs instead of a
         cache (kvfuse's (q, sf) of a cast without a cache: the indexer's Q): row r is head r % 2^LOG2_HEADS
         of token r >> LOG2_HEADS, its codes go to cache_ptr + r * q_row and its scales to sf_ptr + r *
-        sf_row (bytes); the slot and cache-geometry arguments are not read. FAST_E2M1: the fp32 e2m1
-        codes (NVFP4, or MXFP4 without PACKED_E2M1) by gluon_common.e2m1_nibble instead of ``_e2m1``."""
+        sf_row (bytes); the slot and cache-geometry arguments are not read."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = 4 * ROWS_PER_THREAD * NW
         # words [R, 8, 4]: lane l of a row owns 4 int32 words (8 bf16 columns) of each chunk
@@ -524,8 +518,7 @@ if gluon is not None:
                 _write_rows(xa, xb, c_lo, c_hi, s_lo, s_hi, pos, slot, rows, n_rows, wa_lo, wa_hi, wb_lo, wb_hi,
                             eps, P, cache_ptr, s_blk, sf_off, sf_tok, block_size, capacity, lane, partner_flip,
                             sf_ptr, q_row, sf_row,
-                            R, LL, CAST, G, SF, PACKED_E2M1, SLOT32, LOG2_BLOCK, OFFSETS32, NORM, CONTIG,
-                            FAST_E2M1)
+                            R, LL, CAST, G, SF, PACKED_E2M1, SLOT32, LOG2_BLOCK, OFFSETS32, NORM, CONTIG)
                 # the next positions arrived while this tile computed
                 c_lo, c_hi, s_lo, s_hi = _load_cos_sin(cs_ptr, s_cs, P, next_pos, cs_col, R, LW,
                                                        LCROW, OFFSETS32)
@@ -543,8 +536,7 @@ if gluon is not None:
                 _write_rows(xa, xb, c_lo, c_hi, s_lo, s_hi, pos, slot, rows, n_rows, wa_lo, wa_hi, wb_lo, wb_hi,
                             eps, P, cache_ptr, s_blk, sf_off, sf_tok, block_size, capacity, lane, partner_flip,
                             sf_ptr, q_row, sf_row,
-                            R, LL, CAST, G, SF, PACKED_E2M1, SLOT32, LOG2_BLOCK, OFFSETS32, NORM, CONTIG,
-                            FAST_E2M1)
+                            R, LL, CAST, G, SF, PACKED_E2M1, SLOT32, LOG2_BLOCK, OFFSETS32, NORM, CONTIG)
 
 
 # --------------------------------------------------------------------------- host mirrors
@@ -575,10 +567,6 @@ def e2m1_bf16_mirror(h: torch.Tensor) -> torch.Tensor:
 _resident = {}               # launch key -> CTAs of that compiled variant resident on one SM
 # the e2m1 codes of UE8M0 groups (INDEX_MXFP4) on packed bf16 words; False: the fp32 encoder
 PACKED_E2M1 = True
-# the fp32 e2m1 encoder (INDEX_NVFP4): gluon_common.e2m1_nibble (MAIN_FP4's, proven on the H200 there;
-# ~16 SASS instructions a row fewer, offline) when True; OFF until this kernel has run with it on the
-# H200 (benchmarks/gluon_check_index.py --fast-e2m1): the proven ``_e2m1`` meanwhile
-FAST_E2M1 = False
 
 
 def chain_of(plan):
@@ -654,7 +642,7 @@ def launch_args(plan, tensor, num_warps: int, rows_per_thread: int, pipeline: bo
     constexprs = dict(CAST=cast, G=group, SF=sf, W_BF16=weight is None or weight.dtype == torch.bfloat16,
                       SLOT32=slot32, LOG2_BLOCK=log2_blk, ROWS_PER_THREAD=rows_per_thread, PIPELINE=bool(pipeline),
                       OFFSETS32=max(spans) < INT32_LIMIT, PACKED_E2M1=bool(PACKED_E2M1), NORM=weight is not None,
-                      CONTIG=contig, LOG2_HEADS=heads.bit_length() - 1, FAST_E2M1=bool(FAST_E2M1))
+                      CONTIG=contig, LOG2_HEADS=heads.bit_length() - 1)
     options = compile_options(num_warps)
     return args, constexprs, options
 
