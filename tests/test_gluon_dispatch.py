@@ -194,3 +194,32 @@ def test_gpu_cases_reach_their_fast_path(entry, monkeypatch):
     monkeypatch.setattr(fused_kernels, "GLUON", True)
     monkeypatch.setattr(fused_kernels, "FAST_PATHS", fused_kernels.FAST_PATH_MODULES)
     assert fused_kernels.fast_path(plan_of(case)) is module
+
+
+def test_occupancy_grid_asks_the_device_only_for_what_is_missing(monkeypatch):
+    """gluon_common.occupancy_grid (every fast path's persistent grid): given both numbers it neither
+    compiles nor queries the device; otherwise the occupancy comes from cached_ctas_per_sm (keyed by
+    device, dtypes, constexprs, num_warps; None tensors bound to x) and the SM count from the device."""
+    from kvfuse.kernels import gluon_common as GC
+    from kvfuse.kernels.launcher import PlanTensor
+    x = torch.zeros(4, 8, dtype=torch.bfloat16)
+    w = torch.zeros(8, dtype=torch.float32)
+    args = (PlanTensor("x"), 3, PlanTensor("weight"), PlanTensor("kv_cache"))
+    constexprs, options = dict(A=1), dict(num_warps=2)
+    asked = []
+
+    def fake_ctas(kernel, known, key, real, cx, opts, device_index):
+        asked.append((key, real))
+        return 3
+    monkeypatch.setattr(GC, "cached_ctas_per_sm", fake_ctas)
+    monkeypatch.setattr(GC, "device_index_of", lambda t: 5)
+    monkeypatch.setattr(GC.torch.cuda, "get_device_properties",
+                        lambda i: type("P", (), {"multi_processor_count": 4})())
+    tensors = dict(x=x, weight=w, kv_cache=None)
+    assert GC.occupancy_grid("k", {}, x, 100, args, tensors, constexprs, options, 2, 7) == (14,)
+    assert asked == []
+    assert GC.occupancy_grid("k", {}, x, 100, args, tensors, constexprs, options) == (12,)     # 3 CTAs x 4 SMs
+    key, real = asked[0]
+    assert key == (5, (torch.bfloat16, torch.float32, torch.bfloat16), (("A", 1),), 2)
+    assert real[0] is x and real[1] == 3 and real[2] is w and real[3] is x                    # None: x stands in
+    assert GC.occupancy_grid("k", {}, x, 5, args, tensors, constexprs, options, 2) == (5,)      # one CTA a tile

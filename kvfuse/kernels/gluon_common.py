@@ -106,6 +106,26 @@ def persistent_grid(tiles: int, ctas_per_sm: int, sm_count: int) -> tuple:
     return (max(1, min(tiles, sm_count * ctas_per_sm)),)
 
 
+def occupancy_grid(kernel, known: dict, x, tiles: int, args: tuple, tensors: dict, constexprs: dict, options: dict,
+                   ctas_per_sm: int = None, sm_count: int = None) -> tuple:
+    """The persistent grid of a launch of ``tiles`` tiles: ``ctas_per_sm`` CTAs (default: the compiled
+    variant's occupancy, ``cached_ctas_per_sm``, kept in ``known`` by x's device, the tensors' dtypes,
+    the constexprs and num_warps) on each of ``sm_count`` SMs (default: x's device's), at most one per
+    tile. ``tensors`` (field -> tensor; None: x stands in, never read) bind ``args`` for that compile.
+    With both numbers given: no compilation and no device query."""
+    if not ctas_per_sm or sm_count is None:
+        device_index = device_index_of(x)
+        if not ctas_per_sm:
+            real = {field: (x if t is None else t) for field, t in tensors.items()}
+            key = (device_index, tuple(t.dtype for t in real.values()), tuple(constexprs.items()),
+                   options["num_warps"])
+            ctas_per_sm = cached_ctas_per_sm(kernel, known, key, bind_tensors(args, real), constexprs, options,
+                                             device_index)
+        if sm_count is None:
+            sm_count = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return persistent_grid(tiles, ctas_per_sm, sm_count)
+
+
 # ``e2m1_nibble`` restated with torch integer / fp32 ops, step for step (the proof that it gives
 # kvfuse.reference.encode_e2m1's codes runs on this: tests/test_gluon_main_fp4_dispatch.py on samples,
 # benchmarks/gluon_check_main_fp4.py --prove-encoder over every fp32 input).

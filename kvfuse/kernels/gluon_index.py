@@ -105,8 +105,8 @@ import functools
 import torch
 
 from . import gluon_common
-from .gluon_common import (INT32_LIMIT, allowed_by_env, available, bind_tensors, cached_ctas_per_sm,
-                           compile_options, device_index_of, gl, gluon, log2_block, persistent_grid, plan_tensors)
+from .gluon_common import (INT32_LIMIT, allowed_by_env, available, compile_options, gl, gluon, log2_block,
+                           occupancy_grid, plan_tensors)
 
 HEAD_DIM = 128
 ROTARY_DIM = 64
@@ -648,21 +648,12 @@ def launch_args(plan, tensor, num_warps: int, rows_per_thread: int, pipeline: bo
 
 
 def _grid(plan, args, constexprs: dict, options: dict) -> tuple:
-    """The persistent grid: one CTA per tile up to what is resident on the device at once (the
-    compiled variant's occupancy, found once per variant by compiling it: Triton's cache then has it
-    for the launch)."""
-    x, num_warps = plan.x, options["num_warps"]
-    device_index = device_index_of(x)
-    dtypes = tuple(getattr(t, "dtype", None) for t in (plan.weight, plan.positions, plan.cos_sin,
-                                                        plan.slot_mapping, plan.sf_out))
-    key = (device_index, dtypes, tuple(constexprs.items()), num_warps)
+    """The persistent grid (gluon_common.occupancy_grid: one CTA per tile up to what is resident on
+    the device at once, the compiled variant's occupancy found once per variant)."""
+    x = plan.x
+    tiles = -(-(x.shape[0] * x.shape[1]) // (4 * constexprs["ROWS_PER_THREAD"] * options["num_warps"]))
     tensors = {**plan_tensors(plan), "q_out": plan.q_out, "sf_out": plan.sf_out}
-    tensors = {k: (x if t is None else t) for k, t in tensors.items()}      # x stands in (never read)
-    per_sm = cached_ctas_per_sm(index_write_kernel, _resident, key, bind_tensors(args, tensors),
-                                constexprs, options, device_index)
-    tiles = -(-(x.shape[0] * x.shape[1]) // (4 * constexprs["ROWS_PER_THREAD"] * num_warps))
-    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return persistent_grid(tiles, per_sm, sms)
+    return occupancy_grid(index_write_kernel, _resident, x, tiles, args, tensors, constexprs, options)
 
 
 # --------------------------------------------------------------------------- kvfuse's dispatch

@@ -52,8 +52,8 @@ import dataclasses
 import torch
 
 from . import gluon_common
-from .gluon_common import (INT32_LIMIT, allowed_by_env, available, bind_tensors, cached_ctas_per_sm,
-                           compile_options, device_index_of, gl, gluon, log2_block, persistent_grid)
+from .gluon_common import (INT32_LIMIT, allowed_by_env, available, compile_options, gl, gluon, log2_block,
+                           occupancy_grid)
 
 HEAD_DIM = 512
 RECORD_BYTES = 532           # 512 codes + 16 scales + 4 reserved (never written)
@@ -358,19 +358,12 @@ def launch_parts_records(rec: MainRecords, tensor, n: int, eps: float, x, weight
                       LOG2_BLOCK=log2_block(block_size), ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline),
                       OFFSETS32=max(spans) < INT32_LIMIT, FP4=rec.fp4, FAST_E2M1=bool(rec.fp4 and fast_e2m1))
     options = compile_options(num_warps)
-    per_sm = ctas_per_sm
-    if not per_sm or sm_count is None:
-        device_index = device_index_of(x)
-        if not per_sm:
-            key = (device_index, x.dtype, weight.dtype, positions.dtype, cos_sin.dtype, slot_mapping.dtype,
-                   tuple(constexprs.items()), num_warps)
-            real = bind_tensors(args, dict(x=x, weight=weight, positions=positions, cos_sin=cos_sin,
-                                           slot_mapping=slot_mapping, kv_cache=kv_cache))
-            per_sm = cached_ctas_per_sm(main_fp8_kernel, _resident, key, real, constexprs, options, device_index)
-        if sm_count is None:
-            sm_count = torch.cuda.get_device_properties(device_index).multi_processor_count
     tiles = -(-n // (rows_per_warp * num_warps))
-    return persistent_grid(tiles, per_sm, sm_count), args, constexprs, options
+    tensors = dict(x=x, weight=weight, positions=positions, cos_sin=cos_sin, slot_mapping=slot_mapping,
+                   kv_cache=kv_cache)
+    grid = occupancy_grid(main_fp8_kernel, _resident, x, tiles, args, tensors, constexprs, options, ctas_per_sm,
+                          sm_count)
+    return grid, args, constexprs, options
 
 
 def _launch_parts(tensor, n: int, eps: float, x, weight, positions, cos_sin, slot_mapping, kv_cache,

@@ -73,8 +73,8 @@ from __future__ import annotations
 import torch
 
 from . import gluon_common
-from .gluon_common import (INT32_LIMIT, allowed_by_env, available, bind_tensors, cached_ctas_per_sm,
-                           compile_options, device_index_of, gl, gluon, log2_block, persistent_grid, plan_tensors)
+from .gluon_common import (INT32_LIMIT, allowed_by_env, available, compile_options, gl, gluon, log2_block,
+                           occupancy_grid, plan_tensors)
 
 ROTARY_DIM = 64
 TAIL_DIM = 64                 # the bf16 tail = the RoPE columns
@@ -358,18 +358,10 @@ def launch_parts(plan, tensor, num_warps: int, rows_per_warp: int, pipeline: boo
                       SLOT32=capacity <= INT32_LIMIT, LOG2_BLOCK=log2_block(block_size),
                       ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline), OFFSETS32=max(spans) < INT32_LIMIT)
     options = compile_options(num_warps)
-    per_sm = ctas_per_sm
-    if per_sm is None or sm_count is None:
-        device_index = device_index_of(x)
-        if not per_sm:
-            key = (device_index, x.dtype, plan.weight.dtype, plan.positions.dtype, plan.cos_sin.dtype,
-                   plan.slot_mapping.dtype, tuple(constexprs.items()), num_warps)
-            per_sm = cached_ctas_per_sm(mla_tail_kernel, _resident, key, bind_tensors(args, plan_tensors(plan)),
-                                        constexprs, options, device_index)
-        if sm_count is None:
-            sm_count = torch.cuda.get_device_properties(device_index).multi_processor_count
     tiles = -(-n // (rows_per_warp * num_warps))
-    return persistent_grid(tiles, per_sm, sm_count), args, constexprs, options
+    grid = occupancy_grid(mla_tail_kernel, _resident, x, tiles, args, plan_tensors(plan), constexprs, options,
+                          ctas_per_sm, sm_count)
+    return grid, args, constexprs, options
 
 
 # --------------------------------------------------------------------------- kvfuse's dispatch
