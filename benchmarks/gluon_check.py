@@ -64,12 +64,7 @@ def special_values(c, g):
     x = c.x
     x[k % 11 == 5, 64:96] *= 2.0 ** 20                                            # one group far above the rest
     x[k % 11 == 6, 448:512] *= 1e-3                                                # a small RoPE tail
-    inf_rows = (k % 97 == 8).nonzero().flatten()
-    x[inf_rows, (inf_rows * 37) % 512] = float("inf")                              # an inf in one group
-    nan_rows = (k % 97 == 9).nonzero().flatten()
-    x[nan_rows, (nan_rows * 53) % 512] = float("nan")                              # a NaN in one group
-    ninf = (k % 97 == 10).nonzero().flatten()
-    x[ninf, 470] = float("-inf")                                                   # -inf in the RoPE tail
+    common.put_nonfinite(x, k, 512, 470, (8, 9, 10))                              # -inf in the RoPE tail
 
 
 # ------------------------------------------------------------------------------------------ (a)

@@ -210,6 +210,35 @@ def public_write(c, cache):
         kvfuse.CastArgs.from_cache_format(c.fmt), kvfuse.KVCacheOutArgs(cache, c.slots, layout=c.fmt))
 
 
+def put_nonfinite(x, k, width: int, ninf_col: int, residues=(9, 10, 11)) -> None:
+    """The non-finite rows every check writes (their bytes are free by SPEC §2; nothing else may move):
+    rows with k % 97 == residues[0] get one inf and residues[1] one NaN, each in one group (column
+    (row * 37) or (row * 53) modulo ``width``), and residues[2] a -inf at column ``ninf_col``."""
+    inf_rows = (k % 97 == residues[0]).nonzero().flatten()
+    x[inf_rows, (inf_rows * 37) % width] = float("inf")
+    nan_rows = (k % 97 == residues[1]).nonzero().flatten()
+    x[nan_rows, (nan_rows * 53) % width] = float("nan")
+    x[(k % 97 == residues[2]).nonzero().flatten(), ninf_col] = float("-inf")
+
+
+def base_cases(special) -> list:
+    """(name, Case keywords) that the format checks share: n = 1, a strided int64 / fp32-weight / bf16
+    cos-sin / block-size-1 case, ``special`` values with a division block size and a 3-row table,
+    n = 4097 random / special / half invalid, n = 65536."""
+    return [
+        ("random n=1", dict(n=1, seed=1)),
+        ("n=3: int64 indices, strided, fp32 weight, bf16 cos_sin, block_size 1",
+         dict(n=3, seed=2, pos_dtype=torch.int64, slot_dtype=torch.int64, index_stride=3, w_dtype=torch.float32,
+              cs_dtype=torch.bfloat16, block_size=1, invalid_slots=0.3)),
+        ("n=300: special values, block_size 24 (division), P=3, eps 1e-5",
+         dict(n=300, seed=3, special=special, block_size=24, max_position=3, bad_positions=0.2, eps=1e-5)),
+        ("random n=4097", dict(n=4097, seed=4)),
+        ("special values n=4097", dict(n=4097, seed=5, special=special)),
+        ("invalid slots and positions (50%) n=4097", dict(n=4097, seed=6, invalid_slots=0.5, bad_positions=0.5)),
+        ("random n=65536", dict(n=65536, seed=7)),
+    ]
+
+
 def special_rows(c, g):
     """The SPEC §2 edge cases every check writes, by row (k % 11): 0 zero rows, 1-2 huge values (1e38:
     the sum of squares overflows), 3 bf16 subnormals, 4 rounding ties, 7 mean + eps dominated by

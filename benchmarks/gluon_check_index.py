@@ -73,29 +73,14 @@ def special_values(c, g):
     x[k % 11 == 5, 32:48] *= 2.0 ** 20                                            # one group far above the rest
     x[k % 11 == 6, 64:128] *= 1e-3                                                 # a small RoPE half
     x[k % 11 == 8, 16:32] = 0.0                                                    # an all-zero group (amax floor)
-    inf_rows = (k % 97 == 9).nonzero().flatten()
-    x[inf_rows, (inf_rows * 37) % 128] = float("inf")                              # an inf in one group
-    nan_rows = (k % 97 == 10).nonzero().flatten()
-    x[nan_rows, (nan_rows * 53) % 128] = float("nan")                              # a NaN in one group
-    ninf = (k % 97 == 11).nonzero().flatten()
-    x[ninf, 100] = float("-inf")                                                   # -inf in the RoPE half
+    common.put_nonfinite(x, k, 128, 100)                                           # -inf in the RoPE half
 
 
 def correctness_cases(fmt):
     """(name, Case keywords). Each distinct dtype / alignment / stride combination compiles both kernels
     once more, so the variations share a few combinations (the 90-second budget)."""
     e4m3 = fmt.cast_fmt == "e4m3"
-    return [
-        ("random n=1", dict(n=1, seed=1)),
-        ("n=3: int64 indices, strided, fp32 weight, bf16 cos_sin, block_size 1",
-         dict(n=3, seed=2, pos_dtype=torch.int64, slot_dtype=torch.int64, index_stride=3, w_dtype=torch.float32,
-              cs_dtype=torch.bfloat16, block_size=1, invalid_slots=0.3)),
-        ("n=300: special values, block_size 24 (division), P=3, eps 1e-5",
-         dict(n=300, seed=3, special=special_values, block_size=24, max_position=3, bad_positions=0.2, eps=1e-5)),
-        ("random n=4097", dict(n=4097, seed=4)),
-        ("special values n=4097", dict(n=4097, seed=5, special=special_values)),
-        ("invalid slots and positions (50%) n=4097", dict(n=4097, seed=6, invalid_slots=0.5, bad_positions=0.5)),
-        ("random n=65536", dict(n=65536, seed=7)),
+    return common.base_cases(special_values) + [
         ("padded blocks + guard + cache offset 16, x rows padded, n=4097",
          dict(n=4097, seed=8, block_padding=40, cache_offset=16, guard=256, x_row_pad=8)),
         ("x 4-byte aligned only (offset 2), cache offset 4, n=300",

@@ -87,28 +87,13 @@ def special_values(c, g):
     x[k % 11 == 9, 96:112] *= 2.0 ** -40                                           # a group at the 2^-9 scale floor
     x[k % 11 == 10, :] = (torch.randint(-96, 97, (int((k % 11 == 10).sum()), 512), generator=g,
                                         device=x.device).float() / 16).to(x.dtype)  # grid values: ties after scaling
-    inf_rows = (k % 97 == 9).nonzero().flatten()
-    x[inf_rows, (inf_rows * 37) % 512] = float("inf")                              # an inf in one group
-    nan_rows = (k % 97 == 10).nonzero().flatten()
-    x[nan_rows, (nan_rows * 53) % 512] = float("nan")                              # a NaN in one group
-    ninf = (k % 97 == 11).nonzero().flatten()
-    x[ninf, 470] = float("-inf")                                                   # -inf in the RoPE tail
+    common.put_nonfinite(x, k, 512, 470)                                           # -inf in the RoPE tail
 
 
 def correctness_cases():
     """(name, Case keywords). Each distinct dtype / alignment / stride combination compiles both kernels
     once more, so the variations share a few combinations (the time budget)."""
-    return [
-        ("random n=1", dict(n=1, seed=1)),
-        ("n=3: int64 indices, strided, fp32 weight, bf16 cos_sin, block_size 1",
-         dict(n=3, seed=2, pos_dtype=torch.int64, slot_dtype=torch.int64, index_stride=3, w_dtype=torch.float32,
-              cs_dtype=torch.bfloat16, block_size=1, invalid_slots=0.3)),
-        ("n=300: special values, block_size 24 (division), P=3, eps 1e-5",
-         dict(n=300, seed=3, special=special_values, block_size=24, max_position=3, bad_positions=0.2, eps=1e-5)),
-        ("random n=4097", dict(n=4097, seed=4)),
-        ("special values n=4097", dict(n=4097, seed=5, special=special_values)),
-        ("invalid slots and positions (50%) n=4097", dict(n=4097, seed=6, invalid_slots=0.5, bad_positions=0.5)),
-        ("random n=65536", dict(n=65536, seed=7)),
+    return common.base_cases(special_values) + [
         ("special values n=65536, int64 indices", dict(n=65536, seed=10, special=special_values,
                                                        pos_dtype=torch.int64, slot_dtype=torch.int64)),
         ("padded tokens/blocks + guard + cache offset 16, x rows padded, n=4097",

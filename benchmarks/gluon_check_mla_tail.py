@@ -88,12 +88,7 @@ def special_values(c, g):
     signed = k % 11 == 8
     x[signed, qd:] = 0.0
     x[signed, qd::3] = -0.0                                                        # signed zeros in the tail
-    inf_rows = (k % 97 == 9).nonzero().flatten()
-    x[inf_rows, (inf_rows * 37) % qd] = float("inf")                               # an inf in one group
-    nan_rows = (k % 97 == 10).nonzero().flatten()
-    x[nan_rows, (nan_rows * 53) % qd] = float("nan")                               # a NaN in one group
-    ninf = (k % 97 == 20).nonzero().flatten()
-    x[ninf, qd + 22] = float("-inf")                                               # -inf in the RoPE tail
+    common.put_nonfinite(x, k, qd, qd + 22, (9, 10, 20))                           # -inf in the RoPE tail
 
 
 # ------------------------------------------------------------------------------------------ (a)

@@ -21,9 +21,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import kvfuse.plan  # noqa: E402
+import gluon_check_common as common  # noqa: E402
 from kvfuse import bench  # noqa: E402
-from kvfuse.kernels import fused, gluon_index, gluon_main_fp4, gluon_main_fp8, gluon_mla_tail  # noqa: E402
+from kvfuse.kernels import gluon_index, gluon_main_fp4, gluon_main_fp8, gluon_mla_tail  # noqa: E402
 
 MODULES = {"main_fp8": gluon_main_fp8, "main_fp4": gluon_main_fp4, "flashmla_v32": gluon_mla_tail,
            "flashmla_model1": gluon_mla_tail, "index_fp8_fp32": gluon_index, "index_mxfp4": gluon_index,
@@ -41,13 +41,9 @@ def variants(n: int, rows=(1, 2)):
 
 def route(module, table) -> None:
     """Send eligible calls to ``module`` with launch table ``table`` (None: the plain kernel)."""
-    if table is None:
-        fused.FAST_PATHS = ()
-    else:
-        fused.FAST_PATHS = (module,)
-        module.MIN_ROWS = 1
+    if table is not None:
         module.launch_table = table
-    kvfuse.plan.clear_plan_cache()
+    common.fast_path(module, table is not None)       # at every size; clears the plan cache
 
 
 def written_bytes(call, inp) -> torch.Tensor:
