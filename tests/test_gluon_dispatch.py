@@ -13,9 +13,10 @@ import torch
 import kvfuse
 from kvfuse import CastArgs, KVCacheFormat
 from kvfuse.kernels import fused as fused_kernels
+from kvfuse.kernels import gluon_common, gluon_index, gluon_main_fp4, gluon_mla_tail
 from kvfuse.kernels import gluon_main_fp8 as G
 from helpers import CountingKernel
-from kernel_cases import FAST_CASES, Case, plan_of
+from kernel_cases import FAST_CASES, FAST_CHAIN, FAST_MAIN, Case, plan_of, recast
 
 MAIN = kvfuse.formats.MAIN_FP8
 
@@ -48,30 +49,10 @@ def test_a_user_format_with_main_fp8s_records_is_eligible_another_is_not():
     assert not G.eligible(plan_of(main_case(fmt=wider)))
 
 
-def test_word_alignment_is_per_call():
-    x = torch.zeros(2 * 512 + 1, dtype=torch.bfloat16)
-    w = torch.zeros(512, dtype=torch.bfloat16)
-    assert G.word_aligned(x[:1024], w)
-    assert not G.word_aligned(x[1:], w)
-    assert not G.word_aligned(x[:1024], torch.zeros(513, dtype=torch.bfloat16)[1:])
-
-
 def test_launch_table():
     assert G.launch_table(1) == (1, 1, False) and G.launch_table(512) == (1, 1, False)
     assert G.launch_table(4096) == (4, 1, False)
     assert G.launch_table(65536) == (1, 1, True)
-
-
-def test_dispatch_follows_eligibility_and_force_config(monkeypatch):
-    plan = plan_of(main_case())
-    monkeypatch.setattr(fused_kernels, "GLUON", True)
-    monkeypatch.setattr(fused_kernels, "FAST_PATHS", (G,))
-    assert fused_kernels.fast_path(plan) is G
-    with fused_kernels.force_config(block_m=1):
-        assert fused_kernels.fast_path(plan) is None   # forced configurations are the plain kernel's
-    assert fused_kernels.fast_path(plan_of(main_case(out_stage="transform"))) is None
-    monkeypatch.setattr(fused_kernels, "GLUON", False)
-    assert fused_kernels.fast_path(plan) is None
 
 
 def test_every_fast_path_module_has_the_interface():
@@ -223,3 +204,53 @@ def test_occupancy_grid_asks_the_device_only_for_what_is_missing(monkeypatch):
     assert key == (5, (torch.bfloat16, torch.float32, torch.bfloat16), (("A", 1),), 2)
     assert real[0] is x and real[1] == 3 and real[2] is w and real[3] is x                    # None: x stands in
     assert GC.occupancy_grid("k", {}, x, 5, args, tensors, constexprs, options, 2) == (5,)      # one CTA a tile
+
+
+# ---------------------------------------------------------------------------------- every fast path
+F = kvfuse.formats
+BASE_CASES = {                      # each module's chain, a few rows (the dispatch rules below)
+    "gluon_main_fp8": dict(**FAST_MAIN, fmt=F.MAIN_FP8),
+    "gluon_main_fp4": dict(**FAST_MAIN, fmt=F.MAIN_FP4),
+    "gluon_mla_tail": dict(**FAST_CHAIN, head_dim=576, fmt=F.FLASHMLA_V32),
+    "gluon_index": dict(**FAST_CHAIN, head_dim=128, fmt=F.INDEX_NVFP4),
+}
+MODULES = {"gluon_main_fp8": G, "gluon_main_fp4": gluon_main_fp4, "gluon_mla_tail": gluon_mla_tail,
+           "gluon_index": gluon_index}
+
+
+@pytest.mark.parametrize("name", sorted(BASE_CASES))
+def test_dispatch_follows_eligibility_and_force_config(name, monkeypatch):
+    module, kw = MODULES[name], BASE_CASES[name]
+    plan = plan_of(Case(n=5, **kw))
+    monkeypatch.setattr(fused_kernels, "GLUON", True)
+    monkeypatch.setattr(fused_kernels, "FAST_PATHS", (module,))
+    monkeypatch.setattr(module, "MIN_ROWS", 1)           # the case's few rows (decode sizes may stay plain)
+    assert fused_kernels.fast_path(plan) is module
+    with fused_kernels.force_config(block_m=1):
+        assert fused_kernels.fast_path(plan) is None   # forced configurations are the plain kernel's
+    assert fused_kernels.fast_path(plan_of(Case(n=5, **{**kw, "out_stage": "transform"}))) is None
+    monkeypatch.setattr(fused_kernels, "GLUON", False)
+    assert fused_kernels.fast_path(plan) is None
+
+
+@pytest.mark.parametrize("name", sorted(BASE_CASES))
+def test_plan_without_a_field_is_not(name):
+    module = MODULES[name]
+    plan = plan_of(Case(n=5, **BASE_CASES[name]))
+    assert module.eligible(plan)
+    for field in ("weight", "positions", "kv_cache", "slot_mapping", "fmt", "addressing", "cast"):
+        assert not module.eligible(recast(plan, **{field: None})), field
+    if name != "gluon_mla_tail":       # its cos/sin loads are masked by the position check: P = 0 is safe there
+        assert not module.eligible(recast(plan, cos_sin=plan.cos_sin[:0]))         # P = 0: no row to load
+
+
+@pytest.mark.parametrize("head_dim", [512, 128, 576])
+def test_word_alignment_is_per_call(head_dim):
+    """x and the weight are read as 4-byte words (every cache-write fast path uses this check)."""
+    assert all(m.word_aligned is gluon_common.word_aligned for m in fused_kernels.FAST_PATH_MODULES)
+    x = torch.zeros(2 * head_dim + 1, dtype=torch.bfloat16)
+    w = torch.zeros(head_dim, dtype=torch.bfloat16)
+    assert G.word_aligned(x[:2 * head_dim], w)
+    assert not G.word_aligned(x[1:], w)
+    assert not G.word_aligned(x[:2 * head_dim], torch.zeros(head_dim + 1, dtype=torch.bfloat16)[1:])
+    assert G.word_aligned(x[:2 * head_dim], torch.zeros(head_dim, dtype=torch.float32))

@@ -94,13 +94,6 @@ def test_cache_pointer_alignment(fmt, offset, ok):
     assert GI.eligible(moved) is ok
 
 
-def test_plan_without_a_field_is_not():
-    plan = plan_of(index_case())
-    for field in ("weight", "positions", "kv_cache", "slot_mapping", "fmt", "addressing", "cast"):
-        assert not GI.eligible(recast(plan, **{field: None})), field
-    assert not GI.eligible(recast(plan, cos_sin=plan.cos_sin[:0]))                # P = 0: no row to load
-
-
 def test_addressing_must_be_the_index_layout():
     plan = plan_of(index_case(F.INDEX_NVFP4))
     a = plan.addressing
@@ -110,15 +103,6 @@ def test_addressing_must_be_the_index_layout():
 
 
 # ---------------------------------------------------------------------------------- per call
-def test_word_alignment_is_per_call():
-    x = torch.zeros(2 * 128 + 1, dtype=torch.bfloat16)
-    w = torch.zeros(128, dtype=torch.bfloat16)
-    assert GI.word_aligned(x[:256], w)
-    assert not GI.word_aligned(x[1:], w)
-    assert not GI.word_aligned(x[:256], torch.zeros(129, dtype=torch.bfloat16)[1:])
-    assert GI.word_aligned(x[:256], torch.zeros(128, dtype=torch.float32))
-
-
 def test_odd_x_row_stride_is_not_eligible():
     plan = plan_of(index_case(x_row_pad=1))                        # rows 129 bf16 apart: not whole words
     assert not GI.eligible(plan)
@@ -162,24 +146,6 @@ def test_argument_table(fmt, chain):
 
 
 # ---------------------------------------------------------------------------------- dispatch
-def test_dispatch_follows_eligibility_and_force_config(monkeypatch):
-    plan = plan_of(index_case(F.INDEX_NVFP4))
-    monkeypatch.setattr(fused_kernels, "GLUON", True)
-    monkeypatch.setattr(fused_kernels, "FAST_PATHS", (GI,))
-    monkeypatch.setattr(GI, "MIN_ROWS", 1)           # the case's few rows (decode sizes stay plain)
-    assert fused_kernels.fast_path(plan) is GI
-    with fused_kernels.force_config(block_m=1):
-        assert fused_kernels.fast_path(plan) is None   # forced configurations are the plain kernel's
-    assert fused_kernels.fast_path(plan_of(index_case(F.INDEX_NVFP4, out_stage="transform"))) is None
-    monkeypatch.setattr(fused_kernels, "GLUON", False)
-    assert fused_kernels.fast_path(plan) is None
-
-
-def test_interface():
-    for name in ("enabled", "available", "eligible", "plan_launch", "word_aligned", "call_guard", "launch_table"):
-        assert callable(getattr(GI, name)), name
-
-
 def test_plan_fields_it_reads_exist():
     """eligible() reads these Plan fields: a rename must fail here, not silently disable the path."""
     names = {f.name for f in dataclasses.fields(kvfuse.plan.Plan)}

@@ -76,13 +76,6 @@ def test_cache_pointer_alignment(offset, ok):
     assert G.eligible(moved) is ok
 
 
-def test_plan_without_a_field_is_not():
-    plan = plan_of(main_case())
-    for field in ("weight", "positions", "kv_cache", "slot_mapping", "fmt", "addressing", "cast"):
-        assert not G.eligible(recast(plan, **{field: None})), field
-    assert not G.eligible(recast(plan, cos_sin=plan.cos_sin[:0]))                 # P = 0: no row to load
-
-
 def test_addressing_must_be_main_fp4s():
     plan = plan_of(main_case())
     a = plan.addressing
@@ -99,21 +92,13 @@ def test_cast_must_be_nvfp4():
 
 
 # ---------------------------------------------------------------------------------- per call
-def test_word_alignment_is_per_call():
-    x = torch.zeros(2 * 512 + 1, dtype=torch.bfloat16)
-    w = torch.zeros(512, dtype=torch.bfloat16)
-    assert G.word_aligned(x[:1024], w)
-    assert not G.word_aligned(x[1:], w)
-    assert not G.word_aligned(x[:1024], torch.zeros(513, dtype=torch.bfloat16)[1:])
-    assert G.word_aligned(x[:1024], torch.zeros(512, dtype=torch.float32))
-
-
 def test_odd_x_row_stride_is_not_eligible():
     assert not G.eligible(plan_of(main_case(x_row_pad=1)))         # rows 513 bf16 apart: not whole words
 
 
 # ---------------------------------------------------------------------------------- launch
 def test_launch_table():
+    assert G.MIN_ROWS == 1
     assert G.launch_table(1) == (2, 1, False) and G.launch_table(16384) == (2, 1, False)
     assert G.launch_table(16385) == (1, 1, False) and G.launch_table(65536) == (1, 1, False)
     assert G.launch_table(65537) == (1, 1, True) and G.launch_table(262144) == (1, 1, True)
@@ -174,19 +159,6 @@ def test_registered_with_the_fast_paths():
     plan = plan_of(main_case())
     assert [m for m in fused_kernels.FAST_PATH_MODULES if m.eligible(plan)] == [G]
     assert not G.eligible(plan_of(main_case(fmt=F.MAIN_FP8)))
-
-
-def test_dispatch_follows_eligibility_and_force_config(monkeypatch):
-    plan = plan_of(main_case())
-    monkeypatch.setattr(fused_kernels, "GLUON", True)
-    monkeypatch.setattr(fused_kernels, "FAST_PATHS", (G,))
-    assert G.MIN_ROWS == 1
-    assert fused_kernels.fast_path(plan) is G
-    with fused_kernels.force_config(block_m=1):
-        assert fused_kernels.fast_path(plan) is None   # forced configurations are the plain kernel's
-    assert fused_kernels.fast_path(plan_of(main_case(out_stage="transform"))) is None
-    monkeypatch.setattr(fused_kernels, "GLUON", False)
-    assert fused_kernels.fast_path(plan) is None
 
 
 def test_interface():

@@ -102,15 +102,6 @@ def test_a_cache_pointer_not_4_byte_aligned_is_not(fmt):
         assert G.eligible(plan) is ok, offset
 
 
-def test_word_alignment_is_per_call():
-    x = torch.zeros(2 * 576 + 1, dtype=torch.bfloat16)
-    w = torch.zeros(576, dtype=torch.bfloat16)
-    assert G.word_aligned(x[:1152], w)
-    assert not G.word_aligned(x[1:], w)
-    assert not G.word_aligned(x[:1152], torch.zeros(577, dtype=torch.bfloat16)[1:])
-    assert G.word_aligned(x[:1152], torch.zeros(576, dtype=torch.float32))
-
-
 def test_launch_table():
     assert G.launch_table(1) == (2, 1, False) and G.launch_table(512) == (2, 1, False)
     assert G.launch_table(4096) == (4, 1, False) and G.launch_table(16384) == (4, 1, False)
@@ -169,19 +160,12 @@ def test_plan_launch_shape(fmt, monkeypatch):
     assert grid == (4,) and kwargs["num_warps"] == 2 and kwargs["PIPELINE"] is False   # 7 rows, tiles of 2
 
 
-def test_dispatch_follows_eligibility_and_force_config(monkeypatch):
-    plan = plan_of(mla_case(V32))
+def test_dispatch_takes_both_formats_but_not_a_conjugate_rope(monkeypatch):
+    """(The dispatch rules every fast path shares: tests/test_gluon_dispatch.py.)"""
     monkeypatch.setattr(fused_kernels, "GLUON", True)
     monkeypatch.setattr(fused_kernels, "FAST_PATHS", (G,))
-    monkeypatch.setattr(G, "MIN_ROWS", 1)           # the case's few rows (decode sizes stay plain)
-    assert fused_kernels.fast_path(plan) is G
     assert fused_kernels.fast_path(plan_of(mla_case(MODEL1))) is G
-    with fused_kernels.force_config(block_m=1):
-        assert fused_kernels.fast_path(plan) is None   # forced configurations are the plain kernel's
-    assert fused_kernels.fast_path(plan_of(mla_case(V32, out_stage="transform"))) is None
     assert fused_kernels.fast_path(plan_of(mla_case(MODEL1, conjugate=True))) is None
-    monkeypatch.setattr(fused_kernels, "GLUON", False)
-    assert fused_kernels.fast_path(plan) is None
 
 
 def test_main_fp8_is_not_taken_by_this_path_nor_the_mla_chains_by_main_fp8():
@@ -190,11 +174,6 @@ def test_main_fp8_is_not_taken_by_this_path_nor_the_mla_chains_by_main_fp8():
     assert gluon_main_fp8.eligible(plan_of(main)) and not G.eligible(plan_of(main))
     for fmt in (V32, MODEL1):
         assert not gluon_main_fp8.eligible(plan_of(mla_case(fmt)))
-
-
-def test_the_module_has_the_fast_path_interface():
-    for name in ("enabled", "available", "eligible", "plan_launch", "word_aligned", "call_guard", "launch_table"):
-        assert callable(getattr(G, name)), name
 
 
 def test_off_without_triton_36_and_cuda(monkeypatch):

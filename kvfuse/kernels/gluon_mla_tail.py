@@ -389,7 +389,7 @@ def eligible(plan) -> bool:
     x, cache, c, f, a = plan.x, plan.kv_cache, plan.cast, plan.fmt, plan.addressing
     if cache is None or c is None or f is None or a is None or plan.weight is None or plan.positions is None:
         return False
-    if plan.hadamard_scale is not None or plan.out is not None or plan.out_stage is not None:
+    if plan.slot_mapping is None or plan.hadamard_scale is not None or plan.out is not None or plan.out_stage is not None:
         return False
     consts = format_constexprs(f)
     if consts is None:
