@@ -315,5 +315,23 @@ def timed(timer, fn, nbytes: int, copy_gbps) -> dict:
                 pct_copy=100 * gbps / copy_gbps if copy_gbps else None, note=t.note)
 
 
+def plain_vs_fast(module, timer, call, nbytes: int, copy_gbps) -> dict:
+    """``timed`` with ``module``'s fast path off, then on (left off): {"plain", "fast", "speedup"}."""
+    row = {}
+    for label, on in (("plain", False), ("fast", True)):
+        fast_path(module, on)
+        row[label] = timed(timer, call, nbytes, copy_gbps)
+    fast_path(module, False)
+    row["speedup"] = row["plain"]["gpu_us"] / row["fast"]["gpu_us"]
+    return row
+
+
+def plain_vs_fast_text(row: dict) -> str:
+    """A ``plain_vs_fast`` row as one log line's tail."""
+    p, f = row["plain"], row["fast"]
+    return (f"plain {p['gpu_us']:8.2f} us {pct_text(p)}  fast {f['gpu_us']:8.2f} us {pct_text(f)}  "
+            f"x{row['speedup']:.2f}")
+
+
 def pct_text(r: dict) -> str:
     return f"{r['pct_copy']:5.1f}%" if r["pct_copy"] is not None else "  -  "

@@ -176,16 +176,10 @@ def run_timing(formats, copy_gbps, deadline, report):
                     records.append(dict(format=fmt.name, n=n, status="MISMATCH on the timing inputs",
                                         diff_bytes=diff_bytes))
                     log(f"timing {fmt.name} n={n}: MISMATCH on the timing inputs")
-                row = dict(format=fmt.name, n=n, status="ok", bytes=nbytes)
-                for label, on in (("plain", False), ("fast", True)):
-                    fast_path(on)
-                    row[label] = common.timed(timer, call, nbytes, copy_gbps)
-                fast_path(False)
-                row["speedup"] = row["plain"]["gpu_us"] / row["fast"]["gpu_us"]
+                row = dict(format=fmt.name, n=n, status="ok", bytes=nbytes,
+                           **common.plain_vs_fast(GI, timer, call, nbytes, copy_gbps))
                 records.append(row)
-                pct = common.pct_text
-                log(f"timing {fmt.name:15s} n={n:7d} plain {row['plain']['gpu_us']:8.2f} us {pct(row['plain'])}  "
-                    f"fast {row['fast']['gpu_us']:8.2f} us {pct(row['fast'])}  x{row['speedup']:.2f}")
+                log(f"timing {fmt.name:15s} n={n:7d} {common.plain_vs_fast_text(row)}")
                 del inp, call
             except Exception as e:
                 fast_path(False)

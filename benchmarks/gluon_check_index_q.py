@@ -172,16 +172,10 @@ def run_timing(report, copy_gbps, deadline):
             got[label] = (inp.q.view(torch.uint8).clone(), inp.sf.view(torch.uint8).clone())
         fast_path(False)
         same = all(torch.equal(a, b) for a, b in zip(got["plain"], got["fast"]))
-        row = dict(n=n, status="ok" if same else "MISMATCH on the timing inputs", bytes=nbytes)
-        for label, on in (("plain", False), ("fast", True)):
-            fast_path(on)
-            row[label] = common.timed(timer, call, nbytes, copy_gbps)
-        fast_path(False)
-        row["speedup"] = row["plain"]["gpu_us"] / row["fast"]["gpu_us"]
+        row = dict(n=n, status="ok" if same else "MISMATCH on the timing inputs", bytes=nbytes,
+                   **common.plain_vs_fast(GI, timer, call, nbytes, copy_gbps))
         out.append(row)
-        pct = common.pct_text
-        log(f"timing index_q n={n:6d} plain {row['plain']['gpu_us']:8.2f} us {pct(row['plain'])}  fast "
-            f"{row['fast']['gpu_us']:8.2f} us {pct(row['fast'])}  x{row['speedup']:.2f}  {row['status']}")
+        log(f"timing index_q n={n:6d} {common.plain_vs_fast_text(row)}  {row['status']}")
         del inp, call, got
         torch.cuda.empty_cache()
 

@@ -231,17 +231,10 @@ def run_timing(copy_gbps, deadline, report):
                 records.append(dict(n=n, status="MISMATCH on the timing inputs" if diff_bytes else
                                     "FAST PATH NOT TAKEN on the timing inputs", diff_bytes=diff_bytes))
                 say(f"timing n={n}: {records[-1]['status']} ({diff_bytes} bytes differ, {launches} Gluon launches)")
-            row = dict(n=n, status="ok", bytes=nbytes, launch=G4.launch_table(n))
-            for label, on in (("plain", False), ("fast", True)):
-                fast_path(on)
-                row[label] = common.timed(timer, call, nbytes, copy_gbps)
-            fast_path(False)
-            row["speedup"] = row["plain"]["gpu_us"] / row["fast"]["gpu_us"]
+            row = dict(n=n, status="ok", bytes=nbytes, launch=G4.launch_table(n),
+                       **common.plain_vs_fast(G4, timer, call, nbytes, copy_gbps))
             records.append(row)
-            pct = common.pct_text
-            say(f"timing MAIN_FP4 n={n:7d} plain {row['plain']['gpu_us']:8.2f} us {pct(row['plain'])}  "
-                f"fast {row['fast']['gpu_us']:8.2f} us {pct(row['fast'])}  x{row['speedup']:.2f}  "
-                f"(launch table {row['launch']})")
+            say(f"timing MAIN_FP4 n={n:7d} {common.plain_vs_fast_text(row)}  (launch table {row['launch']})")
             del inp, call
         except Exception as e:
             fast_path(False)
