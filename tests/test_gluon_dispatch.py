@@ -70,12 +70,16 @@ def test_off_without_triton_36_and_cuda(monkeypatch):
     assert fused_kernels.GLUON is False or torch.cuda.is_available()
 
 
-def test_plan_fields_it_reads_exist():
-    """eligible() reads these Plan fields: a rename must fail here, not silently disable the path."""
+def test_plan_fields_they_read_exist():
+    """Every fast path's eligible() / launch code reads these Plan and RecordAddressing fields: a rename
+    must fail here, not silently disable a path."""
     names = {f.name for f in dataclasses.fields(kvfuse.plan.Plan)}
     assert {"x", "weight", "eps", "positions", "cos_sin", "rotary_dim", "rope_offset", "is_neox", "conjugate",
             "hadamard_scale", "cast", "quant_dim", "out", "out_stage", "kv_cache", "slot_mapping", "fmt",
-            "addressing"} <= names
+            "addressing", "q_out", "sf_out"} <= names
+    addressing = {f.name for f in dataclasses.fields(kvfuse.formats.RecordAddressing)}
+    assert {"data_token_stride", "sf_token_stride", "head_stride", "data_offset", "sf_offset",
+            "tail_offset"} <= addressing
     assert CastArgs.from_cache_format(MAIN) is not None
 
 
