@@ -34,7 +34,7 @@ import gluon_check_common as common  # first: puts the repository root on sys.pa
 from gluon_check_common import DEVICE, T0, TIMING_SIZES, log, short
 from kvfuse import bench
 from kvfuse import formats as F
-from kvfuse.kernels import gluon_index as GI
+from kvfuse.kernels import gluon_common, gluon_index as GI
 
 FORMATS = {"index_fp8_fp32": F.INDEX_FP8_FP32, "index_mxfp4": F.INDEX_MXFP4, "index_nvfp4": F.INDEX_NVFP4}
 
@@ -195,7 +195,7 @@ def run_timing(formats, copy_gbps, deadline, report):
 
 # ------------------------------------------------------------------------------------ proofs (CPU)
 def prove_encoders(report):
-    """The e2m1 encoders' host mirrors (gluon_index.e2m1_fp32_mirror / e2m1_bf16_mirror) against
+    """The e2m1 encoders' host mirrors (gluon_common.e2m1_nibble_mirror / gluon_index.e2m1_bf16_mirror) against
     kvfuse.reference.encode_e2m1: every fp32 pattern (NaN left out), and every bf16 y times every UE8M0
     multiplier the kernel makes (where |y * m| <= 6 or y is infinite)."""
     from kvfuse import reference as ref
@@ -203,7 +203,7 @@ def prove_encoders(report):
     for start in range(0, 1 << 32, step):
         t = (torch.arange(start, start + step, dtype=torch.int64) - (1 << 31)).to(torch.int32).view(torch.float32)
         keep = ~torch.isnan(t)
-        bad += int(((GI.e2m1_fp32_mirror(t) != ref.encode_e2m1(t).to(torch.int32)) & keep).sum())
+        bad += int(((gluon_common.e2m1_nibble_mirror(t) != ref.encode_e2m1(t).to(torch.int32)) & keep).sum())
         if start % (1 << 28) == 0:
             log(f"fp32 encoder: {start >> 24} / 256 chunks, {bad} differing")
     report["fp32_encoder_differing"] = bad

@@ -13,9 +13,8 @@ switch), so dispatch, eligibility, the argument table and the launch table are c
     strides + guard bytes + a cache offset, block_size 24 (division) and 1, int64 and strided
     indices, fp32 weight / bf16 cos/sin, a 3-row cos/sin table, eps 1e-5, x only 4-byte aligned, and
     a cache only 4-byte aligned (which must stay on the plain kernel: the codes leave as 64-bit
-    stores). Each case says whether the fast path ran (a counting wrapper around the kernel). A
-    mismatch is re-run with gluon_index's fp32 e2m1 encoder (gluon_main_fp4.FAST_E2M1 = False) to
-    tell an encoder fault from another. --variants adds direct launches (gluon_main_fp4_write) of
+    stores). Each case says whether the fast path ran (a counting wrapper around the kernel).
+    --variants adds direct launches (gluon_main_fp4_write) of
     variants outside the launch table (two rows a warp, two warps, four warps pipelined).
 (b) timing: CUDA-graph replay medians (kvfuse.bench.CudaTimer) of the public call, fast path off vs
     on, at n = 1, 256, 4096, 65536, 262144 on kvfuse.bench's "main_fp4" inputs, as GPU us and % of the
@@ -115,7 +114,7 @@ VARIANT_CASES = ("random n=4097", "special values n=4097")
 # ------------------------------------------------------------------------------------ (a)
 def compare(c):
     """Write both storages (fast path off, then on); the record of the comparison."""
-    rec = dict(case=c.name, n=c.n, status="ok", fast_e2m1=G4.FAST_E2M1)
+    rec = dict(case=c.name, n=c.n, status="ok")
     flat_a, cache_a = c.new_cache()
     flat_b, cache_b = c.new_cache()
     fast_path(False)
@@ -135,7 +134,7 @@ def compare(c):
 
 def compare_variant(c, vname, variant):
     """The plain path against a direct launch of a Gluon variant."""
-    rec = dict(case=c.name, n=c.n, variant=vname, status="ok", fast_e2m1=G4.FAST_E2M1)
+    rec = dict(case=c.name, n=c.n, variant=vname, status="ok")
     flat_a, cache_a = c.new_cache()
     flat_b, cache_b = c.new_cache()
     fast_path(False)
@@ -158,8 +157,6 @@ def _judge(c, rec, flat_a, flat_b, label):
 
 def _log_record(r, name):
     extra = "" if r.get("equal") else f" {r.get('diff_bytes')} bytes differ, first {r.get('first_diffs', [])[:2]}"
-    if "with_fp32_e2m1_encoder" in r:
-        extra += f"; with gluon_index's fp32 e2m1 encoder: {r['with_fp32_e2m1_encoder']}"
     ran = f"fast={'yes' if r.get('fast_path_ran') else 'no '}" if "variant" not in r else f"{r['variant']:10s}"
     say(f"correctness {name:72s} {ran} {r['status']}{extra}")
 
@@ -174,13 +171,6 @@ def run_correctness(deadline, report, variants):
         try:
             c = Case(name, **kw)
             r = compare(c)
-            if r["status"] == "MISMATCH" and G4.FAST_E2M1:
-                G4.FAST_E2M1 = False                       # gluon_index's encoder: is the fast one at fault?
-                try:
-                    again = compare(c)
-                finally:
-                    G4.FAST_E2M1 = True
-                r["with_fp32_e2m1_encoder"] = dict(status=again["status"], diff_bytes=again.get("diff_bytes"))
         except Exception as e:
             r = dict(case=name, n=kw.get("n"), status="error", error=short(e), trace=traceback.format_exc()[-1500:])
             records.append(r)
@@ -267,14 +257,11 @@ def prove_encoder(report):
 def main():
     p = common.arg_parser(__doc__, "gluon-check-main-fp4", 110.0)
     p.add_argument("--variants", action="store_true", help="direct launches of variants outside the launch table")
-    p.add_argument("--fp32-e2m1", action="store_true", help="gluon_index's e2m1 encoder (FAST_E2M1 = False)")
     p.add_argument("--prove-encoder", action="store_true", help="CPU only: the exhaustive encoder proof")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    if a.fp32_e2m1:
-        G4.FAST_E2M1 = False
     sizes = (1, 3, 256, 300, 4096, 4097, 65536, 262144)
-    report = common.new_report(format=MAIN_FP4.name, fast_e2m1=G4.FAST_E2M1, min_rows=G4.MIN_ROWS,
+    report = common.new_report(format=MAIN_FP4.name, min_rows=G4.MIN_ROWS,
                                launch_table={n: G4.launch_table(n) for n in sizes})
     if a.prove_encoder:
         prove_encoder(report)
@@ -302,7 +289,7 @@ def main():
     common.write_report(report, a.out, "gluon_check_main_fp4.json")
     meta = report["meta"]
     head = [f"gluon_check_main_fp4: {meta.get('device', 'no device')}, torch {meta['torch']}, triton {meta['triton']}, "
-            f"copy {report.get('copy', {}).get('copy_GBps', float('nan')):.0f} GB/s, FAST_E2M1 {meta['fast_e2m1']}, "
+            f"copy {report.get('copy', {}).get('copy_GBps', float('nan')):.0f} GB/s, "
             f"launch table {meta['launch_table']}"]
     with open(os.path.join(a.out, "gluon_check_main_fp4.txt"), "w") as f:
         f.write("\n".join(head + LINES + [f"status: {report.get('status', 'ran')}"]) + "\n")

@@ -164,18 +164,7 @@ def test_packed_bf16_e2m1_encoder_gives_the_reference_codes():
         assert torch.equal(want[relevant], got[relevant]), e
 
 
-def test_fp32_e2m1_encoder_gives_the_reference_codes():
-    """INDEX_NVFP4's codes (``_e2m1``) on 2^21 random fp32 patterns and around every rounding boundary
-    (benchmarks/gluon_check_index.py --prove-encoders runs all 2^32)."""
-    g = torch.Generator().manual_seed(0)
-    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (1 << 21,), generator=g, dtype=torch.int64).to(torch.int32)
-    edges = torch.tensor([0.0, 0.25, 0.75, 1.0, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, 2.0 ** -126, 2.0 ** -149,
-                          float("inf")], dtype=torch.float32).view(torch.int32)
-    near = (edges[:, None] + torch.arange(-3, 4, dtype=torch.int32)[None, :]).flatten()
-    near = torch.cat([near, near | -2 ** 31])                        # and the negatives
-    t = torch.cat([bits, near]).view(torch.float32)
-    keep = ~torch.isnan(t)
-    assert torch.equal(GI.e2m1_fp32_mirror(t)[keep], ref.encode_e2m1(t).to(torch.int32)[keep])
+
 
 
 # ---------------------------------------------------------------------------------- contiguous (q, sf)

@@ -48,8 +48,8 @@ Layout (explicit Gluon layouts):
 - e4m3 codes: packed cvt.rn.satfinite.e4m3x2.f32, a chunk's 8 codes = one 64-bit store. e2m1 (no
   native conversion on sm_90): ``_e2m1x2_bf16`` for UE8M0 groups (INDEX_MXFP4): the multiplier is a
   power of two, so y * m is exact in bf16 and two codes come out of each packed-bf16 instruction
-  sequence (mul/min/add.rn.bf16x2, set.ge.u32.bf16x2 as the select mask); ``_e2m1`` (fp32) where the
-  multiplier is 1 / d (INDEX_NVFP4). A chunk's 8 codes = one 32-bit store.
+  sequence (mul/min/add.rn.bf16x2, set.ge.u32.bf16x2 as the select mask); gluon_common.e2m1_nibble
+  (fp32, MAIN_FP4's encoder: one fp32 addition rounds) where the multiplier is 1 / d (INDEX_NVFP4). A chunk's 8 codes = one 32-bit store.
 - a persistent grid (at most what is resident at once) walks over the tiles of R = 4 * RPT *
   num_warps rows; the weight is loaded once per CTA. Loads are unmasked (rows past n read row n - 1,
   positions outside [0, P) read cos/sin row 0; neither is stored or used): no zero fill, no
@@ -64,7 +64,7 @@ signed-zero guard of its NATIVE=1 encode cannot fire: s >= 2^-9 after the clamp,
 NaN), the unguarded native e4m3 encode for stored codes (NATIVE=2), NaN-ignoring max (max.f32 /
 max.bf16x2) for amax, the plain kernel's rotation a*c - b*s as a*c + (-b)*s (the same IEEE
 result). The e2m1 encoders are not the plain kernel's instructions but give its codes for every
-input: ``e2m1_fp32_mirror`` / ``e2m1_bf16_mirror`` restate them on the host, and
+input: ``gluon_common.e2m1_nibble_mirror`` / ``e2m1_bf16_mirror`` restate them on the host, and
 benchmarks/gluon_check_index.py --prove-encoders checks them against kvfuse.reference.encode_e2m1 on
 all 2^32 fp32 patterns and on every bf16 value times every UE8M0 multiplier (NaN inputs aside: SPEC
 §2 leaves their group free; the plain kernel's and these codes for NaN differ at most in the sign).
@@ -78,10 +78,12 @@ launch table's BLOCK_M (4 rows; e2m1 8 rows from n = 16384), warp-instructions p
 |-----------------|--------------------------------------|-------------------------|
 | INDEX_FP8_FP32  | 77                                   | 230                     |
 | INDEX_MXFP8     | 77                                   | 224                     |
-| INDEX_MXFP4     | 99 (123 with the fp32 e2m1 encoder)  | 302 (8 rows: 229)       |
-| INDEX_NVFP4     | 125                                  | 334 (8 rows: 228)       |
+| INDEX_MXFP4     | 99 (108 with the fp32 e2m1 encoder)  | 302 (8 rows: 229)       |
+| INDEX_NVFP4     | 110.5 (125 before session 5)         | 334 (8 rows: 228)       |
 
-(72-75 registers; 88 with PIPELINE.) Time: the report of benchmarks/gluon_check_index.py.
+(72-76 registers; 88 with PIPELINE.) Session 5 replaced the fp32 e2m1 encoder (12 instructions a value)
+by gluon_common.e2m1_nibble (8): INDEX_NVFP4 at n = 262144 went from 47.7 to 41.4-41.7 us (76.9% ->
+87.8% of copy, H200). Time: the report of benchmarks/gluon_check_index.py.
 
 The same kernel writes CONTIGUOUS outputs too (CONTIG, session 4): kvfuse's (q, sf) of these casts
 without a cache, e.g. the indexer's Q (x [n, H, 128], H a power of two, RoPE, no norm: NORM off). Its
@@ -119,8 +121,8 @@ CACHE_ALIGN = {1: 8, 2: 4}
 
 
 if gluon is not None:
-    from .gluon_common import (as_offset, bf16x2, block_and_token, e4m3x4, expand_rows, hi_f32, lo_f32, shfl_xor,
-                               ue8m0_scale)
+    from .gluon_common import (as_offset, bf16x2, block_and_token, e2m1_nibble, e4m3x4, expand_rows, hi_f32, lo_f32,
+                               shfl_xor, ue8m0_scale)
 
     @gluon.jit
     def _e4m3_scale(s):
@@ -139,20 +141,6 @@ if gluon is not None:
         """Two int32 words -> one int64 (lo in the low half)."""
         return gl.inline_asm_elementwise("mov.b64 $0, {$1, $2};", "=l,r,r", [lo, hi], dtype=gl.int64,
                                          is_pure=True, pack=1)
-
-    @gluon.jit
-    def _e2m1(t):
-        """fp32 -> e2m1 code (int32 0..15, sign in bit 3): numerics.encode_e2m1's bits for every fp32
-        (the same round-to-nearest-even, fewer instructions). a = min(|t|, 6) first (min.f32 ignores
-        NaN: NaN and +-inf give 6, code 7, as encode_e2m1's saturation does); a < 1: a + 2^22 rounds
-        a to a multiple of 0.5 (the ulp of 2^22), so its low bits are RTNE(2a) in {0, 1, 2}; a >= 1:
-        the pattern rounded to one mantissa bit (integer RTNE), (exponent, bit) - (126, 0) = 2..7."""
-        a = gl.minimum(gl.abs(t), 6.0)
-        small = (a + 4194304.0).to(gl.int32, bitcast=True) - 0x4A800000
-        u = a.to(gl.int32, bitcast=True)
-        big = ((u + 0x1FFFFF + ((u >> 22) & 1)) >> 22) - 252
-        code = gl.where(a < 1.0, small, big)
-        return code | ((t.to(gl.int32, bitcast=True) >> 28) & 8)
 
     @gluon.jit
     def _e2m1x2_bf16(yw, m2):
@@ -315,9 +303,9 @@ if gluon is not None:
             b = c + (c >> 12)                                             # no overlapping bits: an or
             word = _word_of_bytes(b, R, LL)
         else:
-            # the masks let ptxas drop the encoder's constant offsets; shifts and ors assemble the word
+            # the nibbles never overlap: + is |, and shift-and-add is one instruction (LEA)
             m3 = gl.expand_dims(m, 2)
-            b = (_e2m1(lo_f32(y) * m3) & 15) | ((_e2m1(hi_f32(y) * m3) & 15) << 4)       # byte w
+            b = e2m1_nibble(lo_f32(y) * m3) + (e2m1_nibble(hi_f32(y) * m3) << 4)             # byte w
             b02, b13 = gl.split(gl.reshape(b, [R, 8, 2, 2]))
             h = b02 | (b13 << 8)
             h0, h1 = gl.split(h)
@@ -540,18 +528,10 @@ if gluon is not None:
 
 
 # --------------------------------------------------------------------------- host mirrors
-# The two e2m1 encoders restated with torch integer / fp32 ops, step for step (the proofs that they
-# give kvfuse.reference.encode_e2m1's codes run on these: tests/test_gluon_index_dispatch.py on
-# samples, benchmarks/gluon_check_index.py --prove-encoders over every input).
-def e2m1_fp32_mirror(t: torch.Tensor) -> torch.Tensor:
-    """``_e2m1`` on the host: fp32 t -> int32 codes 0..15."""
-    a = torch.fmin(t.abs(), torch.tensor(6.0))                    # fmin ignores NaN, as min.f32
-    small = (a + torch.tensor(4194304.0)).view(torch.int32) - 0x4A800000
-    u = a.view(torch.int32)
-    big = ((u + 0x1FFFFF + ((u >> 22) & 1)) >> 22) - 252
-    return torch.where(a < 1.0, small, big) | ((t.view(torch.int32) >> 28) & 8)
-
-
+# The packed-bf16 e2m1 encoder restated with torch integer / fp32 ops, step for step (the proofs that it
+# gives kvfuse.reference.encode_e2m1's codes run on it: tests/test_gluon_index_dispatch.py on every
+# bf16 value x multiplier, benchmarks/gluon_check_index.py --prove-encoders too). The fp32 encoder's
+# mirror is gluon_common.e2m1_nibble_mirror.
 def e2m1_bf16_mirror(h: torch.Tensor) -> torch.Tensor:
     """One half of ``_e2m1x2_bf16`` after its multiply: int32 tensor of bf16 patterns (0..0xFFFF) ->
     codes 0..15."""

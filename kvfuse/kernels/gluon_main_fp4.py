@@ -38,14 +38,14 @@ numerics.encode_e2m1's codes for every fp32 input (NaN aside: SPEC §2 leaves it
 value from t = y * m to the signed nibble; 66 instructions a row fewer than with gluon_index's
 ``_e2m1``, packing included); its host mirror
 ``e2m1_nibble_mirror`` was checked against kvfuse.reference.encode_e2m1 on all 2^32 fp32 patterns
-(benchmarks/gluon_check_main_fp4.py --prove-encoder; 0 differ). FAST_E2M1 = False selects
-gluon_index's ``_e2m1`` instead (a diagnostic).
+(benchmarks/gluon_check_main_fp4.py --prove-encoder; 0 differ). INDEX_NVFP4 (gluon_index) uses the
+same encoder since session 5.
 
 SASS, offline (sm_90, Triton 3.6, enable_fp_fusion=False; bf16 weight, int32 indices, fp32 cos/sin,
 16-byte-aligned pointers; the persistent loop body, IEEE div/sqrt slow paths not counted), warp-
 instructions per row: 448 with PIPELINE (one warp; 71 registers), 423 without (63 registers; the same
 at four warps, 70 registers); gluon_main_fp8 counted the same way: 318 / 295. With gluon_index's
-``_e2m1`` (FAST_E2M1 = False): 506 / 489. The plain fused_kernel's whole program for MAIN_FP4: ~912
+former ``_e2m1`` (12 instructions a value): 506 / 489. The plain fused_kernel's whole program for MAIN_FP4: ~912
 per row (BLOCK_M 2). Per row the loop loads x as two 16-byte loads a lane, the RoPE pair (two
 2-byte loads), position, slot and cos/sin (32-bit loads), and stores one 64-bit word and one byte a
 lane. Time: the report of benchmarks/gluon_check_main_fp4.py (not yet run on the H200).
@@ -70,22 +70,18 @@ CACHE_ALIGN = 8              # the codes leave as 64-bit stores
 
 if gluon is not None:
     from .gluon_common import block_and_token, e2m1_nibble as _e2m1_nibble, expand_rows, hi_f32, lo_f32
-    from .gluon_index import _b64, _e2m1, _scales
+    from .gluon_index import _b64, _scales
     # the kernel: gluon_main_fp8's, launched with FP4=True (its FP4 branch calls _quantize_store below)
     from .gluon_main_fp8 import main_fp8_kernel as main_fp4_kernel
 
     @gluon.jit
-    def _codes(y_lo, y_hi, m, R: gl.constexpr, LLANE: gl.constexpr, FAST_E2M1: gl.constexpr):
+    def _codes(y_lo, y_hi, m, R: gl.constexpr, LLANE: gl.constexpr):
         """A lane's 16 values (words [R, 8, 4, 8]: y_lo columns 2k, y_hi columns 2k + 1) times its
         multiplier m [R, 8, 4] -> the 16 e2m1 codes as one int64 [R, 8, 4] (byte k: column 2k in the
         low nibble, 2k + 1 in the high one)."""
         m4 = gl.expand_dims(m, 3)
         # the fields never overlap: + is |, and shift-and-add is one instruction (LEA)
-        if FAST_E2M1:
-            b = _e2m1_nibble(y_lo * m4) + (_e2m1_nibble(y_hi * m4) << 4)             # byte k
-        else:
-            # the masks let ptxas drop the encoder's constant offsets
-            b = (_e2m1(y_lo * m4) & 15) + ((_e2m1(y_hi * m4) & 15) << 4)
+        b = _e2m1_nibble(y_lo * m4) + (_e2m1_nibble(y_hi * m4) << 4)                 # byte k
         b_even, b_odd = gl.split(gl.reshape(b, [R, 8, 4, 4, 2]))                    # bytes 2h, 2h + 1
         h = b_even + (b_odd << 8)                                                   # halves h = 0..3
         h_even, h_odd = gl.split(gl.reshape(h, [R, 8, 4, 2, 2]))
@@ -97,14 +93,14 @@ if gluon is not None:
     @gluon.jit
     def _quantize_store(yw, rmask, slot, capacity, cache_ptr, s_blk, tok_stride, block_size, lane,
                         R: gl.constexpr, LLANE: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr,
-                        OFFSETS32: gl.constexpr, FAST_E2M1: gl.constexpr):
+                        OFFSETS32: gl.constexpr):
         """y (bf16 pairs [R, 8, 4, 8]) of one tile -> NVFP4 (e4m3 scale per 16, e2m1) -> the MAIN_FP4 records."""
         # ---- the lane's group: amax in-lane, numerics.group_scales(SF=2, FMAX=6), 16 e2m1 codes
         y_lo = lo_f32(yw)
         y_hi = hi_f32(yw)
         amax = gl.maximum(gl.max(gl.maximum(gl.abs(y_lo), gl.abs(y_hi)), axis=3), 1e-4)   # NaN-ignoring, like tl.max
         m, stored = _scales(amax, 2, 6.0)
-        codes = _codes(y_lo, y_hi, m, R, LLANE, FAST_E2M1)                                    # [R, 8, 4] int64
+        codes = _codes(y_lo, y_hi, m, R, LLANE)                                    # [R, 8, 4] int64
 
         # ---- the records; an invalid slot (or a row past n_rows) writes nothing
         ok = rmask & (slot >= 0) & (slot < capacity)
@@ -117,9 +113,6 @@ if gluon is not None:
 
 # --------------------------------------------------------------------------- host side
 # (gluon_main_fp8's, for this module's MainRecords)
-# the e2m1 codes by ``_e2m1_nibble`` (one fp32 addition rounds); False: gluon_index's ``_e2m1`` (the
-# INDEX_NVFP4 encoder proven on the H200), kept to tell an encoder fault from another on the device
-FAST_E2M1 = True
 RECORDS = main.MainRecords("MAIN_FP4", ("e2m1", GROUP, "e4m3"), RECORD_BYTES, DATA_BYTES, CACHE_ALIGN, True)
 
 
@@ -144,9 +137,9 @@ def launch_table(n_rows: int):
 
 def _launch_parts(tensor, n: int, eps: float, x, weight, positions, cos_sin, slot_mapping, kv_cache,
                   num_warps: int, rows_per_warp: int, pipeline: bool, ctas_per_sm=None, sm_count=None):
-    """gluon_main_fp8's ``launch_parts_records`` for MAIN_FP4 records (FP4=True, FAST_E2M1 this module's)."""
+    """gluon_main_fp8's ``launch_parts_records`` for MAIN_FP4 records (FP4=True)."""
     return main.launch_parts_records(RECORDS, tensor, n, eps, x, weight, positions, cos_sin, slot_mapping, kv_cache,
-                                     num_warps, rows_per_warp, pipeline, ctas_per_sm, sm_count, FAST_E2M1)
+                                     num_warps, rows_per_warp, pipeline, ctas_per_sm, sm_count)
 
 
 # --------------------------------------------------------------------------- kvfuse's dispatch

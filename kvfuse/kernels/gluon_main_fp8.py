@@ -168,15 +168,15 @@ if gluon is not None:
                     cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel, qword,
                     R: gl.constexpr, LLANE: gl.constexpr, LPLANE: gl.constexpr, LQ: gl.constexpr,
                     LW: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, OFFSETS32: gl.constexpr,
-                    FP4: gl.constexpr, FAST_E2M1: gl.constexpr):
+                    FP4: gl.constexpr):
         """RMSNorm -> RoPE -> the cast -> the records of one tile of R rows whose loads are done: MAIN_FP8's
-        (UE8M0/e4m3), or with FP4 MAIN_FP4's (gluon_main_fp4: NVFP4, FAST_E2M1 its e2m1 encoder)."""
+        (UE8M0/e4m3), or with FP4 MAIN_FP4's (gluon_main_fp4: NVFP4)."""
         rmask = rows < n_rows
         pok = rmask & (pos >= 0) & (pos < P)
         yw = norm_rope(xw, xp, cs, pok, w_lo, w_hi, w_pair, eps, tail_buf, tail_lane, merge_sel, R, LLANE, LPLANE, LW)
         if FP4:
             gluon_main_fp4._quantize_store(yw, rmask, slot, capacity, cache_ptr, s_blk, tok_stride, block_size, lane,
-                                           R, LLANE, SLOT32, LOG2_BLOCK, OFFSETS32, FAST_E2M1)
+                                           R, LLANE, SLOT32, LOG2_BLOCK, OFFSETS32)
         else:
             _quantize_store(yw, rmask, slot, capacity, cache_ptr, s_blk, tok_stride, block_size, lane, qword,
                             R, LQ, SLOT32, LOG2_BLOCK, OFFSETS32)
@@ -190,15 +190,14 @@ if gluon is not None:
         cache_ptr, s_blk, tok_stride, block_size, capacity,   # kv_cache uint8 [blocks, block_size, 1, 532 | 288]
         n_rows,
         W_BF16: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, ROWS_PER_WARP: gl.constexpr,
-        PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr, FP4: gl.constexpr, FAST_E2M1: gl.constexpr,
+        PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr, FP4: gl.constexpr,
     ):
         """A program walks over the tiles pid, pid + num_programs, ... (R = ROWS_PER_WARP * num_warps
         rows each; warp w owns rows w * ROWS_PER_WARP ..). LOG2_BLOCK: log2(block_size) when it is a
         power of two, else -1 (a division). PIPELINE: load tile t + 1 (x, indices; its cos/sin after
         tile t's stores) while tile t computes, instead of loading each tile at its start.
         OFFSETS32: every x, index, cos/sin and cache offset of the launch is below 2**31 (host).
-        FP4: write MAIN_FP4 records instead (gluon_main_fp4 launches this kernel so; FAST_E2M1 picks its
-        e2m1 encoder, unused without FP4)."""
+        FP4: write MAIN_FP4 records instead (gluon_main_fp4 launches this kernel so)."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = ROWS_PER_WARP * NW
         # words [R, 8, 4, 8]: lane l = 4 * d1 + d2 owns the 8 int32 words (bf16 columns 16 l .. 16 l + 15)
@@ -252,7 +251,7 @@ if gluon is not None:
                 next_xw, next_xp = _load_x(x_ptr, sx_w, next_rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
                 _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
                             cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
-                            qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4, FAST_E2M1)
+                            qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4)
                 # the next positions arrived while this tile computed
                 cs = _load_cos_sin(cs_ptr, s_cs, P, next_pos, next_rows, n_rows, pair_col, LPLANE, OFFSETS32)
                 pos = next_pos
@@ -267,7 +266,7 @@ if gluon is not None:
                 cs = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LPLANE, OFFSETS32)
                 _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
                             cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
-                            qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4, FAST_E2M1)
+                            qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4)
 
 
 # --------------------------------------------------------------------------- host side
@@ -340,7 +339,7 @@ def launch_table(n_rows: int):
 
 def launch_parts_records(rec: MainRecords, tensor, n: int, eps: float, x, weight, positions, cos_sin, slot_mapping,
                          kv_cache, num_warps: int, rows_per_warp: int, pipeline: bool, ctas_per_sm=None,
-                         sm_count=None, fast_e2m1: bool = False):
+                         sm_count=None):
     """(grid, args, constexprs, options) of main_fp8_kernel writing ``rec``'s records; ``tensor(name)``
     goes where the tensor ``name`` goes (the tensor itself, or a launcher.PlanTensor), the tensors
     give the strides. ctas_per_sm / sm_count: given, no compilation and no device query (default:
@@ -356,7 +355,7 @@ def launch_parts_records(rec: MainRecords, tensor, n: int, eps: float, x, weight
              cos_sin.shape[0] * cos_sin.stride(0), kv_cache.shape[0] * kv_cache.stride(0) + rec.record_bytes)
     constexprs = dict(W_BF16=weight.dtype == torch.bfloat16, SLOT32=capacity <= INT32_LIMIT,
                       LOG2_BLOCK=log2_block(block_size), ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline),
-                      OFFSETS32=max(spans) < INT32_LIMIT, FP4=rec.fp4, FAST_E2M1=bool(rec.fp4 and fast_e2m1))
+                      OFFSETS32=max(spans) < INT32_LIMIT, FP4=rec.fp4)
     options = compile_options(num_warps)
     tiles = -(-n // (rows_per_warp * num_warps))
     tensors = dict(x=x, weight=weight, positions=positions, cos_sin=cos_sin, slot_mapping=slot_mapping,
