@@ -50,9 +50,10 @@ def test_a_user_format_with_main_fp8s_records_is_eligible_another_is_not():
 
 
 def test_launch_table():
-    assert G.launch_table(1) == (1, 1, False) and G.launch_table(512) == (1, 1, False)
-    assert G.launch_table(4096) == (4, 1, False)
-    assert G.launch_table(65536) == (1, 1, True)
+    assert G.launch_table(1) == (1, 1, False) and G.launch_table(1024) == (1, 1, False)
+    assert G.launch_table(1025) == (4, 1, False) and G.launch_table(8192) == (4, 1, False)
+    assert G.launch_table(8193) == (1, 1, False) and G.launch_table(16384) == (1, 1, False)
+    assert G.launch_table(16385) == (1, 1, True) and G.launch_table(262144) == (1, 1, True)
 
 
 def test_every_fast_path_module_has_the_interface():

@@ -101,8 +101,8 @@ def test_a_cache_pointer_not_4_byte_aligned_is_not(fmt):
 
 
 def test_launch_table():
-    assert G.launch_table(1) == (2, 1, False) and G.launch_table(512) == (2, 1, False)
-    assert G.launch_table(4096) == (4, 1, False) and G.launch_table(16384) == (4, 1, False)
+    assert G.launch_table(1) == (2, 1, False) and G.launch_table(4096) == (2, 1, False)
+    assert G.launch_table(16384) == (2, 1, False)
     assert G.launch_table(16385) == (2, 2, False) and G.launch_table(262144) == (2, 2, False)
     for n in (1, 2, 300, 513, 4097, 16385, 1 << 20):
         num_warps, rows_per_warp, pipeline = G.launch_table(n)

@@ -122,17 +122,15 @@ def supports(x, weight, positions, cos_sin, slot_mapping, kv_cache) -> str:
 
 
 def launch_table(n_rows: int):
-    """(num_warps, rows_per_warp, pipeline) per batch size, from the H200 sweep of session 4
-    (benchmarks/gluon_tune.py, benchmarks/results/2026-11-29_h200_s4_gluon_tune_fp4_q.txt): two one-row
-    warps per CTA up to n = 16384 (n = 1: 1.76 us against 1.85 with one warp; n = 4096: 4.03 us),
-    one warp without pipeline around n = 65536 (39.9 us against 41.1 pipelined), one pipelined warp
-    above (n = 262144: 153.4 us in benchmarks/gluon_check_main_fp4.py; the other variants were not
-    measured there). The thresholds between the measured sizes are not tuned."""
-    if n_rows <= 16384:
+    """(num_warps, rows_per_warp, pipeline) per batch size, measured on the H200 with
+    benchmarks/gluon_tune.py (sessions 4 and 5; ``benchmarks/results/2026-11-29_h200_s5_gluon_tune*``):
+    two one-row warps per CTA up to n = 8192 (n = 1: 1.76 us against 1.85 with one warp; n = 4096:
+    4.03 us), then one warp without pipeline (n = 16384: 10.5-10.8 us against 10.7-10.9 with two warps;
+    n = 262144: 149.9-151.4 us over six session-5 sweeps against 153.6-160.9 pipelined: the
+    kernel is issue-bound, and the pipeline's register moves cost more than its early loads save)."""
+    if n_rows <= 8192:
         return 2, 1, False
-    if n_rows <= 65536:
-        return 1, 1, False
-    return 1, 1, True
+    return 1, 1, False
 
 
 def _launch_parts(tensor, n: int, eps: float, x, weight, positions, cos_sin, slot_mapping, kv_cache,

@@ -324,16 +324,19 @@ def supports(x, weight, positions, cos_sin, slot_mapping, kv_cache) -> str:
 
 
 def launch_table(n_rows: int):
-    """(num_warps, rows_per_warp, pipeline) per batch size, from the H200 check of session 3
-    (benchmarks/gluon_check.py, DEVICE_NOTES.md) and confirmed by session 4's sweep
-    (benchmarks/gluon_tune.py: (1, 1, pipeline) best at 65536 / 262144 by 1-3%): one one-warp row
-    per CTA at decode sizes, four warps around n = 4096, one warp loading its next tile ahead
-    (pipeline) at n >= 65536. The thresholds between the measured sizes (1, 256, 4096, 65536,
-    262144) are not tuned."""
-    if n_rows <= 512:
+    """(num_warps, rows_per_warp, pipeline) per batch size, measured on the H200 with
+    benchmarks/gluon_tune.py (sessions 4 and 5; ``benchmarks/results/2026-11-29_h200_s5_gluon_tune*``):
+    one one-warp row per CTA up to n = 1024 (n = 1024: 2.23 us against 2.41 with four warps), four
+    warps per CTA up to 8192 (n = 4096: 3.44-3.49 us; two warps are within 1-3% either way at 2048 /
+    4096 / 8192), one warp without pipeline up to 16384 (8.06 us against 8.45 with four warps), then
+    one warp loading its next tile ahead (pipeline; n = 32768: 16.78 us against 17.53, 262144: best
+    by 1-3%)."""
+    if n_rows <= 1024:
         return 1, 1, False
-    if n_rows <= 16384:
+    if n_rows <= 8192:
         return 4, 1, False
+    if n_rows <= 16384:
+        return 1, 1, False
     return 1, 1, True
 
 

@@ -320,17 +320,14 @@ def format_constexprs(fmt):
 
 
 def launch_table(n_rows: int):
-    """(num_warps, rows_per_warp, pipeline) per batch size, from the H200 sweep of session 4
-    (benchmarks/gluon_tune.py; benchmarks/results/2026-11-29_h200_s4_gluon_tune.txt): two one-row
-    warps per CTA at decode sizes (n = 1: 1.70 / 1.73 us for V32 / MODEL1 against 1.76 / 1.84 with
-    one warp), four warps around n = 4096, two warps of two rows each, no pipeline, for large n
-    (V32 at n = 262144: 145.1 us = 89.7% of copy, against 195.8 us with the session-3 table's one
-    pipelined warp; MODEL1 128.2 us). The thresholds between the measured sizes (1, 256, 4096,
-    65536, 262144) are not tuned."""
-    if n_rows <= 512:
-        return 2, 1, False
+    """(num_warps, rows_per_warp, pipeline) per batch size, measured on the H200 with
+    benchmarks/gluon_tune.py (sessions 4 and 5; ``benchmarks/results/2026-11-29_h200_s*_gluon_tune*``):
+    two one-row warps per CTA up to n = 16384 (n = 1: 1.70 / 1.73 us for V32 / MODEL1 against 1.76 /
+    1.84 with one warp; n = 8192: 5.12 / 4.90 us against 5.24 / 5.08 with four warps; n = 4096: within
+    1% of four warps), two warps of two rows each, no pipeline, above (V32 at n = 262144: 145.1 us =
+    89.7% of copy, against 195.8 us with the session-3 table's one pipelined warp; MODEL1 128.2 us)."""
     if n_rows <= 16384:
-        return 4, 1, False
+        return 2, 1, False
     return 2, 2, False
 
 
