@@ -169,9 +169,30 @@ def rope_table(max_position: int, rotary_dim: int, device) -> torch.Tensor:
     return torch.cat([torch.cos(ang), torch.sin(ang)], dim=1).float().to(device)
 
 
-def build_inputs(wl: Workload, n: int, device, seed: int = 0) -> Inputs:
+SLOT_PATTERNS = ("random", "paged", "contiguous")
+
+
+def slot_mapping(n: int, blocks: int, pattern: str, g: torch.Generator, device) -> torch.Tensor:
+    """int32 [n] slots of a cache of ``blocks`` blocks of BLOCK_SIZE tokens. random: a random
+    permutation of all slots (every record scattered: the hardest write pattern); paged: the blocks in
+    a random order, the tokens of a block together (what a paged allocator gives a prefill);
+    contiguous: token i in slot i."""
+    if pattern == "random":
+        slots = torch.randperm(blocks * BLOCK_SIZE, generator=g, device=device)[:n]
+    elif pattern == "paged":
+        order = torch.randperm(blocks, generator=g, device=device)
+        slots = (order[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE, device=device)).flatten()[:n]
+    elif pattern == "contiguous":
+        slots = torch.arange(n, device=device)
+    else:
+        raise ValueError(f"slots: expected one of {SLOT_PATTERNS}, got {pattern!r}")
+    return slots.to(torch.int32)
+
+
+def build_inputs(wl: Workload, n: int, device, seed: int = 0, slots: str = "random") -> Inputs:
     """Random realistic inputs: bf16 activations (normal, per-token scales 2^-3..2^3), a norm weight
-    near 1, uniform positions, a cache with ceil(n / 64) blocks and a random permutation of its slots."""
+    near 1, uniform positions, a cache with ceil(n / 64) blocks and the slots of ``slot_mapping``
+    (default: a random permutation of all slots)."""
     device = torch.device(device)
     g = torch.Generator(device=device)
     g.manual_seed(seed * 1_000_003 + n * 7 + len(wl.name))
@@ -189,8 +210,7 @@ def build_inputs(wl: Workload, n: int, device, seed: int = 0) -> Inputs:
         fmt = wl.fmt
         blocks = max(1, -(-n // BLOCK_SIZE))
         inp.cache = fmt.allocate(blocks, BLOCK_SIZE, device=device)
-        perm = torch.randperm(blocks * BLOCK_SIZE, generator=g, device=device)
-        inp.slots = perm[:n].to(torch.int32)
+        inp.slots = slot_mapping(n, blocks, slots, g, device)
         inp.rope_buf = torch.empty_like(x)
         inp.q = torch.empty((n, fmt.quant_bytes), dtype=q_dtype(fmt.cast_fmt), device=device)
         inp.sf = torch.empty((n, fmt.num_scales), dtype=fmt.sf_dtype, device=device)
@@ -203,13 +223,14 @@ def build_inputs(wl: Workload, n: int, device, seed: int = 0) -> Inputs:
     return inp
 
 
-def build_input_sets(wl: Workload, n: int, device, cold_l2: bool = False, seed: int = 0) -> List[Inputs]:
+def build_input_sets(wl: Workload, n: int, device, cold_l2: bool = False, seed: int = 0,
+                     slots: str = "random") -> List[Inputs]:
     """One set; with cold_l2, as many (at most 16) as needed to total COLD_L2_BYTES."""
-    first = build_inputs(wl, n, device, seed)
+    first = build_inputs(wl, n, device, seed, slots)
     count = 1
     if cold_l2:
         count = max(1, min(16, math.ceil(COLD_L2_BYTES / max(1, first.nbytes()))))
-    return [first] + [build_inputs(wl, n, device, seed + i) for i in range(1, count)]
+    return [first] + [build_inputs(wl, n, device, seed + i, slots) for i in range(1, count)]
 
 
 def result_tensors(wl: Workload, inp: Inputs) -> List[torch.Tensor]:
@@ -566,6 +587,7 @@ class Config:
     compile_budget_s: float = 100.0
     max_x_elems: int = MAX_X_ELEMS
     seed: int = 0
+    slots: str = "random"
     plot: bool = True
     progress: bool = True
 
@@ -627,7 +649,7 @@ def measure_point(wl: Workload, n: int, cfg: Config, device, timer, cstate: _Com
     if skip:
         return [Record(peer=p, status="skipped", note=skip, **base) for p in cfg.peers]
     try:
-        sets = build_input_sets(wl, n, device, cfg.cold_l2, cfg.seed)
+        sets = build_input_sets(wl, n, device, cfg.cold_l2, cfg.seed, cfg.slots)
     except Exception as e:
         _recover_cuda()
         return [Record(peer=p, status="error", note=f"building inputs: {_short(e)}", **base) for p in cfg.peers]
@@ -872,6 +894,9 @@ def parse_config(argv: Optional[Sequence[str]]) -> Config:
                    "it has used this many seconds (default 100; --quick 25)")
     p.add_argument("--max-x-elems", type=int, default=MAX_X_ELEMS, help="skip points whose x has more elements")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slots", choices=SLOT_PATTERNS, default="random", help="where the tokens of a write go: "
+                   "random (default: a random permutation of the cache's slots, every record scattered), paged "
+                   "(64-token blocks in a random order, the tokens of a block together: a prefill) or contiguous")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(list(argv) if argv is not None else [])
@@ -898,7 +923,7 @@ def parse_config(argv: Optional[Sequence[str]]) -> Config:
                   budget_s=a.budget_s if a.budget_s is not None else (75.0 if a.quick else 330.0),
                   compile_budget_s=(a.compile_budget_s if a.compile_budget_s is not None
                                     else (25.0 if a.quick else 100.0)),
-                  max_x_elems=a.max_x_elems, seed=a.seed, plot=not a.no_plot, progress=not a.no_progress)
+                  max_x_elems=a.max_x_elems, seed=a.seed, slots=a.slots, plot=not a.no_plot, progress=not a.no_progress)
 
 
 def run_info() -> dict:
@@ -989,7 +1014,7 @@ def run_on_device(cfg: Config, device="cuda", timer=None, measure=measure_device
     print(f"kvfuse bench on {info.get('device')} ({info.get('sm_count')} SMs): torch {info['torch']} "
           f"(CUDA {info['torch_cuda']}), triton {info['triton']}, python {info['python']}, {info['date']}")
     print(f"workloads {','.join(cfg.workloads)}; n {','.join(map(str, cfg.sizes))}; peers {','.join(cfg.peers)}; "
-          f"reference/compile only for n*heads <= {cfg.peer_max_n}; {'cold' if cfg.cold_l2 else 'warm'} L2")
+          f"reference/compile only for n*heads <= {cfg.peer_max_n}; {'cold' if cfg.cold_l2 else 'warm'} L2; {cfg.slots} slots")
     dev = measure(cfg.quick)
     bar = _progress_bar(len(cfg.workloads) * len(cfg.sizes), cfg.progress)
     if timer is None:

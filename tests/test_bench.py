@@ -133,6 +133,25 @@ def test_inputs_shapes_and_slots():
     assert 1 < len(sets) <= 16
 
 
+def test_slot_patterns():
+    """paged: whole blocks in a random order; contiguous: slot i; random: a permutation of all slots;
+    every pattern gives distinct slots inside the cache."""
+    g = torch.Generator().manual_seed(0)
+    paged = bench.slot_mapping(130, 3, "paged", g, "cpu")
+    blocks = paged // bench.BLOCK_SIZE
+    assert sorted(blocks[::bench.BLOCK_SIZE].tolist()) == [0, 1, 2]
+    assert torch.equal(paged % bench.BLOCK_SIZE, torch.arange(130) % bench.BLOCK_SIZE)
+    assert torch.equal(bench.slot_mapping(130, 3, "contiguous", g, "cpu"), torch.arange(130, dtype=torch.int32))
+    rnd = bench.slot_mapping(130, 3, "random", g, "cpu")
+    for s in (paged, rnd):
+        assert s.dtype == torch.int32 and s.unique().numel() == 130 and int(s.max()) < 3 * bench.BLOCK_SIZE
+    inp = bench.build_inputs(bench.WORKLOADS["main_fp8"], 100, "cpu", slots="paged")
+    assert torch.equal(inp.slots % bench.BLOCK_SIZE, torch.arange(100, dtype=torch.int32) % bench.BLOCK_SIZE)
+    with pytest.raises(ValueError, match="slots"):
+        bench.slot_mapping(4, 1, "sorted", g, "cpu")
+    assert bench.parse_config(["--slots", "paged"]).slots == "paged"
+
+
 # ----------------------------------------------------------------------------- orchestration
 def test_run_suite_with_fake_timer():
     cfg = bench.parse_config(["--n", "1,4", "--peer-max-n", "1", "--no-progress"])
