@@ -8,7 +8,8 @@ timing, each (workload, n) checks that the fast path's cache bytes equal the pla
 timing inputs (whole storage); a mismatch is reported and that point is not timed.
 
 Usage (on the device, repo root): python benchmarks/gluon_tune.py [--out DIR] [--workloads a,b]
-[--n 1,256,...] [--budget-s S]
+[--n 1,256,...] [--budget-s S] [--set gluon_index.PACKED_E2M1=0 ...] (a kernel module's switch, set
+before anything runs: an A/B of a kernel variant in one run)
 """
 import argparse
 import json
@@ -65,12 +66,22 @@ def main():
     p.add_argument("--n", default=",".join(map(str, SIZES)))
     p.add_argument("--rows", default="1,2", help="rows per warp (per thread for the index kernel) to try")
     p.add_argument("--budget-s", type=float, default=400.0, help="no new point starts after this")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=INT",
+                   help="set a kernel module's switch (an int) before the sweep")
     args = p.parse_args()
+    for assignment in args.set:
+        target, value = assignment.split("=")
+        module_name, attr = target.split(".")
+        module = {m.__name__.rsplit(".", 1)[-1]: m for m in MODULES.values()}[module_name]
+        if not hasattr(module, attr):
+            raise SystemExit(f"--set: {module_name} has no {attr}")
+        setattr(module, attr, type(getattr(module, attr))(int(value)))
     t0 = time.perf_counter()
     copy_gbps = bench.measure_copy_bandwidth()["copy_GBps"]
     timer = bench.CudaTimer(graph_calls=20, target_s=0.03, eager_target_s=0.003, max_reps=30)
     originals = {m: m.launch_table for m in set(MODULES.values())}
-    rows, lines = [], [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy {copy_gbps:.0f} GB/s"]
+    rows, lines = [], [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy {copy_gbps:.0f} GB/s"
+                       + (f", set {' '.join(args.set)}" if args.set else "")]
     print(lines[0], flush=True)
     for name in args.workloads.split(","):
         module, wl = MODULES[name], bench.WORKLOADS[name]

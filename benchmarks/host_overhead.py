@@ -9,10 +9,16 @@
 2. With a GPU: the real eager call (launch included), a loop of calls then one synchronize; with
    the plan cache on, launches go straight to Triton's compiled launcher (kvfuse/kernels/launcher.py)
    unless KVFUSE_DIRECT_LAUNCH=0.
+3. --breakdown (GPU): where an eager call's time goes, per fast-path workload (MAIN_FP8, MAIN_FP4,
+   FlashMLA V32, INDEX_NVFP4): the public call; kvfuse's DirectLaunch.launch with that call's
+   arguments; Triton's CompiledKernel.run alone (the C launcher and the driver); each as a loop of
+   calls then one synchronize, and the public call followed by a synchronize each time. The
+   workloads take turns round by round, so drifts of a shared host hit all alike.
 
 Median (and min) over batches of calls (time.perf_counter_ns). Run against a kvfuse without the
 plan cache (PYTHONPATH=<checkout>) it prints the "cache off" column only. Usage:
     python benchmarks/host_overhead.py [--n 16] [--calls 20] [--batches 200] [--profile main_fp8] [--real-only]
+                                       [--breakdown]
 """
 from __future__ import annotations
 
@@ -132,6 +138,81 @@ def per_call_us_cuda(fn, count: int, repeats: int = 5) -> float:
     return statistics.median(times) / 1e3, min(times) / 1e3
 
 
+BREAKDOWN_WORKLOADS = ("main_fp8", "main_fp4", "flashmla_v32", "index_nvfp4")
+
+
+def captured_direct_launch(fn):
+    """(DirectLaunch, args) of the one direct launch a call of ``fn`` makes, or None (no direct path)."""
+    from kvfuse.kernels import launcher
+    seen = []
+    original = launcher.DirectLaunch.launch
+
+    def recording(self, args):
+        seen.append((self, args))
+        return original(self, args)
+    fn()                                                   # the first call compiles and sets up the direct path
+    launcher.DirectLaunch.launch = recording
+    try:
+        fn()
+    finally:
+        launcher.DirectLaunch.launch = original
+    return seen[0] if len(seen) == 1 else None
+
+
+def breakdown(n: int, count: int, rounds: int) -> str:
+    """The table of --breakdown (module docstring, 3.)."""
+    steps = {}
+    for name in BREAKDOWN_WORKLOADS:
+        wl = bench.WORKLOADS[name]
+        fn = bench.fused_call(wl, bench.build_inputs(wl, n, torch.device("cuda")))
+        got = captured_direct_launch(fn)
+        row = {"public call": fn, "public call + synchronize": lambda fn=fn: (fn(), torch.cuda.synchronize())}
+        if got is not None:
+            direct, args = got
+            c, all_args = direct.compiled, args + direct.constexprs
+            gx, gy, gz = direct.grid
+            stream = torch.cuda.current_stream().cuda_stream
+            row["DirectLaunch.launch"] = lambda direct=direct, args=args: direct.launch(args)
+            row["CompiledKernel.run"] = lambda c=c, a=all_args, g=(gx, gy, gz), s=stream: c.run(
+                *g, s, c.function, c.packed_metadata, None, None, None, *a)
+            meta = c.metadata
+            row["_info"] = (f"grid {direct.grid}, {meta.num_warps} warps, shared {meta.shared} B, "
+                            f"global scratch {getattr(meta, 'global_scratch_size', '?')} B, "
+                            f"regs {getattr(c, 'n_regs', '?')}, spills {getattr(c, 'n_spills', '?')}")
+        steps[name] = row
+
+    times = {(w, k): [] for w, row in steps.items() for k in row if not k.startswith("_")}
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for r in range(rounds + 1):
+            for w, row in steps.items():
+                for k, f in row.items():
+                    if k.startswith("_"):
+                        continue
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter_ns()
+                    for _ in range(count):
+                        f()
+                    torch.cuda.synchronize()
+                    if r:
+                        times[(w, k)].append((time.perf_counter_ns() - t0) / count / 1e3)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    kinds = ["public call", "DirectLaunch.launch", "CompiledKernel.run", "public call + synchronize"]
+    lines = [f"eager host time per call, {torch.cuda.get_device_name()}, n={n}: median (min) us over {rounds} "
+             f"rounds of {count} calls", f"{'workload':<14}" + "".join(f"{k:>28}" for k in kinds)]
+    for w in steps:
+        cells = []
+        for k in kinds:
+            t = times.get((w, k))
+            cells.append(f"{statistics.median(t):19.2f} ({min(t):6.2f})" if t else f"{'-':>28}")
+        lines.append(f"{w:<14}" + "".join(cells))
+    lines += [f"{w}: {row['_info']}" for w, row in steps.items() if "_info" in row]
+    return "\n".join(lines)
+
+
 def has_cache() -> bool:
     return hasattr(kvplan, "set_plan_cache")
 
@@ -153,8 +234,17 @@ def main(argv=None):
     p.add_argument("--batches", type=int, default=200, help="timed batches (the median is reported)")
     p.add_argument("--profile", default=None, help="cProfile 20000 cached calls of this call name")
     p.add_argument("--real-only", action="store_true", help="only the real eager calls (GPU)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="GPU: public call vs kvfuse's direct launch vs Triton's launcher, per fast path")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
+    if args.breakdown:
+        if not cuda:
+            print("--breakdown needs a CUDA device; none here")
+            return
+        with kvfuse.use_backend("triton"):
+            print(breakdown(args.n, 200, 30))
+        return
     device = torch.device("cuda" if cuda else "cpu")
     fns = calls(args.n, device)
     modes = (False, True) if has_cache() else (False,)
