@@ -161,35 +161,33 @@ def captured_direct_launch(fn):
 
 def breakdown(n: int, count: int, rounds: int) -> str:
     """The table of --breakdown (module docstring, 3.)."""
-    steps = {}
+    kinds = ("public call", "DirectLaunch.launch", "CompiledKernel.run", "public call + synchronize")
+    calls, info = {}, {}                     # workload -> {kind: zero-argument call}; workload -> launch facts
     for name in BREAKDOWN_WORKLOADS:
         wl = bench.WORKLOADS[name]
         fn = bench.fused_call(wl, bench.build_inputs(wl, n, torch.device("cuda")))
-        got = captured_direct_launch(fn)
         row = {"public call": fn, "public call + synchronize": lambda fn=fn: (fn(), torch.cuda.synchronize())}
+        got = captured_direct_launch(fn)
         if got is not None:
             direct, args = got
             c, all_args = direct.compiled, args + direct.constexprs
-            gx, gy, gz = direct.grid
             stream = torch.cuda.current_stream().cuda_stream
             row["DirectLaunch.launch"] = lambda direct=direct, args=args: direct.launch(args)
-            row["CompiledKernel.run"] = lambda c=c, a=all_args, g=(gx, gy, gz), s=stream: c.run(
+            row["CompiledKernel.run"] = lambda c=c, a=all_args, g=direct.grid, s=stream: c.run(
                 *g, s, c.function, c.packed_metadata, None, None, None, *a)
             meta = c.metadata
-            row["_info"] = (f"grid {direct.grid}, {meta.num_warps} warps, shared {meta.shared} B, "
-                            f"global scratch {getattr(meta, 'global_scratch_size', '?')} B, "
-                            f"regs {getattr(c, 'n_regs', '?')}, spills {getattr(c, 'n_spills', '?')}")
-        steps[name] = row
+            info[name] = (f"grid {direct.grid}, {meta.num_warps} warps, shared {meta.shared} B, "
+                          f"global scratch {getattr(meta, 'global_scratch_size', '?')} B, "
+                          f"regs {getattr(c, 'n_regs', '?')}, spills {getattr(c, 'n_spills', '?')}")
+        calls[name] = row
 
-    times = {(w, k): [] for w, row in steps.items() for k in row if not k.startswith("_")}
+    times = {(w, k): [] for w, row in calls.items() for k in row}
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        for r in range(rounds + 1):
-            for w, row in steps.items():
+        for r in range(rounds + 1):              # the workloads take turns; round 0 warms up
+            for w, row in calls.items():
                 for k, f in row.items():
-                    if k.startswith("_"):
-                        continue
                     torch.cuda.synchronize()
                     t0 = time.perf_counter_ns()
                     for _ in range(count):
@@ -200,16 +198,15 @@ def breakdown(n: int, count: int, rounds: int) -> str:
     finally:
         if gc_was_enabled:
             gc.enable()
-    kinds = ["public call", "DirectLaunch.launch", "CompiledKernel.run", "public call + synchronize"]
     lines = [f"eager host time per call, {torch.cuda.get_device_name()}, n={n}: median (min) us over {rounds} "
              f"rounds of {count} calls", f"{'workload':<14}" + "".join(f"{k:>28}" for k in kinds)]
-    for w in steps:
+    for w in calls:
         cells = []
         for k in kinds:
             t = times.get((w, k))
             cells.append(f"{statistics.median(t):19.2f} ({min(t):6.2f})" if t else f"{'-':>28}")
         lines.append(f"{w:<14}" + "".join(cells))
-    lines += [f"{w}: {row['_info']}" for w, row in steps.items() if "_info" in row]
+    lines += [f"{w}: {text}" for w, text in info.items()]
     return "\n".join(lines)
 
 
