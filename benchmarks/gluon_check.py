@@ -76,15 +76,7 @@ def compare(c, variant_name, variant):
     common.public_write(c, cache_a)
     gluon_write(c, cache_b, variant)
     torch.cuda.synchronize()
-    if torch.equal(flat_a, flat_b):
-        rec.update(equal=True, diff_bytes=0)
-        return rec
-    rec.update(common.storage_diff(c, flat_a, flat_b, c.row_of_byte(), ("plain", "gluon"), split_tokens=True))
-    if rec["diff_outside_nonfinite_rows"]:
-        rec["status"] = "MISMATCH"
-    else:
-        rec["status"] = "diff only in inf/NaN rows"
-    return rec
+    return common.judge_storages(c, rec, flat_a, flat_b, c.row_of_byte(), ("plain", "gluon"), split_tokens=True)
 
 
 def correctness_cases():

@@ -123,6 +123,26 @@ def counting(module, kernel_name: str):
         setattr(module, kernel_name, kernel)
 
 
+def fast_write_launches(module, kernel_name: str, write) -> int:
+    """``write()`` with ``module``'s fast path on (off again afterwards), synchronized: how many times
+    it launched ``module.<kernel_name>`` through Triton (``counting``)."""
+    with counting(module, kernel_name) as counter:
+        try:
+            fast_path(module, True)
+            write()
+        finally:
+            fast_path(module, False)
+    torch.cuda.synchronize()
+    return counter.launches
+
+
+def note_fast_path(rec: dict, launches: int, expect_fast: bool) -> None:
+    """Into a comparison's record: whether the fast path ran, and a status when that was not expected."""
+    rec["fast_path_ran"] = launches > 0
+    if rec["fast_path_ran"] != expect_fast:
+        rec["status"] = "FAST PATH " + ("TAKEN, NOT EXPECTED" if launches else "NOT TAKEN")
+
+
 # ------------------------------------------------------------------------------------ inputs
 class Case:
     """One set of inputs: x [n, head_dim] bf16 at per-row scales 2^-8 .. 2^8 inside a padded /
@@ -292,6 +312,19 @@ def storage_diff(c, flat_a, flat_b, owner_of_byte, labels, first=12, split_token
                 nonfinite_rows=int(c.nonfinite_rows.sum()), first_diffs=where)
 
 
+def judge_storages(c, rec: dict, flat_a, flat_b, owner_of_byte, labels, **diff_kw) -> dict:
+    """``rec`` with the comparison of two whole storages: equal, or ``storage_diff``'s record (keyword
+    arguments passed on) and the status MISMATCH (bytes differ outside the records of rows with inf /
+    NaN inputs) or "diff only in inf/NaN rows"; a status already set (not "ok") stays."""
+    if torch.equal(flat_a, flat_b):
+        rec.update(equal=True, diff_bytes=0)
+        return rec
+    rec.update(storage_diff(c, flat_a, flat_b, owner_of_byte, labels, **diff_kw))
+    if rec["status"] == "ok":
+        rec["status"] = "MISMATCH" if rec["diff_outside_nonfinite_rows"] else "diff only in inf/NaN rows"
+    return rec
+
+
 def written_both_ways(module, kernel_name: str, inp, call):
     """The timing inputs' cache written by ``call`` with the fast path off, then on (each time from a
     0x5A fill, which reserved bytes keep): (the bytes that differ, the Gluon launches on the way on)."""
@@ -313,6 +346,21 @@ def timed(timer, fn, nbytes: int, copy_gbps) -> dict:
     gbps = nbytes / (t.gpu_us * 1e-6) / 1e9
     return dict(gpu_us=t.gpu_us, method=t.gpu_method, eager_us=t.eager_us, GBps=gbps,
                 pct_copy=100 * gbps / copy_gbps if copy_gbps else None, note=t.note)
+
+
+def prove_e2m1_nibble(say=log) -> int:
+    """The e2m1 encoder of the fast paths (gluon_common.e2m1_nibble, through its host mirror
+    ``e2m1_nibble_mirror``) against kvfuse.reference.encode_e2m1 on every fp32 pattern (NaN left out:
+    SPEC §2 leaves their group free): how many differ. CPU, minutes."""
+    from kvfuse import reference as ref
+    bad, step = 0, 1 << 24
+    for start in range(0, 1 << 32, step):
+        t = (torch.arange(start, start + step, dtype=torch.int64) - (1 << 31)).to(torch.int32).view(torch.float32)
+        keep = ~torch.isnan(t)
+        bad += int(((gluon_common.e2m1_nibble_mirror(t) != ref.encode_e2m1(t).to(torch.int32)) & keep).sum())
+        if start % (1 << 28) == 0:
+            say(f"e2m1 encoder: {start >> 24} / 256 chunks, {bad} differing")
+    return bad
 
 
 def plain_vs_fast(module, timer, call, nbytes: int, copy_gbps) -> dict:

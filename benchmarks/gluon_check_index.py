@@ -34,7 +34,7 @@ import gluon_check_common as common  # first: puts the repository root on sys.pa
 from gluon_check_common import DEVICE, T0, TIMING_SIZES, log, short
 from kvfuse import bench
 from kvfuse import formats as F
-from kvfuse.kernels import gluon_common, gluon_index as GI
+from kvfuse.kernels import gluon_index as GI
 
 FORMATS = {"index_fp8_fp32": F.INDEX_FP8_FP32, "index_mxfp4": F.INDEX_MXFP4, "index_nvfp4": F.INDEX_NVFP4}
 
@@ -96,23 +96,9 @@ def compare(c):
     flat_b, cache_b = c.new_cache()
     fast_path(False)
     common.public_write(c, cache_a)
-    with common.counting(GI, "index_write_kernel") as counting:
-        try:
-            fast_path(True)
-            common.public_write(c, cache_b)
-        finally:
-            fast_path(False)
-    torch.cuda.synchronize()
-    rec["fast_path_ran"] = counting.launches > 0
-    if rec["fast_path_ran"] != c.expect_fast:
-        rec["status"] = "FAST PATH " + ("TAKEN, NOT EXPECTED" if counting.launches else "NOT TAKEN")
-    if torch.equal(flat_a, flat_b):
-        rec.update(equal=True, diff_bytes=0)
-        return rec
-    rec.update(common.storage_diff(c, flat_a, flat_b, c.row_of_byte(), ("plain", "fast"), first=8))
-    if rec["status"] == "ok":
-        rec["status"] = "MISMATCH" if rec["diff_outside_nonfinite_rows"] else "diff only in inf/NaN rows"
-    return rec
+    launches = common.fast_write_launches(GI, "index_write_kernel", lambda: common.public_write(c, cache_b))
+    common.note_fast_path(rec, launches, c.expect_fast)
+    return common.judge_storages(c, rec, flat_a, flat_b, c.row_of_byte(), ("plain", "fast"), first=8)
 
 
 def run_correctness(formats, deadline, report):
@@ -199,14 +185,7 @@ def prove_encoders(report):
     kvfuse.reference.encode_e2m1: every fp32 pattern (NaN left out), and every bf16 y times every UE8M0
     multiplier the kernel makes (where |y * m| <= 6 or y is infinite)."""
     from kvfuse import reference as ref
-    bad, step = 0, 1 << 24
-    for start in range(0, 1 << 32, step):
-        t = (torch.arange(start, start + step, dtype=torch.int64) - (1 << 31)).to(torch.int32).view(torch.float32)
-        keep = ~torch.isnan(t)
-        bad += int(((gluon_common.e2m1_nibble_mirror(t) != ref.encode_e2m1(t).to(torch.int32)) & keep).sum())
-        if start % (1 << 28) == 0:
-            log(f"fp32 encoder: {start >> 24} / 256 chunks, {bad} differing")
-    report["fp32_encoder_differing"] = bad
+    bad = report["fp32_encoder_differing"] = common.prove_e2m1_nibble(log)
     y = torch.arange(1 << 16, dtype=torch.int32)
     yf = (y << 16).view(torch.float32)
     bad16 = 0

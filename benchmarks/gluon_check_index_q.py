@@ -112,16 +112,7 @@ def compare(cast_name, name, kw):
     call_b, bufs_b, _ = build(cast, **kw)          # the same seed: the same inputs and poison
     fast_path(False)
     call_a()
-    with common.counting(GI, "index_write_kernel") as counting:
-        try:
-            fast_path(True)
-            call_b()
-        finally:
-            fast_path(False)
-    torch.cuda.synchronize()
-    rec["fast_path_ran"] = counting.launches > 0
-    if rec["fast_path_ran"] != expect_fast:
-        rec["status"] = "FAST PATH " + ("TAKEN, NOT EXPECTED" if counting.launches else "NOT TAKEN")
+    common.note_fast_path(rec, common.fast_write_launches(GI, "index_write_kernel", call_b), expect_fast)
     diff = sum(int((a != b).sum()) for a, b in zip(bufs_a, bufs_b))
     rec.update(equal=diff == 0, diff_bytes=diff)
     if diff and rec["status"] == "ok":

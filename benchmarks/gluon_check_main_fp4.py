@@ -25,7 +25,7 @@ report is written. About 40-80 s on an H200 (most of it compiling).
 
 Usage: python3 benchmarks/gluon_check_main_fp4.py --out DIR     (writes DIR/gluon_check_main_fp4.{json,txt})
        python3 benchmarks/gluon_check_main_fp4.py --prove-encoder  (CPU, minutes: the e2m1 encoder's
-       host mirror, gluon_main_fp4.e2m1_nibble_mirror, against kvfuse.reference.encode_e2m1 on every
+       host mirror, gluon_common.e2m1_nibble_mirror, against kvfuse.reference.encode_e2m1 on every
        fp32 input)
 """
 import os
@@ -119,16 +119,8 @@ def compare(c):
     flat_b, cache_b = c.new_cache()
     fast_path(False)
     common.public_write(c, cache_a)
-    with common.counting(G4, KERNEL) as counting:
-        try:
-            fast_path(True)
-            common.public_write(c, cache_b)
-        finally:
-            fast_path(False)
-    torch.cuda.synchronize()
-    rec["fast_path_ran"] = counting.launches > 0
-    if rec["fast_path_ran"] != c.expect_fast:
-        rec["status"] = "FAST PATH " + ("TAKEN, NOT EXPECTED" if counting.launches else "NOT TAKEN")
+    launches = common.fast_write_launches(G4, KERNEL, lambda: common.public_write(c, cache_b))
+    common.note_fast_path(rec, launches, c.expect_fast)
     return _judge(c, rec, flat_a, flat_b, "fast")
 
 
@@ -145,14 +137,8 @@ def compare_variant(c, vname, variant):
 
 
 def _judge(c, rec, flat_a, flat_b, label):
-    if torch.equal(flat_a, flat_b):
-        rec.update(equal=True, diff_bytes=0)
-        return rec
-    rec.update(common.storage_diff(c, flat_a, flat_b, c.row_of_byte(), ("plain", label), first=8,
-                                   split_tokens=True))
-    if rec["status"] == "ok":
-        rec["status"] = "MISMATCH" if rec["diff_outside_nonfinite_rows"] else "diff only in inf/NaN rows"
-    return rec
+    return common.judge_storages(c, rec, flat_a, flat_b, c.row_of_byte(), ("plain", label), first=8,
+                                 split_tokens=True)
 
 
 def _log_record(r, name):
@@ -240,17 +226,9 @@ def run_timing(copy_gbps, deadline, report):
 
 # ------------------------------------------------------------------------------------ proof (CPU)
 def prove_encoder(report):
-    """The e2m1 encoder's host mirror (gluon_main_fp4.e2m1_nibble_mirror) against
+    """gluon_check_common.prove_e2m1_nibble: the e2m1 encoder's host mirror against
     kvfuse.reference.encode_e2m1 on every fp32 pattern (NaN left out: SPEC §2 leaves their group free)."""
-    from kvfuse import reference as ref
-    bad, step = 0, 1 << 24
-    for start in range(0, 1 << 32, step):
-        t = (torch.arange(start, start + step, dtype=torch.int64) - (1 << 31)).to(torch.int32).view(torch.float32)
-        keep = ~torch.isnan(t)
-        bad += int(((G4.e2m1_nibble_mirror(t) != ref.encode_e2m1(t).to(torch.int32)) & keep).sum())
-        if start % (1 << 28) == 0:
-            say(f"e2m1 encoder: {start >> 24} / 256 chunks, {bad} differing")
-    report["encoder_differing"] = bad
+    bad = report["encoder_differing"] = common.prove_e2m1_nibble(say)
     say(f"e2m1 encoder (e2m1_nibble_mirror): {bad} differing of 2^32 fp32 patterns (NaN left out)")
 
 

@@ -104,11 +104,7 @@ def compare(c, counter):
     common.public_write(c, cache_b)
     torch.cuda.synchronize()
     rec["gluon_launches"] = counter.launches - before
-    if torch.equal(flat_a, flat_b):
-        rec.update(equal=True, diff_bytes=0)
-    else:
-        rec.update(common.storage_diff(c, flat_a, flat_b, c.row_of_byte(cache_a), ("off", "on")))
-        rec["status"] = "MISMATCH" if rec["diff_outside_nonfinite_rows"] else "diff only in inf/NaN rows"
+    common.judge_storages(c, rec, flat_a, flat_b, c.row_of_byte(cache_a), ("off", "on"))
     if rec["gluon_launches"] == 0:
         rec["status"] = "FAST PATH NOT TAKEN" if rec["status"] == "ok" else rec["status"] + "; FAST PATH NOT TAKEN"
     return rec
