@@ -86,15 +86,20 @@ def test_plan_fields_they_read_exist():
 
 @pytest.mark.parametrize("module", fused_kernels.FAST_PATH_MODULES, ids=lambda m: m.__name__.rsplit(".", 1)[1])
 def test_on_where_available_unless_turned_off(module, monkeypatch):
-    name = {"gluon_main_fp8": "main_fp8", "gluon_main_fp4": "main_fp4", "gluon_mla_tail": "mla_tail",
-            "gluon_index": "index"}[
-        module.__name__.rsplit(".", 1)[1]]
+    names = {"gluon_main_fp8": "main_fp8", "gluon_main_fp4": "main_fp4", "gluon_mla_tail": "mla_tail",
+             "gluon_index": "index"}
+    name = names[module.__name__.rsplit(".", 1)[1]]
+    if not torch.cuda.is_available():
+        assert not module.available() and not module.enabled()
     monkeypatch.setattr(module, "available", lambda: True)
     monkeypatch.delenv("KVFUSE_GLUON", raising=False)
     monkeypatch.delenv("KVFUSE_GLUON_SKIP", raising=False)
     assert module.enabled()
     monkeypatch.setenv("KVFUSE_GLUON_SKIP", f"other, {name}")
     assert not module.enabled()
+    for other in set(names.values()) - {name}:                      # MAIN_FP4 runs MAIN_FP8's kernel, yet
+        monkeypatch.setenv("KVFUSE_GLUON_SKIP", other)              # skipping one path leaves the others on
+        assert module.enabled()
     monkeypatch.setenv("KVFUSE_GLUON_SKIP", f"{name}_v2")          # names, not prefixes
     assert module.enabled()
     monkeypatch.setenv("KVFUSE_GLUON", "0")

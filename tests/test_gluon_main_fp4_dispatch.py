@@ -169,26 +169,6 @@ def test_interface():
     assert check is G.word_aligned and fields == ("x", "weight")
 
 
-def test_on_where_available_unless_turned_off(monkeypatch):
-    if not torch.cuda.is_available():
-        assert not G.available() and not G.enabled()
-    monkeypatch.setattr(G, "available", lambda: True)
-    monkeypatch.delenv("KVFUSE_GLUON", raising=False)
-    monkeypatch.delenv("KVFUSE_GLUON_SKIP", raising=False)
-    assert G.enabled()
-    monkeypatch.setenv("KVFUSE_GLUON_SKIP", "other, main_fp4")
-    assert not G.enabled()
-    monkeypatch.setenv("KVFUSE_GLUON_SKIP", "main_fp8")             # names, not prefixes
-    assert G.enabled()
-    monkeypatch.setenv("KVFUSE_GLUON_SKIP", "main_fp4_v2")
-    assert G.enabled()
-    monkeypatch.setenv("KVFUSE_GLUON", "0")
-    assert not G.enabled()
-    monkeypatch.setattr(G, "available", lambda: False)
-    monkeypatch.delenv("KVFUSE_GLUON")
-    assert not G.enabled()
-
-
 def test_direct_entry_checks_its_inputs():
     """``supports`` (CPU tensors: everything but the device passes for the right shapes)."""
     n = 3
