@@ -16,12 +16,20 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class NormArgs:
-    """RMSNorm over head_dim: ``y = bf16((x * rstd) * w)``, ``rstd = 1 / sqrt(mean(x^2) + eps)``.
+    """A norm over head_dim (SPEC §2), of each (token, head) row.
 
-    weight: [head_dim], bf16 or fp32, contiguous. eps: a finite float >= 0 (used as fp32).
+    kind "rms" (RMSNorm): ``y = bf16((x * rstd) * w)``, ``rstd = 1 / sqrt(mean(x^2) + eps)``.
+    kind "layer" (LayerNorm, DeepSeek V3.2's indexer K): ``d = x - mean(x)``,
+    ``y = bf16(((d * rstd) * w) + b)``, ``rstd = 1 / sqrt(mean(d^2) + eps)``; without a bias the
+    ``+ b`` is left out. Sums use the adjacent-pairs tree.
+
+    weight (and bias): [head_dim], bf16 or fp32, contiguous. eps: a finite float > 0 (used as
+    fp32). bias: only with kind "layer".
     """
     weight: torch.Tensor
     eps: float = 1e-6
+    bias: Optional[torch.Tensor] = None
+    kind: str = "rms"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
