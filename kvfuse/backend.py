@@ -1,10 +1,15 @@
 """Backend choice, the data-dependent checks and kvfuse's environment switches.
 
-``use_backend(name)`` (a context manager) or ``KVFUSE_BACKEND``: "auto" (the Triton kernel for
-CUDA tensors, the reference otherwise), "triton" or "reference". With ``TRITON_INTERPRET=1``,
-"triton" runs the same kernel on CPU tensors through Triton's interpreter.
+``use_backend(name)`` or ``KVFUSE_BACKEND``: "auto" (the Triton kernel for CUDA tensors, the
+reference otherwise), "triton" or "reference". ``use_backend`` works as a plain call (sets the
+backend of the calling thread) and as a context manager (restores the thread's previous choice on
+exit); an unknown name is a ValueError at once. With ``TRITON_INTERPRET=1``, "triton" runs the
+same kernel on CPU tensors through Triton's interpreter.
 ``set_checks(True)`` or ``KVFUSE_CHECKS=1`` turns on the checks that read data (positions in
 range, no duplicate valid slots): they synchronize the device and stay off by default.
+
+Scope: the backend chosen with ``use_backend`` is per thread (a thread that never chose follows
+``KVFUSE_BACKEND``); ``set_checks`` and every environment variable are per process.
 
 Boolean environment switches (``KVFUSE_CHECKS``, ``KVFUSE_PLAN_CACHE``, ``KVFUSE_GLUON``,
 ``KVFUSE_DIRECT_LAUNCH``, ``TRITON_INTERPRET``) are read with :func:`env_flag`: 0/1/true/false/
@@ -13,7 +18,6 @@ anything else is a ValueError naming the variable.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 
@@ -88,16 +92,32 @@ def current_backend() -> str:
     return name
 
 
-@contextlib.contextmanager
-def use_backend(name: str):
-    """Run the enclosed calls with backend ``name`` ("auto", "triton" or "reference")."""
-    _check_name(name)
-    prev = _state.backend
-    _state.backend = name
-    try:
-        yield
-    finally:
-        _state.backend = prev
+class use_backend:  # noqa: N801 - a function in the public API that also works as a context manager
+    """Choose the backend of the calling thread: "auto", "triton" or "reference".
+
+    A plain call ``use_backend("reference")`` sets it (until the next choice); ``with
+    use_backend("reference"):`` sets it and restores the previous choice on exit (the one in force
+    when ``use_backend`` was called). An unknown name raises ValueError at once, changing nothing.
+    The choice is per thread: other threads keep theirs (or ``KVFUSE_BACKEND``).
+    """
+
+    __slots__ = ("name", "_previous")
+
+    def __init__(self, name: str):
+        _check_name(name)
+        self.name = name
+        self._previous = _state.backend
+        _state.backend = name
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        _state.backend = self._previous
+        return False
+
+    def __repr__(self):
+        return f"use_backend({self.name!r})"
 
 
 _TRITON_TRUE = ("1", "true", "yes", "on")   # what Triton itself reads as on (triton.knobs, getenv_bool)

@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,66 @@ def test_every_boolean_switch_is_read_through_env_flag():
     for path in KVFUSE_DIR.rglob("*.py"):
         flagged |= set(re.findall(r"""env_flag\(\s*["']([A-Z_]+)["']""", path.read_text()))
     assert flagged == set(BOOLEAN_SWITCHES), flagged
+
+
+# =========================================================================== use_backend
+def test_use_backend_plain_call_sets_the_backend(switches):
+    """Regression: a plain call ``kvfuse.use_backend("reference")`` did nothing (a generator-based
+    context manager only acts inside ``with``)."""
+    switches.delenv("KVFUSE_BACKEND", raising=False)
+    kv_backend._state.backend = None
+    assert kvfuse.current_backend() == "auto"
+    kvfuse.use_backend("reference")
+    assert kvfuse.current_backend() == "reference"
+    kvfuse.use_backend("triton")
+    assert kvfuse.current_backend() == "triton"
+    kvfuse.use_backend("auto")
+    assert kvfuse.current_backend() == "auto"
+
+
+def test_use_backend_with_restores_the_previous_choice(switches):
+    kvfuse.use_backend("triton")
+    with kvfuse.use_backend("reference") as choice:
+        assert kvfuse.current_backend() == "reference" and choice.name == "reference"
+        with kvfuse.use_backend("auto"):
+            assert kvfuse.current_backend() == "auto"
+        assert kvfuse.current_backend() == "reference"
+    assert kvfuse.current_backend() == "triton"
+    with pytest.raises(RuntimeError, match="boom"):
+        with kvfuse.use_backend("reference"):
+            raise RuntimeError("boom")
+    assert kvfuse.current_backend() == "triton"                  # restored on an exception too
+    # a thread that never chose follows KVFUSE_BACKEND again once its choices are undone
+    kv_backend._state.backend = None
+    switches.setenv("KVFUSE_BACKEND", "reference")
+    with kvfuse.use_backend("triton"):
+        assert kvfuse.current_backend() == "triton"
+    assert kvfuse.current_backend() == "reference"
+
+
+@pytest.mark.parametrize("name", ["bogus", "cuda", "Triton", "", None, 1])
+def test_use_backend_unknown_name_is_a_value_error_at_once(name, switches):
+    """Regression: use_backend("bogus") as a plain call raised nothing (the check ran only on ``with``)."""
+    kvfuse.use_backend("reference")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        kvfuse.use_backend(name)
+    assert kvfuse.current_backend() == "reference"                # unchanged
+
+
+def test_use_backend_is_per_thread_and_set_checks_per_process(switches):
+    kvfuse.use_backend("reference")
+    seen = {}
+
+    def other():
+        seen["before"] = kvfuse.current_backend()
+        kvfuse.use_backend("triton")
+        seen["after"] = kvfuse.current_backend()
+        seen["checks"] = kvfuse.checks_enabled()
+
+    kvfuse.set_checks(True)
+    switches.setenv("KVFUSE_BACKEND", "auto")
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert seen == {"before": "auto", "after": "triton", "checks": True}
+    assert kvfuse.current_backend() == "reference"               # this thread's choice is untouched
