@@ -26,7 +26,11 @@ def _kernels():
 
 
 def run_data_checks(positions=None, max_position=None, slot_mapping=None, capacity=None) -> None:
-    """KVFUSE_CHECKS: positions in [0, max_position) and no duplicate valid slots (synchronizes)."""
+    """KVFUSE_CHECKS: positions in [0, max_position) and no duplicate valid slots (synchronizes).
+    Skipped for meta tensors (no data to read; validation already checked their shapes)."""
+    if positions is not None and positions.device.type == "meta" or (
+            slot_mapping is not None and slot_mapping.device.type == "meta"):
+        return
     if positions is not None and positions.numel():
         lo, hi = int(positions.min()), int(positions.max())
         if lo < 0 or hi >= max_position:

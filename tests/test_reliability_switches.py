@@ -250,3 +250,40 @@ def test_use_backend_is_per_thread_and_set_checks_per_process(switches):
     t.join()
     assert seen == {"before": "auto", "after": "triton", "checks": True}
     assert kvfuse.current_backend() == "reference"               # this thread's choice is untouched
+
+
+# =========================================================================== set_checks with meta tensors
+def _meta(t):
+    return torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device="meta")
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("how", ["set_checks", "env"])
+def test_checks_skip_meta_tensors(backend, how, switches):
+    """Regression: with the data checks on, meta tensors crashed (item() on meta, nonzero has no meta
+    kernel) in the fused call and in store_kv_cache. Data-dependent checks are skipped for meta
+    tensors; the shape checks still run."""
+    if how == "set_checks":
+        kvfuse.set_checks(True)
+    else:
+        switches.setenv("KVFUSE_CHECKS", "1")
+    assert kvfuse.checks_enabled()
+    fmt = formats.INDEX_MXFP8
+    cache = _meta(fmt.allocate(2, 4))
+    slots = torch.empty(3, dtype=torch.int64, device="meta")
+    pos = torch.empty(3, dtype=torch.int32, device="meta")
+    cs = _meta(cos_sin_cache(16, 32))
+    x = torch.empty((3, 128), dtype=torch.bfloat16, device="meta")
+    out = torch.empty((3, 128), dtype=torch.bfloat16, device="meta")
+    with kvfuse.use_backend(backend):
+        res = fused(x, rope_args=RopeArgs(pos, cs, 32, True), cast_args=CastArgs.from_cache_format(fmt),
+                    out_args=KVCacheOutArgs(cache, slots, out=out, out_stage="transform", layout=fmt))
+        assert res is out
+        q, sf = fused(x, rope_args=RopeArgs(pos, cs, 32, True), cast_args=CastArgs.from_cache_format(fmt))
+        assert q.device.type == "meta" and q.shape == (3, 128) and sf.shape == (3, 4)
+        kvfuse.store_kv_cache(torch.empty((3, 128), dtype=torch.float8_e4m3fn, device="meta"),
+                              torch.empty((3, 4), dtype=torch.uint8, device="meta"), cache, slots, fmt)
+        # shape checks still run on meta tensors
+        with pytest.raises(ValueError, match="data: expected shape"):
+            kvfuse.store_kv_cache(torch.empty((3, 128), dtype=torch.float8_e4m3fn, device="meta"),
+                                  torch.empty((3, 4), dtype=torch.uint8, device="meta"), cache, slots[:2], fmt)
