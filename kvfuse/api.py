@@ -1,6 +1,7 @@
 """The public entry points: validate (kvfuse.plan), then run on the chosen backend."""
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -17,11 +18,39 @@ __all__ = ["fused_norm_rope_hadamard_cast_store_kvcache", "store_kv_cache", "loa
 _fused_module = None
 
 
+class _InterpreterLaunches:
+    """kvfuse.kernels.fused with every launch taken under one process-wide lock: Triton's interpreter
+    is not thread-safe (it patches triton.language globally and keeps the grid position in a global
+    builder while a launch runs), so concurrent calls raised InterpreterError and left partial writes.
+    Used only when the kernels run in the interpreter; compiled kernels get the module itself (no lock)."""
+
+    _lock = threading.Lock()  # one for the process (two threads that import the kernels at once build two wrappers)
+
+    def __init__(self, module):
+        self._module = module
+
+    def run_template(self, template, tensors):
+        with self._lock:
+            return self._module.run_template(template, tensors)
+
+    def run_plan(self, plan):
+        with self._lock:
+            return self._module.run_plan(plan)
+
+    def store(self, *args):
+        with self._lock:
+            return self._module.store(*args)
+
+    def load(self, *args):
+        with self._lock:
+            return self._module.load(*args)
+
+
 def _kernels():
     global _fused_module
     if _fused_module is None:
         from .kernels import fused  # imported lazily: triton is only needed by the triton backend
-        _fused_module = fused
+        _fused_module = _InterpreterLaunches(fused) if fused.INTERPRET else fused
     return _fused_module
 
 
