@@ -72,7 +72,13 @@ def run_data_checks(positions=None, max_position=None, slot_mapping=None, capaci
 
 
 def execute(plan: Plan) -> None:
-    """Run a validated plan on the backend chosen for its device."""
+    """Run a validated plan on the backend chosen for its device.
+
+    The reference backend writes under torch.inference_mode(), so that it writes what the kernel
+    writes: outputs created under inference mode (engines allocate caches there) are accepted
+    outside it too, and an output that requires grad is written like any buffer, with no autograd
+    record. Outside inference mode torch checks those in-place writes after each one, so a call
+    raised RuntimeError with part of its record written."""
     if torch.compiler.is_compiling():
         return _ops.execute_op(plan)  # traced as one custom op (torch.compile / CUDA graphs)
     if _backend.checks_enabled():
@@ -84,7 +90,8 @@ def execute(plan: Plan) -> None:
     if _backend.resolve_backend(plan.x.device) == "triton":
         _kernels().run_plan(plan)
     else:
-        reference.run_plan(plan)
+        with torch.inference_mode():  # see the docstring
+            reference.run_plan(plan)
 
 
 def fused_norm_rope_hadamard_cast_store_kvcache(x, norm_args=None, rope_args=None, hadamard_args=None,
@@ -173,7 +180,8 @@ def store_kv_cache(data: torch.Tensor, sf: Optional[torch.Tensor], kv_cache: tor
     def heads(t):  # validated: a 2-d payload is [n, ..] of a one-head cache
         return None if t is None else (t.unsqueeze(1) if data.dim() == 2 else t)
 
-    reference.store(kv_cache, slot_mapping, layout, heads(data), heads(sf), heads(tail))
+    with torch.inference_mode():  # see execute
+        reference.store(kv_cache, slot_mapping, layout, heads(data), heads(sf), heads(tail))
 
 
 def _validate_load(kv_cache, slot_mapping, layout, dequantize) -> CacheEntry:
