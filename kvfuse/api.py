@@ -10,7 +10,8 @@ from . import backend as _backend
 from . import ops as _ops
 from . import reference
 from .formats import KVCacheFormat
-from .plan import (INDEX_DTYPES, CacheEntry, Plan, check_tensor, optional_tensor_key, prepare, q_dtype, sf_dtype,
+from .overlap import OverlapCheck, span_terms
+from .plan import (INDEX_DTYPES, X, CacheEntry, Plan, check_tensor, optional_tensor_key, prepare, q_dtype, sf_dtype,
                    tensor_key, validated)
 
 __all__ = ["fused_norm_rope_hadamard_cast_store_kvcache", "store_kv_cache", "load_paged_kv_cache"]
@@ -52,6 +53,17 @@ def _kernels():
         from .kernels import fused  # imported lazily: triton is only needed by the triton backend
         _fused_module = _InterpreterLaunches(fused) if fused.INTERPRET else fused
     return _fused_module
+
+
+def _private_x(tensors: tuple) -> tuple:
+    """An in-place call's tensors with x replaced by a copy of it (same shape and strides): out stays x, and
+    the backends never read x where they may already have written out (the kernel reloads x's RoPE columns
+    after it stores the "norm" stage, for one)."""
+    x = tensors[X]
+    copy = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    with torch.no_grad():
+        copy.copy_(x)
+    return (copy,) + tensors[X + 1:]
 
 
 def run_data_checks(positions=None, max_position=None, slot_mapping=None, capacity=None) -> None:
@@ -113,6 +125,9 @@ def fused_norm_rope_hadamard_cast_store_kvcache(x, norm_args=None, rope_args=Non
     Raises ValueError/TypeError, naming the argument, before any launch.
     """
     template, tensors = prepare(x, norm_args, rope_args, hadamard_args, cast_args, out_args)
+    # outputs of the caller's: whether they overlap depends on data pointers, so it is checked on every call
+    if template.overlap is not None and template.overlap(tensors, tensors[X].shape[0]):
+        tensors = _private_x(tensors)
     if (template.launchable and not torch.compiler.is_compiling() and not _backend.checks_enabled()
             and _backend.resolve_backend(template.device, template.device_type) == "triton"):
         _kernels().run_template(template, tensors)  # the hot path: launch parameters kept with the template
@@ -147,7 +162,24 @@ def _validate_store(data, sf, kv_cache, slot_mapping, layout, tail) -> CacheEntr
         check_tensor(tail, "tail", (torch.bfloat16,), dev, shape=lead + (layout.bf16_tail,))
     elif tail is not None:
         raise ValueError(f"tail must be None for {layout.name} (no bf16 tail)")
-    return CacheEntry()
+    entry = CacheEntry()
+    if dev.type != "meta" and not torch.compiler.is_compiling():
+        entry.overlap = _store_overlap_check(data, sf, kv_cache, slot_mapping, tail)
+    return entry
+
+
+STORE_TENSOR_NAMES = ("data", "sf", "tail", "slot_mapping", "kv_cache")   # the order of store_kv_cache's check
+
+
+def _store_overlap_check(data, sf, kv_cache, slot_mapping, tail) -> OverlapCheck:
+    """store_kv_cache's per-call aliasing check: the cache must not overlap data, sf, tail or slot_mapping."""
+    items, names = [], []
+    for i, (name, t) in enumerate(zip(STORE_TENSOR_NAMES, (data, sf, tail, slot_mapping, kv_cache))):
+        terms = None if t is None else span_terms(t, rows=name != "kv_cache")
+        if terms is not None:
+            items.append((i,) + terms)
+            names.append(name)
+    return OverlapCheck(items, (len(items) - 1,), tuple(names))  # the cache comes last and always holds bytes
 
 
 def _store_signature(data, sf, kv_cache, slot_mapping, layout, tail):
@@ -168,6 +200,8 @@ def store_kv_cache(data: torch.Tensor, sf: Optional[torch.Tensor], kv_cache: tor
     entry = validated(_store_signature, _validate_store, data, sf, kv_cache, slot_mapping, layout, tail)
     if torch.compiler.is_compiling():
         return _ops.store_kv_cache(data, sf, kv_cache, slot_mapping, layout, tail)
+    if entry.overlap is not None:
+        entry.overlap((data, sf, tail, slot_mapping, kv_cache), slot_mapping.shape[0])
     if _backend.checks_enabled():
         run_data_checks(slot_mapping=slot_mapping, capacity=kv_cache.shape[0] * kv_cache.shape[1])
     dev = kv_cache.device

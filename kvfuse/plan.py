@@ -20,6 +20,7 @@ import torch
 from .args import CastArgs, ContiguousOutArgs, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
 from .backend import env_flag
 from .formats import PRESETS, KVCacheFormat, RecordAddressing, check_cast_combination
+from .overlap import INF, OverlapCheck, row_limit, span_terms
 
 OUT_STAGES = ("norm", "transform", "cast_back")
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -156,10 +157,11 @@ class CacheEntry:
     no caller memory alive). ``launch``: the Triton launch parameters, filled by
     kvfuse.kernels.fused on the first launch."""
 
-    __slots__ = ("launch", "pinned", "recently_used")
+    __slots__ = ("launch", "pinned", "recently_used", "overlap")
 
     def __init__(self):
         self.launch = None
+        self.overlap = None          # the per-call kvfuse.overlap.OverlapCheck, None when no output can overlap
         self.pinned = ()             # the objects the key names by id: held, so no other object takes their id
         self.recently_used = False   # PlanCache's eviction bookkeeping
 
@@ -288,7 +290,9 @@ def validate(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=No
                                               has_norm=norm_args is not None)
     else:
         allocations, result = _validate_contiguous(plan, sources, cast_args, out_args, x.shape, dev)
-    return PlanTemplate(plan, sources, allocations, dev, result)
+    template = PlanTemplate(plan, sources, allocations, dev, result)
+    template.overlap = overlap_check(template, call_tensors(x, norm_args, rope_args, out_args), out_args)
+    return template
 
 
 def _validate_contiguous(plan, sources, cast_args, out_args, user_shape, dev):
@@ -384,6 +388,61 @@ def _validate_cache(plan, sources, cast_args, oa: KVCacheOutArgs, user_shape, x3
     return (), OUT_ARG2  # returns out_args.out (None when not given)
 
 
+# =============================================================================== aliasing (SPEC §5)
+ROW_FIELDS = frozenset(("x", "positions", "slot_mapping", "out", "q_out", "sf_out"))   # validated [n, ...]
+OUTPUT_FIELDS = frozenset(("out", "q_out", "sf_out", "kv_cache"))
+_FIELD_NAMES = {"x": "x", "weight": "norm_args.weight", "bias": "norm_args.bias", "positions": "rope_args.positions",
+                "cos_sin": "rope_args.cos_sin_cache", "kv_cache": "out_args.kv_cache",
+                "slot_mapping": "out_args.slot_mapping"}
+
+
+def argument_name(field: str, out_args) -> str:
+    """The name of the call argument that a Plan tensor field comes from."""
+    if field in ("out", "q_out"):
+        return "out_args" if isinstance(out_args, torch.Tensor) else "out_args.out"
+    if field == "sf_out":
+        return "out_args.sf"
+    return _FIELD_NAMES.get(field, field)
+
+
+def overlap_check(template: PlanTemplate, tensors: tuple, out_args) -> Optional[OverlapCheck]:
+    """The aliasing rules of a validated call (SPEC §5; see kvfuse.overlap): raises ValueError for an
+    output that overlaps itself, and returns the per-call check of the overlaps that depend on data
+    pointers (None when the call has no output of the caller's, on meta tensors, or while tracing)."""
+    if template.device_type == "meta" or torch.compiler.is_compiling():
+        return None
+    n = tensors[X].shape[0]
+    items, names, outputs = [], [], []
+    limit, limit_name, out_pos, x_pos = INF, None, None, None
+    for field, i, _ in template.sources:
+        if i >= NUM_CALL_TENSORS:
+            continue                     # allocated by the call: overlaps nothing
+        t, name = tensors[i], argument_name(field, out_args)
+        rows = field in ROW_FIELDS
+        if field in OUTPUT_FIELDS and rows:
+            rows_ok = row_limit(t, name)   # raises when one row overlaps itself
+            if rows_ok < limit:
+                limit, limit_name = rows_ok, name
+        terms = span_terms(t, rows)
+        if terms is None:
+            continue                     # no bytes
+        if field in OUTPUT_FIELDS:
+            outputs.append(len(items))
+        if field == "out":
+            out_pos = len(items)
+        elif field == "x":
+            x_pos = len(items)
+        items.append((i,) + terms)
+        names.append(name)
+    check = OverlapCheck(items, outputs, tuple(names), row_limit_=limit, limit_name=limit_name)
+    if out_pos is not None and x_pos is not None:
+        check.inplace = (out_pos, x_pos)
+        check.inplace_strides = tensors[items[out_pos][0]].stride() == tensors[X].stride()
+    if n > limit:
+        check(tensors, n)                # raises (the rows of an output overlap at this n)
+    return check if outputs or limit < INF else None
+
+
 # =============================================================================== entry
 def prepare(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=None, out_args=None):
     """(template, tensors) of a call: validated (or found in the plan cache), with the outputs it
@@ -420,8 +479,10 @@ def build_plan(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=
 # - the layout by identity (a KVCacheFormat is frozen), or with layout=None the identities of the
 #   formats.PRESETS values that infer_layout chooses from (monkeypatching a preset is a miss); the
 #   entry pins these objects, so no other object can take their ids while it exists.
-# Read on every call instead: the backend, KVFUSE_CHECKS (the data checks) and force_config (the
-# launch parameters are recomputed while it is active); the cache is bypassed while
+# Read on every call instead: the backend, KVFUSE_CHECKS (the data checks), force_config (the
+# launch parameters are recomputed while it is active) and the tensors' data pointers (the entry's
+# OverlapCheck compares them on every call: whether outputs overlap inputs or each other depends
+# on addresses, which the key does not hold); the cache is bypassed while
 # torch.compiler.is_compiling(). The environment that kvfuse.kernels.fused reads at import
 # (TRITON_INTERPRET, KVFUSE_NATIVE_CASTS) is constant. Only validated calls are stored: a
 # rejected call is validated, and raises, every time.
