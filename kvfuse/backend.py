@@ -121,12 +121,15 @@ class use_backend:  # noqa: N801 - a function in the public API that also works 
 
 
 _TRITON_TRUE = ("1", "true", "yes", "on")   # what Triton itself reads as on (triton.knobs, getenv_bool)
+_TRITON_TRUE_BYTES = frozenset(v.encode() for w in _TRITON_TRUE for v in (w, w.upper(), w.capitalize()))
 
 
 def interpreter_enabled() -> bool:
     """Whether TRITON_INTERPRET asks for Triton's interpreter (read with :func:`env_flag`). A value
     that kvfuse reads as on but Triton reads as off (on-words with spaces around them: Triton does not
     strip) is a ValueError: kvfuse and Triton would disagree on whether the kernels are interpreted."""
+    if _ENVIRON_BYTES is not None and _ENVIRON_BYTES.get(b"TRITON_INTERPRET") in _TRITON_TRUE_BYTES:
+        return True             # the usual spellings: one dict read (resolve_backend asks on every CPU call)
     on = env_flag("TRITON_INTERPRET")
     if on and getenv("TRITON_INTERPRET", "").lower() not in _TRITON_TRUE:
         raise ValueError(f"environment variable TRITON_INTERPRET={getenv('TRITON_INTERPRET', '')!r}: Triton reads "

@@ -62,8 +62,10 @@ def row_limit(t: torch.Tensor, name: str):
     overlap (a head stride shorter than the row, a broadcast inner dim)."""
     shape, stride = tuple(t.shape), t.stride()
     inner_shape, inner_stride = shape[1:], stride[1:]
-    if any(s == 0 for s in inner_shape):
+    if 0 in inner_shape:
         return INF                      # rows without elements
+    if _dense_enough(inner_shape, inner_stride, stride[0]):
+        return INF                      # every dense or padded layout: no enumeration
     L, dims = _runs(inner_shape, inner_stride)
     starts = _starts(dims)
     if starts is None:                  # too many inner runs to enumerate: the cheap sufficient test
@@ -75,8 +77,10 @@ def row_limit(t: torch.Tensor, name: str):
     s0 = int(stride[0])
     if s0 == 0:
         return 1
+    diffs = {0}                         # every difference of two run starts: per dim, k * stride for |k| < size
+    for size, st in dims:
+        diffs = {d + k * st for d in diffs for k in range(1 - size, size)}
     best = INF
-    diffs = {b - a for a in starts for b in starts}
     for d in diffs:   # rows i and i + k overlap iff |k*s0 + d| < L for some difference d of run starts
         k = max(1, (-L - d) // s0 + 1)
         if k * s0 + d < L:
@@ -87,11 +91,13 @@ def row_limit(t: torch.Tensor, name: str):
 def _dense_enough(shape, stride, s0):
     """Sufficient for no overlap at any n: the dims sorted by stride, each stride at least the extent of the
     smaller ones, and the row stride at least a row's extent."""
+    dims = sorted(zip(stride, shape)) if len(shape) > 1 else zip(stride, shape)
     span = 1                       # elements covered so far (exclusive end)
-    for st, size in sorted((st, size) for size, st in zip(shape, stride) if size != 1):
-        if st < span:
-            return False
-        span += st * (size - 1)
+    for st, size in dims:
+        if size != 1:
+            if st < span:
+                return False
+            span += st * (size - 1)
     return s0 >= span
 
 
@@ -150,7 +156,7 @@ class OverlapCheck:
     """
 
     __slots__ = ("items", "outputs", "names", "inplace", "inplace_strides", "row_limit", "limit_name", "_fine",
-                 "_tensors", "_sizes")
+                 "_tensors", "_sizes", "_pairs", "_last")
 
     def __init__(self, items, outputs, names, inplace=None, inplace_strides=False, row_limit_=INF, limit_name=None):
         self.items = tuple(items)
@@ -165,6 +171,10 @@ class OverlapCheck:
         # the call's tensors of the items, as a tuple (itemgetter of one index would give the tensor itself)
         self._tensors = operator.itemgetter(*indices) if len(indices) > 1 else (lambda t: (t[indices[0]],))
         self._sizes = {}               # n -> the span sizes in bytes
+        outs = set(self.outputs)       # (output, other) pairs to compare; two outputs once
+        self._pairs = tuple((k, j) for k in self.outputs for j in range(len(self.items))
+                            if j != k and not (j in outs and j < k))
+        self._last = (None, None, False)   # (n, data pointers, in place) of the last accepted call
 
     def __call__(self, tensors: tuple, n: int) -> bool:
         """Raise ValueError if the call's outputs overlap themselves, each other or an input; return whether
@@ -173,21 +183,32 @@ class OverlapCheck:
             raise ValueError(f"{self.limit_name}: its rows overlap in memory for n = {n} (at most {self.row_limit} "
                              f"rows fit its strides): an output must not be expanded (stride 0) or otherwise "
                              f"overlap itself")
-        if n == 0:
-            return False
         sizes = self._sizes.get(n)
         if sizes is None:
+            if not n:
+                return False
             if len(self._sizes) >= _MEMO_SIZE:
                 self._sizes.clear()
             sizes = self._sizes[n] = [fixed + per_row * n for _, fixed, per_row in self.items]
         ptrs = list(map(_DATA_PTR, self._tensors(tensors)))
+        last = self._last
+        if ptrs == last[1] and n == last[0]:
+            return last[2]             # the same buffers as the last call (engines reuse theirs): the same verdict
+        ends = list(map(operator.add, ptrs, sizes))
         inplace = False
-        for k in self.outputs:
-            lo = ptrs[k]
-            hi = lo + sizes[k]
-            for j, s in enumerate(ptrs):
-                if s < hi and lo < s + sizes[j] and j != k:
-                    inplace |= self._exact(tensors, n, k, j, ptrs)
+        for k, j in self._pairs:
+            if ptrs[j] < ends[k] and ptrs[k] < ends[j]:
+                inplace = self._meeting(tensors, n, ptrs, ends)
+                break
+        self._last = (n, ptrs, inplace)
+        return inplace
+
+    def _meeting(self, tensors, n, ptrs, ends) -> bool:
+        """Some spans meet: decide every meeting pair exactly; return whether the call is in place."""
+        inplace = False
+        for k, j in self._pairs:
+            if ptrs[j] < ends[k] and ptrs[k] < ends[j]:
+                inplace |= self._exact(tensors, n, k, j, ptrs)
         return inplace
 
     def _exact(self, tensors, n, k, j, ptrs) -> bool:
@@ -214,12 +235,14 @@ class OverlapCheck:
 def span_terms(t: torch.Tensor, rows: bool):
     """(fixed bytes, bytes per row) of t's span: [data_ptr, data_ptr + fixed + per_row * n) where n is the call's
     row count when ``rows`` (t's leading dim is n), else t's own extent (per_row 0). None when t holds no bytes."""
-    es = t.element_size()
-    shape, stride = tuple(t.shape), t.stride()
-    if rows:
-        inner = extent(shape[1:], stride[1:])
-        if inner == 0:
+    shape, stride = t.shape, t.stride()
+    first = 1 if rows else 0
+    size = 1                                   # elements from the first to one past the last (strides >= 0)
+    for d in range(first, len(shape)):
+        if shape[d] == 0:
             return None
-        return es * (inner - stride[0]), es * stride[0]
-    size = extent(shape, stride)
-    return None if size == 0 else (es * size, 0)
+        size += (shape[d] - 1) * stride[d]
+    es = t.element_size()
+    if rows:
+        return es * (size - stride[0]), es * stride[0]
+    return es * size, 0

@@ -391,18 +391,21 @@ def _validate_cache(plan, sources, cast_args, oa: KVCacheOutArgs, user_shape, x3
 # =============================================================================== aliasing (SPEC §5)
 ROW_FIELDS = frozenset(("x", "positions", "slot_mapping", "out", "q_out", "sf_out"))   # validated [n, ...]
 OUTPUT_FIELDS = frozenset(("out", "q_out", "sf_out", "kv_cache"))
-_FIELD_NAMES = {"x": "x", "weight": "norm_args.weight", "bias": "norm_args.bias", "positions": "rope_args.positions",
-                "cos_sin": "rope_args.cos_sin_cache", "kv_cache": "out_args.kv_cache",
-                "slot_mapping": "out_args.slot_mapping"}
+_INPUT_NAMES = {"x": "x", "weight": "norm_args.weight", "bias": "norm_args.bias", "positions": "rope_args.positions",
+                "cos_sin": "rope_args.cos_sin_cache"}
+_ARGUMENT_NAMES = {  # Plan tensor field -> the call argument it comes from, per kind of out_args
+    "tensor": {**_INPUT_NAMES, "out": "out_args", "q_out": "out_args"},
+    "contiguous": {**_INPUT_NAMES, "out": "out_args.out", "q_out": "out_args.out", "sf_out": "out_args.sf"},
+    "cache": {**_INPUT_NAMES, "out": "out_args.out", "kv_cache": "out_args.kv_cache",
+              "slot_mapping": "out_args.slot_mapping"},
+}
 
 
-def argument_name(field: str, out_args) -> str:
-    """The name of the call argument that a Plan tensor field comes from."""
-    if field in ("out", "q_out"):
-        return "out_args" if isinstance(out_args, torch.Tensor) else "out_args.out"
-    if field == "sf_out":
-        return "out_args.sf"
-    return _FIELD_NAMES.get(field, field)
+def argument_names(out_args) -> dict:
+    """Plan tensor field -> the name of the call argument it comes from."""
+    if isinstance(out_args, KVCacheOutArgs):
+        return _ARGUMENT_NAMES["cache"]
+    return _ARGUMENT_NAMES["tensor" if isinstance(out_args, torch.Tensor) else "contiguous"]
 
 
 def overlap_check(template: PlanTemplate, tensors: tuple, out_args) -> Optional[OverlapCheck]:
@@ -412,35 +415,39 @@ def overlap_check(template: PlanTemplate, tensors: tuple, out_args) -> Optional[
     if template.device_type == "meta" or torch.compiler.is_compiling():
         return None
     n = tensors[X].shape[0]
+    arg_names = argument_names(out_args)
     items, names, outputs = [], [], []
     limit, limit_name, out_pos, x_pos = INF, None, None, None
     for field, i, _ in template.sources:
         if i >= NUM_CALL_TENSORS:
             continue                     # allocated by the call: overlaps nothing
-        t, name = tensors[i], argument_name(field, out_args)
+        t = tensors[i]
         rows = field in ROW_FIELDS
-        if field in OUTPUT_FIELDS and rows:
-            rows_ok = row_limit(t, name)   # raises when one row overlaps itself
+        output = field in OUTPUT_FIELDS
+        if output and rows:
+            rows_ok = row_limit(t, arg_names[field])   # raises when one row overlaps itself
             if rows_ok < limit:
-                limit, limit_name = rows_ok, name
+                limit, limit_name = rows_ok, arg_names[field]
         terms = span_terms(t, rows)
         if terms is None:
             continue                     # no bytes
-        if field in OUTPUT_FIELDS:
+        if output:
             outputs.append(len(items))
-        if field == "out":
-            out_pos = len(items)
+            if field == "out":
+                out_pos = len(items)
         elif field == "x":
             x_pos = len(items)
         items.append((i,) + terms)
-        names.append(name)
+        names.append(arg_names.get(field, field))
+    if not outputs and limit == INF:
+        return None
     check = OverlapCheck(items, outputs, tuple(names), row_limit_=limit, limit_name=limit_name)
     if out_pos is not None and x_pos is not None:
         check.inplace = (out_pos, x_pos)
         check.inplace_strides = tensors[items[out_pos][0]].stride() == tensors[X].stride()
     if n > limit:
         check(tensors, n)                # raises (the rows of an output overlap at this n)
-    return check if outputs or limit < INF else None
+    return check
 
 
 # =============================================================================== entry
