@@ -55,15 +55,18 @@ def _kernels():
     return _fused_module
 
 
+def _copy_of(x: torch.Tensor) -> torch.Tensor:
+    copy = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    with torch.no_grad():
+        copy.copy_(x)
+    return copy
+
+
 def _private_x(tensors: tuple) -> tuple:
     """An in-place call's tensors with x replaced by a copy of it (same shape and strides): out stays x, and
     the backends never read x where they may already have written out (the kernel reloads x's RoPE columns
     after it stores the "norm" stage, for one)."""
-    x = tensors[X]
-    copy = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
-    with torch.no_grad():
-        copy.copy_(x)
-    return (copy,) + tensors[X + 1:]
+    return (_copy_of(tensors[X]),) + tensors[X + 1:]
 
 
 def run_data_checks(positions=None, max_position=None, slot_mapping=None, capacity=None) -> None:
@@ -99,6 +102,8 @@ def execute(plan: Plan) -> None:
                         plan.slot_mapping, cap)
     if plan.n == 0 or plan.x.device.type == "meta":
         return  # nothing to compute (meta tensors carry no data: shapes were checked above)
+    if plan.out is not None and plan.out.data_ptr() == plan.x.data_ptr():
+        plan.x = _copy_of(plan.x)  # in place through kvfuse.ops (the eager entry copied x already): see _private_x
     if _backend.resolve_backend(plan.x.device) == "triton":
         _kernels().run_plan(plan)
     else:

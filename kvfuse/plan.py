@@ -462,6 +462,8 @@ def build_plan(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=
     """Validate everything; return (plan, result) where result is what the call returns
     (None, a tensor, or a (q, sf) tuple; new outputs are allocated here)."""
     template, tensors = prepare(x, norm_args, rope_args, hadamard_args, cast_args, out_args)
+    if template.overlap is not None:   # eager calls of kvfuse.ops (None while tracing): the aliasing rules
+        template.overlap(tensors, tensors[X].shape[0])
     return template.bind(tensors), template.result(tensors)
 
 
