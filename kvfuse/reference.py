@@ -100,6 +100,31 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.T
     return round_to_bf16((xf * rstd[..., None]) * weight.to(F32))
 
 
+def layernorm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+              eps: float = 1e-6) -> torch.Tensor:
+    """bf16 [..., D] -> bf16: d = f(x) - tree(x) / D, rstd = 1 / sqrt(tree(d^2) / D + eps),
+    y = bf16(((d * rstd) * f(w)) + f(b)) (no ``+ f(b)`` without a bias). SPEC §2 "LayerNorm"."""
+    xf = x.to(F32)
+    dim = _f32(x.shape[-1], x)
+    mean = torch.div(pairwise_sum(xf), dim)
+    d = xf - mean[..., None]
+    var = torch.div(pairwise_sum(d * d), dim)
+    den = torch.sqrt((var + _f32(eps, x)).to(torch.float64)).to(F32)    # correctly rounded fp32 sqrt
+    rstd = torch.div(torch.ones_like(den), den)
+    y = (d * rstd[..., None]) * weight.to(F32)
+    if bias is not None:
+        y = y + bias.to(F32)
+    return round_to_bf16(y)
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, kind: str = "rms",
+         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The norm stage: :func:`rmsnorm` (kind "rms") or :func:`layernorm` (kind "layer")."""
+    if kind == "layer":
+        return layernorm(x, weight, bias, eps)
+    return rmsnorm(x, weight, eps)
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int,
          is_neox: bool, offset: Optional[int] = None, conjugate: bool = False) -> torch.Tensor:
     """bf16 [n, D] or [n, H, D] -> bf16; rotates pairs of dims in [offset, offset + rotary_dim).
@@ -274,12 +299,12 @@ def load(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, fmt: KVCacheFormat,
 
 # --------------------------------------------------------------------------- the chain
 def transform(x, weight=None, eps=1e-6, positions=None, cos_sin=None, rotary_dim=0, rope_offset=None,
-              is_neox=True, conjugate=False, hadamard_scale=None):
+              is_neox=True, conjugate=False, hadamard_scale=None, norm_kind="rms", bias=None):
     """norm -> rope -> hadamard on bf16 [n, H, D]; returns (after_norm or None, transform output)."""
     y = x
     normed = None
     if weight is not None:
-        y = normed = rmsnorm(y, weight, eps)
+        y = normed = norm(y, weight, eps, norm_kind, bias)
     if positions is not None:
         y = rope(y, positions, cos_sin, rotary_dim, is_neox, rope_offset, conjugate)
     if hadamard_scale is not None:
@@ -292,7 +317,8 @@ def run_plan(plan: Plan) -> None:
     if plan.n == 0:
         return
     normed, y = transform(plan.x, plan.weight, plan.eps, plan.positions, plan.cos_sin, plan.rotary_dim,
-                          plan.rope_offset, plan.is_neox, plan.conjugate, plan.hadamard_scale)
+                          plan.rope_offset, plan.is_neox, plan.conjugate, plan.hadamard_scale, plan.norm_kind,
+                          plan.bias)
     stages = {"norm": normed, "transform": y}
     cast: Optional[CastSpec] = plan.cast
     q = sf = None

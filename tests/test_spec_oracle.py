@@ -149,12 +149,19 @@ def make_rope(rng: np.random.Generator, n, D, rotary_dim=None, offset="rand", ta
 
 
 def make_norm(rng: np.random.Generator, D):
+    """RMSNorm, or LayerNorm (one call in three; a bias in half of those), bf16 or fp32 parameters."""
     w = (1.0 + 0.3 * rng.standard_normal(D)).astype(np.float32)
-    eps = float(rng.choice([1e-6, 1e-5, 1e-3, 0.0, 3e-7]))
+    eps = float(rng.choice([1e-6, 1e-5, 1e-3, 1e-30, 3e-7]))
+    layer = rng.random() < 1 / 3
+    b = (0.5 * rng.standard_normal(D)).astype(np.float32) if layer and rng.random() < 0.5 else None
     if rng.random() < 0.5:
-        wb = O.f32_to_bf16(w)
-        return NormArgs(t_bf16(wb), eps=eps), (wb, eps)
-    return NormArgs(torch.from_numpy(w.copy()), eps=eps), (w, eps)
+        w, b = O.f32_to_bf16(w), None if b is None else O.f32_to_bf16(b)
+        tw, tb = t_bf16(w), None if b is None else t_bf16(b)
+    else:
+        tw, tb = torch.from_numpy(w.copy()), None if b is None else torch.from_numpy(b.copy())
+    if layer:
+        return NormArgs(tw, eps=eps, bias=tb, kind="layer"), (w, eps, b, "layer")
+    return NormArgs(tw, eps=eps), (w, eps)
 
 
 def fix_zero_rows_for_eps0(bits, eps):
