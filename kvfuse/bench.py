@@ -37,7 +37,7 @@ from . import api as _api
 from . import reference
 from .args import CastArgs, ContiguousOutArgs, KVCacheOutArgs, NormArgs, RopeArgs
 from .backend import use_backend
-from .formats import (FLASHMLA_MODEL1, FLASHMLA_V32, INDEX_FP8_FP32, INDEX_MXFP4, INDEX_NVFP4, MAIN_FP4,
+from .formats import (FLASHMLA_MODEL1, FLASHMLA_V32, INDEX_FP8_FP32, INDEX_MXFP4, INDEX_MXFP8, INDEX_NVFP4, MAIN_FP4,
                       MAIN_FP8, KVCacheFormat)
 from .plan import q_dtype
 
@@ -80,14 +80,18 @@ class Workload:
     norm: bool = True
     rotary_dim: int = ROTARY_DIM
     description: str = ""
+    is_neox: bool = True                 # RoPE style (False: GPT-J, interleaved pairs)
+    rope_offset: Optional[int] = None    # None: the tail
 
     @property
     def cast_args(self) -> Optional[CastArgs]:
         return None if self.fmt is None else CastArgs.from_cache_format(self.fmt)
 
 
-def _write(name, fmt, what):
-    return Workload(name, "write", fmt.head_dim, fmt, description=f"{what}: norm + NEOX rope (last 64) -> {fmt.name}")
+def _write(name, fmt, what, is_neox=True):
+    style = "NEOX" if is_neox else "GPT-J"
+    return Workload(name, "write", fmt.head_dim, fmt, is_neox=is_neox,
+                    description=f"{what}: norm + {style} rope (last 64) -> {fmt.name}")
 
 
 WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
@@ -98,6 +102,13 @@ WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
     _write("index_mxfp4", INDEX_MXFP4, "indexer K 128"),
     _write("index_nvfp4", INDEX_NVFP4, "indexer K 128"),
     _write("index_fp8_fp32", INDEX_FP8_FP32, "indexer K 128"),
+    _write("main_fp8_gptj", MAIN_FP8, "main KV 512", is_neox=False),
+    _write("main_fp4_gptj", MAIN_FP4, "main KV 512", is_neox=False),
+    _write("flashmla_v32_gptj", FLASHMLA_V32, "FlashMLA V3.2 KV 576", is_neox=False),
+    _write("flashmla_model1_gptj", FLASHMLA_MODEL1, "FlashMLA MODEL1 KV 512", is_neox=False),
+    _write("index_mxfp8_gptj", INDEX_MXFP8, "indexer K 128", is_neox=False),
+    Workload("index_fp8_fp32_off0", "write", 128, INDEX_FP8_FP32, rope_offset=0,
+             description="indexer K 128: norm + NEOX rope (first 64) -> INDEX_FP8_FP32"),
     Workload("q_pre", "q_pre", 512, None, num_heads=64,
              description="Q preprocessing: x [n, 64, 512], norm + NEOX rope (last 64) -> bf16 out"),
     Workload("index_q", "index_q", 128, INDEX_MXFP4, num_heads=64, norm=False,
@@ -246,7 +257,7 @@ def result_tensors(wl: Workload, inp: Inputs) -> List[torch.Tensor]:
 def fused_call(wl: Workload, inp: Inputs) -> Callable[[], None]:
     """One public call of the fused operator for this workload (the fused and reference peers)."""
     norm = NormArgs(inp.weight, EPS) if wl.norm else None
-    rope = RopeArgs(inp.positions, inp.cos_sin, wl.rotary_dim, True)
+    rope = RopeArgs(inp.positions, inp.cos_sin, wl.rotary_dim, wl.is_neox, wl.rope_offset)
     if wl.kind == "write":
         out = KVCacheOutArgs(inp.cache, inp.slots, layout=wl.fmt)
     elif wl.kind == "q_pre":
@@ -270,7 +281,8 @@ def _stage_chain(wl: Workload, inp: Inputs) -> Callable[[], None]:
                                           out_args=ContiguousOutArgs(out=inp.norm_buf))))
         src = inp.norm_buf
     roped = inp.out if wl.kind == "q_pre" else inp.rope_buf
-    steps.append((fused, (src,), dict(rope_args=RopeArgs(inp.positions, inp.cos_sin, wl.rotary_dim, True),
+    steps.append((fused, (src,), dict(rope_args=RopeArgs(inp.positions, inp.cos_sin, wl.rotary_dim, wl.is_neox,
+                                                         wl.rope_offset),
                                       out_args=ContiguousOutArgs(out=roped))))
     if wl.kind != "q_pre":
         qd = wl.fmt.quant_dim
@@ -302,13 +314,13 @@ def _flat_store(flat, slots, geom, payloads) -> None:
 def make_chain(wl: Workload) -> Callable:
     """The reference stages composed as one function (what the compile peer compiles).
     Arguments: :func:`chain_args`."""
-    rd = wl.rotary_dim
+    rd, neox, off = wl.rotary_dim, wl.is_neox, wl.rope_offset
     fmt = wl.fmt
     if wl.kind == "write":
         qd = fmt.quant_dim
 
         def write_chain(x, weight, positions, cos_sin, slots, flat, geom):
-            y = reference.rope(reference.rmsnorm(x, weight, EPS), positions, cos_sin, rd, True)
+            y = reference.rope(reference.rmsnorm(x, weight, EPS), positions, cos_sin, rd, neox, off)
             q, sf = reference.quantize(y[..., :qd], fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format)
             payloads = [q.view(torch.uint8), sf.contiguous().view(torch.uint8)]
             if fmt.bf16_tail:
@@ -317,11 +329,11 @@ def make_chain(wl: Workload) -> Callable:
         return write_chain
     if wl.kind == "q_pre":
         def q_chain(x, weight, positions, cos_sin, out):
-            out.copy_(reference.rope(reference.rmsnorm(x, weight, EPS), positions, cos_sin, rd, True))
+            out.copy_(reference.rope(reference.rmsnorm(x, weight, EPS), positions, cos_sin, rd, neox, off))
         return q_chain
 
     def index_q_chain(x, positions, cos_sin, q_out, sf_out):
-        q, sf = reference.quantize(reference.rope(x, positions, cos_sin, rd, True), fmt.cast_fmt,
+        q, sf = reference.quantize(reference.rope(x, positions, cos_sin, rd, neox, off), fmt.cast_fmt,
                                    fmt.elements_per_sf, fmt.sf_format)
         q_out.copy_(q)
         sf_out.copy_(sf)
