@@ -512,7 +512,9 @@ def oracle_load(cache: CacheDesc, dequantize=True):
             ng = f.quant_dim // f.g
             sfb = st[sa:sa + f.sf_exact]
             if f.sf_format == "ue8m0":
+                # SPEC §4: the byte 0xFF is NaN (OCP MX), not 2^128
                 d = np.ldexp(np.float32(1.0), sfb.astype(np.int32) - 127).astype(np.float32)
+                d = np.where(sfb == 0xFF, np.float32(np.nan), d).astype(np.float32)
             elif f.sf_format == "e4m3":
                 d = decode_e4m3(sfb)
             else:
@@ -522,7 +524,8 @@ def oracle_load(cache: CacheDesc, dequantize=True):
             else:
                 qf = decode_e2m1(unpack_e2m1(q))
             v = (qf.reshape(ng, f.g) * d[:, None]).astype(np.float32).reshape(-1)
-            out[t, h, :f.quant_dim] = f32_to_bf16(v)
+            # every decoded NaN is the bf16 0x7FC0 (kvfuse's choice, README "Non-finite values")
+            out[t, h, :f.quant_dim] = np.where(np.isnan(v), np.uint16(0x7FC0), f32_to_bf16(v))
             if f.bf16_tail:
                 out[t, h, f.quant_dim:] = tail.view("<u2")
     if dequantize:

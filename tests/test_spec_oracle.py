@@ -557,6 +557,22 @@ def test_store_and_load(fname, backend):
     assert_bits_equal(raw_sf.numpy().reshape(exp_sf.shape)[valid], exp_sf[valid], "load raw sf", ctx)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("fname", sorted(ALL_FORMATS))
+def test_load_of_random_bytes(fname, backend):
+    """load_paged_kv_cache of records of random bytes: every e4m3 / e2m1 code and scale byte occurs,
+    the NaN codes (ue8m0 0xFF, e4m3 0x7F / 0xFF, fp32 NaN patterns) included (SPEC §4)."""
+    f = ALL_FORMATS[fname]
+    rng = np.random.default_rng([SEED, 37, sum(map(ord, fname))])
+    nh = 2 if f.token_interleaved else 1
+    n = int(rng.integers(4, 8 if backend == "triton" else 24))
+    kv, slots_t, desc = make_cache(rng, f, nh, n, small=backend == "triton")
+    with backend_ctx(backend):
+        loaded = kvfuse.load_paged_kv_cache(kv, slots_t, f)
+    ctx = f"[fmt={fname} backend={backend} slots={desc.slots.tolist()}]"
+    assert_bits_equal(bits_of(loaded), O.oracle_load(desc), "load of random bytes", ctx)
+
+
 # --------------------------------------------------------------------------------------------
 # constructed ties
 # --------------------------------------------------------------------------------------------

@@ -823,9 +823,12 @@ def load_kernel(slot_ptr, s_slot, cache_ptr, s_blk, data_tok, sf_tok, head_strid
             val = ((lo.to(tl.uint32) | (hi.to(tl.uint32) << 8)) << 16).to(tl.float32, bitcast=True)
         else:
             qmask = okm & (cols < DQ)[None, :]
+            # NaN codes decode as NaN (SPEC §4); numerics.decode_e4m3 (shared with the write kernels)
+            # maps 0x7F / 0xFF to +-480, so the NaN is selected here
+            nan = tl.full([BLOCK_M, BLOCK_D], 0x7FC00000, tl.uint32).to(tl.float32, bitcast=True)
             if CAST == 1:
                 code = tl.load(cache_ptr + qb[:, None] + cols[None, :], mask=qmask, other=0)
-                qf = decode_e4m3(code)
+                qf = tl.where((code & 0x7F) == 0x7F, nan, decode_e4m3(code))
             else:
                 byte = tl.load(cache_ptr + qb[:, None] + (cols >> 1)[None, :], mask=qmask, other=0).to(tl.uint32)
                 qf = decode_e2m1(tl.where((cols & 1)[None, :] == 0, byte & 0xF, byte >> 4))
@@ -833,9 +836,12 @@ def load_kernel(slot_ptr, s_slot, cache_ptr, s_blk, data_tok, sf_tok, head_strid
             gm = okm & (gi < DQ // G)[None, :]
             if SF == 0:
                 e = tl.load(cache_ptr + sb[:, None] + gi[None, :], mask=gm, other=127).to(tl.int32)
-                d = tl.where(e == 0, 0x400000, e << 23).to(tl.float32, bitcast=True)   # byte 0: 2^-127
+                # byte 0: 2^-127; byte 0xFF: NaN (OCP MX), not 2^128
+                d = tl.where(e == 0, 0x400000, tl.where(e == 0xFF, 0x7FC00000, e << 23)).to(tl.float32, bitcast=True)
             elif SF == 2:
-                d = decode_e4m3(tl.load(cache_ptr + sb[:, None] + gi[None, :], mask=gm, other=0x38))
+                sc = tl.load(cache_ptr + sb[:, None] + gi[None, :], mask=gm, other=0x38)
+                d = tl.where((sc & 0x7F) == 0x7F, 0x7FC00000, decode_e4m3(sc).to(tl.uint32, bitcast=True))
+                d = d.to(tl.float32, bitcast=True)
             else:
                 u = tl.zeros([BLOCK_M, BLOCK_D // G], tl.uint32)
                 for i in tl.static_range(4):
@@ -844,6 +850,7 @@ def load_kernel(slot_ptr, s_slot, cache_ptr, s_blk, data_tok, sf_tok, head_strid
                 d = u.to(tl.float32, bitcast=True)
             v = tl.reshape(qf, [BLOCK_M, BLOCK_D // G, G]) * d[:, :, None]
             val = tl.reshape(round_bf16(v, NATIVE), [BLOCK_M, BLOCK_D])
+            val = tl.where(val != val, nan, val)          # one NaN pattern (bf16 0x7FC0) on every backend
             if DQ < D:
                 tail = (cols >= DQ) & (cols < D)
                 tcol = tl.where(tail, cols - DQ, 0)
