@@ -214,7 +214,7 @@ def _model_inputs(cfg: mla.MLAConfig, site: str, fmt: F.KVCacheFormat, x: torch.
 
 
 def model_write_and_read(cfg: mla.MLAConfig, site: str, x: torch.Tensor, block_size: int, seed: int):
-    """The model's call site ``site`` ("main", "index" or "compressed") on x [n, head_dim]: one
+    """The model's call site ``site`` ("main", "index" or "compressed") on x [n, head_dim]: its
     kvfuse.mla call writing a paged cache. Returns (transform output y, dequantized read-back,
     y without the Hadamard: the bf16 keys the recall is measured against)."""
     fmt = dict((s, f) for s, f, _ in model_sites(cfg))[site]
@@ -278,7 +278,9 @@ def explore_model(cfg: mla.MLAConfig, tensors: Dict[str, torch.Tensor], n: int, 
 
 def describe_model(cfg: mla.MLAConfig) -> str:
     """One line: the model's RoPE styles and offsets, norms, Hadamard and formats."""
-    style = lambda neox: "NEOX" if neox else "GPT-J"  # noqa: E731
+    def style(neox: bool) -> str:
+        return "NEOX" if neox else "GPT-J"
+
     parts = [f"Q {cfg.num_heads} x {cfg.qk_head_dim} RoPE {cfg.qk_rope_head_dim} {style(cfg.rope_is_neox)} at "
              f"{cfg.rope_offset}" + (" (weightless RMSNorm)" if cfg.q_norm else ""),
              f"main {cfg.main_format.name} (RMSNorm{' on the latent' if cfg.splits_k_pe() else ''})"]
