@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call: the GPU matrix (tests/gpu/test_gpu_matrix.py) and the RoPE-style benchmark points.
+# One device call: the GPU matrix (tests/gpu/test_gpu_matrix.py), the read side and engine allocations
+# (tests/gpu/test_gpu_read_and_alloc.py), then benchmark points of BENCH_WL (fused peer).
 #   bash scripts/device_run.sh [MATRIX_SECONDS] [BENCH_SECONDS]
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -9,6 +10,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 t0=$(date +%s)
 KVFUSE_TEST_GPU=1 timeout -s INT "${1:-400}" python3 -m pytest -q -rf -p no:cacheprovider tests/gpu/test_gpu_matrix.py \
+  tests/gpu/test_gpu_read_and_alloc.py \
   > "$OUT/gpu_matrix.log" 2>&1
 echo "gpu matrix rc=$? in $(( $(date +%s) - t0 )) s"
 grep -E "GPU matrix summary|passed|failed" "$OUT/gpu_matrix.log" | cut -c1-400 | tail -n 8
