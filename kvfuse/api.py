@@ -1,6 +1,7 @@
 """The public entry points: validate (kvfuse.plan), then run on the chosen backend."""
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -17,16 +18,48 @@ __all__ = ["fused_norm_rope_hadamard_cast_store_kvcache", "store_kv_cache", "loa
 _fused_module = None
 
 
+class _InterpreterLaunches:
+    """kvfuse.kernels.fused with every launch taken under one process-wide lock: Triton's interpreter
+    is not thread-safe (it patches triton.language globally and keeps the grid position in a global
+    builder while a launch runs), so concurrent calls raised InterpreterError and left partial writes.
+    Used only when the kernels run in the interpreter; compiled kernels get the module itself (no lock)."""
+
+    _lock = threading.Lock()  # one for the process (two threads that import the kernels at once build two wrappers)
+
+    def __init__(self, module):
+        self._module = module
+
+    def run_template(self, template, tensors):
+        with self._lock:
+            return self._module.run_template(template, tensors)
+
+    def run_plan(self, plan):
+        with self._lock:
+            return self._module.run_plan(plan)
+
+    def store(self, *args):
+        with self._lock:
+            return self._module.store(*args)
+
+    def load(self, *args):
+        with self._lock:
+            return self._module.load(*args)
+
+
 def _kernels():
     global _fused_module
     if _fused_module is None:
         from .kernels import fused  # imported lazily: triton is only needed by the triton backend
-        _fused_module = fused
+        _fused_module = _InterpreterLaunches(fused) if fused.INTERPRET else fused
     return _fused_module
 
 
 def run_data_checks(positions=None, max_position=None, slot_mapping=None, capacity=None) -> None:
-    """KVFUSE_CHECKS: positions in [0, max_position) and no duplicate valid slots (synchronizes)."""
+    """KVFUSE_CHECKS: positions in [0, max_position) and no duplicate valid slots (synchronizes).
+    Skipped for meta tensors (no data to read; validation already checked their shapes)."""
+    if positions is not None and positions.device.type == "meta" or (
+            slot_mapping is not None and slot_mapping.device.type == "meta"):
+        return
     if positions is not None and positions.numel():
         lo, hi = int(positions.min()), int(positions.max())
         if lo < 0 or hi >= max_position:
@@ -39,7 +72,13 @@ def run_data_checks(positions=None, max_position=None, slot_mapping=None, capaci
 
 
 def execute(plan: Plan) -> None:
-    """Run a validated plan on the backend chosen for its device."""
+    """Run a validated plan on the backend chosen for its device.
+
+    The reference backend writes under torch.inference_mode(), so that it writes what the kernel
+    writes: outputs created under inference mode (engines allocate caches there) are accepted
+    outside it too, and an output that requires grad is written like any buffer, with no autograd
+    record. Outside inference mode torch checks those in-place writes after each one, so a call
+    raised RuntimeError with part of its record written."""
     if torch.compiler.is_compiling():
         return _ops.execute_op(plan)  # traced as one custom op (torch.compile / CUDA graphs)
     if _backend.checks_enabled():
@@ -51,7 +90,8 @@ def execute(plan: Plan) -> None:
     if _backend.resolve_backend(plan.x.device) == "triton":
         _kernels().run_plan(plan)
     else:
-        reference.run_plan(plan)
+        with torch.inference_mode():  # see the docstring
+            reference.run_plan(plan)
 
 
 def fused_norm_rope_hadamard_cast_store_kvcache(x, norm_args=None, rope_args=None, hadamard_args=None,
@@ -140,7 +180,8 @@ def store_kv_cache(data: torch.Tensor, sf: Optional[torch.Tensor], kv_cache: tor
     def heads(t):  # validated: a 2-d payload is [n, ..] of a one-head cache
         return None if t is None else (t.unsqueeze(1) if data.dim() == 2 else t)
 
-    reference.store(kv_cache, slot_mapping, layout, heads(data), heads(sf), heads(tail))
+    with torch.inference_mode():  # see execute
+        reference.store(kv_cache, slot_mapping, layout, heads(data), heads(sf), heads(tail))
 
 
 def _validate_load(kv_cache, slot_mapping, layout, dequantize) -> CacheEntry:

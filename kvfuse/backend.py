@@ -1,14 +1,23 @@
-"""Backend choice and data-dependent checks.
+"""Backend choice, the data-dependent checks and kvfuse's environment switches.
 
-``use_backend(name)`` (a context manager) or ``KVFUSE_BACKEND``: "auto" (the Triton kernel for
-CUDA tensors, the reference otherwise), "triton" or "reference". With ``TRITON_INTERPRET=1``,
-"triton" runs the same kernel on CPU tensors through Triton's interpreter.
+``use_backend(name)`` or ``KVFUSE_BACKEND``: "auto" (the Triton kernel for CUDA tensors, the
+reference otherwise), "triton" or "reference". ``use_backend`` works as a plain call (sets the
+backend of the calling thread) and as a context manager (restores the thread's previous choice on
+exit); an unknown name is a ValueError at once. With ``TRITON_INTERPRET=1``, "triton" runs the
+same kernel on CPU tensors through Triton's interpreter.
 ``set_checks(True)`` or ``KVFUSE_CHECKS=1`` turns on the checks that read data (positions in
 range, no duplicate valid slots): they synchronize the device and stay off by default.
+
+Scope: the backend chosen with ``use_backend`` is per thread (a thread that never chose follows
+``KVFUSE_BACKEND``); ``set_checks`` and every environment variable are per process.
+
+Boolean environment switches (``KVFUSE_CHECKS``, ``KVFUSE_PLAN_CACHE``, ``KVFUSE_GLUON``,
+``KVFUSE_DIRECT_LAUNCH``, ``TRITON_INTERPRET``) are read with :func:`env_flag`: 0/1/true/false/
+yes/no/on/off in any case, surrounding whitespace ignored, an empty value counts as unset;
+anything else is a ValueError naming the variable.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 
@@ -38,11 +47,36 @@ def getenv(name: str, default: str) -> str:
     return default if value is None else os.fsdecode(value)
 
 
-def env_flag(name: str) -> bool:
-    """Whether environment variable ``name`` is set to something other than "" or "0"."""
+FLAG_WORDS = {"0": False, "1": True, "false": False, "true": True, "no": False, "yes": True, "off": False,
+              "on": True}
+_FLAG_BYTES = {word.encode(): value for word, value in FLAG_WORDS.items()}  # the exact spellings: one dict read
+
+
+def parse_flag(name: str, value: str, default: bool = False) -> bool:
+    """The boolean that ``value`` (of the environment variable ``name``) spells: 0/1/true/false/yes/no/
+    on/off in any case, surrounding whitespace ignored; an empty value is ``default`` (as if unset).
+    Anything else is a ValueError naming the variable."""
+    word = value.strip().lower()
+    if not word:
+        return default
+    flag = FLAG_WORDS.get(word)
+    if flag is None:
+        raise ValueError(f"environment variable {name}={value!r}: expected one of 0/1/true/false/yes/no/on/off "
+                         f"(any case), or unset")
+    return flag
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    """The boolean environment switch ``name`` (see :func:`parse_flag`); ``default`` when unset.
+    Raises ValueError naming the variable for a value that is not a boolean word."""
     if _ENVIRON_BYTES is None:
-        return os.environ.get(name, "0") not in ("", "0")
-    return _ENVIRON_BYTES.get(name.encode(), b"0") not in (b"", b"0")
+        value = os.environ.get(name)
+        return default if value is None else parse_flag(name, value, default)
+    raw = _ENVIRON_BYTES.get(name.encode())
+    if raw is None:
+        return default
+    flag = _FLAG_BYTES.get(raw)
+    return flag if flag is not None else parse_flag(name, os.fsdecode(raw), default)
 
 
 def _check_name(name):
@@ -58,20 +92,47 @@ def current_backend() -> str:
     return name
 
 
-@contextlib.contextmanager
-def use_backend(name: str):
-    """Run the enclosed calls with backend ``name`` ("auto", "triton" or "reference")."""
-    _check_name(name)
-    prev = _state.backend
-    _state.backend = name
-    try:
-        yield
-    finally:
-        _state.backend = prev
+class use_backend:  # noqa: N801 - a function in the public API that also works as a context manager
+    """Choose the backend of the calling thread: "auto", "triton" or "reference".
+
+    A plain call ``use_backend("reference")`` sets it (until the next choice); ``with
+    use_backend("reference"):`` sets it and restores the previous choice on exit (the one in force
+    when ``use_backend`` was called). An unknown name raises ValueError at once, changing nothing.
+    The choice is per thread: other threads keep theirs (or ``KVFUSE_BACKEND``).
+    """
+
+    __slots__ = ("name", "_previous")
+
+    def __init__(self, name: str):
+        _check_name(name)
+        self.name = name
+        self._previous = _state.backend
+        _state.backend = name
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        _state.backend = self._previous
+        return False
+
+    def __repr__(self):
+        return f"use_backend({self.name!r})"
+
+
+_TRITON_TRUE = ("1", "true", "yes", "on")   # what Triton itself reads as on (triton.knobs, getenv_bool)
 
 
 def interpreter_enabled() -> bool:
-    return env_flag("TRITON_INTERPRET")
+    """Whether TRITON_INTERPRET asks for Triton's interpreter (read with :func:`env_flag`). A value
+    that kvfuse reads as on but Triton reads as off (on-words with spaces around them: Triton does not
+    strip) is a ValueError: kvfuse and Triton would disagree on whether the kernels are interpreted."""
+    on = env_flag("TRITON_INTERPRET")
+    if on and getenv("TRITON_INTERPRET", "").lower() not in _TRITON_TRUE:
+        raise ValueError(f"environment variable TRITON_INTERPRET={getenv('TRITON_INTERPRET', '')!r}: Triton reads "
+                         f"this as off (it takes only 1/true/yes/on without surrounding spaces); write it without "
+                         f"spaces, or 0")
+    return on
 
 
 def resolve_backend(device, device_type: str = None) -> str:
@@ -89,7 +150,7 @@ def resolve_backend(device, device_type: str = None) -> str:
 
 
 def set_checks(enabled: bool) -> None:
-    """Turn the data-dependent checks on or off (overrides KVFUSE_CHECKS)."""
+    """Turn the data-dependent checks on or off for the whole process (overrides KVFUSE_CHECKS)."""
     global _checks_override
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")

@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-import os
 import threading
 from typing import NamedTuple, Optional
 
 import torch
 
 from .args import CastArgs, ContiguousOutArgs, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
+from .backend import env_flag
 from .formats import PRESETS, KVCacheFormat, RecordAddressing, check_cast_combination
 
 OUT_STAGES = ("norm", "transform", "cast_back")
@@ -493,7 +493,7 @@ class PlanCache:
         return PlanCacheInfo(self.hits, self.misses, len(self._entries), self.maxsize, self.enabled)
 
 
-PLAN_CACHE = PlanCache(enabled=os.environ.get("KVFUSE_PLAN_CACHE", "1") != "0")
+PLAN_CACHE = PlanCache(enabled=env_flag("KVFUSE_PLAN_CACHE", True))
 
 
 def validated(signature, validate_call, *args) -> CacheEntry:

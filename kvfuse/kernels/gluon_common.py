@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from ..backend import env_flag
 from .launcher import PlanTensor
 
 try:
@@ -39,7 +40,7 @@ def available() -> bool:
 def allowed_by_env(path: str) -> bool:
     """False when KVFUSE_GLUON=0 (every Gluon path off) or KVFUSE_GLUON_SKIP (a comma list) names ``path``."""
     skip = {t.strip() for t in os.environ.get("KVFUSE_GLUON_SKIP", "").split(",")}
-    return path not in skip and os.environ.get("KVFUSE_GLUON", "1") != "0"
+    return path not in skip and env_flag("KVFUSE_GLUON", True)
 
 
 def word_aligned(x, weight) -> bool:

@@ -26,6 +26,8 @@ import os
 import torch
 import triton
 
+from ..backend import env_flag
+
 # the launcher convention used below: CompiledKernel.run(gx, gy, gz, stream, function, packed_metadata,
 # launch_metadata, enter_hook, exit_hook, *every parameter in order); checked on the H200 (DEVICE_NOTES.md)
 DIRECT_LAUNCH_VERSIONS = ("3.6.",)
@@ -33,7 +35,7 @@ DIRECT_LAUNCH_VERSIONS = ("3.6.",)
 
 def direct_launch_supported(interpret: bool) -> bool:
     """Whether Launch may call Triton's compiled launcher directly (never in the interpreter)."""
-    if interpret or os.environ.get("KVFUSE_DIRECT_LAUNCH", "1") == "0":
+    if interpret or not env_flag("KVFUSE_DIRECT_LAUNCH", True):
         return False
     return triton.__version__.startswith(DIRECT_LAUNCH_VERSIONS)
 
