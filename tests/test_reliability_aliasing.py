@@ -1,21 +1,12 @@
-"""Reliability of outputs (SPEC §5 as amended): inference-mode and requires-grad outputs, and aliasing.
+"""Reliability of outputs (SPEC §5 as amended): inference-mode and requires-grad outputs.
 
 - Caches and outputs created under ``torch.inference_mode()`` (engines allocate there) are accepted
   outside it, on every backend: the write succeeds and equals the same call on ordinary tensors
   (the reference backend used to write the data bytes, then raise before the scales).
 - An ``out`` that is a leaf with ``requires_grad=True`` is written like any buffer (no autograd
   record), on every backend.
-- An output that overlaps itself (expanded, stride 0, rows or heads closer than their length), two
-  outputs that overlap, or an output that overlaps an input (x, weight, positions, cos_sin,
-  slot_mapping; store_kv_cache's data, sf, tail) is a ValueError naming the arguments, raised
-  before any byte is written; the check depends on data pointers, so it runs on every call (a
-  signature already in the plan cache is still checked). ``out`` may be x itself (in place): the
-  cache bytes and the copy equal those of a call with a separate ``out``. Tensors whose spans meet
-  but whose elements do not (q and sf side by side in one buffer's rows, an ``out`` in the padding
-  between cache blocks) are accepted.
 
-Rejected calls leave every byte of the buffers involved unchanged (whole storages, poisoned or
-random before the call, guards included).
+Whole storages (poisoned or random before the call, guards included) are compared byte for byte.
 """
 from __future__ import annotations
 
