@@ -35,9 +35,9 @@ import torch
 
 from . import api as _api
 from . import reference
-from .args import CastArgs, ContiguousOutArgs, KVCacheOutArgs, NormArgs, RopeArgs
+from .args import CastArgs, ContiguousOutArgs, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
 from .backend import use_backend
-from .formats import (FLASHMLA_MODEL1, FLASHMLA_V32, INDEX_FP8_FP32, INDEX_MXFP4, INDEX_NVFP4, MAIN_FP4,
+from .formats import (FLASHMLA_MODEL1, FLASHMLA_V32, INDEX_FP8_FP32, INDEX_MXFP4, INDEX_MXFP8, INDEX_NVFP4, MAIN_FP4,
                       MAIN_FP8, KVCacheFormat)
 from .plan import q_dtype
 
@@ -80,14 +80,25 @@ class Workload:
     norm: bool = True
     rotary_dim: int = ROTARY_DIM
     description: str = ""
+    is_neox: bool = True                 # RoPE style (False: GPT-J, interleaved pairs)
+    rope_offset: Optional[int] = None    # None: the tail
+    norm_kind: str = "rms"               # "rms" | "layer" (LayerNorm, with a bias when norm_bias)
+    norm_bias: bool = False
+    hadamard: bool = False               # the orthonormal Hadamard (scale head_dim ** -0.5) after RoPE
+
+    @property
+    def hadamard_args(self) -> Optional[HadamardArgs]:
+        return HadamardArgs(self.head_dim ** -0.5) if self.hadamard else None
 
     @property
     def cast_args(self) -> Optional[CastArgs]:
         return None if self.fmt is None else CastArgs.from_cache_format(self.fmt)
 
 
-def _write(name, fmt, what):
-    return Workload(name, "write", fmt.head_dim, fmt, description=f"{what}: norm + NEOX rope (last 64) -> {fmt.name}")
+def _write(name, fmt, what, is_neox=True):
+    style = "NEOX" if is_neox else "GPT-J"
+    return Workload(name, "write", fmt.head_dim, fmt, is_neox=is_neox,
+                    description=f"{what}: norm + {style} rope (last 64) -> {fmt.name}")
 
 
 WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
@@ -98,6 +109,24 @@ WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
     _write("index_mxfp4", INDEX_MXFP4, "indexer K 128"),
     _write("index_nvfp4", INDEX_NVFP4, "indexer K 128"),
     _write("index_fp8_fp32", INDEX_FP8_FP32, "indexer K 128"),
+    _write("main_fp8_gptj", MAIN_FP8, "main KV 512", is_neox=False),
+    _write("main_fp4_gptj", MAIN_FP4, "main KV 512", is_neox=False),
+    _write("flashmla_v32_gptj", FLASHMLA_V32, "FlashMLA V3.2 KV 576", is_neox=False),
+    _write("flashmla_model1_gptj", FLASHMLA_MODEL1, "FlashMLA MODEL1 KV 512", is_neox=False),
+    _write("index_mxfp8_gptj", INDEX_MXFP8, "indexer K 128", is_neox=False),
+    Workload("index_fp8_fp32_off0", "write", 128, INDEX_FP8_FP32, rope_offset=0,
+             description="indexer K 128: norm + NEOX rope (first 64) -> INDEX_FP8_FP32"),
+    # the models' own calls (kvfuse.models): DeepSeek V3 / V3.1 / V3.2 main cache, the V3.2 indexer K,
+    # the V4 main caches and indexer K
+    _write("dsv3_main_v32", FLASHMLA_V32, "DeepSeek V3 main KV 576 (latent normalized)", is_neox=False),
+    Workload("dsv32_index_k", "write", 128, INDEX_FP8_FP32, rope_offset=0, norm_kind="layer", norm_bias=True,
+             hadamard=True, description="DeepSeek V3.2 indexer K: LayerNorm + bias, NEOX rope (first 64), "
+                                         "Hadamard -> INDEX_FP8_FP32"),
+    _write("dsv4_main_fp8", MAIN_FP8, "DeepSeek V4 main KV 512", is_neox=False),
+    _write("dsv4_main_fp4", MAIN_FP4, "DeepSeek V4 main KV 512", is_neox=False),
+    _write("dsv4_main_model1", FLASHMLA_MODEL1, "DeepSeek V4 main KV 512", is_neox=False),
+    Workload("dsv4_index_k", "write", 128, INDEX_MXFP8, is_neox=False, hadamard=True,
+             description="DeepSeek V4 indexer K: norm + GPT-J rope (last 64), Hadamard -> INDEX_MXFP8"),
     Workload("q_pre", "q_pre", 512, None, num_heads=64,
              description="Q preprocessing: x [n, 64, 512], norm + NEOX rope (last 64) -> bf16 out"),
     Workload("index_q", "index_q", 128, INDEX_MXFP4, num_heads=64, norm=False,
@@ -116,7 +145,7 @@ def moved_bytes(wl: Workload, n: int, index_bytes: int = 4, cos_sin_bytes: int =
     rows = n * wl.num_heads
     b = {"x": rows * wl.head_dim * 2}
     if wl.norm:
-        b["norm_weight"] = wl.head_dim * weight_bytes
+        b["norm_weight"] = wl.head_dim * weight_bytes * (2 if wl.norm_bias else 1)
     b["cos_sin"] = n * wl.rotary_dim * cos_sin_bytes
     b["positions"] = n * index_bytes
     if wl.kind == "write":
@@ -144,6 +173,7 @@ class Inputs:
     positions: torch.Tensor
     cos_sin: torch.Tensor
     weight: Optional[torch.Tensor] = None
+    bias: Optional[torch.Tensor] = None
     slots: Optional[torch.Tensor] = None
     cache: Optional[torch.Tensor] = None
     out: Optional[torch.Tensor] = None
@@ -205,6 +235,8 @@ def build_inputs(wl: Workload, n: int, device, seed: int = 0, slots: str = "rand
                  positions=torch.randint(0, MAX_POSITION, (n,), generator=g, device=device, dtype=torch.int32))
     if wl.norm:
         inp.weight = (torch.randn(D, generator=g, device=device) * 0.1 + 1.0).to(torch.bfloat16)
+        if wl.norm_bias:
+            inp.bias = (torch.randn(D, generator=g, device=device) * 0.1).to(torch.bfloat16)
         inp.norm_buf = torch.empty_like(x)
     if wl.kind == "write":
         fmt = wl.fmt
@@ -245,8 +277,9 @@ def result_tensors(wl: Workload, inp: Inputs) -> List[torch.Tensor]:
 # =============================================================================== peers
 def fused_call(wl: Workload, inp: Inputs) -> Callable[[], None]:
     """One public call of the fused operator for this workload (the fused and reference peers)."""
-    norm = NormArgs(inp.weight, EPS) if wl.norm else None
-    rope = RopeArgs(inp.positions, inp.cos_sin, wl.rotary_dim, True)
+    norm = NormArgs(inp.weight, EPS, inp.bias, wl.norm_kind) if wl.norm else None
+    rope = RopeArgs(inp.positions, inp.cos_sin, wl.rotary_dim, wl.is_neox, wl.rope_offset)
+    had = wl.hadamard_args
     if wl.kind == "write":
         out = KVCacheOutArgs(inp.cache, inp.slots, layout=wl.fmt)
     elif wl.kind == "q_pre":
@@ -256,7 +289,7 @@ def fused_call(wl: Workload, inp: Inputs) -> Callable[[], None]:
     cast, x = wl.cast_args, inp.x
 
     def call():
-        _api.fused_norm_rope_hadamard_cast_store_kvcache(x, norm, rope, None, cast, out)
+        _api.fused_norm_rope_hadamard_cast_store_kvcache(x, norm, rope, had, cast, out)
     return call
 
 
@@ -266,12 +299,15 @@ def _stage_chain(wl: Workload, inp: Inputs) -> Callable[[], None]:
     steps = []
     src = inp.x
     if wl.norm:
-        steps.append((fused, (src,), dict(norm_args=NormArgs(inp.weight, EPS),
+        steps.append((fused, (src,), dict(norm_args=NormArgs(inp.weight, EPS, inp.bias, wl.norm_kind),
                                           out_args=ContiguousOutArgs(out=inp.norm_buf))))
         src = inp.norm_buf
     roped = inp.out if wl.kind == "q_pre" else inp.rope_buf
-    steps.append((fused, (src,), dict(rope_args=RopeArgs(inp.positions, inp.cos_sin, wl.rotary_dim, True),
+    steps.append((fused, (src,), dict(rope_args=RopeArgs(inp.positions, inp.cos_sin, wl.rotary_dim, wl.is_neox,
+                                                         wl.rope_offset),
                                       out_args=ContiguousOutArgs(out=roped))))
+    if wl.hadamard:
+        steps.append((fused, (roped,), dict(hadamard_args=wl.hadamard_args, out_args=ContiguousOutArgs(out=roped))))
     if wl.kind != "q_pre":
         qd = wl.fmt.quant_dim
         steps.append((fused, (roped[..., :qd],), dict(cast_args=wl.cast_args,
@@ -302,13 +338,18 @@ def _flat_store(flat, slots, geom, payloads) -> None:
 def make_chain(wl: Workload) -> Callable:
     """The reference stages composed as one function (what the compile peer compiles).
     Arguments: :func:`chain_args`."""
-    rd = wl.rotary_dim
+    rd, neox, off = wl.rotary_dim, wl.is_neox, wl.rope_offset
     fmt = wl.fmt
+    had = None if not wl.hadamard else wl.head_dim ** -0.5
+
+    def transform(x, weight, bias, positions, cos_sin):
+        y = reference.rope(reference.norm(x, weight, EPS, wl.norm_kind, bias), positions, cos_sin, rd, neox, off)
+        return y if had is None else reference.hadamard(y, had)
     if wl.kind == "write":
         qd = fmt.quant_dim
 
-        def write_chain(x, weight, positions, cos_sin, slots, flat, geom):
-            y = reference.rope(reference.rmsnorm(x, weight, EPS), positions, cos_sin, rd, True)
+        def write_chain(x, weight, bias, positions, cos_sin, slots, flat, geom):
+            y = transform(x, weight, bias, positions, cos_sin)
             q, sf = reference.quantize(y[..., :qd], fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format)
             payloads = [q.view(torch.uint8), sf.contiguous().view(torch.uint8)]
             if fmt.bf16_tail:
@@ -317,11 +358,11 @@ def make_chain(wl: Workload) -> Callable:
         return write_chain
     if wl.kind == "q_pre":
         def q_chain(x, weight, positions, cos_sin, out):
-            out.copy_(reference.rope(reference.rmsnorm(x, weight, EPS), positions, cos_sin, rd, True))
+            out.copy_(reference.rope(reference.rmsnorm(x, weight, EPS), positions, cos_sin, rd, neox, off))
         return q_chain
 
     def index_q_chain(x, positions, cos_sin, q_out, sf_out):
-        q, sf = reference.quantize(reference.rope(x, positions, cos_sin, rd, True), fmt.cast_fmt,
+        q, sf = reference.quantize(reference.rope(x, positions, cos_sin, rd, neox, off), fmt.cast_fmt,
                                    fmt.elements_per_sf, fmt.sf_format)
         q_out.copy_(q)
         sf_out.copy_(sf)
@@ -337,7 +378,7 @@ def chain_args(wl: Workload, inp: Inputs) -> tuple:
             parts.append((a.data_token_stride, a.tail_offset))
         flat = torch.as_strided(cache, (cache.untyped_storage().nbytes(),), (1,), 0)
         geom = (cache.shape[1], cache.stride(0), tuple((t, o + cache.storage_offset()) for t, o in parts))
-        return (inp.x, inp.weight, inp.positions, inp.cos_sin, inp.slots, flat, geom)
+        return (inp.x, inp.weight, inp.bias, inp.positions, inp.cos_sin, inp.slots, flat, geom)
     if wl.kind == "q_pre":
         return (inp.x, inp.weight, inp.positions, inp.cos_sin, inp.out)
     return (inp.x, inp.positions, inp.cos_sin, inp.q, inp.sf)

@@ -1,4 +1,5 @@
-"""The ``kvfuse`` command: ``kvfuse demo`` (the KV-cache format explorer) and ``kvfuse bench``."""
+"""The ``kvfuse`` command: ``kvfuse demo`` (the KV-cache format explorer; ``kvfuse demo --model NAME``
+runs a model configuration's call sites, see kvfuse.models) and ``kvfuse bench``."""
 from __future__ import annotations
 
 import argparse

@@ -17,6 +17,13 @@ latent through RMSNorm -> NEOX RoPE on the last 64 dims -> the format's cast; FL
 the 512-d latent normalized on its own, plus the 64-d k_pe rotated (576 dims, tail kept in bf16);
 the index formats take a 128-d key through RMSNorm -> RoPE (64) -> optional Hadamard -> cast.
 
+``--model NAME`` (a configuration of :mod:`kvfuse.models`: deepseek-v3, deepseek-v3.2, deepseek-v4, ...)
+runs the model's own call sites of :mod:`kvfuse.mla` instead: its main cache (RMSNorm, RoPE in the
+model's style on the record's tail; V3's 576-d record normalized on the latent only), its indexer K
+(V3.2: LayerNorm with a bias, RoPE on the first 64 dims, Hadamard) with Q quantized by
+``quantize_indexer_q`` for the recall, and its compressed KV: one row per call site, labelled
+``site:FORMAT``.
+
 Input: synthetic activations with outlier channels by default (the case Hadamard is for), or
 ``--input`` a .pt / .safetensors file holding K activations ``[tokens, dim]`` (or ``[..., dim]``):
 a tensor, or a dict where ``kv`` / ``k`` / ``latent`` (main) and ``index_k`` (indexer) are used if
@@ -41,6 +48,8 @@ import torch
 
 import kvfuse
 from kvfuse import formats as F
+from kvfuse import mla
+from kvfuse import models as M
 from kvfuse import reference as R
 from kvfuse.args import CastArgs, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
 
@@ -122,8 +131,8 @@ def _slots(n: int, block_size: int, seed: int, device):
     return num_blocks, torch.randperm(num_blocks * block_size, generator=g)[:n].to(device)
 
 
-def _cos_sin(max_pos: int, device):
-    inv = 1.0 / (10000.0 ** (torch.arange(0, ROPE_DIM, 2, dtype=torch.float64) / ROPE_DIM))
+def _cos_sin(max_pos: int, device, rotary_dim: int = ROPE_DIM):
+    inv = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
     ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
     return torch.cat([ang.cos(), ang.sin()], dim=-1).float().to(device)
 
@@ -178,6 +187,113 @@ def recall_at_k(scores: torch.Tensor, ref_scores: torch.Tensor, k: int) -> float
     return float(hit.double().mean() / k)
 
 
+# --------------------------------------------------------------------------- a model's call sites
+def model_sites(cfg: mla.MLAConfig):
+    """(site, format, hadamard) of the cache-writing call sites of ``cfg``: main, index, compressed."""
+    sites = [("main", cfg.main_format, False)]
+    if cfg.index_format is not None:
+        sites.append(("index", cfg.index_format, cfg.index_hadamard))
+    if cfg.compressed_format is not None:
+        sites.append(("compressed", cfg.compressed_format, False))
+    return sites
+
+
+def _model_inputs(cfg: mla.MLAConfig, site: str, fmt: F.KVCacheFormat, x: torch.Tensor, seed: int):
+    """Positions, cos/sin table and norm weight (and LayerNorm bias) of one call site."""
+    n, dev = x.shape[0], x.device
+    g = torch.Generator().manual_seed(seed + 1)
+    positions = torch.randint(0, 4096, (n,), generator=g).to(dev)
+    rotary = cfg.qk_rope_head_dim if site == "main" else cfg.index_rope_head_dim
+    cos_sin = _cos_sin(4096, dev, rotary)
+    norm_dim = cfg.kv_lora_rank if site == "main" and cfg.splits_k_pe(fmt) else fmt.head_dim
+    w = (1.0 + 0.1 * torch.randn(norm_dim, generator=g)).to(torch.bfloat16).to(dev)
+    b = None
+    if site == "index" and cfg.index_norm_kind == "layer":
+        b = (0.1 * torch.randn(fmt.head_dim, generator=g)).to(torch.bfloat16).to(dev)
+    return positions, cos_sin, w, b
+
+
+def model_write_and_read(cfg: mla.MLAConfig, site: str, x: torch.Tensor, block_size: int, seed: int):
+    """The model's call site ``site`` ("main", "index" or "compressed") on x [n, head_dim]: its
+    kvfuse.mla call writing a paged cache. Returns (transform output y, dequantized read-back,
+    y without the Hadamard: the bf16 keys the recall is measured against)."""
+    fmt = dict((s, f) for s, f, _ in model_sites(cfg))[site]
+    n, dev = x.shape[0], x.device
+    positions, cos_sin, w, b = _model_inputs(cfg, site, fmt, x, seed)
+    num_blocks, slots = _slots(n, block_size, seed + 2, dev)
+    cache = fmt.allocate(num_blocks, block_size, device=dev)
+    y = torch.empty_like(x)
+    plain = None
+    if site == "main":
+        mla.write_main_cache(cfg, x, positions, cos_sin, w, cache, slots, out=y, out_stage="transform")
+    elif site == "index":
+        mla.write_indexer_k(cfg, x, positions, cos_sin, w, cache, slots, norm_bias=b, out=y, out_stage="transform")
+        plain = y if not cfg.index_hadamard else kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(
+            x, norm_args=cfg.index_norm_args(w, b), rope_args=cfg.index_rope_args(positions, cos_sin))
+    else:
+        latent = mla.write_compressed_kv(cfg, x, positions, cos_sin, w, cache, slots)
+        y = kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(latent,
+                                                               rope_args=cfg.index_rope_args(positions, cos_sin))
+    back = kvfuse.load_paged_kv_cache(cache, slots, fmt)[:, 0]
+    return y, back, plain
+
+
+def model_quantized_queries(cfg: mla.MLAConfig, q: torch.Tensor) -> torch.Tensor:
+    """Queries [m, index_head_dim] through the model's ``quantize_indexer_q`` (its Hadamard and
+    cast; at position 0, where RoPE is the identity), dequantized."""
+    pos = torch.zeros(q.shape[0], dtype=torch.int64, device=q.device)
+    cos_sin = _cos_sin(1, q.device, cfg.index_rope_head_dim)
+    qq, sf = mla.quantize_indexer_q(cfg, q[:, None, :], pos, cos_sin)
+    if sf is None:
+        return qq[:, 0]
+    fmt = cfg.index_format
+    return R.dequantize(qq, sf, fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format)[:, 0]
+
+
+def explore_model(cfg: mla.MLAConfig, tensors: Dict[str, torch.Tensor], n: int, block_size: int, seed: int,
+                  topk: int, num_queries: int, device) -> List[dict]:
+    """One row per call site of ``cfg`` (see :func:`model_sites`), as :func:`explore` scores them."""
+    main = _pick(tensors, MAIN_KEYS)
+    index = next((tensors[k] for k in INDEX_KEYS if k in tensors), main)
+    g = torch.Generator().manual_seed(seed + 3)
+    rows = []
+    for site, fmt, had in model_sites(cfg):
+        src = main if site == "main" else index
+        x = fit_width(src, fmt.head_dim)[:n].contiguous().to(device)
+        y, back, plain = model_write_and_read(cfg, site, x, block_size, seed)
+        row = {"format": f"{site}:{fmt.name}", "layout": "token" if fmt.token_interleaved else "block",
+               "head_dim": fmt.head_dim, "hadamard": had, "bytes/token": fmt.bytes_per_token,
+               "vs_bf16": 2 * fmt.head_dim / fmt.bytes_per_token, "rel_err": relative_error(back, y),
+               "recall": None}
+        if site == "index":
+            queries = torch.randn(num_queries, fmt.head_dim, generator=g).to(torch.bfloat16).to(device)
+            k = min(topk, x.shape[0])
+            ref_scores = queries.float() @ plain.float().T
+            scores = model_quantized_queries(cfg, queries).float() @ back.float().T
+            row["recall"] = recall_at_k(scores, ref_scores, k)
+            row["k"] = k
+        rows.append(row)
+    return rows
+
+
+def describe_model(cfg: mla.MLAConfig) -> str:
+    """One line: the model's RoPE styles and offsets, norms, Hadamard and formats."""
+    def style(neox: bool) -> str:
+        return "NEOX" if neox else "GPT-J"
+
+    parts = [f"Q {cfg.num_heads} x {cfg.qk_head_dim} RoPE {cfg.qk_rope_head_dim} {style(cfg.rope_is_neox)} at "
+             f"{cfg.rope_offset}" + (" (weightless RMSNorm)" if cfg.q_norm else ""),
+             f"main {cfg.main_format.name} (RMSNorm{' on the latent' if cfg.splits_k_pe() else ''})"]
+    if cfg.index_format is not None:
+        off = cfg.index_head_dim - cfg.index_rope_head_dim if cfg.index_rope_offset is None else cfg.index_rope_offset
+        parts.append(f"index {cfg.index_format.name} ({'LayerNorm' if cfg.index_norm_kind == 'layer' else 'RMSNorm'}, "
+                     f"RoPE {cfg.index_rope_head_dim} {style(cfg.index_rope_is_neox)} at {off}"
+                     f"{', Hadamard' if cfg.index_hadamard else ''})")
+    if cfg.compressed_format is not None:
+        parts.append(f"compressed {cfg.compressed_format.name}")
+    return f"model {cfg.name}: " + "; ".join(parts)
+
+
 # --------------------------------------------------------------------------- the explorer
 def configurations():
     """(format, hadamard) pairs: every preset, and the 128-d ones with Hadamard too."""
@@ -222,12 +338,13 @@ def explore(tensors: Dict[str, torch.Tensor], n: int, block_size: int, seed: int
 
 
 def format_table(rows: List[dict], topk: int) -> str:
-    head = f"{'format':<16} {'layout':<6} {'dim':>4} {'hadamard':>8} {'bytes/token':>11} {'vs bf16':>8} " \
+    fw = max([16] + [len(r["format"]) for r in rows])
+    head = f"{'format':<{fw}} {'layout':<6} {'dim':>4} {'hadamard':>8} {'bytes/token':>11} {'vs bf16':>8} " \
            f"{'rel.err':>9} {f'recall@{topk}':>10}"
     lines = [head, "-" * len(head)]
     for r in rows:
         rec = "-" if r["recall"] is None else f"{r['recall']:.4f}"
-        lines.append(f"{r['format']:<16} {r['layout']:<6} {r['head_dim']:>4} {('yes' if r['hadamard'] else 'no'):>8} "
+        lines.append(f"{r['format']:<{fw}} {r['layout']:<6} {r['head_dim']:>4} {('yes' if r['hadamard'] else 'no'):>8} "
                      f"{r['bytes/token']:>11} {r['vs_bf16']:>7.2f}x {r['rel_err']:>9.2e} {rec:>10}")
     return "\n".join(lines)
 
@@ -352,6 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queries", type=int, default=64, help="random queries for recall@k (default 64)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--backend", default="auto", choices=kvfuse.backend.BACKENDS, help="kvfuse backend (default auto)")
+    p.add_argument("--model", default=None, type=str.lower, choices=M.names(), metavar="NAME",
+                   help="run a model configuration's call sites (kvfuse.models: " + ", ".join(M.names()) + ")")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -382,17 +501,24 @@ def main(argv=None) -> int:
         except ValueError as e:
             print(f"kvfuse demo: {e}", file=sys.stderr)
             return 2
-        rows = explore(tensors, args.n, args.block_size, args.seed, args.topk, args.queries, device,
-                       progress=False if args.no_progress else None)
+        if args.model:
+            cfg = M.get(args.model)
+            rows = explore_model(cfg, tensors, args.n, args.block_size, args.seed, args.topk, args.queries, device)
+        else:
+            rows = explore(tensors, args.n, args.block_size, args.seed, args.topk, args.queries, device,
+                           progress=False if args.no_progress else None)
     elapsed = time.perf_counter() - t0
     n_main = min(args.n, fit_width(_pick(tensors, MAIN_KEYS), 512).shape[0])
     print(f"kvfuse demo: {source}, {n_main} tokens, block_size {args.block_size}, device {device}, "
           f"backend {kvfuse.backend.resolve_backend(device) if args.backend == 'auto' else args.backend}")
+    if args.model:
+        print(describe_model(cfg))
     print(format_table(rows, args.topk))
     os.makedirs(args.out, exist_ok=True)
     write_csv(rows, os.path.join(args.out, CSV_NAME))
     png = os.path.join(args.out, PNG_NAME)
-    plot(rows, png, f"kvfuse formats: error vs bytes/token ({source}, n={n_main})")
+    what = f"{cfg.name} call sites" if args.model else "formats"
+    plot(rows, png, f"kvfuse {what}: error vs bytes/token ({source}, n={n_main})")
     print(f"wrote {png} and {os.path.join(args.out, CSV_NAME)} ({elapsed:.1f} s)")
     return 0
 

@@ -10,6 +10,12 @@ A cache is a ``uint8`` tensor ``[num_blocks, block_size, num_heads, bytes_per_to
   (``block_size * data_bytes``; per token ``[quantized | bf16 tail]``), then all tokens' scales
   (``block_size * sf_bytes``).
 
+Strides (bytes): stride(3) = 1, stride(2) = bytes_per_token; token-interleaved: stride(1) a
+multiple of stride_alignment = gcd(32, bytes_per_token) and >= num_heads * bytes_per_token;
+block-wide: num_heads 1 and stride(1) = bytes_per_token (stride_alignment 32). The block stride
+stride(0) is a multiple of stride_alignment and may exceed the block's records (padding between
+blocks: FlashMLA's own tests allocate FLASHMLA_V32 blocks of (block_size + 1) * 656 bytes).
+
 Dequantization of group k (g = elements_per_sf consecutive quantized elements) of a record:
 ``v_i = bf16(float32(q_i) * d_k)`` with ``d_k = 2**(byte - 127)`` for ue8m0, the stored fp32 for
 ue8m0_fp32 and fp32, and the e4m3 value of the stored byte for e4m3. e2m1 codes are packed two
@@ -90,7 +96,9 @@ class KVCacheFormat:
         bf16_tail: the last ``bf16_tail`` dims are stored as raw bf16 beside the quantized part
             (FlashMLA formats, SPEC §9); scales cover only the first head_dim - bf16_tail dims.
         block_alignment: what ``allocate_kv_cache`` rounds a block's byte stride up to (lcm with
-            32); FlashMLA MODEL1 pads blocks to multiples of 576. Not part of the record layout.
+            stride_alignment): 32 by default; 656 for FLASHMLA_V32 and 576 for FLASHMLA_MODEL1, the
+            multiples FlashMLA's sparse decode asserts. Not part of the record layout, and not
+            checked by ``check_cache`` (which needs stride(0) a multiple of stride_alignment only).
     """
     name: str
     head_dim: int
@@ -209,8 +217,8 @@ class KVCacheFormat:
             raise ValueError(f"{what}: stride(3) must be 1 and stride(2) bytes_per_token={bpt}, got {s3}, {s2}")
         if self.token_interleaved:
             if s1 % self.stride_alignment or s1 < nh * bpt:
-                raise ValueError(f"{what}: stride(1) must be a multiple of {self.stride_alignment} and >= "
-                                 f"num_heads*bytes_per_token={nh * bpt}, got {s1}")
+                raise ValueError(f"{what}: stride(1) must be a multiple of {self.stride_alignment} ({self.name}'s "
+                                 f"stride_alignment) and >= num_heads*bytes_per_token={nh * bpt}, got {s1}")
             block_bytes = (bs - 1) * s1 + nh * bpt
         else:
             if nh != 1:
@@ -218,8 +226,10 @@ class KVCacheFormat:
             if s1 != bpt:
                 raise ValueError(f"{what}: a block-wide block must be dense, stride(1) == {bpt}, got {s1}")
             block_bytes = bs * bpt
-        if s0 % 32 or s0 < block_bytes:
-            raise ValueError(f"{what}: stride(0) must be a multiple of 32 and >= {block_bytes}, got {s0}")
+        align = self.stride_alignment
+        if s0 % align or s0 < block_bytes:
+            raise ValueError(f"{what}: stride(0) must be a multiple of {align} ({self.name}'s stride_alignment) "
+                             f"and >= {block_bytes} (the block's records; padding after them is allowed), got {s0}")
 
     def split(self, kv_cache: torch.Tensor):
         """Views ``(data, sf)`` of a cache of this format.
@@ -266,7 +276,9 @@ def allocate_kv_cache(fmt: KVCacheFormat, num_blocks: int, block_size: int, num_
 
     ``token_padding`` (token-interleaved only) adds bytes after each token's records before
     rounding stride(1) up to the format's stride_alignment; ``block_padding`` adds bytes after
-    each block before rounding stride(0) up to lcm(32, fmt.block_alignment).
+    each block before rounding stride(0) up to lcm(fmt.stride_alignment, fmt.block_alignment).
+    The presets' block_alignment gives the block strides FlashMLA's sparse decode kernels assert
+    (a multiple of 656 bytes for FLASHMLA_V32, 576 for FLASHMLA_MODEL1) and 32 for the others.
     """
     for name, v in (("num_blocks", num_blocks), ("block_size", block_size), ("num_heads", num_heads)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -280,7 +292,7 @@ def allocate_kv_cache(fmt: KVCacheFormat, num_blocks: int, block_size: int, num_
         if num_heads != 1 or token_padding:
             raise ValueError(f"a block-wide format ({fmt.name}) needs num_heads == 1 and no token_padding")
         s1 = bpt
-    align = math.lcm(32, fmt.block_alignment)
+    align = math.lcm(fmt.stride_alignment, fmt.block_alignment)
     s0 = _round_up((block_size - 1) * s1 + num_heads * bpt + block_padding, align)
     if fmt.token_interleaved:
         s0 = max(s0, _round_up(block_size * s1 + block_padding, align))
@@ -299,7 +311,9 @@ INDEX_FP8_FP32 = KVCacheFormat("INDEX_FP8_FP32", 128, "e4m3", 128, "fp32", False
 INDEX_MXFP4 = KVCacheFormat("INDEX_MXFP4", 128, "e2m1", 32, "ue8m0", False)
 INDEX_NVFP4 = KVCacheFormat("INDEX_NVFP4", 128, "e2m1", 16, "e4m3", False)
 INDEX_BF16 = KVCacheFormat("INDEX_BF16", 128, None, None, None, False)
-FLASHMLA_V32 = KVCacheFormat("FLASHMLA_V32", 576, "e4m3", 128, "ue8m0_fp32", True, bf16_tail=64)
+# FlashMLA's SM100 sparse decode asserts k_cache.stride(0) % 656 == 0 (V32) / % 576 == 0 (MODEL1)
+FLASHMLA_V32 = KVCacheFormat("FLASHMLA_V32", 576, "e4m3", 128, "ue8m0_fp32", True, bf16_tail=64,
+                             block_alignment=656)
 FLASHMLA_MODEL1 = KVCacheFormat("FLASHMLA_MODEL1", 512, "e4m3", 64, "ue8m0", False, sf_bytes=8, bf16_tail=64,
                                 block_alignment=576)
 

@@ -1,18 +1,21 @@
 """The call sites of a DeepSeek-style MLA layer, each one call of the one entry point.
 
-This is the table of the article (DeepInfer's ``fused_transform``) written against kvfuse:
+This is the table of the article (DeepInfer's ``fused_transform``) written against kvfuse. Every
+function takes an :class:`MLAConfig`, which fixes the RoPE style and offsets, the norms, the
+Hadamard and the cache formats; :mod:`kvfuse.models` holds the named configurations of the real
+models (DeepSeek V3 / V3.1, V3.2, V4).
 
-| call site | norm | RoPE | Hadamard | cast | destination | shape |
+| call site | norm | RoPE (style: the config's) | Hadamard | cast | destination | shape |
 |---|---|---|---|---|---|---|
-| :func:`q_preprocess` | optional | tail 64, offset qk_head_dim - 64 | - | - | bf16 | n x num_heads x 512 |
-| :func:`write_main_cache` | yes | NEOX, tail 64 | - | the cache's | main cache (MAIN_FP8 / MAIN_FP4 / FLASHMLA_MODEL1) | n x 512 |
+| :func:`q_preprocess` | optional (cfg.q_norm) | offset qk_head_dim - qk_rope_head_dim | - | - | bf16 | n x num_heads x qk_head_dim |
+| :func:`write_main_cache` | RMSNorm (latent only for a [latent, k_pe] record) | tail | - | the cache's | main cache (MAIN_FP8 / MAIN_FP4 / FLASHMLA_MODEL1 / FLASHMLA_V32) | n x record |
 | :func:`cp_local_kv` (context parallel) | yes | tail 64 | - | the cache's, cast_back | bf16 for all_gather | n x 512 |
 | :func:`write_main_cache_gathered` (CP, 2nd pass) | - | - | - | the cache's | main cache | n x 512 |
-| :func:`write_draft_kv` (DFlash draft) | yes | tail 64 | - | draft format | main cache, draft slots | n x 512 |
-| :func:`write_compressed_kv` | yes | tail | - | from_cache_format | index cache + pre-RoPE latent (out_stage="norm") | n x 128 |
-| :func:`write_indexer_k` | yes | tail | optional | from_cache_format | index cache | n x 128 |
-| :func:`quantize_indexer_q` | - | tail | same as K | from_cache_format (same format as K) | (q, sf) | n x heads x 128 |
-| :func:`write_flashmla_v32` | (caller) | tail 64 | - | FLASHMLA_V32 | 576 = 512 e4m3 + 64 bf16 | n x 576 |
+| :func:`write_draft_kv` (DFlash draft) | yes | tail | - | draft format | main cache, draft slots | n x record |
+| :func:`write_compressed_kv` | RMSNorm | index RoPE | - | from_cache_format | index cache + pre-RoPE latent (out_stage="norm") | n x 128 |
+| :func:`write_indexer_k` | cfg.index_norm_kind (V3.2: LayerNorm with bias) | index RoPE (V3.2: first 64) | cfg.index_hadamard | from_cache_format | index cache | n x 128 |
+| :func:`quantize_indexer_q` | - | index RoPE | same as K | from_cache_format (same format as K) | (q, sf) | n x heads x 128 |
+| :func:`write_flashmla_v32` | optional (latent only) | tail 64 | - | FLASHMLA_V32 | 576 = 512 e4m3 + 64 bf16 | n x 576 |
 
 Context parallelism. Each rank computes K for its shard of tokens, then every rank writes the
 whole cache. :func:`cp_local_kv` (quantize -> dequantize locally, ``cast_back=True``) +
@@ -45,22 +48,40 @@ __all__ = [
     "write_flashmla_model1",
 ]
 
+NORM_KINDS = ("rms", "layer")
+
 
 @dataclasses.dataclass(frozen=True)
 class MLAConfig:
-    """Shapes and cache formats of a DeepSeek-like MLA layer (V3.2 / V4 style).
+    """Shapes, RoPE style, norms and cache formats of a DeepSeek-like MLA layer.
 
-    kv_lora_rank: the compressed latent (the V3.2 FlashMLA record is kv_lora_rank + qk_rope_head_dim).
-    qk_head_dim: the Q head and main-cache record width; RoPE covers its last qk_rope_head_dim
-        dims (offset = qk_head_dim - qk_rope_head_dim).
+    The defaults are the article's (DeepInfer) layer; :mod:`kvfuse.models` holds the named
+    configurations of the real models.
+
+    kv_lora_rank: the compressed latent. A main-cache record is either the latent with its RoPE
+        dims inside (head_dim == qk_head_dim: V4 and the article, 512 = 448 + 64 rope) or the
+        latent followed by k_pe (head_dim == kv_lora_rank + qk_rope_head_dim: DeepSeek V3 / V3.2's
+        576 = 512 + 64, where the RMSNorm covers the latent only).
+    qk_rope_head_dim: the rotated dims of a Q head and of a main-cache record (their tail).
+    qk_head_dim: the Q head width; RoPE covers its last qk_rope_head_dim dims (offset
+        qk_head_dim - qk_rope_head_dim = qk_nope_head_dim: 128 in V3's 192-d heads, 448 in V4's).
     num_heads: attention heads of Q.
+    rope_is_neox: the RoPE pairing of Q and of the main cache (False: GPT-J, interleaved pairs).
+    q_norm: Q heads take an RMSNorm over qk_head_dim before RoPE (V4); :func:`q_preprocess` uses
+        the weight it is given, or a weight of ones (a weightless RMSNorm: multiplying by 1.0 is
+        exact, so the bytes equal ``bf16(x * rstd)``).
     index_head_dim / index_num_heads / index_rope_head_dim: the lightning indexer's K/Q; its RoPE
-        sits at ``index_rope_offset`` (None: the tail, as in DeepInfer; DeepSeek V3.2's reference
-        code puts it at 0).
-    main_format / draft_format: the main cache (head_dim == qk_head_dim); index_format: the
-        indexer K cache and its Q quantization; compressed_format: the cache of compressed KV.
+        sits at ``index_rope_offset`` (None: the tail, as in DeepInfer and V4; DeepSeek V3.2 puts
+        it at 0) with pairing ``index_rope_is_neox``.
+    index_norm_kind: the indexer K's norm, "rms" or "layer" (V3.2's LayerNorm; its bias is a
+        call argument of :func:`write_indexer_k`, not part of the configuration).
+    norm_eps: eps of every norm (1e-6 in the DeepSeek models).
+    main_format / draft_format: the main cache; index_format: the indexer K cache and its Q
+        quantization (None: the model has no indexer); compressed_format: the cache of compressed
+        KV (None: the model has none).
     index_hadamard: rotate indexer K and Q by the orthonormal Hadamard (scale index_head_dim**-0.5)
         before quantizing (both sides, always together).
+    name / source: a label and the public sources the configuration follows.
     """
     kv_lora_rank: int = 512
     qk_rope_head_dim: int = 64
@@ -75,35 +96,69 @@ class MLAConfig:
     norm_eps: float = 1e-6
     main_format: KVCacheFormat = MAIN_FP8
     draft_format: KVCacheFormat = MAIN_FP8
-    index_format: KVCacheFormat = INDEX_MXFP8
-    compressed_format: KVCacheFormat = INDEX_MXFP8
+    index_format: Optional[KVCacheFormat] = INDEX_MXFP8
+    compressed_format: Optional[KVCacheFormat] = INDEX_MXFP8
     index_hadamard: bool = True
+    q_norm: bool = False
+    index_norm_kind: str = "rms"
+    name: str = "custom"
+    source: str = dataclasses.field(default="", repr=False)
 
     def __post_init__(self):
-        for name in ("main_format", "draft_format"):
-            f = getattr(self, name)
-            if f.head_dim != self.qk_head_dim:
-                raise ValueError(f"MLAConfig.{name} ({f.name}) has head_dim {f.head_dim}, expected qk_head_dim "
-                                 f"{self.qk_head_dim}")
-        for name in ("index_format", "compressed_format"):
-            f = getattr(self, name)
-            if f.head_dim != self.index_head_dim:
-                raise ValueError(f"MLAConfig.{name} ({f.name}) has head_dim {f.head_dim}, expected index_head_dim "
-                                 f"{self.index_head_dim}")
         if not 0 < self.qk_rope_head_dim <= self.qk_head_dim:
             raise ValueError(f"MLAConfig.qk_rope_head_dim must be in (0, qk_head_dim], got {self.qk_rope_head_dim}")
+        records = (self.qk_head_dim, self.kv_lora_rank + self.qk_rope_head_dim)
+        for name in ("main_format", "draft_format"):
+            f = getattr(self, name)
+            if f.head_dim not in records:
+                raise ValueError(f"MLAConfig.{name} ({f.name}) has head_dim {f.head_dim}, expected qk_head_dim "
+                                 f"{self.qk_head_dim} or kv_lora_rank + qk_rope_head_dim {records[1]}")
+        for name in ("index_format", "compressed_format"):
+            f = getattr(self, name)
+            if f is not None and f.head_dim != self.index_head_dim:
+                raise ValueError(f"MLAConfig.{name} ({f.name}) has head_dim {f.head_dim}, expected index_head_dim "
+                                 f"{self.index_head_dim}")
         off = self.index_rope_offset
         if off is not None and not 0 <= off <= self.index_head_dim - self.index_rope_head_dim:
             raise ValueError(f"MLAConfig.index_rope_offset must be in [0, index_head_dim - index_rope_head_dim], "
                              f"got {off}")
+        if self.index_norm_kind not in NORM_KINDS:
+            raise ValueError(f"MLAConfig.index_norm_kind must be one of {NORM_KINDS}, got {self.index_norm_kind!r}")
 
-    # ---- the argument objects each call site uses
+    # ---- derived shapes
     @property
     def rope_offset(self) -> int:
+        """Offset of the RoPE dims in a Q head (= qk_nope_head_dim)."""
         return self.qk_head_dim - self.qk_rope_head_dim
 
+    @property
+    def qk_nope_head_dim(self) -> int:
+        return self.qk_head_dim - self.qk_rope_head_dim
+
+    def splits_k_pe(self, fmt: Optional[KVCacheFormat] = None) -> bool:
+        """True when a record of ``fmt`` (default: the main format) is [latent | k_pe] with the
+        RMSNorm on the latent only (V3 / V3.2), False when the whole record is normalized."""
+        d = _fmt(fmt, self.main_format).head_dim
+        return d != self.qk_head_dim and d == self.kv_lora_rank + self.qk_rope_head_dim
+
+    def with_main_format(self, fmt: KVCacheFormat, name: Optional[str] = None) -> "MLAConfig":
+        """The same configuration with another main cache format."""
+        return dataclasses.replace(self, main_format=fmt, name=self.name if name is None else name)
+
+    def with_index_format(self, fmt: Optional[KVCacheFormat], name: Optional[str] = None) -> "MLAConfig":
+        """The same configuration with another indexer format (K cache and Q cast)."""
+        return dataclasses.replace(self, index_format=fmt, name=self.name if name is None else name)
+
+    # ---- the argument objects each call site uses
     def rope_args(self, positions, cos_sin) -> RopeArgs:
+        """RoPE of the Q heads (offset qk_head_dim - qk_rope_head_dim)."""
         return RopeArgs(positions, cos_sin, self.qk_rope_head_dim, self.rope_is_neox, offset=self.rope_offset)
+
+    def main_rope_args(self, positions, cos_sin, fmt: Optional[KVCacheFormat] = None) -> RopeArgs:
+        """RoPE of a main-cache record: its last qk_rope_head_dim dims."""
+        d = _fmt(fmt, self.main_format).head_dim
+        return RopeArgs(positions, cos_sin, self.qk_rope_head_dim, self.rope_is_neox,
+                        offset=d - self.qk_rope_head_dim)
 
     def index_rope_args(self, positions, cos_sin) -> RopeArgs:
         return RopeArgs(positions, cos_sin, self.index_rope_head_dim, self.index_rope_is_neox,
@@ -115,7 +170,38 @@ class MLAConfig:
         return HadamardArgs(1.0 / math.sqrt(self.index_head_dim)) if self.index_hadamard else None
 
     def norm_args(self, weight) -> Optional[NormArgs]:
+        """RMSNorm (main cache, compressed KV, Q)."""
         return None if weight is None else NormArgs(weight, self.norm_eps)
+
+    def index_norm_args(self, weight, bias=None) -> Optional[NormArgs]:
+        """The indexer K's norm: ``index_norm_kind`` with ``weight`` (and, for "layer", ``bias``)."""
+        if weight is None:
+            if bias is not None:
+                raise ValueError("norm_bias needs norm_weight (the indexer K's norm is off without a weight)")
+            return None
+        if bias is not None and self.index_norm_kind != "layer":
+            raise ValueError(f"norm_bias is only for a LayerNorm (index_norm_kind 'layer'); {self.name} has "
+                             f"index_norm_kind {self.index_norm_kind!r}")
+        return NormArgs(weight, self.norm_eps, bias=bias, kind=self.index_norm_kind)
+
+    def _need(self, field: str) -> KVCacheFormat:
+        f = getattr(self, field)
+        if f is None:
+            raise ValueError(f"MLAConfig {self.name!r} has no {field} (the model has no "
+                             f"{'indexer' if field == 'index_format' else 'compressed KV'})")
+        return f
+
+
+_ONES: dict = {}
+
+
+def _ones(dim: int, device) -> torch.Tensor:
+    """A bf16 weight of ones (a weightless RMSNorm), one per (dim, device)."""
+    key = (dim, str(device))
+    w = _ONES.get(key)
+    if w is None:
+        w = _ONES[key] = torch.ones(dim, dtype=torch.bfloat16, device=device)
+    return w
 
 
 def make_cos_sin_cache(max_position: int, rotary_dim: int, base: float = 10000.0, device=None) -> torch.Tensor:
@@ -132,10 +218,14 @@ def _fmt(fmt: Optional[KVCacheFormat], default: KVCacheFormat) -> KVCacheFormat:
 # --------------------------------------------------------------------------- Q
 def q_preprocess(cfg: MLAConfig, q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                  q_norm_weight: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """attn.py Q preprocessing: optional RMSNorm, RoPE on the last qk_rope_head_dim dims of every
-    head; q bf16 [n, num_heads, qk_head_dim] -> bf16 of the same shape (into ``out`` if given)."""
-    return _fused(q, norm_args=cfg.norm_args(q_norm_weight), rope_args=cfg.rope_args(positions, cos_sin),
-                  out_args=out)
+    """attn.py Q preprocessing: RMSNorm (with ``q_norm_weight``, or weightless when cfg.q_norm),
+    then RoPE on the last qk_rope_head_dim dims of every head (offset cfg.rope_offset, pairing
+    cfg.rope_is_neox); q bf16 [n, num_heads, qk_head_dim] -> bf16 of the same shape (into ``out``
+    if given)."""
+    w = q_norm_weight
+    if w is None and cfg.q_norm:
+        w = _ones(q.shape[-1], q.device)
+    return _fused(q, norm_args=cfg.norm_args(w), rope_args=cfg.rope_args(positions, cos_sin), out_args=out)
 
 
 # --------------------------------------------------------------------------- main cache
@@ -143,28 +233,50 @@ def write_main_cache(cfg: MLAConfig, kv: torch.Tensor, positions: torch.Tensor, 
                      norm_weight: Optional[torch.Tensor], kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                      fmt: Optional[KVCacheFormat] = None, out: Optional[torch.Tensor] = None,
                      out_stage: Optional[str] = None) -> Optional[torch.Tensor]:
-    """attn.py SWA / main cache write: RMSNorm -> RoPE (tail) -> the cache format's cast -> pages.
+    """attn.py SWA / main cache write: RMSNorm -> RoPE (tail, cfg.rope_is_neox) -> the cache
+    format's cast -> pages.
 
-    kv bf16 [n, qk_head_dim]; ``fmt`` defaults to cfg.main_format (MAIN_FP8: e4m3 values, UE8M0
-    scales per 32; MAIN_FP4; FLASHMLA_MODEL1 keeps the RoPE tail in bf16). Returns ``out`` (the
-    bf16 of ``out_stage``) or None."""
+    kv bf16 [n, record] with record = fmt.head_dim; ``fmt`` defaults to cfg.main_format (MAIN_FP8:
+    e4m3 values, UE8M0 scales per 32; MAIN_FP4; FLASHMLA_MODEL1 keeps the RoPE tail in bf16).
+    When the record is [latent | k_pe] (:meth:`MLAConfig.splits_k_pe`, FLASHMLA_V32 in V3 / V3.2)
+    the RMSNorm covers the kv_lora_rank latent only (DeepSeek's ``kv_norm`` / vLLM's
+    ``kv_a_layernorm``): a norm-only call on the latent, then RoPE + cast + store in a second one.
+    Returns ``out`` (the bf16 of ``out_stage``) or None."""
     fmt = _fmt(fmt, cfg.main_format)
-    return _fused(kv, norm_args=cfg.norm_args(norm_weight), rope_args=cfg.rope_args(positions, cos_sin),
-                  cast_args=CastArgs.from_cache_format(fmt),
+    rope = cfg.main_rope_args(positions, cos_sin, fmt)
+    cast = CastArgs.from_cache_format(fmt)
+    x, norm = kv, cfg.norm_args(norm_weight)
+    if cfg.splits_k_pe(fmt):
+        if out_stage == "norm":
+            raise ValueError(f"out_stage='norm' is not available for a [latent | k_pe] record ({fmt.name}): the "
+                             "norm covers the latent only; use 'transform' or 'cast_back'")
+        if kv.shape[-1] != fmt.head_dim:
+            raise ValueError(f"kv must have {fmt.head_dim} = kv_lora_rank + qk_rope_head_dim dims for {fmt.name}, "
+                             f"got {kv.shape[-1]}")
+        latent = kv[..., :cfg.kv_lora_rank]
+        if norm is not None:
+            latent = _fused(latent, norm_args=norm)
+        x, norm = torch.cat([latent, kv[..., cfg.kv_lora_rank:]], dim=-1), None
+    return _fused(x, norm_args=norm, rope_args=rope, cast_args=cast,
                   out_args=KVCacheOutArgs(kv_cache, slot_mapping, out=out, out_stage=out_stage, layout=fmt))
+
+
+def _check_cp(cfg: MLAConfig, fmt: KVCacheFormat, what: str) -> None:
+    if fmt.bf16_tail or not fmt.quantized or cfg.splits_k_pe(fmt):
+        raise ValueError(f"{what} needs a quantized format without a bf16 tail (and a whole-record norm), "
+                         f"got {fmt.name}")
 
 
 def cp_local_kv(cfg: MLAConfig, kv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 norm_weight: Optional[torch.Tensor], fmt: Optional[KVCacheFormat] = None,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Context parallelism, first pass (on each rank's shard): norm -> RoPE -> quantize ->
-    dequantize (``cast_back=True``); returns bf16 [n, qk_head_dim] to all_gather. Formats with a
+    dequantize (``cast_back=True``); returns bf16 [n, record] to all_gather. Formats with a
     bf16 tail are not supported here (a contiguous cast covers the whole head)."""
     fmt = _fmt(fmt, cfg.main_format)
-    if fmt.bf16_tail or not fmt.quantized:
-        raise ValueError(f"cp_local_kv needs a quantized format without a bf16 tail, got {fmt.name}")
+    _check_cp(cfg, fmt, "cp_local_kv")
     cast = dataclasses.replace(CastArgs.from_cache_format(fmt), cast_back=True)
-    return _fused(kv, norm_args=cfg.norm_args(norm_weight), rope_args=cfg.rope_args(positions, cos_sin),
+    return _fused(kv, norm_args=cfg.norm_args(norm_weight), rope_args=cfg.main_rope_args(positions, cos_sin, fmt),
                   cast_args=cast, out_args=out)
 
 
@@ -183,9 +295,8 @@ def cp_local_kv_quantized(cfg: MLAConfig, kv: torch.Tensor, positions: torch.Ten
     """Byte-exact context parallelism, first pass: norm -> RoPE -> quantize to (q, sf) in the
     cache's format; all_gather those bytes, then :func:`store_gathered`."""
     fmt = _fmt(fmt, cfg.main_format)
-    if fmt.bf16_tail or not fmt.quantized:
-        raise ValueError(f"cp_local_kv_quantized needs a quantized format without a bf16 tail, got {fmt.name}")
-    return _fused(kv, norm_args=cfg.norm_args(norm_weight), rope_args=cfg.rope_args(positions, cos_sin),
+    _check_cp(cfg, fmt, "cp_local_kv_quantized")
+    return _fused(kv, norm_args=cfg.norm_args(norm_weight), rope_args=cfg.main_rope_args(positions, cos_sin, fmt),
                   cast_args=CastArgs.from_cache_format(fmt))
 
 
@@ -207,10 +318,12 @@ def write_draft_kv(cfg: MLAConfig, kv: torch.Tensor, positions: torch.Tensor, co
 def write_compressed_kv(cfg: MLAConfig, kv_compressed: torch.Tensor, positions: torch.Tensor,
                         cos_sin: torch.Tensor, norm_weight: torch.Tensor, kv_cache: torch.Tensor,
                         slot_mapping: torch.Tensor, pre_rope_out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """compress.py: RMSNorm -> RoPE -> cast of cfg.compressed_format -> index cache, and in the
-    same launch the normalized, pre-RoPE latent (``out_stage="norm"``), which the indexer's key
-    projection consumes. kv_compressed bf16 [n, index_head_dim]; returns the latent (bf16, same shape)."""
-    fmt = cfg.compressed_format
+    """compress.py: RMSNorm -> RoPE (the indexer's: cfg.index_rope_*) -> cast of
+    cfg.compressed_format -> index cache, and in the same launch the normalized, pre-RoPE latent
+    (``out_stage="norm"``), which the indexer's key projection consumes. kv_compressed bf16
+    [n, index_head_dim]; returns the latent (bf16, same shape). ValueError when the model has no
+    compressed KV (compressed_format None)."""
+    fmt = cfg._need("compressed_format")
     if pre_rope_out is None:
         pre_rope_out = torch.empty_like(kv_compressed)
     return _fused(kv_compressed, norm_args=NormArgs(norm_weight, cfg.norm_eps),
@@ -219,13 +332,19 @@ def write_compressed_kv(cfg: MLAConfig, kv_compressed: torch.Tensor, positions: 
 
 
 def write_indexer_k(cfg: MLAConfig, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                    norm_weight: Optional[torch.Tensor], kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """index_attn.py indexer K: RMSNorm -> RoPE -> Hadamard (cfg.index_hadamard) -> the cast of
-    cfg.index_format -> the index cache. k bf16 [n, index_head_dim]."""
-    fmt = cfg.index_format
-    _fused(k, norm_args=cfg.norm_args(norm_weight), rope_args=cfg.index_rope_args(positions, cos_sin),
-           hadamard_args=cfg.index_hadamard_args, cast_args=CastArgs.from_cache_format(fmt),
-           out_args=KVCacheOutArgs(kv_cache, slot_mapping, layout=fmt))
+                    norm_weight: Optional[torch.Tensor], kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    norm_bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                    out_stage: Optional[str] = None) -> Optional[torch.Tensor]:
+    """index_attn.py indexer K: norm (cfg.index_norm_kind: RMSNorm, or V3.2's LayerNorm with
+    ``norm_bias``) -> RoPE (cfg.index_rope_offset / index_rope_is_neox) -> Hadamard
+    (cfg.index_hadamard) -> the cast of cfg.index_format -> the index cache. k bf16
+    [n, index_head_dim]; ``out`` / ``out_stage`` as in :class:`kvfuse.KVCacheOutArgs`. ValueError
+    when the model has no indexer (index_format None)."""
+    fmt = cfg._need("index_format")
+    return _fused(k, norm_args=cfg.index_norm_args(norm_weight, norm_bias),
+                  rope_args=cfg.index_rope_args(positions, cos_sin), hadamard_args=cfg.index_hadamard_args,
+                  cast_args=CastArgs.from_cache_format(fmt),
+                  out_args=KVCacheOutArgs(kv_cache, slot_mapping, out=out, out_stage=out_stage, layout=fmt))
 
 
 def quantize_indexer_q(cfg: MLAConfig, q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
@@ -236,7 +355,7 @@ def quantize_indexer_q(cfg: MLAConfig, q: torch.Tensor, positions: torch.Tensor,
     very objects the K side uses, so Q and K share grid, scales and basis (a bf16 index format
     returns (bf16 q, None)).
     q bf16 [n, index_num_heads, index_head_dim]; ``out``/``sf`` optional preallocated outputs."""
-    cast = CastArgs.from_cache_format(cfg.index_format)
+    cast = CastArgs.from_cache_format(cfg._need("index_format"))
     res = _fused(q, rope_args=cfg.index_rope_args(positions, cos_sin), hadamard_args=cfg.index_hadamard_args,
                  cast_args=cast, out_args=None if out is None and sf is None else ContiguousOutArgs(out, sf))
     if cast is None:   # a bf16 index cache: Q stays bf16
@@ -246,16 +365,20 @@ def quantize_indexer_q(cfg: MLAConfig, q: torch.Tensor, positions: torch.Tensor,
 
 # --------------------------------------------------------------------------- FlashMLA formats
 def write_flashmla_v32(cfg: MLAConfig, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor,
-                       cos_sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                       cos_sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       norm_weight: Optional[torch.Tensor] = None) -> None:
     """DeepSeek V3.2 FlashMLA cache (FLASHMLA_V32, 656 bytes/token): the record is the normalized
     latent (kv_lora_rank = 512, quantized e4m3, fp32 power-of-two scales per 128) followed by the
-    rotated k_pe (64 dims, raw bf16). As in ``concat_and_cache_mla`` the latent arrives already
-    normalized (V3.2's RMSNorm covers the latent only, not k_pe); RoPE on the tail and the cast run
-    fused. kv_c_normed bf16 [n, kv_lora_rank], k_pe bf16 [n, qk_rope_head_dim]."""
+    rotated k_pe (64 dims, raw bf16, pairing cfg.rope_is_neox). As in ``concat_and_cache_mla`` the
+    latent arrives already normalized (V3.2's RMSNorm covers the latent only, not k_pe); with
+    ``norm_weight`` it is normalized here first (a norm-only call). RoPE on the tail and the cast
+    run fused. kv_c_normed bf16 [n, kv_lora_rank], k_pe bf16 [n, qk_rope_head_dim]."""
     fmt = FLASHMLA_V32
     if kv_c_normed.shape[-1] + k_pe.shape[-1] != fmt.head_dim:
         raise ValueError(f"kv_c_normed and k_pe must concatenate to {fmt.head_dim} dims, got "
                          f"{kv_c_normed.shape[-1]} + {k_pe.shape[-1]}")
+    if norm_weight is not None:
+        kv_c_normed = _fused(kv_c_normed, norm_args=cfg.norm_args(norm_weight))
     x = torch.cat([kv_c_normed, k_pe], dim=-1)
     _fused(x, rope_args=RopeArgs(positions, cos_sin, k_pe.shape[-1], cfg.rope_is_neox),
            cast_args=CastArgs.from_cache_format(fmt), out_args=KVCacheOutArgs(kv_cache, slot_mapping, layout=fmt))

@@ -77,7 +77,7 @@ _FORMAT_SCHEMA = ("str? fmt_name, int fmt_head_dim, str? fmt_cast_fmt, int fmt_e
 FUSED_SCHEMA = (
     "fused_norm_rope_hadamard_cast_store(Tensor x, Tensor? weight, Tensor? positions, Tensor? cos_sin, "
     "Tensor(a!)? out, Tensor(b!)? q_out, Tensor(c!)? sf_out, Tensor(d!)? kv_cache, Tensor? slot_mapping, "
-    "float eps, int rotary_dim, int rope_offset, bool is_neox, bool conjugate, float? hadamard_scale, "
+    "Tensor? bias, float eps, str norm_kind, int rotary_dim, int rope_offset, bool is_neox, bool conjugate, float? hadamard_scale, "
     "str? cast_fmt, int group, str? sf_format, int quant_dim, str? out_stage, " + _FORMAT_SCHEMA + ") -> ()")
 STORE_SCHEMA = ("store_kv_cache(Tensor data, Tensor? sf, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor? tail, "
                 + _FORMAT_SCHEMA + ") -> ()")
@@ -98,7 +98,7 @@ def _impl(name):
 
 # --------------------------------------------------------------------------- the fused op
 @_impl("fused_norm_rope_hadamard_cast_store")
-def fused_op(x, weight, positions, cos_sin, out, q_out, sf_out, kv_cache, slot_mapping, eps, rotary_dim,
+def fused_op(x, weight, positions, cos_sin, out, q_out, sf_out, kv_cache, slot_mapping, bias, eps, norm_kind, rotary_dim,
              rope_offset, is_neox, conjugate, hadamard_scale, cast_fmt, group, sf_format, quant_dim, out_stage,
              *fmt_fields) -> None:
     """One validated Plan, flattened (see :func:`execute_op`). Norm is on iff ``weight`` is given,
@@ -106,7 +106,7 @@ def fused_op(x, weight, positions, cos_sin, out, q_out, sf_out, kv_cache, slot_m
     from . import api
 
     fmt = format_from_fields(*fmt_fields)
-    plan = Plan(x=x, weight=weight, eps=eps, positions=positions, cos_sin=cos_sin, rotary_dim=rotary_dim,
+    plan = Plan(x=x, weight=weight, eps=eps, norm_kind=norm_kind, bias=bias, positions=positions, cos_sin=cos_sin, rotary_dim=rotary_dim,
                 rope_offset=rope_offset, is_neox=is_neox, conjugate=conjugate, hadamard_scale=hadamard_scale,
                 cast=None if cast_fmt is None else CastSpec(cast_fmt, group, sf_format), quant_dim=quant_dim,
                 out=out, out_stage=out_stage, q_out=q_out, sf_out=sf_out, kv_cache=kv_cache,
@@ -119,7 +119,7 @@ def plan_to_op_args(plan: Plan) -> tuple:
     """The positional arguments of :data:`fused_op` for ``plan``."""
     c = plan.cast
     return (plan.x, plan.weight, plan.positions, plan.cos_sin, plan.out, plan.q_out, plan.sf_out,
-            plan.kv_cache, plan.slot_mapping, float(plan.eps), int(plan.rotary_dim), int(plan.rope_offset),
+            plan.kv_cache, plan.slot_mapping, plan.bias, float(plan.eps), plan.norm_kind, int(plan.rotary_dim), int(plan.rope_offset),
             bool(plan.is_neox), bool(plan.conjugate), plan.hadamard_scale,
             None if c is None else c.cast_fmt, 0 if c is None else c.group, None if c is None else c.sf_format,
             int(plan.quant_dim), plan.out_stage) + format_fields(plan.fmt)

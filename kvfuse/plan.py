@@ -23,6 +23,7 @@ from .formats import PRESETS, KVCacheFormat, RecordAddressing, check_cast_combin
 from .overlap import INF, OverlapCheck, row_limit, span_terms
 
 OUT_STAGES = ("norm", "transform", "cast_back")
+NORM_KINDS = ("rms", "layer")
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -39,6 +40,8 @@ class Plan:
     x: torch.Tensor                          # bf16 [n, H, D], stride(-1) == 1
     weight: Optional[torch.Tensor] = None    # [D] bf16/fp32 contiguous (norm on iff not None)
     eps: float = 0.0
+    norm_kind: str = "rms"                   # "rms" | "layer" (NORM_KINDS)
+    bias: Optional[torch.Tensor] = None      # [D] bf16/fp32 contiguous (LayerNorm only)
     positions: Optional[torch.Tensor] = None  # int32/int64 [n] (rope on iff not None)
     cos_sin: Optional[torch.Tensor] = None   # [P, rotary_dim] fp32/bf16, stride(-1) == 1
     rotary_dim: int = 0
@@ -134,14 +137,14 @@ def infer_layout(kv_cache: torch.Tensor, cast_args) -> KVCacheFormat:
 # =============================================================================== call tensors
 # The tensors of one call, by position: x, the norm weight, positions, cos_sin, then out_args'
 # tensors (a Tensor: itself; ContiguousOutArgs: out, sf; KVCacheOutArgs: kv_cache, slot_mapping,
-# out); None where absent. The outputs a call allocates follow them.
-X, WEIGHT, POSITIONS, COS_SIN, OUT_ARG0, OUT_ARG1, OUT_ARG2 = range(7)
-NUM_CALL_TENSORS = 7
+# out), then the norm bias; None where absent. The outputs a call allocates follow them.
+X, WEIGHT, POSITIONS, COS_SIN, OUT_ARG0, OUT_ARG1, OUT_ARG2, BIAS = range(8)
+NUM_CALL_TENSORS = 8
 
 
 def call_tensors(x, norm_args, rope_args, out_args) -> tuple:
     """The tensors of a validated call, in the order above."""
-    w = None if norm_args is None else norm_args.weight
+    w, b = (None, None) if norm_args is None else (norm_args.weight, norm_args.bias)
     pos, cs = (None, None) if rope_args is None else (rope_args.positions, rope_args.cos_sin_cache)
     if isinstance(out_args, KVCacheOutArgs):
         outs = (out_args.kv_cache, out_args.slot_mapping, out_args.out)
@@ -149,7 +152,7 @@ def call_tensors(x, norm_args, rope_args, out_args) -> tuple:
         outs = (out_args.out, out_args.sf, None)
     else:
         outs = (out_args, None, None)
-    return (x, w, pos, cs) + outs
+    return (x, w, pos, cs) + outs + (b,)
 
 
 class CacheEntry:
@@ -239,11 +242,20 @@ def validate(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=No
     if norm_args is not None:
         if not isinstance(norm_args, NormArgs):
             raise TypeError(f"norm_args must be a NormArgs or None, got {type(norm_args).__name__}")
+        if not isinstance(norm_args.kind, str) or norm_args.kind not in NORM_KINDS:
+            raise ValueError(f"norm_args.kind must be one of {NORM_KINDS}, got {norm_args.kind!r}")
         check_tensor(norm_args.weight, "norm_args.weight", (torch.bfloat16, torch.float32), dev, shape=(D,))
-        if not _is_real(norm_args.eps) or norm_args.eps < 0:
-            raise ValueError(f"norm_args.eps must be a finite number >= 0, got {norm_args.eps!r}")
+        # eps > 0: a zero row would otherwise divide by sqrt(0) and write NaN for finite inputs
+        if not _is_real(norm_args.eps) or norm_args.eps <= 0:
+            raise ValueError(f"norm_args.eps must be a finite number > 0, got {norm_args.eps!r}")
         plan.eps = float(norm_args.eps)
+        plan.norm_kind = norm_args.kind
         sources.append(("weight", WEIGHT, False))
+        if norm_args.bias is not None:
+            if norm_args.kind != "layer":
+                raise ValueError(f"norm_args.bias needs kind='layer', got kind={norm_args.kind!r}")
+            check_tensor(norm_args.bias, "norm_args.bias", (torch.bfloat16, torch.float32), dev, shape=(D,))
+            sources.append(("bias", BIAS, False))
 
     # ---- rope
     if rope_args is not None:
@@ -634,7 +646,8 @@ def call_signature(x, norm_args, rope_args, hadamard_args, cast_args, out_args):
     if norm_args is None:
         norm_key = None
     elif type(norm_args) is NormArgs:
-        norm_key = (tensor_key(norm_args.weight), number_key(norm_args.eps))
+        norm_key = (tensor_key(norm_args.weight), number_key(norm_args.eps), optional_tensor_key(norm_args.bias),
+                    type(norm_args.kind), norm_args.kind)
     else:
         return _NO_KEY
     if rope_args is None:

@@ -100,6 +100,31 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.T
     return round_to_bf16((xf * rstd[..., None]) * weight.to(F32))
 
 
+def layernorm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+              eps: float = 1e-6) -> torch.Tensor:
+    """bf16 [..., D] -> bf16: d = f(x) - tree(x) / D, rstd = 1 / sqrt(tree(d^2) / D + eps),
+    y = bf16(((d * rstd) * f(w)) + f(b)) (no ``+ f(b)`` without a bias). SPEC §2 "LayerNorm"."""
+    xf = x.to(F32)
+    dim = _f32(x.shape[-1], x)
+    mean = torch.div(pairwise_sum(xf), dim)
+    d = xf - mean[..., None]
+    var = torch.div(pairwise_sum(d * d), dim)
+    den = torch.sqrt((var + _f32(eps, x)).to(torch.float64)).to(F32)    # correctly rounded fp32 sqrt
+    rstd = torch.div(torch.ones_like(den), den)
+    y = (d * rstd[..., None]) * weight.to(F32)
+    if bias is not None:
+        y = y + bias.to(F32)
+    return round_to_bf16(y)
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, kind: str = "rms",
+         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The norm stage: :func:`rmsnorm` (kind "rms") or :func:`layernorm` (kind "layer")."""
+    if kind == "layer":
+        return layernorm(x, weight, bias, eps)
+    return rmsnorm(x, weight, eps)
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int,
          is_neox: bool, offset: Optional[int] = None, conjugate: bool = False) -> torch.Tensor:
     """bf16 [n, D] or [n, H, D] -> bf16; rotates pairs of dims in [offset, offset + rotary_dim).
@@ -182,29 +207,46 @@ def quantize(x: torch.Tensor, cast_fmt: str, num_per_channels: int, sf_format: s
     return q, stored
 
 
-def dequant_scale(sf: torch.Tensor, sf_format: str) -> torch.Tensor:
-    """Stored scales -> the fp32 dequant multiplier d."""
+# the bf16 NaN the read side writes for every NaN it decodes (torch's canonical bf16 NaN)
+CANONICAL_NAN_BF16 = 0x7FC0
+
+
+def dequant_scale(sf: torch.Tensor, sf_format: str, ue8m0_nan: bool = False) -> torch.Tensor:
+    """Stored scales -> the fp32 dequant multiplier d. ``ue8m0_nan`` (the read side, SPEC §4): a
+    ue8m0 byte 0xFF is NaN (OCP MX, torch's float8_e8m0fnu) rather than 2^128 = inf. e4m3 scale
+    bytes 0x7F / 0xFF and fp32 NaN patterns decode as NaN either way."""
     if sf_format == "ue8m0":
         e = sf.view(torch.uint8).to(torch.int32)
         # byte 0 is 2^-127, an fp32 subnormal (quantize never writes it; stored bytes may hold it)
-        return torch.where(e == 0, 0x400000, e << 23).view(F32)
+        d = torch.where(e == 0, 0x400000, e << 23).view(F32)
+        if ue8m0_nan:
+            d = torch.where(e == 0xFF, torch.full_like(d, float("nan")), d)
+        return d
     if sf_format == "e4m3":
         return decode_e4m3(sf)
     return sf.view(F32)
 
 
 def dequantize(q: torch.Tensor, sf: torch.Tensor, cast_fmt: str, num_per_channels: int,
-               sf_format: str) -> torch.Tensor:
-    """(q, sf) of :func:`quantize` -> bf16 [..., D]: bf16(f(q_i) * d_group)."""
+               sf_format: str, ue8m0_nan: bool = False) -> torch.Tensor:
+    """(q, sf) of :func:`quantize` -> bf16 [..., D]: bf16(f(q_i) * d_group). ``ue8m0_nan``: see
+    :func:`dequant_scale` (the cast_back stage keeps d = 2^e, SPEC §2; the read side sets it)."""
     if cast_fmt == "e4m3":
         qf = decode_e4m3(q)
     else:
         qf = decode_e2m1(unpack_e2m1(q.view(torch.uint8)))
     d = qf.shape[-1]
     g = num_per_channels
-    scale = dequant_scale(sf, sf_format)
+    scale = dequant_scale(sf, sf_format, ue8m0_nan)
     y = qf.reshape(qf.shape[:-1] + (d // g, g)) * scale[..., None]
     return round_to_bf16(y.reshape(qf.shape))
+
+
+def canonical_nan(y: torch.Tensor) -> torch.Tensor:
+    """bf16 y with every NaN replaced by CANONICAL_NAN_BF16 (NaN payloads and signs from the CPU's
+    or GPU's arithmetic differ; the read side's bytes do not)."""
+    nan = torch.tensor(CANONICAL_NAN_BF16, dtype=torch.int16, device=y.device).view(torch.bfloat16)
+    return torch.where(torch.isnan(y), nan, y)
 
 
 # --------------------------------------------------------------------------- paged cache
@@ -266,7 +308,9 @@ def load(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, fmt: KVCacheFormat,
         return qb.view(torch.bfloat16)
     sf = sb[..., : fmt.sf_exact_bytes].contiguous().view(sf_dtype(fmt.sf_format))
     q = qb.view(q_dtype(fmt.cast_fmt)) if fmt.cast_fmt == "e4m3" else qb
-    y = dequantize(q, sf, fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format)
+    # NaN codes decode as NaN (SPEC §4): ue8m0 scale 0xFF, e4m3 0x7F / 0xFF (values and scales), fp32
+    # NaN scales; each NaN is written as the canonical bf16 NaN. The raw bf16 tail keeps its bits.
+    y = canonical_nan(dequantize(q, sf, fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format, ue8m0_nan=True))
     if fmt.bf16_tail:
         y = torch.cat([y, tb.view(torch.bfloat16)], dim=-1)
     return y
@@ -274,12 +318,12 @@ def load(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, fmt: KVCacheFormat,
 
 # --------------------------------------------------------------------------- the chain
 def transform(x, weight=None, eps=1e-6, positions=None, cos_sin=None, rotary_dim=0, rope_offset=None,
-              is_neox=True, conjugate=False, hadamard_scale=None):
+              is_neox=True, conjugate=False, hadamard_scale=None, norm_kind="rms", bias=None):
     """norm -> rope -> hadamard on bf16 [n, H, D]; returns (after_norm or None, transform output)."""
     y = x
     normed = None
     if weight is not None:
-        y = normed = rmsnorm(y, weight, eps)
+        y = normed = norm(y, weight, eps, norm_kind, bias)
     if positions is not None:
         y = rope(y, positions, cos_sin, rotary_dim, is_neox, rope_offset, conjugate)
     if hadamard_scale is not None:
@@ -292,7 +336,8 @@ def run_plan(plan: Plan) -> None:
     if plan.n == 0:
         return
     normed, y = transform(plan.x, plan.weight, plan.eps, plan.positions, plan.cos_sin, plan.rotary_dim,
-                          plan.rope_offset, plan.is_neox, plan.conjugate, plan.hadamard_scale)
+                          plan.rope_offset, plan.is_neox, plan.conjugate, plan.hadamard_scale, plan.norm_kind,
+                          plan.bias)
     stages = {"norm": normed, "transform": y}
     cast: Optional[CastSpec] = plan.cast
     q = sf = None

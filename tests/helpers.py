@@ -28,16 +28,19 @@ def cache_strides(fmt: KVCacheFormat, block_size: int, num_heads: int = 1, token
     """(stride(0), stride(1)) in bytes of a cache of ``fmt``, computed from the SPEC (§4):
     token-interleaved: stride(1) = num_heads*bytes_per_token + token_padding rounded up to
     gcd(32, bytes_per_token); block-wide: stride(1) = bytes_per_token (a dense block).
-    stride(0) = the block's bytes + block_padding rounded up to lcm(32, block_alignment)."""
+    stride(0) = the block's bytes + block_padding rounded up to lcm(stride_alignment, block_alignment)
+    (stride_alignment: gcd(32, bytes_per_token) token-interleaved, 32 block-wide)."""
     bpt = fmt.data_bytes + fmt.sf_bytes
     if fmt.token_interleaved:
-        s1 = _round_up(num_heads * bpt + token_padding, math.gcd(32, bpt))
+        align = math.gcd(32, bpt)
+        s1 = _round_up(num_heads * bpt + token_padding, align)
         block = block_size * s1
     else:
         assert num_heads == 1 and token_padding == 0
+        align = 32
         s1 = bpt
         block = block_size * bpt
-    s0 = _round_up(block + block_padding, math.lcm(32, fmt.block_alignment))
+    s0 = _round_up(block + block_padding, math.lcm(align, fmt.block_alignment))
     return s0, s1
 
 

@@ -51,12 +51,16 @@ class Case:
     seed: int = 0
     idx32: bool = False               # int32 positions / slots (else int64)
     x2d: bool = False                 # x passed as [n, D] (needs heads == 1)
+    norm_kind: str = "rms"            # "rms" | "layer"
+    bias: bool = False                # a LayerNorm bias (needs norm_kind "layer")
+    in_place: bool = False            # the stage copy goes into x itself (out = x; needs out_stage)
 
     def describe(self):
         f = self.fmt.name if self.fmt else f"contig:{self.cast}"
         return (f"n={self.n} H={self.heads} D={self.head_dim} {f} norm={self.norm} rope={self.rope}"
                 f"(r={self.rotary_dim},off={self.rope_offset},neox={self.neox},conj={self.conjugate}) "
-                f"had={self.hadamard} stage={self.out_stage} slots={self.slot_kind} seed={self.seed}")
+                f"had={self.hadamard} stage={self.out_stage}{' in place' if self.in_place else ''} slots={self.slot_kind} "
+                f"norm_kind={self.norm_kind}{'+bias' if self.bias else ''} seed={self.seed}")
 
 
 def _bf16_data(shape, gen, device):
@@ -98,7 +102,10 @@ def build(case: Case, device):
     norm = rope = had = None
     if case.norm:
         w = (torch.rand(D, generator=gen) * 2).to(torch.float32 if case.w_fp32 else torch.bfloat16).to(device)
-        norm = NormArgs(w, eps=1e-6 if case.seed % 2 else 1e-5)
+        b = None
+        if case.bias:
+            b = (torch.randn(D, generator=gen) * 0.5).to(torch.float32 if case.w_fp32 else torch.bfloat16).to(device)
+        norm = NormArgs(w, eps=1e-6 if case.seed % 2 else 1e-5, bias=b, kind=case.norm_kind)
     if case.rope:
         P = 64
         ang = torch.rand(P, case.rotary_dim // 2, generator=gen) * 6.3
@@ -121,7 +128,7 @@ def build(case: Case, device):
         slots = _slots(case, gen).to(device)
         out = None
         if case.out_stage is not None:
-            out = torch.full(x.shape, float("nan"), dtype=torch.bfloat16, device=device)
+            out = x if case.in_place else torch.full(x.shape, float("nan"), dtype=torch.bfloat16, device=device)
             outs["out"] = out
         cast = CastArgs.from_cache_format(fmt)
         out_args = KVCacheOutArgs(cache, slots, out=out, out_stage=case.out_stage, layout=fmt)
@@ -187,6 +194,7 @@ def random_case(rng: random.Random, max_n: int = 64, variants: Optional[int] = N
     if fmt is not None and v.random() < 0.5:
         opts = ["transform"] + (["norm"] if norm else []) + (["cast_back"] if fmt.quantized else [])
         stage = v.choice(opts)
+    layer = norm and v.random() < 0.3
     n = rng.choice([1, 2, 3, 5, 17, rng.randrange(1, max_n + 1)])
     bs = rng.choice([1, 2, 16, 64])
     nb = max(1, (n + bs - 1) // bs + rng.choice([0, 1, 2]))
@@ -196,7 +204,9 @@ def random_case(rng: random.Random, max_n: int = 64, variants: Optional[int] = N
                 x_row_pad=rng.choice([0, 0, 16, 8]), block_size=bs, num_blocks=nb,
                 token_padding=rng.choice([0, 0, 32]) if fmt is not None and fmt.token_interleaved else 0,
                 block_padding=rng.choice([0, 64]), slot_kind=rng.choice(["continuous", "cross_page", "random", "invalid"]),
-                seed=seed, idx32=v.random() < 0.5, x2d=heads == 1 and rng.random() < 0.3)
+                seed=seed, idx32=v.random() < 0.5, x2d=heads == 1 and rng.random() < 0.3,
+                norm_kind="layer" if layer else "rms", bias=layer and v.random() < 0.7,
+                in_place=stage is not None and v.random() < 0.3)
 
 
 def diff_report(a: dict, b: dict, limit: int = 8) -> str:

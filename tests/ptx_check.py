@@ -20,7 +20,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from kvfuse.kernels import fused as F  # noqa: E402
 
 BAD = re.compile(r"\bfma\.|\.approx|div\.full")
-PTR_TYPES = {"x_ptr": "*bf16", "w_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32", "out_ptr": "*bf16",
+PTR_TYPES = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32", "out_ptr": "*bf16",
              "q_ptr": "*u8", "sf_ptr": "*u8", "slot_ptr": "*i64", "cache_ptr": "*u8", "data_ptr": "*u8",
              "tail_ptr": "*u8", "sf_out_ptr": "*u8"}
 FLOATS = ("eps", "had_scale")
@@ -48,11 +48,17 @@ def compile_ptx(fn, consts, num_warps=4, ptr_types=None):
 
 def fused_variants():
     base = dict(D=512, BLOCK_D=512, LOG2_BLOCK_D=9, VEC=4, BLOCK_M=2, ONE_HEAD=True, ROWS32=True, HAS_NORM=True,
-                W_BF16=True, ROPE=2, R=64, ROPE_OFF=448, NEOX=True, CONJ=False, CS_BF16=False, HAS_HAD=False, CAST=1,
+                W_BF16=True, LAYER=False, HAS_BIAS=False, B_BF16=True, ROPE=2, R=64, ROPE_OFF=448, NEOX=True, CONJ=False, CS_BF16=False, HAS_HAD=False, CAST=1,
                 G=32, SF=0, FMAX=448.0, DQ=512, OUT_STAGE=0, DEST=2, NATIVE=2, SLOT32=True, QALIGN=4, SFALIGN=4,
                 TALIGN=4, EARLY=False)
     yield "main_fp8", base
     yield "main_fp8_decode", {**base, "BLOCK_M": 1, "EARLY": True}
+    yield "main_fp8_gptj_multirow", {**base, "NEOX": False}
+    yield "layernorm_bias_copy_rope2", {**base, "LAYER": True, "HAS_BIAS": True, "OUT_STAGE": 1}
+    yield "index_layernorm_offset0_had_fp32", {**base, "D": 128, "BLOCK_D": 128, "LOG2_BLOCK_D": 7, "VEC": 8,
+                                               "ROPE": 1, "ROPE_OFF": 0, "HAS_HAD": True, "LAYER": True,
+                                               "HAS_BIAS": True, "B_BF16": False, "G": 128, "SF": 3, "DQ": 128,
+                                               "QALIGN": 16, "BLOCK_M": 4}
     yield "main_fp4+cast_back", {**base, "VEC": 8, "CAST": 2, "G": 16, "SF": 2, "FMAX": 6.0, "OUT_STAGE": 3,
                                  "QALIGN": 16, "SFALIGN": 16, "TALIGN": 16}
     yield "index_fp32+had+conj+interleaved", {**base, "D": 128, "BLOCK_D": 128, "LOG2_BLOCK_D": 7, "VEC": 8,

@@ -158,6 +158,35 @@ def rmsnorm(x_bits: np.ndarray, w, eps: float) -> np.ndarray:
     return f32_to_bf16((xf * rstd[..., None]) * wf)
 
 
+def _tree(p: np.ndarray) -> np.ndarray:
+    """The adjacent-pairs tree sum over the last axis, zero-padded to a power of two."""
+    D = p.shape[-1]
+    P = 1
+    while P < D:
+        P *= 2
+    if P != D:
+        p = np.concatenate([p, np.zeros(p.shape[:-1] + (P - D,), np.float32)], axis=-1)
+    while p.shape[-1] > 1:
+        p = p[..., 0::2] + p[..., 1::2]
+    return p[..., 0]
+
+
+def layernorm(x_bits: np.ndarray, w, b, eps: float) -> np.ndarray:
+    """SPEC §2 LayerNorm: s = tree(x); mean = s / D; d = x - mean; var = tree(d * d) / D;
+    rstd = 1 / sqrt(var + eps); y = bf16(((d * rstd) * w) + b) (no + b without a bias)."""
+    xf = bf16_to_f32(x_bits)
+    D = F32(xf.shape[-1])
+    mean = _tree(xf) / D
+    d = xf - mean[..., None]
+    var = _tree(d * d) / D
+    sq = np.sqrt((var + F32(eps)).astype(np.float64)).astype(np.float32)
+    rstd = F32(1.0) / sq
+    y = (d * rstd[..., None]) * as_f32(w)
+    if b is not None:
+        y = y + as_f32(b)
+    return f32_to_bf16(y)
+
+
 def rope(y_bits: np.ndarray, positions, cos_sin, rotary_dim: int, is_neox: bool,
          offset: Optional[int], conjugate: bool) -> np.ndarray:
     """y_bits [n, H, D] (uint16); positions [n]."""
@@ -375,7 +404,8 @@ def oracle_call(x, norm=None, rope=None, hadamard_scale=None, cast=None, cache=N
     """What fused_norm_rope_hadamard_cast_store_kvcache must produce.
 
     x: uint16 bf16 bits [n, D] or [n, H, D].
-    norm: (w, eps) with w uint16 (bf16) or float32 [D].
+    norm: (w, eps) with w uint16 (bf16) or float32 [D] (RMSNorm), or (w, eps, b, "layer") (LayerNorm;
+        b as w, or None).
     rope: (positions, cos_sin, rotary_dim, is_neox, offset|None, conjugate).
     hadamard_scale: float or None.
     cast: (cast_fmt, g, sf_format, cast_back) or None (ignored with a cache: the cache's format
@@ -395,8 +425,12 @@ def oracle_call(x, norm=None, rope=None, hadamard_scale=None, cast=None, cache=N
     res = {}
     y = x3
     if norm is not None:
-        w, eps = norm
-        y = rmsnorm(y, w, eps)
+        if len(norm) == 4:
+            w, eps, b, _ = norm
+            y = layernorm(y, w, b, eps)
+        else:
+            w, eps = norm
+            y = rmsnorm(y, w, eps)
         res["norm"] = y
     if rope is not None:
         positions, cos_sin, rotary_dim, is_neox, offset, conjugate = rope
@@ -478,7 +512,9 @@ def oracle_load(cache: CacheDesc, dequantize=True):
             ng = f.quant_dim // f.g
             sfb = st[sa:sa + f.sf_exact]
             if f.sf_format == "ue8m0":
+                # SPEC §4: the byte 0xFF is NaN (OCP MX), not 2^128
                 d = np.ldexp(np.float32(1.0), sfb.astype(np.int32) - 127).astype(np.float32)
+                d = np.where(sfb == 0xFF, np.float32(np.nan), d).astype(np.float32)
             elif f.sf_format == "e4m3":
                 d = decode_e4m3(sfb)
             else:
@@ -488,7 +524,8 @@ def oracle_load(cache: CacheDesc, dequantize=True):
             else:
                 qf = decode_e2m1(unpack_e2m1(q))
             v = (qf.reshape(ng, f.g) * d[:, None]).astype(np.float32).reshape(-1)
-            out[t, h, :f.quant_dim] = f32_to_bf16(v)
+            # every decoded NaN is the bf16 0x7FC0 (kvfuse's choice, README "Non-finite values")
+            out[t, h, :f.quant_dim] = np.where(np.isnan(v), np.uint16(0x7FC0), f32_to_bf16(v))
             if f.bf16_tail:
                 out[t, h, f.quant_dim:] = tail.view("<u2")
     if dequantize:

@@ -2,8 +2,9 @@
 
 Checks the table (one row per preset, two for the 128-d formats: with/without Hadamard; sizes from
 the formats; a bf16 cache is lossless with recall 1), results.csv, that the chart is a real PNG,
---input with .safetensors and .pt files, and that the explorer's read-back is exactly the
-reference chain's quantize -> dequantize of the transform output it reports.
+--input with .safetensors and .pt files, that the explorer's read-back is exactly the
+reference chain's quantize -> dequantize of the transform output it reports, and ``--model NAME``
+(one row per call site of a kvfuse.models configuration, through its kvfuse.mla calls).
 """
 import csv
 import math
@@ -11,7 +12,7 @@ import math
 import pytest
 import torch
 
-from kvfuse import cli, demo
+from kvfuse import cli, demo, models
 from kvfuse import formats as F
 from kvfuse import reference as R
 
@@ -136,3 +137,68 @@ def test_recall_at_k():
     assert demo.recall_at_k(s, s, 2) == 1.0
     assert demo.recall_at_k(s, torch.tensor([[5.0, 1.0, 4.0, 2.0, 3.0]]), 2) == 0.5
     assert demo.recall_at_k(-s, s, 2) == 0.0
+
+
+# --------------------------------------------------------------------------- --model
+def _model_rows(text):
+    rows = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if parts and ":" in parts[0] and parts[0].split(":")[0] in ("main", "index", "compressed"):
+            rows[parts[0]] = parts
+    return rows
+
+
+@pytest.mark.parametrize("name", list(models.MODELS), ids=str)
+def test_demo_model(capsys, tmp_path, name):
+    """``kvfuse demo --model NAME``: one row per call site of the configuration, in its formats."""
+    cfg = models.get(name)
+    rc, text, out = _run(capsys, tmp_path, "--model", name.upper())       # names are case-insensitive
+    assert rc == 0
+    assert "96 tokens" in text and f"model {name}: " in text
+    assert ("GPT-J at 128" if cfg.qk_head_dim == 192 else "GPT-J at 448") in text
+    rows = _model_rows(text)
+    expected = {f"{site}:{fmt.name}": (fmt, had) for site, fmt, had in demo.model_sites(cfg)}
+    assert set(rows) == set(expected) and f"main:{cfg.main_format.name}" in rows
+    for label, (fmt, had) in expected.items():
+        parts = rows[label]
+        assert int(parts[2]) == fmt.head_dim and int(parts[4]) == fmt.bytes_per_token
+        assert parts[3] == ("yes" if had else "no")
+        assert 0 < float(parts[6]) < 0.5
+        if label.startswith("index:"):
+            assert 0.0 <= float(parts[7]) <= 1.0
+        else:
+            assert parts[7] == "-"
+    if cfg.index_format is not None and cfg.index_norm_kind == "layer":
+        assert "LayerNorm, RoPE 64 NEOX at 0, Hadamard" in text
+    assert (out / demo.PNG_NAME).read_bytes()[:8] == PNG_MAGIC
+    with open(out / demo.CSV_NAME) as fh:
+        table = list(csv.reader(fh))
+    assert table[0] == list(demo.COLUMNS) and [r[0] for r in table[1:]] == list(expected)
+
+
+def test_demo_unknown_model(capsys, tmp_path):
+    assert cli.main(["demo", "--model", "llama-3", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "argument --model: invalid choice: 'llama-3'" in err and "deepseek-v3.2" in err
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "deepseek-v4-fp4"], ids=str)
+def test_model_main_site_is_the_reference_chain(name):
+    """The main row of --model runs the model's real call: V3 normalizes the 512-d latent only and
+    rotates the tail 64 GPT-J style; V4 normalizes the whole 512 and rotates its tail 64 GPT-J style."""
+    cfg = models.get(name)
+    fmt = cfg.main_format
+    x = demo.fit_width(demo.synthetic_batch(40, 5)["kv"], fmt.head_dim)
+    y, back, _ = demo.model_write_and_read(cfg, "main", x, block_size=16, seed=5)
+    pos, cs, w, _ = demo._model_inputs(cfg, "main", fmt, x, 5)
+    if cfg.splits_k_pe():
+        want = torch.cat([R.rmsnorm(x[:, :512], w, cfg.norm_eps), x[:, 512:]], dim=-1)
+    else:
+        want = R.rmsnorm(x, w, cfg.norm_eps)
+    want = R.rope(want, pos, cs, 64, False, offset=fmt.head_dim - 64)
+    assert torch.equal(y.view(torch.int16), want.view(torch.int16))
+    qd = fmt.quant_dim
+    q, sf = R.quantize(y[:, :qd], fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format)
+    deq = torch.cat([R.dequantize(q, sf, fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format), y[:, qd:]], dim=-1)
+    assert torch.equal(back.view(torch.int16), deq.view(torch.int16))

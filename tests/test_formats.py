@@ -62,10 +62,12 @@ def test_preset_sizes(name):
     assert f.num_scales == (0 if g is None else (hd - tail) // g)
 
 
-def test_flashmla_model1_block_alignment():
+def test_flashmla_block_alignments():
+    # FlashMLA's SM100 sparse decode: k_cache.stride(0) % TMA_K_STRIDE == 0, 656 (V32) / 576 (MODEL1)
+    assert formats.FLASHMLA_V32.block_alignment == 656
     assert formats.FLASHMLA_MODEL1.block_alignment == 576
     for name, f in formats.PRESETS.items():
-        if name != "FLASHMLA_MODEL1":
+        if not name.startswith("FLASHMLA"):
             assert f.block_alignment == 32
 
 
@@ -196,9 +198,16 @@ ALLOC_CASES = [
     ("MAIN_FP4", 2, 16, 4, 0, 0, 18432, 1152),
     # 2 heads + token_padding 1: 576 + 1 -> 608 (multiple of 32); 8 * 608 = 4864 = 152*32
     ("MAIN_FP4", 2, 8, 2, 1, 0, 4864, 608),
-    # FLASHMLA_V32, 2 heads: 1312 per token (multiple of 16); 3 tokens: 3936 = 123*32
-    ("FLASHMLA_V32", 2, 3, 2, 0, 0, 3936, 1312),
+    # FLASHMLA_V32: blocks a multiple of 656 (FlashMLA SM100 asserts stride(0) % 656 == 0), i.e.
+    # exactly block_size * 656 for one head: 1, 3, 16, 64 tokens
+    ("FLASHMLA_V32", 2, 1, 1, 0, 0, 656, 656),
+    ("FLASHMLA_V32", 2, 3, 1, 0, 0, 1968, 656),
+    ("FLASHMLA_V32", 2, 16, 1, 0, 0, 10496, 656),
     ("FLASHMLA_V32", 2, 64, 1, 0, 0, 41984, 656),
+    # 2 heads: 1312 per token (multiple of 16); 3 tokens: 3936 = 6*656
+    ("FLASHMLA_V32", 2, 3, 2, 0, 0, 3936, 1312),
+    # block_padding 10: 1968 + 10 -> 2624 = 4*656
+    ("FLASHMLA_V32", 2, 3, 1, 0, 10, 2624, 656),
     # block-wide: dense blocks; 64 * 132 = 8448 = 264*32
     ("INDEX_MXFP8", 2, 64, 1, 0, 0, 8448, 132),
     # 1 token: 132 -> 160; with padding 40: 172 -> 192
@@ -332,8 +341,8 @@ def _strided(fmt, shape, strides, extra=0):
 
 @pytest.mark.parametrize("case", [
     "not_tensor", "dtype_int8", "dtype_float", "dims3", "dims5", "last_dim", "stride3", "stride2",
-    "stride1_alignment", "stride1_too_small", "blockwide_heads", "blockwide_not_dense", "stride0_not_32",
-    "stride0_too_small", "zero_blocks",
+    "stride1_alignment", "stride1_too_small", "blockwide_heads", "blockwide_not_dense", "stride0_alignment",
+    "stride0_too_small", "zero_blocks", "blockwide_stride0_not_32", "v32_stride0_not_16",
 ])
 def test_check_cache_rejects(case):
     fmt = formats.MAIN_FP8 if not case.startswith("blockwide") else formats.INDEX_MXFP8
@@ -366,8 +375,16 @@ def test_check_cache_rejects(case):
         bad, match = _strided(fmt, (2, 4, 2, bpt), (2112, 264, bpt, 1)), "num_heads"
     elif case == "blockwide_not_dense":
         bad, match = _strided(fmt, (2, 4, 1, bpt), (640, 160, bpt, 1)), "dense"
-    elif case == "stride0_not_32":
-        bad, match = _strided(fmt, (2, 4, 1, bpt), (2132, 532, bpt, 1)), "stride\\(0\\)"
+    elif case == "stride0_alignment":
+        # 2130 >= 4*532 but not a multiple of gcd(32, 532) = 4
+        bad, match = _strided(fmt, (2, 4, 1, bpt), (2130, 532, bpt, 1)), "stride\\(0\\) must be a multiple of 4"
+    elif case == "blockwide_stride0_not_32":
+        # block-wide: stride_alignment 32; 4*132 = 528 -> 536 is a multiple of 4, not of 32
+        bad, match = _strided(fmt, (2, 4, 1, bpt), (536, bpt, bpt, 1)), "stride\\(0\\) must be a multiple of 32"
+    elif case == "v32_stride0_not_16":
+        # FLASHMLA_V32: gcd(32, 656) = 16; 4*656 + 8 is not a multiple of 16
+        fmt, bpt = formats.FLASHMLA_V32, 656
+        bad, match = _strided(fmt, (2, 4, 1, bpt), (4 * 656 + 8, 656, bpt, 1)), "stride\\(0\\) must be a multiple of 16"
     elif case == "stride0_too_small":
         bad, match = _strided(fmt, (2, 4, 1, bpt), (2112, 532, bpt, 1)), "stride\\(0\\)"
     elif case == "zero_blocks":
@@ -386,3 +403,46 @@ def test_check_cache_accepts_valid_padded_caches():
     m = formats.FLASHMLA_MODEL1
     c = _strided(m, (2, 2, 1, 584), (1184, 584, 584, 1))
     m.check_cache(c)
+
+
+def test_check_cache_stride0_multiple_of_stride_alignment_only():
+    """SPEC §4: stride(0) need only be a multiple of stride_alignment (gcd(32, bytes_per_token) for
+    token-interleaved formats), not of 32."""
+    fmt = formats.MAIN_FP8
+    c = _strided(fmt, (2, 4, 1, 532), (2132, 532, 532, 1))     # 2132 = 4 * 533, not a multiple of 32
+    fmt.check_cache(c)
+    v32 = formats.FLASHMLA_V32
+    c = _strided(v32, (2, 3, 1, 656), (3 * 656 + 16, 656, 656, 1))   # 1984 = 16 * 124
+    v32.check_cache(c)
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 3, 16, 64])
+def test_check_cache_accepts_flashmla_test_allocation(block_size):
+    """FlashMLA's tests/quant.py allocates V32 caches as [num_blocks, block_size + 1, 656] and keeps the
+    first block_size tokens: stride(0) = (block_size + 1) * 656 (not a multiple of 32 for even
+    block sizes). MODEL1 blocks are padded to a multiple of 576 bytes."""
+    nb = 3
+    v32 = formats.FLASHMLA_V32
+    c = torch.zeros(nb, block_size + 1, 656, dtype=torch.uint8)[:, :block_size, :].view(nb, block_size, 1, 656)
+    assert c.stride() == ((block_size + 1) * 656, 656, 656, 1)
+    v32.check_cache(c)
+    data, sf = v32.split(c)
+    assert data.shape == (nb, block_size, 1, 512) and sf.shape == (nb, block_size, 1, 16)
+    m1 = formats.FLASHMLA_MODEL1
+    padded = -(-block_size * 584 // 576) * 576
+    c = torch.zeros(nb, padded, dtype=torch.uint8)[:, :block_size * 584].view(nb, block_size, 1, 584)
+    assert c.stride() == (padded, 584, 584, 1)
+    m1.check_cache(c)           # block-wide: stride_alignment 32 divides 576
+
+
+def test_check_cache_messages_name_the_argument_and_the_value():
+    v32 = formats.FLASHMLA_V32
+    bad = _strided(v32, (2, 4, 1, 656), (4 * 656 + 8, 656, 656, 1))
+    with pytest.raises(ValueError) as e:
+        v32.check_cache(bad, "out_args.kv_cache")
+    msg = str(e.value)
+    assert msg.startswith("out_args.kv_cache: stride(0) must be a multiple of 16")
+    assert msg.endswith(f"got {4 * 656 + 8}")
+    bad = _strided(v32, (2, 4, 1, 656), (4 * 656 - 16, 656, 656, 1))    # overlaps the next block
+    with pytest.raises(ValueError, match=f">= {4 * 656} .*got {4 * 656 - 16}"):
+        v32.check_cache(bad)

@@ -30,12 +30,13 @@ def main_case(**kw):
 def test_the_main_fp8_chain_is_eligible():
     assert G.eligible(plan_of(main_case()))
     assert G.eligible(plan_of(main_case(w_fp32=True, cs_bf16=True, idx32=True, block_size=24, token_padding=8)))
+    assert G.eligible(plan_of(main_case(neox=False)))                    # GPT-J on the tail (DeepSeek)
 
 
 @pytest.mark.parametrize("change", [
     dict(out_stage="transform"), dict(out_stage="cast_back"), dict(out_stage="norm"),   # a stage copy
-    dict(neox=False), dict(conjugate=True), dict(rotary_dim=32), dict(rope=False), dict(norm=False),
-    dict(hadamard=True), dict(heads=2), dict(fmt=kvfuse.formats.MAIN_FP4, head_dim=512),
+    dict(conjugate=True), dict(rotary_dim=32), dict(rope=False), dict(norm=False), dict(norm_kind="layer"),
+    dict(norm_kind="layer", bias=True), dict(neox=False, rope_offset=0), dict(hadamard=True), dict(heads=2), dict(fmt=kvfuse.formats.MAIN_FP4, head_dim=512),
     dict(fmt=kvfuse.formats.FLASHMLA_MODEL1),
 ])
 def test_other_chains_are_not(change):

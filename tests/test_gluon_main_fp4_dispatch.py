@@ -38,11 +38,12 @@ def test_the_main_fp4_chain_is_eligible():
     assert G.eligible(plan_of(main_case(w_fp32=True, cs_bf16=True, idx32=True, block_size=24, token_padding=32,
                                         block_padding=40, x2d=True, x_row_pad=8)))
     assert G.eligible(plan_of(main_case(n=1, slot_kind="invalid", block_size=1, num_blocks=7)))
+    assert G.eligible(plan_of(main_case(neox=False)))                    # GPT-J on the tail (DeepSeek V4)
 
 
 @pytest.mark.parametrize("change", [
     dict(out_stage="transform"), dict(out_stage="cast_back"), dict(out_stage="norm"),   # a stage copy
-    dict(neox=False), dict(conjugate=True), dict(rotary_dim=32), dict(rotary_dim=64, rope_offset=0),
+    dict(norm_kind="layer"), dict(conjugate=True), dict(rotary_dim=32), dict(rotary_dim=64, rope_offset=0),
     dict(rope=False), dict(norm=False), dict(hadamard=True), dict(heads=2),
     dict(fmt=F.MAIN_FP8), dict(fmt=F.FLASHMLA_MODEL1), dict(fmt=F.FLASHMLA_V32, head_dim=576),
 ], ids=lambda c: ",".join(f"{k}={getattr(v, 'name', v)}" for k, v in c.items()))

@@ -35,6 +35,7 @@ def test_the_flashmla_chains_are_eligible(fmt):
     assert G.eligible(plan_of(mla_case(fmt)))
     assert G.eligible(plan_of(mla_case(fmt, w_fp32=True, cs_bf16=True, idx32=True, block_size=24, x2d=True)))
     assert G.eligible(plan_of(mla_case(fmt, block_size=1, num_blocks=9, block_padding=64, x_row_pad=16)))
+    assert G.eligible(plan_of(mla_case(fmt, neox=False)))                # GPT-J on the tail (DeepSeek)
 
 
 def test_padded_token_stride_is_eligible():
@@ -44,7 +45,7 @@ def test_padded_token_stride_is_eligible():
 @BOTH
 @pytest.mark.parametrize("change", [
     dict(out_stage="transform"), dict(out_stage="cast_back"), dict(out_stage="norm"),   # a stage copy
-    dict(neox=False), dict(conjugate=True), dict(rotary_dim=32), dict(rope_offset=0), dict(rope=False),
+    dict(norm_kind="layer"), dict(neox=False, rope_offset=0), dict(conjugate=True), dict(rotary_dim=32), dict(rope_offset=0), dict(rope=False),
     dict(norm=False), dict(x_row_pad=1),                                                  # odd x row stride
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_neighbour_chains_are_not(fmt, change):

@@ -14,6 +14,7 @@ import torch
 import kvfuse
 from kvfuse import formats as F
 from kvfuse import mla
+from kvfuse import models as M
 from kvfuse import reference as R
 
 from helpers import assert_bytes_equal, byte_view, cache_strides, cos_sin_cache, guarded_cache, random_bf16, \
@@ -319,3 +320,174 @@ def test_write_flashmla_model1(backend):
     g.expect(SLOTS, q, sf, tail)
     g.check("FLASHMLA_MODEL1 cache")
     assert g.s0 % 576 == 0
+
+
+# --------------------------------------------------------------------------- the named model configurations
+# Every configuration of kvfuse.models drives the call sites; each call must equal the reference
+# chain built from the configuration's RoPE style / offsets, norm kind, Hadamard and formats.
+# (The configurations' facts themselves are pinned in tests/test_models.py.) Fewer heads than the
+# real models: the interpreter is slow, and heads do not change a row's bytes (SPEC §2).
+def _small(cfg):
+    return dataclasses.replace(cfg, num_heads=4, index_num_heads=3)
+
+
+MODEL_CFGS = [_small(c) for c in M.MODELS.values()]
+INDEX_CFGS = [c for c in MODEL_CFGS if c.index_format is not None]
+COMPRESSED_CFGS = [c for c in MODEL_CFGS if c.compressed_format is not None]
+
+
+def _name(cfg):
+    return cfg.name
+
+
+def _bias(d, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (0.5 * torch.randn(d, generator=g)).to(torch.bfloat16)
+
+
+def _index_norm(cfg, k, w, b):
+    """The indexer K's norm of the reference chain: LayerNorm (weight, bias) or RMSNorm."""
+    if cfg.index_norm_kind == "layer":
+        return R.layernorm(k, w, b, cfg.norm_eps)
+    return R.rmsnorm(k, w, cfg.norm_eps)
+
+
+@pytest.mark.parametrize("cfg", MODEL_CFGS, ids=_name)
+def test_model_q_preprocess(backend, cfg):
+    """Q heads: (weightless RMSNorm when the model has one) -> RoPE at qk_nope_head_dim."""
+    q = random_bf16((N, cfg.num_heads, cfg.qk_head_dim), seed=40)
+    pos, cs = _positions(seed=41), cos_sin_cache(64, cfg.qk_rope_head_dim)
+    got = mla.q_preprocess(cfg, q, pos, cs)
+    y = R.rmsnorm(q, torch.ones(cfg.qk_head_dim, dtype=torch.bfloat16), cfg.norm_eps) if cfg.q_norm else q
+    y = R.rope(y, pos, cs, cfg.qk_rope_head_dim, cfg.rope_is_neox, offset=cfg.qk_head_dim - cfg.qk_rope_head_dim)
+    assert_bytes_equal(got, y, f"{cfg.name} q_preprocess")
+    if cfg.q_norm:   # the weightless norm is bf16(x * rstd): a weight of ones changes no byte
+        w = _weight(cfg.qk_head_dim, 42)
+        y = R.rope(R.rmsnorm(q, w, cfg.norm_eps), pos, cs, 64, cfg.rope_is_neox, offset=cfg.rope_offset)
+        assert_bytes_equal(mla.q_preprocess(cfg, q, pos, cs, q_norm_weight=w), y, f"{cfg.name} q with a weight")
+
+
+@pytest.mark.parametrize("cfg", MODEL_CFGS, ids=_name)
+def test_model_main_cache(backend, cfg):
+    """The main cache of the model: RMSNorm (on the latent only for a [latent | k_pe] record) ->
+    RoPE on the record's tail in the model's style -> the format's cast -> pages; the draft slots
+    take the same chain in cfg.draft_format."""
+    fmt = cfg.main_format
+    kv = random_bf16((N, fmt.head_dim), seed=43)
+    norm_dim = cfg.kv_lora_rank if cfg.splits_k_pe() else fmt.head_dim
+    w, pos, cs = _weight(norm_dim, 44), _positions(seed=45), cos_sin_cache(64, 64)
+    g = Guarded(fmt)
+    out = torch.empty_like(kv)
+    assert mla.write_main_cache(cfg, kv, pos, cs, w, g.cache, torch.tensor(SLOTS), out=out,
+                                out_stage="transform") is out
+    if cfg.splits_k_pe():
+        y = torch.cat([R.rmsnorm(kv[:, :cfg.kv_lora_rank], w, cfg.norm_eps), kv[:, cfg.kv_lora_rank:]], dim=-1)
+    else:
+        y = R.rmsnorm(kv, w, cfg.norm_eps)
+    y = R.rope(y, pos, cs, 64, cfg.rope_is_neox, offset=fmt.head_dim - 64)
+    assert_bytes_equal(out, y, f"{cfg.name} transform")
+    g.expect(SLOTS, *_quantize_for(fmt, y))
+    g.check(f"{cfg.name} main cache {fmt.name}")
+
+    d = Guarded(cfg.draft_format, seed=1)
+    kv_d = random_bf16((N, cfg.draft_format.head_dim), seed=46)
+    w_d = _weight(cfg.kv_lora_rank if cfg.splits_k_pe(cfg.draft_format) else cfg.draft_format.head_dim, 47)
+    mla.write_draft_kv(cfg, kv_d, pos, cs, w_d, d.cache, torch.tensor(SLOTS))
+    if cfg.splits_k_pe(cfg.draft_format):
+        y_d = torch.cat([R.rmsnorm(kv_d[:, :cfg.kv_lora_rank], w_d, cfg.norm_eps), kv_d[:, cfg.kv_lora_rank:]], -1)
+    else:
+        y_d = R.rmsnorm(kv_d, w_d, cfg.norm_eps)
+    y_d = R.rope(y_d, pos, cs, 64, cfg.rope_is_neox, offset=cfg.draft_format.head_dim - 64)
+    d.expect(SLOTS, *_quantize_for(cfg.draft_format, y_d))
+    d.check(f"{cfg.name} draft cache {cfg.draft_format.name}")
+
+
+@pytest.mark.parametrize("cfg", INDEX_CFGS, ids=_name)
+def test_model_indexer_k_and_q(backend, cfg):
+    """The lightning indexer of the model: K = norm (V3.2: LayerNorm with weight and bias) -> RoPE
+    (V3.2: first 64 dims, NEOX; V4: tail, GPT-J) -> Hadamard -> the index format's cast; Q = the
+    same RoPE, Hadamard and cast."""
+    fmt = cfg.index_format
+    k = random_bf16((N, cfg.index_head_dim), seed=48)
+    q = random_bf16((N, cfg.index_num_heads, cfg.index_head_dim), seed=49)
+    w, pos, cs = _weight(cfg.index_head_dim, 50), _positions(seed=51), cos_sin_cache(64, cfg.index_rope_head_dim)
+    b = _bias(cfg.index_head_dim, 52) if cfg.index_norm_kind == "layer" else None
+
+    def transform(y):
+        y = R.rope(y, pos, cs, cfg.index_rope_head_dim, cfg.index_rope_is_neox, offset=cfg.index_rope_offset)
+        return R.hadamard(y, cfg.index_head_dim ** -0.5) if cfg.index_hadamard else y
+
+    g = Guarded(fmt)
+    out = torch.empty_like(k)
+    assert mla.write_indexer_k(cfg, k, pos, cs, w, g.cache, torch.tensor(SLOTS), norm_bias=b, out=out,
+                               out_stage="transform") is out
+    yk = transform(_index_norm(cfg, k, w, b))
+    assert_bytes_equal(out, yk, f"{cfg.name} indexer K transform")
+    g.expect(SLOTS, *_quantize_for(fmt, yk))
+    g.check(f"{cfg.name} indexer K {fmt.name}")
+
+    got_q, got_sf = mla.quantize_indexer_q(cfg, q, pos, cs)
+    eq, esf = R.quantize(transform(q), fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format)
+    assert_bytes_equal(got_q, eq, f"{cfg.name} indexer Q values")
+    assert_bytes_equal(got_sf, esf, f"{cfg.name} indexer Q scales")
+
+
+@pytest.mark.parametrize("cfg", COMPRESSED_CFGS, ids=_name)
+def test_model_compressed_kv(backend, cfg):
+    """Compressed KV: RMSNorm -> the indexer's RoPE -> cast of cfg.compressed_format, and the
+    pre-RoPE latent."""
+    fmt = cfg.compressed_format
+    x = random_bf16((N, cfg.index_head_dim), seed=53)
+    w, pos, cs = _weight(cfg.index_head_dim, 54), _positions(seed=55), cos_sin_cache(64, cfg.index_rope_head_dim)
+    g = Guarded(fmt)
+    latent = mla.write_compressed_kv(cfg, x, pos, cs, w, g.cache, torch.tensor(SLOTS))
+    normed = R.rmsnorm(x, w, cfg.norm_eps)
+    assert_bytes_equal(latent, normed, f"{cfg.name} pre-RoPE latent")
+    y = R.rope(normed, pos, cs, cfg.index_rope_head_dim, cfg.index_rope_is_neox, offset=cfg.index_rope_offset)
+    g.expect(SLOTS, *_quantize_for(fmt, y))
+    g.check(f"{cfg.name} compressed KV {fmt.name}")
+
+
+def test_model_flashmla_v32_two_entry_points(backend):
+    """V3's main write from the raw [latent | k_pe] record equals write_flashmla_v32 of the same
+    latent normalized there (norm_weight) and of the latent normalized beforehand."""
+    cfg = _small(M.DEEPSEEK_V3)
+    kv = random_bf16((N, 576), seed=56)
+    w, pos, cs = _weight(512, 57), _positions(seed=58), cos_sin_cache(64, 64)
+    a, b, c = Guarded(F.FLASHMLA_V32), Guarded(F.FLASHMLA_V32), Guarded(F.FLASHMLA_V32)
+    mla.write_main_cache(cfg, kv, pos, cs, w, a.cache, torch.tensor(SLOTS))
+    mla.write_flashmla_v32(cfg, kv[:, :512], kv[:, 512:], pos, cs, b.cache, torch.tensor(SLOTS), norm_weight=w)
+    mla.write_flashmla_v32(cfg, R.rmsnorm(kv[:, :512], w, cfg.norm_eps), kv[:, 512:], pos, cs, c.cache,
+                           torch.tensor(SLOTS))
+    assert_bytes_equal(a.storage, b.storage, "write_main_cache vs write_flashmla_v32(norm_weight=)")
+    assert_bytes_equal(a.storage, c.storage, "write_main_cache vs write_flashmla_v32(normalized latent)")
+
+
+def test_model_call_errors(backend):
+    """A model without an indexer / compressed KV, a bias without a LayerNorm, and out_stage="norm"
+    on a [latent | k_pe] record are ValueErrors that write nothing."""
+    v3, v32, v4 = _small(M.DEEPSEEK_V3), _small(M.DEEPSEEK_V32), _small(M.DEEPSEEK_V4)
+    k = random_bf16((N, 128), seed=59)
+    w, pos, cs = _weight(128, 60), _positions(seed=61), cos_sin_cache(64, 64)
+    g = Guarded(F.INDEX_MXFP8)
+    with pytest.raises(ValueError, match="no index_format"):
+        mla.write_indexer_k(v3, k, pos, cs, w, g.cache, torch.tensor(SLOTS))
+    with pytest.raises(ValueError, match="no index_format"):
+        mla.quantize_indexer_q(v3, k[:, None], pos, cs)
+    with pytest.raises(ValueError, match="no compressed_format"):
+        mla.write_compressed_kv(v32, k, pos, cs, w, g.cache, torch.tensor(SLOTS))
+    with pytest.raises(ValueError, match="norm_bias"):
+        mla.write_indexer_k(v4, k, pos, cs, w, g.cache, torch.tensor(SLOTS), norm_bias=_bias(128, 62))
+    with pytest.raises(ValueError, match="norm_bias needs norm_weight"):
+        mla.write_indexer_k(v4, k, pos, cs, None, g.cache, torch.tensor(SLOTS), norm_bias=_bias(128, 62))
+    g.check("nothing written")
+    v = Guarded(F.FLASHMLA_V32)
+    kv = random_bf16((N, 576), seed=63)
+    with pytest.raises(ValueError, match="out_stage='norm'"):
+        mla.write_main_cache(v3, kv, pos, cs, _weight(512, 64), v.cache, torch.tensor(SLOTS), out=torch.empty_like(kv),
+                             out_stage="norm")
+    with pytest.raises(ValueError, match="576"):
+        mla.write_main_cache(v3, kv[:, :512].contiguous(), pos, cs, _weight(512, 64), v.cache, torch.tensor(SLOTS))
+    with pytest.raises(ValueError, match="bf16 tail"):
+        mla.cp_local_kv(v3, kv, pos, cs, _weight(512, 64))
+    v.check("nothing written (FLASHMLA_V32)")

@@ -349,7 +349,8 @@ def _miss_cases():
         "layout_none": _setup_layout_none,
         "eps": setup_with(norm_args=_norm(eps=1e-5)),
         "eps_int": _setup_eps_int,
-        "eps_negative_zero": setup_with(norm_args=_norm(eps=-0.0)),
+        "norm_kind": setup_with(norm_args=_norm(kind="layer")),
+        "norm_bias": setup_with(norm_args=_norm(kind="layer", bias=torch.zeros(128, dtype=BF16))),
         "rotary_dim": setup_with(rope_args=_rope(rotary_dim=32, cos_sin_cache=cos_sin_cache(MAX_POS, 32))),
         "offset": setup_with(rope_args=_rope(offset=0)),
         "is_neox": setup_with(rope_args=_rope(is_neox=False)),
@@ -721,7 +722,7 @@ def test_concurrent_calls(monkeypatch):
 
 def test_the_key_covers_every_argument_field():
     """call_signature keys each argument object field by field: a new field must join the key."""
-    keyed = {NormArgs: ("weight", "eps"),
+    keyed = {NormArgs: ("weight", "eps", "bias", "kind"),
              RopeArgs: ("positions", "cos_sin_cache", "rotary_dim", "is_neox", "offset", "conjugate"),
              HadamardArgs: ("scale",),
              CastArgs: ("cast_fmt", "num_per_channels", "round_sf", "sf_format", "cast_back"),

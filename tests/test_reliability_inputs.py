@@ -140,7 +140,7 @@ def draw_valid(d, small, needs=None):
     kw = {"x": x}
     if flag("norm", "norm"):
         wdt = d(st.sampled_from([torch.bfloat16, torch.float32]), label="weight dtype")
-        eps = d(st.sampled_from([1e-6, 0.0, 1e-5, 1]), label="eps")
+        eps = d(st.sampled_from([1e-6, 1e-30, 1e-5, 1]), label="eps")
         kw["norm_args"] = NormArgs((torch.rand(D, generator=gen) * 2).to(wdt), eps)
     if flag("rope", "rope"):
         r = d(st.sampled_from(sorted({2, 4, 16, 32, 64, D} & set(range(2, D + 1, 2)))), label="rotary_dim")
@@ -363,7 +363,7 @@ MUTATIONS = [
     Mutation("weight stride", ["weight"], _has("norm_args"), lambda c, d: _norm(c, weight=torch.ones(2 * c.D)[::2])),
     Mutation("weight on meta", ["weight"], _has("norm_args"), lambda c, d: _norm(c, weight=_meta(c.kw["norm_args"].weight))),
     Mutation("eps", ["eps"], _has("norm_args"),
-             lambda c, d: _norm(c, eps=_pick(d, "eps", [-1e-6, float("nan"), float("inf"), "1e-6", None,
+             lambda c, d: _norm(c, eps=_pick(d, "eps", [-1e-6, 0.0, float("nan"), float("inf"), "1e-6", None,
                                                        torch.tensor(1e-6)]))),
     # ---- rope_args
     Mutation("rope_args type", ["rope_args"], lambda c: True,

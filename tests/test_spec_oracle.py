@@ -149,12 +149,19 @@ def make_rope(rng: np.random.Generator, n, D, rotary_dim=None, offset="rand", ta
 
 
 def make_norm(rng: np.random.Generator, D):
+    """RMSNorm, or LayerNorm (one call in three; a bias in half of those), bf16 or fp32 parameters."""
     w = (1.0 + 0.3 * rng.standard_normal(D)).astype(np.float32)
-    eps = float(rng.choice([1e-6, 1e-5, 1e-3, 0.0, 3e-7]))
+    eps = float(rng.choice([1e-6, 1e-5, 1e-3, 1e-30, 3e-7]))
+    layer = rng.random() < 1 / 3
+    b = (0.5 * rng.standard_normal(D)).astype(np.float32) if layer and rng.random() < 0.5 else None
     if rng.random() < 0.5:
-        wb = O.f32_to_bf16(w)
-        return NormArgs(t_bf16(wb), eps=eps), (wb, eps)
-    return NormArgs(torch.from_numpy(w.copy()), eps=eps), (w, eps)
+        w, b = O.f32_to_bf16(w), None if b is None else O.f32_to_bf16(b)
+        tw, tb = t_bf16(w), None if b is None else t_bf16(b)
+    else:
+        tw, tb = torch.from_numpy(w.copy()), None if b is None else torch.from_numpy(b.copy())
+    if layer:
+        return NormArgs(tw, eps=eps, bias=tb, kind="layer"), (w, eps, b, "layer")
+    return NormArgs(tw, eps=eps), (w, eps)
 
 
 def fix_zero_rows_for_eps0(bits, eps):
@@ -548,6 +555,22 @@ def test_store_and_load(fname, backend):
     valid = (desc.slots >= 0) & (desc.slots < kv.shape[0] * kv.shape[1])
     assert_bits_equal(raw_d.numpy().reshape(exp_d.shape)[valid], exp_d[valid], "load raw data", ctx)
     assert_bits_equal(raw_sf.numpy().reshape(exp_sf.shape)[valid], exp_sf[valid], "load raw sf", ctx)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("fname", sorted(ALL_FORMATS))
+def test_load_of_random_bytes(fname, backend):
+    """load_paged_kv_cache of records of random bytes: every e4m3 / e2m1 code and scale byte occurs,
+    the NaN codes (ue8m0 0xFF, e4m3 0x7F / 0xFF, fp32 NaN patterns) included (SPEC §4)."""
+    f = ALL_FORMATS[fname]
+    rng = np.random.default_rng([SEED, 37, sum(map(ord, fname))])
+    nh = 2 if f.token_interleaved else 1
+    n = int(rng.integers(4, 8 if backend == "triton" else 24))
+    kv, slots_t, desc = make_cache(rng, f, nh, n, small=backend == "triton")
+    with backend_ctx(backend):
+        loaded = kvfuse.load_paged_kv_cache(kv, slots_t, f)
+    ctx = f"[fmt={fname} backend={backend} slots={desc.slots.tolist()}]"
+    assert_bits_equal(bits_of(loaded), O.oracle_load(desc), "load of random bytes", ctx)
 
 
 # --------------------------------------------------------------------------------------------

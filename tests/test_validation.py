@@ -456,7 +456,7 @@ def _as_cache(fmt, shape, strides):
     ("last_dim", ValueError, "out_args.kv_cache: last dim must be MAIN_FP8's bytes_per_token 532"),
     ("stride1_alignment", ValueError, "out_args.kv_cache: stride\\(1\\) must be a multiple of 4"),
     ("stride1_small", ValueError, "out_args.kv_cache: stride\\(1\\)"),
-    ("stride0_not_32", ValueError, "out_args.kv_cache: stride\\(0\\) must be a multiple of 32"),
+    ("stride0_alignment", ValueError, "out_args.kv_cache: stride\\(0\\) must be a multiple of 4 .*got 4258"),
     ("stride0_small", ValueError, "out_args.kv_cache: stride\\(0\\)"),
     ("stride3", ValueError, "out_args.kv_cache: stride\\(3\\) must be 1"),
     ("device", ValueError, "out_args.kv_cache: expected device"),
@@ -472,7 +472,8 @@ def test_cache_tensor_rejected_token_interleaved(case, exc, match):
         "last_dim": lambda: formats.MAIN_FP4.allocate(2, 8),
         "stride1_alignment": lambda: _as_cache(None, (2, 8, 1, bpt), (4288, 534, bpt, 1)),
         "stride1_small": lambda: _as_cache(None, (2, 8, 1, bpt), (4288, 528, bpt, 1)),
-        "stride0_not_32": lambda: _as_cache(None, (2, 8, 1, bpt), (4260, 532, bpt, 1)),
+        # 4258 >= 8*532 = 4256 but not a multiple of gcd(32, 532) = 4 (4260 would be accepted: SPEC §4)
+        "stride0_alignment": lambda: _as_cache(None, (2, 8, 1, bpt), (4258, 532, bpt, 1)),
         "stride0_small": lambda: _as_cache(None, (2, 8, 1, bpt), (4224, 532, bpt, 1)),
         "stride3": lambda: _as_cache(None, (2, 8, 1, bpt), (2 * 8544, 1064, 1064, 2)),
         "device": lambda: torch.empty(2, 8, 1, bpt, dtype=torch.uint8, device=META),

@@ -23,6 +23,7 @@ from .. import backend as _backend
 from ..formats import FMAX
 from ..plan import LAUNCHES_PER_TEMPLATE, X, Plan
 from . import gluon_index, gluon_main_fp4, gluon_main_fp8, gluon_mla_tail
+from .gluon_common import table_entry
 from .launcher import Launch, direct_launch_supported, tensor_arg
 from .numerics import (bf16_bits, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3, group_scales, load_f32,
                        round_bf16)
@@ -65,6 +66,19 @@ def _rotate(a, b, c, s, CONJ: tl.constexpr):
     if CONJ:
         return (a * c) + (b * s), (b * c) - (a * s)
     return (a * c) - (b * s), (a * s) + (b * c)
+
+
+@triton.jit
+def _normed(v, mu, rstd, w, b, LAYER: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr):
+    """SPEC §2 norm of values v (fp32) given the row's statistics (broadcast to v): RMSNorm
+    bf16((v * rstd) * w); LayerNorm bf16(((v - mu) * rstd) * w (+ b)). Unused arguments of the
+    other kind are ignored (any tensor)."""
+    if LAYER:
+        v = v - mu
+    t = (v * rstd) * w
+    if HAS_BIAS:
+        t = t + b
+    return round_bf16(t, NATIVE)
 
 
 @triton.jit
@@ -213,12 +227,12 @@ def _record_addresses(slot_ptr, s_slot, tok, head, rows, rmask, s_blk, data_tok,
 
 
 @triton.jit
-def _rope1_loads(x_ptr, xrow, w_ptr, cs_ptr, csrow, pok, col, HALF: tl.constexpr, R: tl.constexpr,
+def _rope1_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, col, HALF: tl.constexpr, R: tl.constexpr,
                  ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, HAS_NORM: tl.constexpr, W_BF16: tl.constexpr,
-                 CS_BF16: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, B_BF16: tl.constexpr, CS_BF16: tl.constexpr):
     """ROPE 1, over the whole tile [M, NV, VEC]: (first: the column is a pair's first element,
-    rot_mask: the element rotates, cos, sin, the partner's x, the partner's weight (x again
-    without a norm))."""
+    rot_mask: the element rotates, cos, sin, the partner's x, the partner's weight and bias (x again
+    where there is none))."""
     k = col - ROPE_OFF
     in_rope = (k >= 0) & (k < R)
     if NEOX:
@@ -236,44 +250,60 @@ def _rope1_loads(x_ptr, xrow, w_ptr, cs_ptr, csrow, pok, col, HALF: tl.constexpr
     s = load_f32(cs_ptr, csrow[:, None, None] + HALF + j[None, :, :], rot_mask, CS_BF16)
     yp = load_f32(x_ptr, xrow[:, None, None] + partner[None, :, :], rot_mask, True)
     wp = yp
+    bp = yp
     if HAS_NORM:
         wp = load_f32(w_ptr, partner, in_rope, W_BF16)
-    return first, rot_mask, c, s, yp, wp
+        if HAS_BIAS:
+            bp = load_f32(b_ptr, partner, in_rope, B_BF16)
+    return first, rot_mask, c, s, yp, wp, bp
 
 
 @triton.jit
-def _rope2_loads(x_ptr, xrow, w_ptr, cs_ptr, csrow, pok, rmask, HALF: tl.constexpr, ROPE_OFF: tl.constexpr,
-                 NEOX: tl.constexpr, HAS_NORM: tl.constexpr, W_BF16: tl.constexpr, CS_BF16: tl.constexpr,
-                 CAST: tl.constexpr, G: tl.constexpr, DQ: tl.constexpr, VEC: tl.constexpr):
-    """ROPE 2, the sub-tile [M, NS, GS / VEC, VEC] of rotation indices j: (x of the pairs' first and
-    second columns, their weights (x again without a norm), cos, sin)."""
+def _rope2_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, rmask, HALF: tl.constexpr, ROPE_OFF: tl.constexpr,
+                 NEOX: tl.constexpr, HAS_NORM: tl.constexpr, W_BF16: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 B_BF16: tl.constexpr, CS_BF16: tl.constexpr, CAST: tl.constexpr, G: tl.constexpr, DQ: tl.constexpr,
+                 VEC: tl.constexpr):
+    """ROPE 2, the sub-tile [M, NS, GS / VEC, VEC]: x, weight and bias (x again where there is none)
+    of the columns c0 and of their partners c1, and the cos, sin of each c0's rotation index j.
+    NEOX: c0 = the first-half columns (j = c0 - ROPE_OFF), c1 = c0 + HALF (NS = HALF / GS groups).
+    Interleaved: c0 = ALL R rotated columns in column order (NS = R / GS groups), c1 = c0 ^ 1, j =
+    (c0 - ROPE_OFF) >> 1: every column is rotated where it lies, with no join or reshape of the
+    pairs (interleaving the two halves by tl.join + reshape gave wrong bytes in multi-row programs
+    on the H200, Triton 3.6)."""
     GS: tl.constexpr = G if (CAST != 0 and ROPE_OFF < DQ) else 8
-    jj = _grid3(HALF // GS, GS // VEC, VEC)                         # rotation index j
     if NEOX:
+        jj = _grid3(HALF // GS, GS // VEC, VEC)                     # rotation index j
         c0 = ROPE_OFF + jj                                          # first-half columns
         c1 = c0 + HALF
     else:
-        c0 = ROPE_OFF + 2 * jj
-        c1 = c0 + 1
+        kk = _grid3(2 * HALF // GS, GS // VEC, VEC)                 # k = column - ROPE_OFF
+        jj = kk >> 1
+        c0 = ROPE_OFF + kk
+        c1 = ROPE_OFF + (kk ^ 1)                                    # ROPE_OFF is even (a multiple of GS)
     ld = rmask[:, None, None, None]
     xa = load_f32(x_ptr, xrow[:, None, None, None] + c0[None, :, :, :], ld, True)
     xb = load_f32(x_ptr, xrow[:, None, None, None] + c1[None, :, :, :], ld, True)
     wa = xa
     wb = xb
+    ba = xa
+    bb = xb
     if HAS_NORM:
         wa = load_f32(w_ptr, c0, c0 >= 0, W_BF16)
         wb = load_f32(w_ptr, c1, c1 >= 0, W_BF16)
+        if HAS_BIAS:
+            ba = load_f32(b_ptr, c0, c0 >= 0, B_BF16)
+            bb = load_f32(b_ptr, c1, c1 >= 0, B_BF16)
     pm = pok[:, None, None, None]
     c = load_f32(cs_ptr, csrow[:, None, None, None] + jj[None, :, :, :], pm, CS_BF16)
     s = load_f32(cs_ptr, csrow[:, None, None, None] + HALF + jj[None, :, :, :], pm, CS_BF16)
-    return xa, xb, wa, wb, c, s
+    return xa, xb, wa, wb, ba, bb, c, s
 
 
 # --------------------------------------------------------------------------- the fused kernel
 @triton.jit(do_not_specialize=["n_rows", "P", "capacity"])
 def fused_kernel(
     x_ptr, sx_n, sx_h,                        # x bf16 [n, H, D], stride(-1) == 1
-    w_ptr, eps,                               # RMSNorm weight [D] (bf16 or fp32)
+    w_ptr, b_ptr, eps,                        # norm weight, LayerNorm bias [D] (bf16 or fp32)
     pos_ptr, s_pos, cs_ptr, s_cs, P,          # positions [n]; cos_sin [P, R]
     had_scale,
     out_ptr, so_n, so_h,                      # bf16 [n, H, D] (stage copy / result)
@@ -283,7 +313,8 @@ def fused_kernel(
     n_rows, H,
     D: tl.constexpr, BLOCK_D: tl.constexpr, LOG2_BLOCK_D: tl.constexpr, VEC: tl.constexpr, BLOCK_M: tl.constexpr,
     ONE_HEAD: tl.constexpr, ROWS32: tl.constexpr,
-    HAS_NORM: tl.constexpr, W_BF16: tl.constexpr,
+    HAS_NORM: tl.constexpr, W_BF16: tl.constexpr, LAYER: tl.constexpr, HAS_BIAS: tl.constexpr,
+    B_BF16: tl.constexpr,
     ROPE: tl.constexpr, R: tl.constexpr, ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, CONJ: tl.constexpr,
     CS_BF16: tl.constexpr,
     HAS_HAD: tl.constexpr,
@@ -295,7 +326,9 @@ def fused_kernel(
     """ROPE: 0 off; 1 on the whole tile (each rotated element computed from itself and its
     partner, reloaded and renormalized: the same arithmetic gives the same bits); 2 on a separate
     sub-tile of the R rotated columns (the main tile skips them; needs the rotated columns to be
-    whole quantization groups, or outside the quantized part, and no Hadamard)."""
+    whole quantization groups, or outside the quantized part, and no Hadamard). LAYER: the norm is
+    LayerNorm (HAS_BIAS: with a bias), else RMSNorm. A stage copy of the norm (OUT_STAGE 1) with
+    RoPE is stored last, after a barrier, because the RoPE reloads x and `out` may be x (in place)."""
     LOG2_VEC: tl.constexpr = 3 if VEC == 8 else 2
     NV: tl.constexpr = BLOCK_D // VEC
     pid = tl.program_id(0)
@@ -328,21 +361,36 @@ def fused_kernel(
     if EARLY:
         if HAS_NORM:
             w = load_f32(w_ptr, col, cmask, W_BF16)
+            bias = w
+            if HAS_BIAS:
+                bias = load_f32(b_ptr, col, cmask, B_BF16)
         if ROPE != 0:
             pok, csrow = _positions(pos_ptr, s_pos, tok, rmask, P, s_cs)
         ok, qbase, sfbase, tailbase = _record_addresses(
             slot_ptr, s_slot, tok, head, rows, rmask, s_blk, data_tok, sf_tok, head_stride, data_off, sf_off,
             tail_off, block_size, capacity, DEST, SLOT32, QALIGN, SFALIGN, TALIGN)
         if ROPE == 1:
-            first, rot_mask, c, s, yp, wp = _rope1_loads(x_ptr, xrow, w_ptr, cs_ptr, csrow, pok, col, HALF, R, ROPE_OFF,
-                                                         NEOX, HAS_NORM, W_BF16, CS_BF16)
+            first, rot_mask, c, s, yp, wp, bp = _rope1_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, col, HALF,
+                                                             R, ROPE_OFF, NEOX, HAS_NORM, W_BF16, HAS_BIAS, B_BF16,
+                                                             CS_BF16)
         if ROPE == 2:
-            xa, xb, wa, wb, c, s = _rope2_loads(x_ptr, xrow, w_ptr, cs_ptr, csrow, pok, rmask, HALF, ROPE_OFF, NEOX,
-                                                HAS_NORM, W_BF16, CS_BF16, CAST, G, DQ, VEC)
+            xa, xb, wa, wb, ba, bb, c, s = _rope2_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, rmask, HALF,
+                                                        ROPE_OFF, NEOX, HAS_NORM, W_BF16, HAS_BIAS, B_BF16, CS_BF16,
+                                                        CAST, G, DQ, VEC)
 
-    # ---- RMSNorm
+    # ---- RMSNorm / LayerNorm (mu: the LayerNorm mean; RMSNorm leaves it unused)
     if HAS_NORM:
-        ss = _tree_sum(x * x, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC)
+        if LAYER:
+            mu = _tree_sum(x, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC)
+            if (D & (D - 1)) == 0:
+                mu = mu * (1.0 / D)           # exact: the same bits as mu / D for a power of two
+            else:
+                mu = tl.div_rn(mu, D * 1.0)
+            dev = tl.where(m3, x - mu[:, None, None], 0.0)   # the tree's zero padding stays zero
+            ss = _tree_sum(dev * dev, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC)
+        else:
+            ss = _tree_sum(x * x, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC)
+            mu = ss
         if (D & (D - 1)) == 0:
             mean = ss * (1.0 / D)             # exact: the same bits as ss / D for a power of two
         else:
@@ -350,19 +398,28 @@ def fused_kernel(
         rstd = tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tl.sqrt_rn(mean + eps))
         if not EARLY:
             w = load_f32(w_ptr, col, cmask, W_BF16)
-        y = round_bf16((x * rstd[:, None, None]) * w[None, :, :], NATIVE)
+            bias = w
+            if HAS_BIAS:
+                bias = load_f32(b_ptr, col, cmask, B_BF16)
+        y = _normed(x, mu[:, None, None], rstd[:, None, None], w[None, :, :], bias[None, :, :], LAYER, HAS_BIAS,
+                    NATIVE)
         if OUT_STAGE == 1:
-            _store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None, None] + col[None, :, :], y, m3)
+            if ROPE == 0:
+                _store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None, None] + col[None, :, :], y, m3)
+            else:
+                ynorm = y                     # stored last: RoPE reads x again, and out may be x
 
     if not EARLY:
         if ROPE != 0:
             pok, csrow = _positions(pos_ptr, s_pos, tok, rmask, P, s_cs)
         if ROPE == 1:
-            first, rot_mask, c, s, yp, wp = _rope1_loads(x_ptr, xrow, w_ptr, cs_ptr, csrow, pok, col, HALF, R, ROPE_OFF,
-                                                         NEOX, HAS_NORM, W_BF16, CS_BF16)
+            first, rot_mask, c, s, yp, wp, bp = _rope1_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, col, HALF,
+                                                             R, ROPE_OFF, NEOX, HAS_NORM, W_BF16, HAS_BIAS, B_BF16,
+                                                             CS_BF16)
     if ROPE == 1:
         if HAS_NORM:
-            yp = round_bf16((yp * rstd[:, None, None]) * wp[None, :, :], NATIVE)
+            yp = _normed(yp, mu[:, None, None], rstd[:, None, None], wp[None, :, :], bp[None, :, :], LAYER, HAS_BIAS,
+                         NATIVE)
         firstb = first[None, :, :]
         r0, r1 = _rotate(tl.where(firstb, y, yp), tl.where(firstb, yp, y), c, s, CONJ)
         y = tl.where(rot_mask, round_bf16(tl.where(firstb, r0, r1), NATIVE), y)
@@ -399,19 +456,21 @@ def fused_kernel(
         NS: tl.constexpr = HALF // GS
         GSV: tl.constexpr = GS // VEC
         if not EARLY:
-            xa, xb, wa, wb, c, s = _rope2_loads(x_ptr, xrow, w_ptr, cs_ptr, csrow, pok, rmask, HALF, ROPE_OFF, NEOX,
-                                                HAS_NORM, W_BF16, CS_BF16, CAST, G, DQ, VEC)
+            xa, xb, wa, wb, ba, bb, c, s = _rope2_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, rmask, HALF,
+                                                        ROPE_OFF, NEOX, HAS_NORM, W_BF16, HAS_BIAS, B_BF16, CS_BF16,
+                                                        CAST, G, DQ, VEC)
         pm = pok[:, None, None, None]
         a = xa
         b = xb
         if HAS_NORM:
+            mu4 = mu[:, None, None, None]
             r4 = rstd[:, None, None, None]
-            a = round_bf16((a * r4) * wa[None, :, :, :], NATIVE)
-            b = round_bf16((b * r4) * wb[None, :, :, :], NATIVE)
-        r0, r1 = _rotate(a, b, c, s, CONJ)
-        r0 = tl.where(pm, round_bf16(r0, NATIVE), a)
-        r1 = tl.where(pm, round_bf16(r1, NATIVE), b)
+            a = _normed(a, mu4, r4, wa[None, :, :, :], ba[None, :, :, :], LAYER, HAS_BIAS, NATIVE)
+            b = _normed(b, mu4, r4, wb[None, :, :, :], bb[None, :, :, :], LAYER, HAS_BIAS, NATIVE)
         if NEOX:
+            r0, r1 = _rotate(a, b, c, s, CONJ)
+            r0 = tl.where(pm, round_bf16(r0, NATIVE), a)
+            r1 = tl.where(pm, round_bf16(r1, NATIVE), b)
             _emit(r0, tok, head, rmask, ok, qbase, sfbase,
                   tailbase, out_ptr, so_n, so_h, q_ptr, sq_n, sq_h, sf_ptr, ss_n, ss_h, cache_ptr,
                   ROPE_OFF, 0, 0, BLOCK_M, NS, GSV, VEC, GS, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN)
@@ -419,12 +478,20 @@ def fused_kernel(
                   sfbase, tailbase, out_ptr, so_n, so_h, q_ptr, sq_n, sq_h, sf_ptr, ss_n, ss_h, cache_ptr,
                   ROPE_OFF + HALF, 0, 0, BLOCK_M, NS, GSV, VEC, GS, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN)
         else:
-            # interleaved pairs back in column order: [M, NS, GSV, VEC, 2] -> [M, 2 * NS, GSV, VEC]
+            # every rotated column where it lies: a = its own value, b = its partner's (c0 ^ 1)
             NS2: tl.constexpr = 2 * NS
-            rr = tl.reshape(tl.join(r0, r1), [BLOCK_M, NS2, GSV, VEC])
+            kk = _grid3(NS2, GSV, VEC)
+            firstc = ((kk & 1) == 0)[None, :, :, :]
+            r0, r1 = _rotate(tl.where(firstc, a, b), tl.where(firstc, b, a), c, s, CONJ)
+            rr = tl.where(pm, round_bf16(tl.where(firstc, r0, r1), NATIVE), a)
             _emit(rr, tok, head, rmask, ok,
                   qbase, sfbase, tailbase, out_ptr, so_n, so_h, q_ptr, sq_n, sq_h, sf_ptr, ss_n, ss_h, cache_ptr,
                   ROPE_OFF, 0, 0, BLOCK_M, NS2, GSV, VEC, GS, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN)
+
+    # ---- the norm's stage copy under RoPE: after every read of x (out may be x), all threads past them
+    if OUT_STAGE == 1 and ROPE != 0:
+        tl.debug_barrier()
+        _store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None, None] + col[None, :, :], ynorm, m3)
 
 
 # --------------------------------------------------------------------------- launch configuration
@@ -473,6 +540,16 @@ def force_config(block_m: int = None, num_warps: int = None, vec: int = None):
         _force.cfg = prev
 
 
+def plain_launch_table(block_d: int, cast_fmt=None) -> tuple:
+    """The compiled kernel's launch table for a tile width: ((first n_rows, (BLOCK_M, num_warps)), ...)
+    (see launch_config; gluon_common.table_entry reads it)."""
+    multi = min(4, max(1, 1024 // block_d))    # ~1K elements per one-warp program: 2 rows of 512, 4 of 128
+    table = ((1, (1, 1)), (513, (multi, 1)))   # decode sizes: as many one-warp programs as rows
+    if cast_fmt == "e2m1" and block_d <= 128:
+        table += ((16384, (8, 1)),)            # at 4096 rows 8 left too few programs: 4.4 vs 4.0 us (INDEX_MXFP4)
+    return table
+
+
 def launch_config(n_rows: int, head_dim: int, block_d: int, interpret: bool, cast_fmt=None):
     """(BLOCK_M, num_warps) from a small table measured on the H200 (benchmarks/tune_sweep.py,
     DEVICE_NOTES.md): one row per one-warp program at decode sizes; above, one-warp programs of
@@ -485,13 +562,8 @@ def launch_config(n_rows: int, head_dim: int, block_d: int, interpret: bool, cas
     if interpret:
         bm = min(next_pow2(max(n_rows, 1)), max(1, 16384 // block_d))
         nw = 4
-    elif n_rows <= 512:
-        bm, nw = 1, 1          # decode sizes: as many one-warp programs as rows (H200 sweep, BENCHMARKS.md)
     else:
-        bm = min(4, max(1, 1024 // block_d))   # ~1K elements per one-warp program: 2 rows of 512, 4 of 128
-        if cast_fmt == "e2m1" and block_d <= 128 and n_rows >= 16384:
-            bm = 8             # at 4096 rows 8 left too few programs: 4.4 vs 4.0 us (INDEX_MXFP4)
-        nw = 1
+        bm, nw = table_entry(plain_launch_table(block_d, cast_fmt), n_rows)
     if forced is not None:
         bm = forced[0] or bm
         nw = forced[1] or nw
@@ -584,7 +656,7 @@ def fused_args(plan: Plan, tensor) -> tuple:
     T = tensor
     args = (
         T("x"), x.stride(0), x.stride(1),
-        T("weight"), plan.eps,
+        T("weight"), T("bias"), plan.eps,
         T("positions"), plan.positions.stride(0) if plan.positions is not None else 0,
         T("cos_sin"), plan.cos_sin.stride(0) if plan.cos_sin is not None else 0,
         plan.cos_sin.shape[0] if plan.cos_sin is not None else 0,
@@ -602,6 +674,8 @@ def fused_args(plan: Plan, tensor) -> tuple:
         D=D, BLOCK_D=block_d, LOG2_BLOCK_D=block_d.bit_length() - 1, VEC=vec, BLOCK_M=bm,
         ONE_HEAD=H == 1, ROWS32=n * H + bm < _INT32_LIMIT,
         HAS_NORM=plan.weight is not None, W_BF16=plan.weight is not None and plan.weight.dtype == torch.bfloat16,
+        LAYER=plan.weight is not None and plan.norm_kind == "layer", HAS_BIAS=plan.bias is not None,
+        B_BF16=plan.bias is not None and plan.bias.dtype == torch.bfloat16,
         ROPE=rope_mode(plan), R=plan.rotary_dim, ROPE_OFF=plan.rope_offset, NEOX=plan.is_neox,
         CONJ=plan.conjugate, CS_BF16=plan.cos_sin is not None and plan.cos_sin.dtype == torch.bfloat16,
         HAS_HAD=plan.hadamard_scale is not None,
@@ -749,9 +823,12 @@ def load_kernel(slot_ptr, s_slot, cache_ptr, s_blk, data_tok, sf_tok, head_strid
             val = ((lo.to(tl.uint32) | (hi.to(tl.uint32) << 8)) << 16).to(tl.float32, bitcast=True)
         else:
             qmask = okm & (cols < DQ)[None, :]
+            # NaN codes decode as NaN (SPEC §4); numerics.decode_e4m3 (shared with the write kernels)
+            # maps 0x7F / 0xFF to +-480, so the NaN is selected here
+            nan = tl.full([BLOCK_M, BLOCK_D], 0x7FC00000, tl.uint32).to(tl.float32, bitcast=True)
             if CAST == 1:
                 code = tl.load(cache_ptr + qb[:, None] + cols[None, :], mask=qmask, other=0)
-                qf = decode_e4m3(code)
+                qf = tl.where((code & 0x7F) == 0x7F, nan, decode_e4m3(code))
             else:
                 byte = tl.load(cache_ptr + qb[:, None] + (cols >> 1)[None, :], mask=qmask, other=0).to(tl.uint32)
                 qf = decode_e2m1(tl.where((cols & 1)[None, :] == 0, byte & 0xF, byte >> 4))
@@ -759,9 +836,12 @@ def load_kernel(slot_ptr, s_slot, cache_ptr, s_blk, data_tok, sf_tok, head_strid
             gm = okm & (gi < DQ // G)[None, :]
             if SF == 0:
                 e = tl.load(cache_ptr + sb[:, None] + gi[None, :], mask=gm, other=127).to(tl.int32)
-                d = tl.where(e == 0, 0x400000, e << 23).to(tl.float32, bitcast=True)   # byte 0: 2^-127
+                # byte 0: 2^-127; byte 0xFF: NaN (OCP MX), not 2^128
+                d = tl.where(e == 0, 0x400000, tl.where(e == 0xFF, 0x7FC00000, e << 23)).to(tl.float32, bitcast=True)
             elif SF == 2:
-                d = decode_e4m3(tl.load(cache_ptr + sb[:, None] + gi[None, :], mask=gm, other=0x38))
+                sc = tl.load(cache_ptr + sb[:, None] + gi[None, :], mask=gm, other=0x38)
+                d = tl.where((sc & 0x7F) == 0x7F, 0x7FC00000, decode_e4m3(sc).to(tl.uint32, bitcast=True))
+                d = d.to(tl.float32, bitcast=True)
             else:
                 u = tl.zeros([BLOCK_M, BLOCK_D // G], tl.uint32)
                 for i in tl.static_range(4):
@@ -770,6 +850,7 @@ def load_kernel(slot_ptr, s_slot, cache_ptr, s_blk, data_tok, sf_tok, head_strid
                 d = u.to(tl.float32, bitcast=True)
             v = tl.reshape(qf, [BLOCK_M, BLOCK_D // G, G]) * d[:, :, None]
             val = tl.reshape(round_bf16(v, NATIVE), [BLOCK_M, BLOCK_D])
+            val = tl.where(val != val, nan, val)          # one NaN pattern (bf16 0x7FC0) on every backend
             if DQ < D:
                 tail = (cols >= DQ) & (cols < D)
                 tcol = tl.where(tail, cols - DQ, 0)

@@ -54,6 +54,18 @@ def x_weight_guard(plan) -> tuple:
     return word_aligned, ("x", "weight")
 
 
+def table_entry(table, n_rows: int):
+    """The entry of a launch table ``((first n_rows, entry), ...)`` (ascending firsts, the first 1)
+    that covers ``n_rows``: the last whose first is <= n_rows. The tables are data so that the GPU
+    test matrix (tests/gpu_matrix.py) can enumerate every entry a dispatch can pick."""
+    entry = table[0][1]
+    for first, e in table:
+        if n_rows < first:
+            break
+        entry = e
+    return entry
+
+
 def log2_block(block_size: int) -> int:
     """The kernels' LOG2_BLOCK: log2(block_size) when it is a power of two, else -1 (a division)."""
     return block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1

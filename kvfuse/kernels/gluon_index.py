@@ -567,11 +567,11 @@ def launch_table(n_rows: int):
     next tile ahead above (at n = 262144: MXFP4 41.7 us = 88.6% of copy, NVFP4 47.4 us = 78.4%,
     FP8_FP32 33.6 us, against 52.3 / 51.1 / 47.2 us with the session-3 table's one pipelined warp).
     The thresholds between the measured sizes (1, 256, 4096, 65536, 262144) are not tuned."""
-    if n_rows <= 16384:
-        return 4, 1, False
-    if n_rows <= 65536:
-        return 2, 1, False
-    return 4, 2, True
+    return gluon_common.table_entry(LAUNCH_TABLE, n_rows)
+
+
+# (first n_rows, (num_warps, rows_per_thread, pipeline)): see launch_table
+LAUNCH_TABLE = ((1, (4, 1, False)), (16385, (2, 1, False)), (65537, (4, 2, True)))
 
 
 def row_stride(t: torch.Tensor) -> int:
@@ -657,7 +657,7 @@ def _common_chain(plan):
     contiguous weight if any, cos/sin [P, 64]. Returns the (CAST, G, SF) chain or None."""
     x = plan.x
     if plan.positions is None or plan.hadamard_scale is not None or plan.out is not None \
-            or plan.out_stage is not None:
+            or plan.out_stage is not None or plan.norm_kind != "rms":
         return None
     if x.dim() != 3 or x.shape[2] != HEAD_DIM or not rows_evenly_spaced(x) or row_stride(x) % 2 \
             or x.shape[0] * x.shape[1] >= 2 ** 30:

@@ -128,16 +128,18 @@ def launch_table(n_rows: int):
     4.03 us), then one warp without pipeline (n = 16384: 10.5-10.8 us against 10.7-10.9 with two warps;
     n = 262144: 149.9-151.4 us over six session-5 sweeps against 153.6-160.9 pipelined: the
     kernel is issue-bound, and the pipeline's register moves cost more than its early loads save)."""
-    if n_rows <= 8192:
-        return 2, 1, False
-    return 1, 1, False
+    return gluon_common.table_entry(LAUNCH_TABLE, n_rows)
+
+
+# (first n_rows, (num_warps, rows_per_warp, pipeline)): see launch_table
+LAUNCH_TABLE = ((1, (2, 1, False)), (8193, (1, 1, False)))
 
 
 def _launch_parts(tensor, n: int, eps: float, x, weight, positions, cos_sin, slot_mapping, kv_cache,
-                  num_warps: int, rows_per_warp: int, pipeline: bool, ctas_per_sm=None, sm_count=None):
+                  num_warps: int, rows_per_warp: int, pipeline: bool, ctas_per_sm=None, sm_count=None, neox=True):
     """gluon_main_fp8's ``launch_parts_records`` for MAIN_FP4 records (FP4=True)."""
     return main.launch_parts_records(RECORDS, tensor, n, eps, x, weight, positions, cos_sin, slot_mapping, kv_cache,
-                                     num_warps, rows_per_warp, pipeline, ctas_per_sm, sm_count)
+                                     num_warps, rows_per_warp, pipeline, ctas_per_sm, sm_count, neox)
 
 
 # --------------------------------------------------------------------------- kvfuse's dispatch
@@ -172,13 +174,15 @@ def plan_launch(plan, tensor) -> tuple:
 
 
 def gluon_main_fp4_write(x, weight, eps, positions, cos_sin, slot_mapping, kv_cache, *, num_warps: int = 1,
-                         rows_per_warp: int = 1, pipeline: bool = False, ctas_per_sm: int = None) -> None:
+                         rows_per_warp: int = 1, pipeline: bool = False, ctas_per_sm: int = None,
+                         is_neox: bool = True) -> None:
     """Write MAIN_FP4 records for the rows of x: gluon_main_fp8_write's contract and launch, for
     ``CastArgs.from_cache_format(MAIN_FP4)`` and MAIN_FP4 caches (the direct entry of
     benchmarks/gluon_check_main_fp4.py). Raises ValueError outside this kernel's assumptions
     (``supports``)."""
     parts = main.checked_write_parts(RECORDS, "gluon_main_fp4_write", _launch_parts, x, weight, eps, positions,
-                                     cos_sin, slot_mapping, kv_cache, num_warps, rows_per_warp, pipeline, ctas_per_sm)
+                                     cos_sin, slot_mapping, kv_cache, num_warps, rows_per_warp, pipeline, ctas_per_sm,
+                                     is_neox)
     if parts is not None:
         grid, args, kwargs = parts
         main_fp4_kernel[grid](*args, **kwargs)

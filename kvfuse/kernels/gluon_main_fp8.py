@@ -53,7 +53,7 @@ import torch
 
 from . import gluon_common
 from .gluon_common import (INT32_LIMIT, allowed_by_env, available, compile_options, gl, gluon, log2_block,
-                           occupancy_grid)
+                           occupancy_grid, table_entry)
 
 HEAD_DIM = 512
 RECORD_BYTES = 532           # 512 codes + 16 scales + 4 reserved (never written)
@@ -87,20 +87,22 @@ if gluon is not None:
         return xw, xp.to(gl.float32)
 
     @gluon.jit
-    def _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LPLANE: gl.constexpr, OFFSETS32: gl.constexpr):
-        """(cos_j, sin_j) of each row's position as fp32 [R, 8, 4, 2] (zeros where the position is
-        outside [0, P): such rows are not rotated)."""
+    def _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, cs_col, LPLANE: gl.constexpr, OFFSETS32: gl.constexpr):
+        """(cos_j, sin_j) of each row's position as fp32 [R, 8, 4, 2] on lane j (zeros where the position
+        is outside [0, P): such rows are not rotated)."""
         pok = (rows < n_rows) & (pos >= 0) & (pos < P)
         cs_row = as_offset(gl.where(pok, pos, 0), OFFSETS32) * s_cs
-        cs = gl.load(cs_ptr + _pairs(cs_row, LPLANE) + pair_col, mask=_pairs(pok, LPLANE), other=0.0)
+        cs = gl.load(cs_ptr + _pairs(cs_row, LPLANE) + cs_col, mask=_pairs(pok, LPLANE), other=0.0)
         return cs.to(gl.float32)
 
     @gluon.jit
     def norm_rope(xw, xp, cs, pok, w_lo, w_hi, w_pair, eps, tail_buf, tail_lane, merge_sel,
-                  R: gl.constexpr, LLANE: gl.constexpr, LPLANE: gl.constexpr, LW: gl.constexpr):
+                  R: gl.constexpr, LLANE: gl.constexpr, LPLANE: gl.constexpr, LW: gl.constexpr, NEOX: gl.constexpr):
         """RMSNorm -> RoPE of one tile of R rows whose loads are done: y as bf16 pairs [R, 8, 4, 8] in LW
         (lane l: columns 16 l .. 16 l + 15), the rotated tail in place where pok (the position is in
-        [0, P) and the row < n_rows). Shared with gluon_main_fp4 (the same transform, another cast)."""
+        [0, P) and the row < n_rows). Shared with gluon_main_fp4 (the same transform, another cast).
+        NEOX: lane j's pair is (448 + j, 480 + j); else (GPT-J) (448 + 2 j, 449 + 2 j), whose rotated
+        word is tail word j as it stands."""
         # ---- RMSNorm: p_2i + p_2i+1 inside each word, the tree over the lane's 8 words, 5 shuffles
         x_lo = lo_f32(xw)
         x_hi = hi_f32(xw)
@@ -122,10 +124,14 @@ if gluon is not None:
         b = hi_f32(ypw)
         c, s = gl.split(cs)
         rot = bf16x2((a * c) - (b * s), (a * s) + (b * c))              # (r0_j, r1_j)
-        # even lane j: tail word j / 2 = (r0_j, r0_j+1); odd lane j: tail word 16 + j / 2 = (r1_j-1, r1_j)
-        rot = _prmt(rot, shfl_xor(rot, 1), merge_sel)
-        # through shared memory to lanes 28..31: lane j's word goes to [j & 1][j >> 1] of [R, 2, 16]
-        tail_buf.reshape([R, 2, 16]).permute([0, 2, 1]).store(gl.reshape(rot, [R, 16, 2]))
+        if NEOX:
+            # even lane j: tail word j / 2 = (r0_j, r0_j+1); odd lane j: tail word 16 + j / 2 = (r1_j-1, r1_j)
+            rot = _prmt(rot, shfl_xor(rot, 1), merge_sel)
+            # through shared memory to lanes 28..31: lane j's word goes to [j & 1][j >> 1] of [R, 2, 16]
+            tail_buf.reshape([R, 2, 16]).permute([0, 2, 1]).store(gl.reshape(rot, [R, 16, 2]))
+        else:
+            # GPT-J: lane j's word is tail word j; through shared memory to lanes 28..31
+            tail_buf.store(gl.reshape(rot, [R, 32]))
         gl.thread_barrier()
         tail = tail_buf.reshape([R, 1, 4, 8]).load(LW)                  # lane 28 + d2: tail words 8 d2 .. 8 d2 + 7
         gl.thread_barrier()                                             # the next tile overwrites tail_buf
@@ -168,12 +174,13 @@ if gluon is not None:
                     cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel, qword,
                     R: gl.constexpr, LLANE: gl.constexpr, LPLANE: gl.constexpr, LQ: gl.constexpr,
                     LW: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, OFFSETS32: gl.constexpr,
-                    FP4: gl.constexpr):
+                    FP4: gl.constexpr, NEOX: gl.constexpr):
         """RMSNorm -> RoPE -> the cast -> the records of one tile of R rows whose loads are done: MAIN_FP8's
         (UE8M0/e4m3), or with FP4 MAIN_FP4's (gluon_main_fp4: NVFP4)."""
         rmask = rows < n_rows
         pok = rmask & (pos >= 0) & (pos < P)
-        yw = norm_rope(xw, xp, cs, pok, w_lo, w_hi, w_pair, eps, tail_buf, tail_lane, merge_sel, R, LLANE, LPLANE, LW)
+        yw = norm_rope(xw, xp, cs, pok, w_lo, w_hi, w_pair, eps, tail_buf, tail_lane, merge_sel, R, LLANE, LPLANE, LW,
+                       NEOX)
         if FP4:
             gluon_main_fp4._quantize_store(yw, rmask, slot, capacity, cache_ptr, s_blk, tok_stride, block_size, lane,
                                            R, LLANE, SLOT32, LOG2_BLOCK, OFFSETS32)
@@ -190,14 +197,15 @@ if gluon is not None:
         cache_ptr, s_blk, tok_stride, block_size, capacity,   # kv_cache uint8 [blocks, block_size, 1, 532 | 288]
         n_rows,
         W_BF16: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, ROWS_PER_WARP: gl.constexpr,
-        PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr, FP4: gl.constexpr,
+        PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr, FP4: gl.constexpr, NEOX: gl.constexpr,
     ):
         """A program walks over the tiles pid, pid + num_programs, ... (R = ROWS_PER_WARP * num_warps
         rows each; warp w owns rows w * ROWS_PER_WARP ..). LOG2_BLOCK: log2(block_size) when it is a
         power of two, else -1 (a division). PIPELINE: load tile t + 1 (x, indices; its cos/sin after
         tile t's stores) while tile t computes, instead of loading each tile at its start.
         OFFSETS32: every x, index, cos/sin and cache offset of the launch is below 2**31 (host).
-        FP4: write MAIN_FP4 records instead (gluon_main_fp4 launches this kernel so)."""
+        FP4: write MAIN_FP4 records instead (gluon_main_fp4 launches this kernel so). NEOX: the RoPE
+        pairs (448 + j, 480 + j), else GPT-J's (448 + 2 j, 449 + 2 j)."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = ROWS_PER_WARP * NW
         # words [R, 8, 4, 8]: lane l = 4 * d1 + d2 owns the 8 int32 words (bf16 columns 16 l .. 16 l + 15)
@@ -223,7 +231,12 @@ if gluon is not None:
                  + gl.expand_dims(gl.expand_dims(gl.expand_dims(k4, 0), 1), 2))          # [1, 8, 4, 4]
         lane_p = gl.convert_layout(lane, LPLANE, assert_trivial=True)
         half = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LP))))
-        pair_col = gl.expand_dims(lane_p, 3) + 32 * gl.expand_dims(gl.expand_dims(gl.expand_dims(half, 0), 1), 2)
+        half4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(half, 0), 1), 2)
+        cs_col = gl.expand_dims(lane_p, 3) + 32 * half4                # (cos_j, sin_j) of pair j = lane
+        if NEOX:
+            pair_col = cs_col                                           # x columns 448 + j, 480 + j
+        else:
+            pair_col = 2 * gl.expand_dims(lane_p, 3) + half4            # x columns 448 + 2 j, 449 + 2 j
         merge_sel = gl.where((lane_p & 1) == 0, 0x5410, 0x3276)        # prmt: (own.lo, other.lo) / (other.hi, own.hi)
 
         if W_BF16:
@@ -243,7 +256,7 @@ if gluon is not None:
             rows = pid * R + r_idx                                      # [R] int32 (n_rows < 2**31 - R: host)
             pos, slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
             xw, xp = _load_x(x_ptr, sx_w, rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
-            cs = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LPLANE, OFFSETS32)
+            cs = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, cs_col, LPLANE, OFFSETS32)
             for tile in range(pid, num_tiles, num_programs):
                 rows = tile * R + r_idx
                 next_rows = rows + num_programs * R
@@ -251,9 +264,9 @@ if gluon is not None:
                 next_xw, next_xp = _load_x(x_ptr, sx_w, next_rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
                 _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
                             cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
-                            qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4)
+                            qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4, NEOX)
                 # the next positions arrived while this tile computed
-                cs = _load_cos_sin(cs_ptr, s_cs, P, next_pos, next_rows, n_rows, pair_col, LPLANE, OFFSETS32)
+                cs = _load_cos_sin(cs_ptr, s_cs, P, next_pos, next_rows, n_rows, cs_col, LPLANE, OFFSETS32)
                 pos = next_pos
                 slot = next_slot
                 xw = next_xw
@@ -263,10 +276,10 @@ if gluon is not None:
                 rows = tile * R + r_idx
                 pos, slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
                 xw, xp = _load_x(x_ptr, sx_w, rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
-                cs = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LPLANE, OFFSETS32)
+                cs = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, cs_col, LPLANE, OFFSETS32)
                 _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
                             cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
-                            qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4)
+                            qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4, NEOX)
 
 
 # --------------------------------------------------------------------------- host side
@@ -331,18 +344,16 @@ def launch_table(n_rows: int):
     4096 / 8192), one warp without pipeline up to 16384 (8.06 us against 8.45 with four warps), then
     one warp loading its next tile ahead (pipeline; n = 32768: 16.78 us against 17.53, 262144: best
     by 1-3%)."""
-    if n_rows <= 1024:
-        return 1, 1, False
-    if n_rows <= 8192:
-        return 4, 1, False
-    if n_rows <= 16384:
-        return 1, 1, False
-    return 1, 1, True
+    return table_entry(LAUNCH_TABLE, n_rows)
+
+
+# (first n_rows, (num_warps, rows_per_warp, pipeline)): see launch_table
+LAUNCH_TABLE = ((1, (1, 1, False)), (1025, (4, 1, False)), (8193, (1, 1, False)), (16385, (1, 1, True)))
 
 
 def launch_parts_records(rec: MainRecords, tensor, n: int, eps: float, x, weight, positions, cos_sin, slot_mapping,
                          kv_cache, num_warps: int, rows_per_warp: int, pipeline: bool, ctas_per_sm=None,
-                         sm_count=None):
+                         sm_count=None, neox: bool = True):
     """(grid, args, constexprs, options) of main_fp8_kernel writing ``rec``'s records; ``tensor(name)``
     goes where the tensor ``name`` goes (the tensor itself, or a launcher.PlanTensor), the tensors
     give the strides. ctas_per_sm / sm_count: given, no compilation and no device query (default:
@@ -358,7 +369,7 @@ def launch_parts_records(rec: MainRecords, tensor, n: int, eps: float, x, weight
              cos_sin.shape[0] * cos_sin.stride(0), kv_cache.shape[0] * kv_cache.stride(0) + rec.record_bytes)
     constexprs = dict(W_BF16=weight.dtype == torch.bfloat16, SLOT32=capacity <= INT32_LIMIT,
                       LOG2_BLOCK=log2_block(block_size), ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline),
-                      OFFSETS32=max(spans) < INT32_LIMIT, FP4=rec.fp4)
+                      OFFSETS32=max(spans) < INT32_LIMIT, FP4=rec.fp4, NEOX=bool(neox))
     options = compile_options(num_warps)
     tiles = -(-n // (rows_per_warp * num_warps))
     tensors = dict(x=x, weight=weight, positions=positions, cos_sin=cos_sin, slot_mapping=slot_mapping,
@@ -369,15 +380,15 @@ def launch_parts_records(rec: MainRecords, tensor, n: int, eps: float, x, weight
 
 
 def _launch_parts(tensor, n: int, eps: float, x, weight, positions, cos_sin, slot_mapping, kv_cache,
-                  num_warps: int, rows_per_warp: int, pipeline: bool, ctas_per_sm=None, sm_count=None):
+                  num_warps: int, rows_per_warp: int, pipeline: bool, ctas_per_sm=None, sm_count=None, neox=True):
     """``launch_parts_records`` for MAIN_FP8 records."""
     return launch_parts_records(RECORDS, tensor, n, eps, x, weight, positions, cos_sin, slot_mapping, kv_cache,
-                                num_warps, rows_per_warp, pipeline, ctas_per_sm, sm_count)
+                                num_warps, rows_per_warp, pipeline, ctas_per_sm, sm_count, neox)
 
 
 def eligible_records(rec: MainRecords, plan) -> bool:
-    """Whether a validated kvfuse.plan.Plan is exactly the kernel's chain for ``rec``: RMSNorm, NEOX
-    RoPE on columns 448..511 (not conjugate), no Hadamard, ``rec.chain`` over all 512 columns, one
+    """Whether a validated kvfuse.plan.Plan is exactly the kernel's chain for ``rec``: RMSNorm, NEOX or
+    GPT-J RoPE on columns 448..511 (not conjugate), no Hadamard, ``rec.chain`` over all 512 columns, one
     head, records laid out as ``rec``'s (token-interleaved, the codes then the scales at
     ``rec.sf_offset``), no stage copy, and the alignments the kernel reads and writes with (x rows
     and weight as 4-byte words; the cache pointer and strides multiples of ``rec.align``: the
@@ -386,6 +397,8 @@ def eligible_records(rec: MainRecords, plan) -> bool:
     x, cache, c, f, a = plan.x, plan.kv_cache, plan.cast, plan.fmt, plan.addressing
     if cache is None or c is None or plan.weight is None or plan.positions is None or f is None or a is None:
         return False
+    if plan.norm_kind != "rms":
+        return False
     if plan.slot_mapping is None or plan.hadamard_scale is not None:
         return False
     if plan.out is not None or plan.out_stage is not None:
@@ -393,7 +406,7 @@ def eligible_records(rec: MainRecords, plan) -> bool:
     if x.dim() != 3 or x.shape[1:] != (1, HEAD_DIM) or x.stride(2) != 1 or x.stride(0) % 2 \
             or x.shape[0] >= INT32_LIMIT // 2:
         return False
-    if (plan.rotary_dim, plan.rope_offset, plan.is_neox, plan.conjugate) != (ROTARY_DIM, 448, True, False):
+    if (plan.rotary_dim, plan.rope_offset, plan.conjugate) != (ROTARY_DIM, 448, False):
         return False
     if (c.cast_fmt, c.group, c.sf_format) != rec.chain or plan.quant_dim != HEAD_DIM:
         return False
@@ -413,7 +426,8 @@ def eligible_records(rec: MainRecords, plan) -> bool:
 
 
 def checked_write_parts(rec: MainRecords, entry: str, launch_parts, x, weight, eps, positions, cos_sin,
-                        slot_mapping, kv_cache, num_warps: int, rows_per_warp: int, pipeline: bool, ctas_per_sm):
+                        slot_mapping, kv_cache, num_warps: int, rows_per_warp: int, pipeline: bool, ctas_per_sm,
+                        neox: bool = True):
     """A direct write entry's checks (RuntimeError without the Gluon path, ValueError outside the
     kernel's assumptions, naming ``entry``), then its (grid, args, keyword args); None for n = 0."""
     if not available():
@@ -430,7 +444,7 @@ def checked_write_parts(rec: MainRecords, entry: str, launch_parts, x, weight, e
                    kv_cache=kv_cache)
     grid, args, constexprs, options = launch_parts(tensors.__getitem__, n, eps, x, weight, positions, cos_sin,
                                                    slot_mapping, kv_cache, num_warps, rows_per_warp, pipeline,
-                                                   ctas_per_sm)
+                                                   ctas_per_sm, neox=neox)
     return grid, args, {**constexprs, **options}
 
 
@@ -462,7 +476,7 @@ def plan_launch_parts(plan, tensor, table, launch_parts) -> tuple:
     n = x.shape[0]
     nw, rpw, pipe = table(n)
     grid, args, constexprs, options = launch_parts(tensor, n, plan.eps, x, plan.weight, plan.positions, plan.cos_sin,
-                                                   plan.slot_mapping, plan.kv_cache, nw, rpw, pipe)
+                                                   plan.slot_mapping, plan.kv_cache, nw, rpw, pipe, neox=plan.is_neox)
     return grid, args, {**constexprs, **options}
 
 
@@ -474,10 +488,11 @@ def plan_launch(plan, tensor) -> tuple:
 
 
 def gluon_main_fp8_write(x, weight, eps, positions, cos_sin, slot_mapping, kv_cache, *, num_warps: int = 1,
-                         rows_per_warp: int = 1, pipeline: bool = False, ctas_per_sm: int = None) -> None:
+                         rows_per_warp: int = 1, pipeline: bool = False, ctas_per_sm: int = None,
+                         is_neox: bool = True) -> None:
     """Write MAIN_FP8 records for the rows of x: the same bytes as
     ``fused_norm_rope_hadamard_cast_store_kvcache(x, NormArgs(weight, eps), RopeArgs(positions,
-    cos_sin, 64, True), None, CastArgs.from_cache_format(MAIN_FP8), KVCacheOutArgs(kv_cache,
+    cos_sin, 64, is_neox), None, CastArgs.from_cache_format(MAIN_FP8), KVCacheOutArgs(kv_cache,
     slot_mapping, layout=MAIN_FP8))`` (block_size = kv_cache.shape[1]). kvfuse's fused entry point
     calls this kernel itself for such calls (``eligible``); this direct entry is for the check
     script (benchmarks/gluon_check.py) and its launch variants.
@@ -488,7 +503,7 @@ def gluon_main_fp8_write(x, weight, eps, positions, cos_sin, slot_mapping, kv_ca
     graphs can capture it once it has been compiled (call it once before capturing).
     Raises ValueError outside this kernel's assumptions (see ``supports``)."""
     parts = checked_write_parts(RECORDS, "gluon_main_fp8_write", _launch_parts, x, weight, eps, positions, cos_sin,
-                                slot_mapping, kv_cache, num_warps, rows_per_warp, pipeline, ctas_per_sm)
+                                slot_mapping, kv_cache, num_warps, rows_per_warp, pipeline, ctas_per_sm, is_neox)
     if parts is not None:
         grid, args, kwargs = parts
         main_fp8_kernel[grid](*args, **kwargs)

@@ -107,9 +107,12 @@ if gluon is not None:
         return xw, xt
 
     @gluon.jit
-    def _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP: gl.constexpr, OFFSETS32: gl.constexpr):
-        """(cos, sin) of each row's position for the lane's two rotation indices j = 2 (l % 16) + {0, 1},
-        fp32 [R, 32, 2] each (zeros where the position is outside [0, P): such rows are not rotated)."""
+    def _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP: gl.constexpr, OFFSETS32: gl.constexpr,
+                      NEOX: gl.constexpr):
+        """NEOX: (cos, sin) of each row's position for the lane's two rotation indices j = 2 (l % 16) +
+        {0, 1}, fp32 [R, 32, 2] each; GPT-J: (cos_l, sin_l) of the lane's one index j = l as one [R, 32, 2]
+        tensor, returned twice (``pair_col`` is then l + 32 k). Zeros where the position is outside
+        [0, P): such rows are not rotated."""
         pok = (rows < n_rows) & (pos >= 0) & (pos < P)
         cs_row = as_offset(gl.where(pok, pos, 0), OFFSETS32) * s_cs
         cs_row3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(cs_row, gl.SliceLayout(1, gl.SliceLayout(2, LP)),
@@ -117,7 +120,10 @@ if gluon is not None:
         pok3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(pok, gl.SliceLayout(1, gl.SliceLayout(2, LP)),
                                                                assert_trivial=True), 1), 2)
         cos = gl.load(cs_ptr + cs_row3 + pair_col, mask=pok3, other=0.0).to(gl.float32)
-        sin = gl.load(cs_ptr + cs_row3 + ROPE_HALF_C + pair_col, mask=pok3, other=0.0).to(gl.float32)
+        if NEOX:
+            sin = gl.load(cs_ptr + cs_row3 + ROPE_HALF_C + pair_col, mask=pok3, other=0.0).to(gl.float32)
+        else:
+            sin = cos
         return cos, sin
 
     @gluon.jit
@@ -125,8 +131,9 @@ if gluon is not None:
                     cache_ptr, s_blk, data_tok, sf_tok, sf_off, tail_off, block_size, capacity, lane, qword,
                     R: gl.constexpr, LLANE: gl.constexpr, LQ: gl.constexpr,
                     QUANT_DIM: gl.constexpr, GROUP: gl.constexpr, SF_FP32: gl.constexpr,
-                    SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, OFFSETS32: gl.constexpr):
-        """RMSNorm -> RoPE (tail) -> UE8M0 / e4m3 -> the records of one tile of R rows whose loads are done."""
+                    SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, OFFSETS32: gl.constexpr, NEOX: gl.constexpr):
+        """RMSNorm -> RoPE (tail) -> UE8M0 / e4m3 -> the records of one tile of R rows whose loads are done.
+        NEOX: pairs (j, 32 + j) of the tail; else GPT-J's (2 j, 2 j + 1), which is tail word j = l."""
         HEAD_DIM: gl.constexpr = QUANT_DIM + TAIL_DIM_C
         CODE_LANES: gl.constexpr = QUANT_DIM // 16                      # lanes owning quantized columns
         GROUP_LANES: gl.constexpr = GROUP // 16
@@ -154,19 +161,28 @@ if gluon is not None:
         rstd3 = gl.expand_dims(rstd, 2)
         yw = bf16x2((x_lo * rstd3) * w_lo, (x_hi * rstd3) * w_hi)        # [R, 32, 8] bf16 pairs
 
-        # ---- RoPE on the tail words: own word and the partner's (lane ^ 16)
         yt = bf16x2((xt_lo * rstd) * wt_lo, (xt_hi * rstd) * wt_hi)      # [R, 32] normalized tail
-        partner = shfl_xor(yt, 16)
-        c0, c1 = gl.split(cos)
-        s0, s1 = gl.split(sin)
-        c0 = gl.convert_layout(c0, LLANE, assert_trivial=True)
-        c1 = gl.convert_layout(c1, LLANE, assert_trivial=True)
-        # first-half lanes rotate with -s: flipped as a bit (0 - s would turn -0 into +0)
-        s0 = (gl.convert_layout(s0, LLANE, assert_trivial=True).to(gl.int32, bitcast=True) ^ sin_flip).to(
-            gl.float32, bitcast=True)
-        s1 = (gl.convert_layout(s1, LLANE, assert_trivial=True).to(gl.int32, bitcast=True) ^ sin_flip).to(
-            gl.float32, bitcast=True)
-        rot = bf16x2((lo_f32(yt) * c0) + (lo_f32(partner) * s0), (hi_f32(yt) * c1) + (hi_f32(partner) * s1))
+        if NEOX:
+            # ---- RoPE on the tail words: own word and the partner's (lane ^ 16)
+            partner = shfl_xor(yt, 16)
+            c0, c1 = gl.split(cos)
+            s0, s1 = gl.split(sin)
+            c0 = gl.convert_layout(c0, LLANE, assert_trivial=True)
+            c1 = gl.convert_layout(c1, LLANE, assert_trivial=True)
+            # first-half lanes rotate with -s: flipped as a bit (0 - s would turn -0 into +0)
+            s0 = (gl.convert_layout(s0, LLANE, assert_trivial=True).to(gl.int32, bitcast=True) ^ sin_flip).to(
+                gl.float32, bitcast=True)
+            s1 = (gl.convert_layout(s1, LLANE, assert_trivial=True).to(gl.int32, bitcast=True) ^ sin_flip).to(
+                gl.float32, bitcast=True)
+            rot = bf16x2((lo_f32(yt) * c0) + (lo_f32(partner) * s0), (hi_f32(yt) * c1) + (hi_f32(partner) * s1))
+        else:
+            # ---- GPT-J: the lane's word is the pair (a, b) = (y_2l, y_2l+1); SPEC §2's products and sums
+            c, s = gl.split(cos)
+            c = gl.convert_layout(c, LLANE, assert_trivial=True)
+            s = gl.convert_layout(s, LLANE, assert_trivial=True)
+            a = lo_f32(yt)
+            b = hi_f32(yt)
+            rot = bf16x2((a * c) - (b * s), (a * s) + (b * c))
         tail = gl.where(gl.expand_dims(pok, 1), rot, yt)
 
         # ---- UE8M0 scale per group of GROUP_LANES lanes: group_scales(SF=0/1, FMAX=448) of numerics.py
@@ -224,14 +240,15 @@ if gluon is not None:
         n_rows,
         QUANT_DIM: gl.constexpr, GROUP: gl.constexpr, SF_FP32: gl.constexpr,
         W_BF16: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, ROWS_PER_WARP: gl.constexpr,
-        PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr,
+        PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr, NEOX: gl.constexpr,
     ):
         """A program walks over the tiles pid, pid + num_programs, ... (R = ROWS_PER_WARP * num_warps
         rows each; warp w owns rows w * ROWS_PER_WARP ..). QUANT_DIM / GROUP / SF_FP32: the format
         (512 / 128 / True: FLASHMLA_V32; 448 / 64 / False: FLASHMLA_MODEL1). LOG2_BLOCK:
         log2(block_size) when it is a power of two, else -1 (a division). PIPELINE: load tile t + 1
         (x, indices; its cos/sin after tile t's stores) while tile t computes. OFFSETS32: every x,
-        index, cos/sin and cache offset of the launch is below 2**31 (host)."""
+        index, cos/sin and cache offset of the launch is below 2**31 (host). NEOX: NEOX RoPE pairs on the
+        tail, else GPT-J's."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = ROWS_PER_WARP * NW
         TAIL_WORD0: gl.constexpr = QUANT_DIM // 2                       # the tail's first word in x's row
@@ -253,8 +270,12 @@ if gluon is not None:
         qword = (gl.expand_dims(gl.convert_layout(lane, gl.SliceLayout(2, LQ), assert_trivial=True), 2) * 4
                  + gl.expand_dims(gl.expand_dims(k4, 0), 1))                                    # [1, 32, 4]
         k2 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, LP)))
-        pair_col = (gl.expand_dims(gl.convert_layout((lane & 15) * 2, gl.SliceLayout(2, LP), assert_trivial=True), 2)
-                    + gl.expand_dims(gl.expand_dims(k2, 0), 1))                                 # [1, 32, 2]
+        if NEOX:
+            pair_col = (gl.expand_dims(gl.convert_layout((lane & 15) * 2, gl.SliceLayout(2, LP), assert_trivial=True), 2)
+                        + gl.expand_dims(gl.expand_dims(k2, 0), 1))                             # [1, 32, 2]
+        else:
+            pair_col = (gl.expand_dims(gl.convert_layout(lane, gl.SliceLayout(2, LP), assert_trivial=True), 2)
+                        + ROPE_HALF_C * gl.expand_dims(gl.expand_dims(k2, 0), 1))               # cos_l, sin_l
         sin_flip = gl.where(lane < 16, -2147483648, 0)                  # the fp32 sign bit on first-half lanes
 
         if W_BF16:
@@ -278,7 +299,7 @@ if gluon is not None:
             rows = pid * R + r_idx                                      # [R] int32 (n_rows < 2**30: host)
             pos, slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
             xw, xt = _load_x(x_ptr, sx_w, rows, n_rows, word, lane, TAIL_WORD0, OFFSETS32)
-            cos, sin = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP, OFFSETS32)
+            cos, sin = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP, OFFSETS32, NEOX)
             for tile in range(pid, num_tiles, num_programs):
                 rows = tile * R + r_idx
                 next_rows = rows + num_programs * R
@@ -286,9 +307,9 @@ if gluon is not None:
                 next_xw, next_xt = _load_x(x_ptr, sx_w, next_rows, n_rows, word, lane, TAIL_WORD0, OFFSETS32)
                 _write_rows(xw, xt, cos, sin, pos, slot, rows, n_rows, w_lo, w_hi, wt_lo, wt_hi, sin_flip, eps, P,
                             cache_ptr, s_blk, data_tok, sf_tok, sf_off, tail_off, block_size, capacity, lane, qword,
-                            R, LLANE, LQ, QUANT_DIM, GROUP, SF_FP32, SLOT32, LOG2_BLOCK, OFFSETS32)
+                            R, LLANE, LQ, QUANT_DIM, GROUP, SF_FP32, SLOT32, LOG2_BLOCK, OFFSETS32, NEOX)
                 # the next positions arrived while this tile computed
-                cos, sin = _load_cos_sin(cs_ptr, s_cs, P, next_pos, next_rows, n_rows, pair_col, LP, OFFSETS32)
+                cos, sin = _load_cos_sin(cs_ptr, s_cs, P, next_pos, next_rows, n_rows, pair_col, LP, OFFSETS32, NEOX)
                 pos = next_pos
                 slot = next_slot
                 xw = next_xw
@@ -298,10 +319,10 @@ if gluon is not None:
                 rows = tile * R + r_idx
                 pos, slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
                 xw, xt = _load_x(x_ptr, sx_w, rows, n_rows, word, lane, TAIL_WORD0, OFFSETS32)
-                cos, sin = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP, OFFSETS32)
+                cos, sin = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP, OFFSETS32, NEOX)
                 _write_rows(xw, xt, cos, sin, pos, slot, rows, n_rows, w_lo, w_hi, wt_lo, wt_hi, sin_flip, eps, P,
                             cache_ptr, s_blk, data_tok, sf_tok, sf_off, tail_off, block_size, capacity, lane, qword,
-                            R, LLANE, LQ, QUANT_DIM, GROUP, SF_FP32, SLOT32, LOG2_BLOCK, OFFSETS32)
+                            R, LLANE, LQ, QUANT_DIM, GROUP, SF_FP32, SLOT32, LOG2_BLOCK, OFFSETS32, NEOX)
 
 
 # --------------------------------------------------------------------------- host side
@@ -326,9 +347,11 @@ def launch_table(n_rows: int):
     1.84 with one warp; n = 8192: 5.12 / 4.90 us against 5.24 / 5.08 with four warps; n = 4096: within
     1% of four warps), two warps of two rows each, no pipeline, above (V32 at n = 262144: 145.1 us =
     89.7% of copy, against 195.8 us with the session-3 table's one pipelined warp; MODEL1 128.2 us)."""
-    if n_rows <= 16384:
-        return 2, 1, False
-    return 2, 2, False
+    return gluon_common.table_entry(LAUNCH_TABLE, n_rows)
+
+
+# (first n_rows, (num_warps, rows_per_warp, pipeline)): see launch_table
+LAUNCH_TABLE = ((1, (2, 1, False)), (16385, (2, 2, False)))
 
 
 def launch_parts(plan, tensor, num_warps: int, rows_per_warp: int, pipeline: bool, ctas_per_sm: int = None,
@@ -353,7 +376,8 @@ def launch_parts(plan, tensor, num_warps: int, rows_per_warp: int, pipeline: boo
              (plan.cos_sin.shape[0] + 1) * plan.cos_sin.stride(0), (cache.shape[0] + 1) * cache.stride(0))
     constexprs = dict(format_constexprs(plan.fmt), W_BF16=plan.weight.dtype == torch.bfloat16,
                       SLOT32=capacity <= INT32_LIMIT, LOG2_BLOCK=log2_block(block_size),
-                      ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline), OFFSETS32=max(spans) < INT32_LIMIT)
+                      ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline), OFFSETS32=max(spans) < INT32_LIMIT,
+                      NEOX=bool(plan.is_neox))
     options = compile_options(num_warps)
     tiles = -(-n // (rows_per_warp * num_warps))
     grid = occupancy_grid(mla_tail_kernel, _resident, x, tiles, args, plan_tensors(plan), constexprs, options,
@@ -377,7 +401,7 @@ MIN_ROWS = 1
 
 def eligible(plan) -> bool:
     """Whether a validated kvfuse.plan.Plan is exactly one of this kernel's chains: RMSNorm (weight
-    present), NEOX RoPE (not conjugate) on the 64 tail columns, no Hadamard, no stage copy, one head,
+    present), NEOX or GPT-J RoPE (not conjugate) on the 64 tail columns, no Hadamard, no stage copy, one head,
     a cache whose records are FLASHMLA_V32's or FLASHMLA_MODEL1's (any name: ``SUPPORTED_RECORDS``)
     with the matching cast, and the alignments the kernel writes with: the cache pointer, the block
     stride and every record offset / stride of the data, tail (and fp32 scales) multiples of 4 (the
@@ -385,6 +409,8 @@ def eligible(plan) -> bool:
     is checked per call, ``word_aligned``)."""
     x, cache, c, f, a = plan.x, plan.kv_cache, plan.cast, plan.fmt, plan.addressing
     if cache is None or c is None or f is None or a is None or plan.weight is None or plan.positions is None:
+        return False
+    if plan.norm_kind != "rms":
         return False
     if plan.slot_mapping is None or plan.hadamard_scale is not None or plan.out is not None or plan.out_stage is not None:
         return False
@@ -397,7 +423,7 @@ def eligible(plan) -> bool:
         return False
     if x.shape[0] >= INT32_LIMIT // 2:
         return False
-    if (plan.rotary_dim, plan.rope_offset, plan.is_neox, plan.conjugate) != (ROTARY_DIM, quant_dim, True, False):
+    if (plan.rotary_dim, plan.rope_offset, plan.conjugate) != (ROTARY_DIM, quant_dim, False):
         return False
     if (c.cast_fmt, c.group, c.sf_format, plan.quant_dim) != (f.cast_fmt, f.elements_per_sf, f.sf_format, quant_dim):
         return False

@@ -1,0 +1,235 @@
+"""The GPU test matrix, built from the dispatcher's own tables (tests/gpu/test_gpu_matrix.py runs it
+on a CUDA machine; tests/test_gpu_matrix_coverage.py checks its coverage on the CPU).
+
+What the dispatcher can pick for a call (kvfuse.kernels.fused): a Gluon fast path
+(``FAST_PATH_MODULES``, each with its ``LAUNCH_TABLE`` and ``MIN_ROWS``) when one is eligible, else
+the portable kernel with an entry of ``plain_launch_table(block_d, cast)``; then, on the second call
+of a signature, the direct launcher instead of Triton's. The matrix holds
+
+1. for every fast path, every entry of its launch table, with each RoPE style it serves, each of
+   its formats, weight and cos/sin dtypes and int32 / int64 indices (``fast_cases``);
+2. an all-pairs cover of the features that change the generated code (``FACTORS``: the format or
+   contiguous destination, RoPE style x offset x conjugate, the norm kind, Hadamard, each out_stage
+   including in place, heads, index and parameter dtypes) crossed with the launch the dispatcher
+   takes (every plain-kernel table entry of every tile width and cast), chosen greedily from
+   random valid cases (``pairwise_cases``).
+
+Every case is run on the GPU twice (Triton's launch, then the direct launcher) and compared byte
+for byte with the reference on whole poisoned storages (kernel_cases.run_case).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+
+from kvfuse import CastArgs, formats
+from kvfuse.kernels import fused
+
+from kernel_cases import ALL_FORMATS, Case, plan_of
+
+CONTIG_CASTS = {
+    "contig:e4m3/32/ue8m0": CastArgs("e4m3", 32, True, "ue8m0"),
+    "contig:e2m1/16/e4m3": CastArgs("e2m1", 16, False, "e4m3"),
+    "contig:e2m1/32/ue8m0": CastArgs("e2m1", 32, True, "ue8m0"),
+    "contig:e4m3/128/fp32": CastArgs("e4m3", 128, False, "fp32"),
+    "contig:e4m3/64/ue8m0_fp32": CastArgs("e4m3", 64, True, "ue8m0_fp32"),
+    "contig:cast_back/e4m3/16/e4m3": CastArgs("e4m3", 16, False, "e4m3", cast_back=True),
+    "bf16": None,
+}
+FORMATS = {f.name: f for f in ALL_FORMATS}
+FACTORS = {
+    "dest": list(FORMATS) + list(CONTIG_CASTS),
+    "rope": ["none", "neox", "gptj"],
+    "offset": ["tail", "zero", "middle"],
+    "conjugate": [False, True],
+    "norm": ["none", "rms", "layer", "layer+bias"],
+    "hadamard": [False, True],
+    "stage": ["none", "norm", "transform", "cast_back", "norm in place", "transform in place"],
+    "heads": [1, 3],
+    "idx32": [False, True],
+    "w_fp32": [False, True],
+    "cs_bf16": [False, True],
+    "rows": ["decode", "multi", "large"],
+}
+ROWS = {"decode": (1, 3, 300), "multi": (600, 2049, 4097), "large": (16384, 20000)}
+
+
+def dispatch_of(case: Case) -> str:
+    """What the dispatcher takes for the case on a CUDA device with the fast paths on: "<module>
+    entry <i>" (the i-th entry of its LAUNCH_TABLE) or "plain <block_d>/<cast> entry <i>"."""
+    rows = case.n * case.heads
+    small = dataclasses.replace(case, n=2, num_blocks=2, seed=0, slot_kind="random")
+    key = (repr(small), rows)
+    if key not in _DISPATCH:
+        _DISPATCH[key] = _dispatch_table(small, rows)
+    table, label = _DISPATCH[key]
+    return f"{label} entry {_entry_index(table, rows)}"
+
+
+_DISPATCH = {}
+
+
+def _dispatch_table(small: Case, rows: int):
+    """(launch table, label) of the path that takes a case (eligibility does not depend on n,
+    except through MIN_ROWS)."""
+    plan = plan_of(small)
+    for module in fused.FAST_PATH_MODULES:
+        if rows >= module.MIN_ROWS and module.eligible(plan):
+            return module.LAUNCH_TABLE, module.__name__.rsplit(".", 1)[1]
+    block_d = fused.next_pow2(small.head_dim)
+    cast = plan.cast.cast_fmt if plan.cast else None
+    return fused.plain_launch_table(block_d, cast), f"plain {block_d}/{cast}"
+
+
+def _entry_index(table, rows: int) -> int:
+    """The position in ``table`` of the entry that gluon_common.table_entry picks for ``rows``."""
+    return max(i for i, (first, _) in enumerate(table) if rows >= first or i == 0)
+
+
+def all_table_entries() -> set:
+    """Every (path, entry) label the dispatcher can produce for the matrix's tile widths and casts."""
+    labels = set()
+    for module in fused.FAST_PATH_MODULES:
+        name = module.__name__.rsplit(".", 1)[1]
+        labels |= {f"{name} entry {i}" for i in range(len(module.LAUNCH_TABLE))}
+    for f in ALL_FORMATS:
+        bd = fused.next_pow2(f.head_dim)
+        labels |= {f"plain {bd}/{f.cast_fmt} entry {i}" for i in range(len(fused.plain_launch_table(bd, f.cast_fmt)))}
+    return labels
+
+
+# ------------------------------------------------------------------------------ fast paths
+FAST_MAIN = dict(heads=1, head_dim=512, rotary_dim=64, out_stage=None)
+FAST_INDEX_WRITE = dict(heads=1, head_dim=128, rotary_dim=64, out_stage=None, neox=True)
+
+
+def _fast_n(table, i, min_rows, heads=1):
+    """A row count inside entry i of a launch table (its first row, raised to MIN_ROWS), as tokens."""
+    first = max(table[i][0], min_rows)
+    return max(1, -(-first // heads))
+
+
+def fast_cases() -> list:
+    """Every fast path x every entry of its launch table x the RoPE styles it serves, with its
+    formats and the dtypes it reads rotating over the entries."""
+    from kvfuse.kernels import gluon_index, gluon_main_fp4, gluon_main_fp8, gluon_mla_tail
+    cases = []
+    seed = 5000
+    styles = (True, False)
+    for module, fmts, chain in ((gluon_main_fp8, [formats.MAIN_FP8], FAST_MAIN),
+                                (gluon_main_fp4, [formats.MAIN_FP4], FAST_MAIN),
+                                (gluon_mla_tail, [formats.FLASHMLA_V32, formats.FLASHMLA_MODEL1], None),
+                                (gluon_index, [formats.INDEX_FP8_FP32, formats.INDEX_MXFP8, formats.INDEX_MXFP4,
+                                               formats.INDEX_NVFP4], FAST_INDEX_WRITE)):
+        table = module.LAUNCH_TABLE
+        for i, neox in itertools.product(range(len(table)), styles if module is not gluon_index else (True,)):
+            for k, fmt in enumerate(fmts):
+                seed += 1
+                n = _fast_n(table, i, module.MIN_ROWS) + (seed % 3)
+                base = chain or dict(heads=1, head_dim=fmt.head_dim, rotary_dim=64, out_stage=None)
+                bs = (16, 64, 24)[seed % 3]
+                cases.append(Case(n=n, **{**base, "neox": neox}, fmt=fmt, seed=seed, idx32=bool(seed % 2),
+                                  w_fp32=(seed // 2) % 2 == 1, cs_bf16=(seed // 4) % 2 == 1, block_size=bs,
+                                  num_blocks=n // bs + 3, slot_kind=("random", "invalid", "cross_page")[seed % 3],
+                                  x2d=seed % 5 == 0))
+        if module is gluon_index:     # the contiguous (q, sf) path: the indexer Q, rows = tokens x heads
+            for i in range(len(table)):
+                for k, fmt in enumerate(fmts):
+                    seed += 1
+                    heads = (64, 4, 16)[seed % 3]
+                    n = _fast_n(table, i, module.MIN_ROWS, heads)
+                    cases.append(Case(n=n, heads=heads, head_dim=128, fmt=None, norm=seed % 4 == 0, rotary_dim=64,
+                                      neox=True, cast=CastArgs.from_cache_format(fmt), seed=seed,
+                                      idx32=bool(seed % 2), cs_bf16=seed % 3 == 0))
+    return cases
+
+
+# ------------------------------------------------------------------------------ all pairs
+def _candidate(rng: random.Random, seed: int):
+    """(a random valid Case, its realized factor values) from FACTORS, repaired to what the contract allows."""
+    pick = {k: rng.choice(v) for k, v in FACTORS.items()}
+    dest = pick["dest"]
+    if dest in FORMATS:
+        fmt, cast, D = FORMATS[dest], None, FORMATS[dest].head_dim
+        heads = pick["heads"] if fmt.token_interleaved else 1
+    else:
+        fmt, cast = None, CONTIG_CASTS[dest]
+        D = rng.choice([128, 256, 576] if cast is None or cast.num_per_channels <= 64 else [128, 256, 512])
+        heads = pick["heads"]
+    rope = pick["rope"] != "none"
+    rdim = 64 if D >= 128 else 32
+    offset = {"tail": None, "zero": 0, "middle": (D - rdim) // 32 * 16}[pick["offset"]] if rope else None
+    norm_kind = pick["norm"]
+    norm = norm_kind != "none"
+    pow2 = D & (D - 1) == 0 and 16 <= D <= 1024
+    had = pick["hadamard"] and pow2
+    stage = pick["stage"]
+    in_place = stage.endswith("in place")
+    stage = stage.replace(" in place", "")
+    if stage == "none" or fmt is None or (stage == "norm" and not norm) \
+            or (stage == "cast_back" and not fmt.quantized):
+        stage, in_place = "none", False
+    if in_place and pick["heads"] != heads:
+        in_place = False
+    rows = pick["rows"]
+    n = rng.choice(ROWS[rows])
+    bs = rng.choice([16, 64, 24])
+    case = Case(n=n, heads=heads, head_dim=D, fmt=fmt, norm=norm, w_fp32=pick["w_fp32"], rope=rope,
+                rotary_dim=rdim, rope_offset=offset, neox=pick["rope"] != "gptj", conjugate=rope and pick["conjugate"],
+                cs_bf16=rope and pick["cs_bf16"], hadamard=had, cast=cast,
+                out_stage=None if stage == "none" else stage, block_size=bs, num_blocks=n // bs + 2,
+                token_padding=rng.choice([0, 32]) if fmt is not None and fmt.token_interleaved else 0,
+                block_padding=rng.choice([0, 64]), slot_kind=rng.choice(["continuous", "cross_page", "random", "invalid"]),
+                seed=seed, idx32=pick["idx32"], x2d=heads == 1 and rng.random() < 0.3,
+                x_row_pad=rng.choice([0, 0, 16, 8]), norm_kind="layer" if norm_kind.startswith("layer") else "rms",
+                bias=norm_kind == "layer+bias", in_place=in_place)
+    realized = dict(dest=dest, rope=pick["rope"], offset=pick["offset"] if rope else "-",
+                    conjugate=case.conjugate if rope else "-", norm=norm_kind, hadamard=had,
+                    stage=("none" if case.out_stage is None else case.out_stage) + (" in place" if in_place else ""),
+                    heads=heads, idx32=pick["idx32"], w_fp32=case.w_fp32 if norm else "-",
+                    cs_bf16=case.cs_bf16 if rope else "-", launch=dispatch_of(case))
+    return case, realized
+
+
+def pairs_of(realized: dict) -> set:
+    items = sorted((k, str(v)) for k, v in realized.items())
+    return set(itertools.combinations(items, 2))
+
+
+def pairwise_cases(seed: int = 20261201, candidates: int = 16, universe_samples: int = 1000):
+    """(cases, uncovered): a greedy all-pairs cover of the realized factors (FACTORS and the launch
+    the dispatcher takes). The universe is every pair realized by ``universe_samples`` random valid
+    cases plus the candidates seen; each step keeps the best of ``candidates`` fresh ones."""
+    rng = random.Random(seed)
+    universe, samples = set(), []
+    for i in range(universe_samples):
+        sample = _candidate(rng, 500 + i)
+        samples.append(sample)
+        universe |= pairs_of(sample[1])
+    covered, cases = set(), []
+    stale = 0
+    while not universe <= covered and stale < 200:
+        best = max((_candidate(rng, 1000 + len(cases)) for _ in range(candidates)),
+                   key=lambda cr: len(pairs_of(cr[1]) - covered))
+        new = pairs_of(best[1]) - covered
+        universe |= pairs_of(best[1])
+        if not new:
+            stale += 1
+            continue
+        covered |= new
+        cases.append(best)
+    for sample in samples:        # the rare pairs the greedy steps missed: a sample that realized each
+        new = pairs_of(sample[1]) - covered
+        if new:
+            covered |= new
+            cases.append(sample)
+    return cases, universe - covered
+
+
+def matrix():
+    """[(label, Case)] of the whole GPU matrix."""
+    out = [(f"fast {dispatch_of(c)} {c.describe()}", c) for c in fast_cases()]
+    cases, _ = pairwise_cases()
+    out += [(f"pairs {r['launch']} {c.describe()}", c) for c, r in cases]
+    return out
