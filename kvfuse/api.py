@@ -55,20 +55,6 @@ def _kernels():
     return _fused_module
 
 
-def _copy_of(x: torch.Tensor) -> torch.Tensor:
-    copy = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
-    with torch.no_grad():
-        copy.copy_(x)
-    return copy
-
-
-def _private_x(tensors: tuple) -> tuple:
-    """An in-place call's tensors with x replaced by a copy of it (same shape and strides): out stays x, and
-    the backends never read x where they may already have written out (the kernel reloads x's RoPE columns
-    after it stores the "norm" stage, for one)."""
-    return (_copy_of(tensors[X]),) + tensors[X + 1:]
-
-
 def run_data_checks(positions=None, max_position=None, slot_mapping=None, capacity=None) -> None:
     """KVFUSE_CHECKS: positions in [0, max_position) and no duplicate valid slots (synchronizes).
     Skipped for meta tensors (no data to read; validation already checked their shapes)."""
@@ -102,8 +88,6 @@ def execute(plan: Plan) -> None:
                         plan.slot_mapping, cap)
     if plan.n == 0 or plan.x.device.type == "meta":
         return  # nothing to compute (meta tensors carry no data: shapes were checked above)
-    if plan.out is not None and plan.out.data_ptr() == plan.x.data_ptr():
-        plan.x = _copy_of(plan.x)  # in place through kvfuse.ops (the eager entry copied x already): see _private_x
     if _backend.resolve_backend(plan.x.device) == "triton":
         _kernels().run_plan(plan)
     else:
@@ -131,8 +115,9 @@ def fused_norm_rope_hadamard_cast_store_kvcache(x, norm_args=None, rope_args=Non
     """
     template, tensors = prepare(x, norm_args, rope_args, hadamard_args, cast_args, out_args)
     # outputs of the caller's: whether they overlap depends on data pointers, so it is checked on every call
-    if template.overlap is not None and template.overlap(tensors, tensors[X].shape[0]):
-        tensors = _private_x(tensors)
+    # (out may be x: the kernels read every x they need before writing that part of out)
+    if template.overlap is not None:
+        template.overlap(tensors, tensors[X].shape[0])
     if (template.launchable and not torch.compiler.is_compiling() and not _backend.checks_enabled()
             and _backend.resolve_backend(template.device, template.device_type) == "triton"):
         _kernels().run_template(template, tensors)  # the hot path: launch parameters kept with the template

@@ -503,8 +503,7 @@ def test_row_limit_and_tensors_overlap_are_exact():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_op_path_applies_the_same_rules(backend):
     """kvfuse.ops (the custom-op twin that torch.compile traces), called eagerly: an overlapping out is
-    rejected by name, and an in-place call equals a separate out (the op's implementation copies x when
-    out is x)."""
+    rejected by name, and an in-place call equals a separate out."""
     from kvfuse import ops
     name, inplace, separate = next(c for c in _inplace_cases() if c[0] == "MAIN_FP8 stage norm into x")
     with kvfuse.use_backend(backend):
