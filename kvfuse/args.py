@@ -66,20 +66,23 @@ class CastArgs:
     for the power-of-two scales ("ue8m0", "ue8m0_fp32"). sf_format: "ue8m0" (uint8 exponent,
     scale 2^(byte-127)), "ue8m0_fp32" (the same scale stored as fp32), "e4m3" (float8_e4m3fn
     scale) or "fp32". Dequant: ``bf16(float32(q) * scale)``. cast_back: return the dequantized
-    bf16 instead of (q, sf).
+    bf16 instead of (q, sf). scale_floor: the smallest power-of-two scale (ue8m0 / ue8m0_fp32 only):
+    the scale is 2^ceil(log2(max(amax / fmax, scale_floor))), FlashMLA's rule (its formats carry 1e-4).
     """
     cast_fmt: str
     num_per_channels: int
     round_sf: bool
     sf_format: str
     cast_back: bool = False
+    scale_floor: Optional[float] = None
 
     @classmethod
     def from_cache_format(cls, fmt: "KVCacheFormat") -> Optional["CastArgs"]:
         """The cast a cache format stores (None for a bf16 cache)."""
         if fmt.cast_fmt is None:
             return None
-        return cls(fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format in ("ue8m0", "ue8m0_fp32"), fmt.sf_format)
+        return cls(fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format in ("ue8m0", "ue8m0_fp32"), fmt.sf_format,
+                   scale_floor=fmt.scale_floor)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

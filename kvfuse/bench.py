@@ -350,7 +350,8 @@ def make_chain(wl: Workload) -> Callable:
 
         def write_chain(x, weight, bias, positions, cos_sin, slots, flat, geom):
             y = transform(x, weight, bias, positions, cos_sin)
-            q, sf = reference.quantize(y[..., :qd], fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format)
+            q, sf = reference.quantize(y[..., :qd], fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format,
+                                       fmt.scale_floor)
             payloads = [q.view(torch.uint8), sf.contiguous().view(torch.uint8)]
             if fmt.bf16_tail:
                 payloads.append(y[..., qd:].contiguous().view(torch.uint8))
@@ -363,7 +364,7 @@ def make_chain(wl: Workload) -> Callable:
 
     def index_q_chain(x, positions, cos_sin, q_out, sf_out):
         q, sf = reference.quantize(reference.rope(x, positions, cos_sin, rd, neox, off), fmt.cast_fmt,
-                                   fmt.elements_per_sf, fmt.sf_format)
+                                   fmt.elements_per_sf, fmt.sf_format, fmt.scale_floor)
         q_out.copy_(q)
         sf_out.copy_(sf)
     return index_q_chain

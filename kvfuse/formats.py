@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 from typing import Optional
 
 import torch
@@ -43,7 +44,20 @@ SF_ITEM_BYTES = {"ue8m0": 1, "ue8m0_fp32": 4, "e4m3": 1, "fp32": 4}
 FMAX = {"e4m3": 448.0, "e2m1": 6.0}
 
 
-def check_cast_combination(cast_fmt, num_per_channels, round_sf, sf_format, quant_dim, what):
+def scale_floor_exponent(scale_floor, what: str = "scale_floor") -> int:
+    """ceil(log2(float32(scale_floor))) (SPEC §2 scale_floor: the smallest power-of-two scale is
+    2^that); ValueError naming ``what`` unless scale_floor is a number whose float32 is a normal
+    value in [2^-126, 2^127]."""
+    if isinstance(scale_floor, bool) or not isinstance(scale_floor, (int, float)) or not math.isfinite(scale_floor):
+        raise ValueError(f"{what} must be a finite number > 0 or None, got {scale_floor!r}")
+    f = struct.unpack("<f", struct.pack("<f", float(scale_floor)))[0] if abs(scale_floor) < 3.4e38 else math.inf
+    if not 2.0 ** -126 <= f <= 2.0 ** 127:
+        raise ValueError(f"{what} must lie in [2^-126, 2^127] (as float32), got {scale_floor!r}")
+    bits = struct.unpack("<i", struct.pack("<f", f))[0]
+    return ((bits - 1) >> 23) + 1 - 127
+
+
+def check_cast_combination(cast_fmt, num_per_channels, round_sf, sf_format, quant_dim, what, scale_floor=None):
     """SPEC §2 allowed combinations; raises ValueError naming ``what``."""
     if cast_fmt not in CAST_FORMATS:
         raise ValueError(f"{what}: cast_fmt must be one of {CAST_FORMATS}, got {cast_fmt!r}")
@@ -62,6 +76,11 @@ def check_cast_combination(cast_fmt, num_per_channels, round_sf, sf_format, quan
     if quant_dim is not None and (quant_dim <= 0 or quant_dim % num_per_channels):
         raise ValueError(f"{what}: num_per_channels={num_per_channels} must divide the quantized dims "
                          f"({quant_dim})")
+    if scale_floor is not None:
+        if sf_format not in ("ue8m0", "ue8m0_fp32"):
+            raise ValueError(f"{what}: scale_floor needs a power-of-two sf_format ('ue8m0' or 'ue8m0_fp32'), "
+                             f"got sf_format {sf_format!r} with scale_floor={scale_floor!r}")
+        scale_floor_exponent(scale_floor, f"{what}: scale_floor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +118,9 @@ class KVCacheFormat:
             stride_alignment): 32 by default; 656 for FLASHMLA_V32 and 576 for FLASHMLA_MODEL1, the
             multiples FlashMLA's sparse decode asserts. Not part of the record layout, and not
             checked by ``check_cache`` (which needs stride(0) a multiple of stride_alignment only).
+        scale_floor: the smallest power-of-two scale, as FlashMLA's quantizer floors it (SPEC §2:
+            the scale is 2^ceil(log2(max(amax / fmax, scale_floor)))); only with ue8m0 / ue8m0_fp32.
+            FLASHMLA_V32 and FLASHMLA_MODEL1 carry 1e-4; ``CastArgs.from_cache_format`` copies it.
     """
     name: str
     head_dim: int
@@ -109,6 +131,7 @@ class KVCacheFormat:
     sf_bytes: Optional[int] = None
     bf16_tail: int = 0
     block_alignment: int = 32
+    scale_floor: Optional[float] = None
 
     def __post_init__(self):
         what = f"KVCacheFormat {self.name!r}"
@@ -135,7 +158,7 @@ class KVCacheFormat:
         if not 0 <= self.bf16_tail < self.head_dim or self.bf16_tail % 16:
             raise ValueError(f"{what}: bf16_tail must be a multiple of 16 in [0, head_dim), got {self.bf16_tail}")
         check_cast_combination(self.cast_fmt, self.elements_per_sf, self.sf_format in ("ue8m0", "ue8m0_fp32"),
-                               self.sf_format, self.quant_dim, what)
+                               self.sf_format, self.quant_dim, what, self.scale_floor)
         exact = self.num_scales * SF_ITEM_BYTES[self.sf_format]
         if self.sf_bytes is None:
             object.__setattr__(self, "sf_bytes", exact)
@@ -311,11 +334,12 @@ INDEX_FP8_FP32 = KVCacheFormat("INDEX_FP8_FP32", 128, "e4m3", 128, "fp32", False
 INDEX_MXFP4 = KVCacheFormat("INDEX_MXFP4", 128, "e2m1", 32, "ue8m0", False)
 INDEX_NVFP4 = KVCacheFormat("INDEX_NVFP4", 128, "e2m1", 16, "e4m3", False)
 INDEX_BF16 = KVCacheFormat("INDEX_BF16", 128, None, None, None, False)
-# FlashMLA's SM100 sparse decode asserts k_cache.stride(0) % 656 == 0 (V32) / % 576 == 0 (MODEL1)
+# FlashMLA's SM100 sparse decode asserts k_cache.stride(0) % 656 == 0 (V32) / % 576 == 0 (MODEL1); its
+# quantizer (tests/quant.py) floors the scale at 1e-4, so the smallest scale is 2^-13
 FLASHMLA_V32 = KVCacheFormat("FLASHMLA_V32", 576, "e4m3", 128, "ue8m0_fp32", True, bf16_tail=64,
-                             block_alignment=656)
+                             block_alignment=656, scale_floor=1e-4)
 FLASHMLA_MODEL1 = KVCacheFormat("FLASHMLA_MODEL1", 512, "e4m3", 64, "ue8m0", False, sf_bytes=8, bf16_tail=64,
-                                block_alignment=576)
+                                block_alignment=576, scale_floor=1e-4)
 
 PRESETS = {f.name: f for f in (MAIN_FP8, MAIN_FP4, INDEX_MXFP8, INDEX_FP8_FP32, INDEX_MXFP4, INDEX_NVFP4,
                                INDEX_BF16, FLASHMLA_V32, FLASHMLA_MODEL1)}

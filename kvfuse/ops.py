@@ -43,21 +43,21 @@ __all__ = [
 # --------------------------------------------------------------------------- formats as scalars
 def format_fields(fmt: Optional[KVCacheFormat]) -> Tuple:
     """A KVCacheFormat as the op's scalar arguments (name, head_dim, cast_fmt, elements_per_sf,
-    sf_format, token_interleaved, sf_bytes, bf16_tail, block_alignment); ``None`` -> name None."""
+    sf_format, token_interleaved, sf_bytes, bf16_tail, block_alignment, scale_floor); ``None`` -> name None."""
     if fmt is None:
-        return (None, 0, None, 0, None, False, 0, 0, 32)
+        return (None, 0, None, 0, None, False, 0, 0, 32, None)
     return (fmt.name, fmt.head_dim, fmt.cast_fmt, fmt.elements_per_sf or 0, fmt.sf_format,
-            fmt.token_interleaved, fmt.sf_bytes, fmt.bf16_tail, fmt.block_alignment)
+            fmt.token_interleaved, fmt.sf_bytes, fmt.bf16_tail, fmt.block_alignment, fmt.scale_floor)
 
 
 @functools.lru_cache(maxsize=256)
 def format_from_fields(name, head_dim, cast_fmt, elements_per_sf, sf_format, token_interleaved, sf_bytes,
-                       bf16_tail, block_alignment) -> Optional[KVCacheFormat]:
+                       bf16_tail, block_alignment, scale_floor) -> Optional[KVCacheFormat]:
     """Inverse of :func:`format_fields` (cached; the preset object itself when the fields match one)."""
     if name is None:
         return None
     fmt = KVCacheFormat(name, head_dim, cast_fmt, elements_per_sf if cast_fmt is not None else None, sf_format,
-                        token_interleaved, sf_bytes, bf16_tail, block_alignment)
+                        token_interleaved, sf_bytes, bf16_tail, block_alignment, scale_floor)
     preset = PRESETS.get(name)
     return preset if preset == fmt else fmt
 
@@ -73,12 +73,14 @@ def format_from_fields(name, head_dim, cast_fmt, elements_per_sf, sf_format, tok
 # supported, as with the direct path).
 _lib = torch.library.Library("kvfuse", "FRAGMENT")
 _FORMAT_SCHEMA = ("str? fmt_name, int fmt_head_dim, str? fmt_cast_fmt, int fmt_elements_per_sf, str? fmt_sf_format, "
-                  "bool fmt_token_interleaved, int fmt_sf_bytes, int fmt_bf16_tail, int fmt_block_alignment")
+                  "bool fmt_token_interleaved, int fmt_sf_bytes, int fmt_bf16_tail, int fmt_block_alignment, "
+                  "float? fmt_scale_floor")
 FUSED_SCHEMA = (
     "fused_norm_rope_hadamard_cast_store(Tensor x, Tensor? weight, Tensor? positions, Tensor? cos_sin, "
     "Tensor(a!)? out, Tensor(b!)? q_out, Tensor(c!)? sf_out, Tensor(d!)? kv_cache, Tensor? slot_mapping, "
     "Tensor? bias, float eps, str norm_kind, int rotary_dim, int rope_offset, bool is_neox, bool conjugate, float? hadamard_scale, "
-    "str? cast_fmt, int group, str? sf_format, int quant_dim, str? out_stage, " + _FORMAT_SCHEMA + ") -> ()")
+    "str? cast_fmt, int group, str? sf_format, int? floor_exp, int quant_dim, str? out_stage, " + _FORMAT_SCHEMA
+    + ") -> ()")
 STORE_SCHEMA = ("store_kv_cache(Tensor data, Tensor? sf, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor? tail, "
                 + _FORMAT_SCHEMA + ") -> ()")
 LOAD_SCHEMA = ("load_paged_kv_cache(Tensor kv_cache, Tensor slot_mapping, Tensor(a!)? out, Tensor(b!)? data_out, "
@@ -98,17 +100,18 @@ def _impl(name):
 
 # --------------------------------------------------------------------------- the fused op
 @_impl("fused_norm_rope_hadamard_cast_store")
-def fused_op(x, weight, positions, cos_sin, out, q_out, sf_out, kv_cache, slot_mapping, bias, eps, norm_kind, rotary_dim,
-             rope_offset, is_neox, conjugate, hadamard_scale, cast_fmt, group, sf_format, quant_dim, out_stage,
-             *fmt_fields) -> None:
+def fused_op(x, weight, positions, cos_sin, out, q_out, sf_out, kv_cache, slot_mapping, bias, eps, norm_kind,
+             rotary_dim, rope_offset, is_neox, conjugate, hadamard_scale, cast_fmt, group, sf_format, floor_exp,
+             quant_dim, out_stage, *fmt_fields) -> None:
     """One validated Plan, flattened (see :func:`execute_op`). Norm is on iff ``weight`` is given,
     RoPE iff ``positions`` is, Hadamard iff ``hadamard_scale`` is, the cast iff ``cast_fmt`` is."""
     from . import api
 
     fmt = format_from_fields(*fmt_fields)
-    plan = Plan(x=x, weight=weight, eps=eps, norm_kind=norm_kind, bias=bias, positions=positions, cos_sin=cos_sin, rotary_dim=rotary_dim,
-                rope_offset=rope_offset, is_neox=is_neox, conjugate=conjugate, hadamard_scale=hadamard_scale,
-                cast=None if cast_fmt is None else CastSpec(cast_fmt, group, sf_format), quant_dim=quant_dim,
+    plan = Plan(x=x, weight=weight, eps=eps, norm_kind=norm_kind, bias=bias, positions=positions, cos_sin=cos_sin,
+                rotary_dim=rotary_dim, rope_offset=rope_offset, is_neox=is_neox, conjugate=conjugate,
+                hadamard_scale=hadamard_scale,
+                cast=None if cast_fmt is None else CastSpec(cast_fmt, group, sf_format, floor_exp), quant_dim=quant_dim,
                 out=out, out_stage=out_stage, q_out=q_out, sf_out=sf_out, kv_cache=kv_cache,
                 slot_mapping=slot_mapping, fmt=fmt,
                 addressing=None if kv_cache is None else fmt.addressing_for(kv_cache))
@@ -119,9 +122,10 @@ def plan_to_op_args(plan: Plan) -> tuple:
     """The positional arguments of :data:`fused_op` for ``plan``."""
     c = plan.cast
     return (plan.x, plan.weight, plan.positions, plan.cos_sin, plan.out, plan.q_out, plan.sf_out,
-            plan.kv_cache, plan.slot_mapping, plan.bias, float(plan.eps), plan.norm_kind, int(plan.rotary_dim), int(plan.rope_offset),
-            bool(plan.is_neox), bool(plan.conjugate), plan.hadamard_scale,
+            plan.kv_cache, plan.slot_mapping, plan.bias, float(plan.eps), plan.norm_kind, int(plan.rotary_dim),
+            int(plan.rope_offset), bool(plan.is_neox), bool(plan.conjugate), plan.hadamard_scale,
             None if c is None else c.cast_fmt, 0 if c is None else c.group, None if c is None else c.sf_format,
+            None if c is None else c.floor_exp,
             int(plan.quant_dim), plan.out_stage) + format_fields(plan.fmt)
 
 

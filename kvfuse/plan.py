@@ -19,7 +19,7 @@ import torch
 
 from .args import CastArgs, ContiguousOutArgs, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
 from .backend import env_flag
-from .formats import PRESETS, KVCacheFormat, RecordAddressing, check_cast_combination
+from .formats import PRESETS, KVCacheFormat, RecordAddressing, check_cast_combination, scale_floor_exponent
 from .overlap import INF, OverlapCheck, row_limit, span_terms
 
 OUT_STAGES = ("norm", "transform", "cast_back")
@@ -32,6 +32,7 @@ class CastSpec:
     cast_fmt: str           # "e4m3" | "e2m1"
     group: int              # num_per_channels
     sf_format: str          # "ue8m0" | "ue8m0_fp32" | "e4m3" | "fp32"
+    floor_exp: Optional[int] = None   # scale_floor as ceil(log2): the smallest scale 2^floor_exp (ue8m0 kinds)
 
 
 @dataclasses.dataclass
@@ -117,8 +118,10 @@ def check_cast_args(cast_args, quant_dim, what="cast_args") -> CastSpec:
     if not isinstance(cast_args.cast_back, bool):
         raise TypeError(f"{what}.cast_back must be a bool, got {type(cast_args.cast_back).__name__}")
     check_cast_combination(cast_args.cast_fmt, cast_args.num_per_channels, cast_args.round_sf,
-                           cast_args.sf_format, quant_dim, what)
-    return CastSpec(cast_args.cast_fmt, cast_args.num_per_channels, cast_args.sf_format)
+                           cast_args.sf_format, quant_dim, what, cast_args.scale_floor)
+    floor = cast_args.scale_floor
+    return CastSpec(cast_args.cast_fmt, cast_args.num_per_channels, cast_args.sf_format,
+                    None if floor is None else scale_floor_exponent(floor))
 
 
 def infer_layout(kv_cache: torch.Tensor, cast_args) -> KVCacheFormat:
@@ -669,7 +672,8 @@ def call_signature(x, norm_args, rope_args, hadamard_args, cast_args, out_args):
     elif type(cast_args) is CastArgs:
         c = cast_args
         cast_key = (type(c.cast_fmt), c.cast_fmt, type(c.num_per_channels), c.num_per_channels, type(c.round_sf),
-                    c.round_sf, type(c.sf_format), c.sf_format, type(c.cast_back), c.cast_back)
+                    c.round_sf, type(c.sf_format), c.sf_format, type(c.cast_back), c.cast_back,
+                    type(c.scale_floor), c.scale_floor)
     else:
         return _NO_KEY
     pinned = ()

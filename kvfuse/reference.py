@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .formats import FMAX, KVCacheFormat
+from .formats import FMAX, KVCacheFormat, scale_floor_exponent
 from .plan import CastSpec, Plan, q_dtype, sf_dtype
 
 F32 = torch.float32
@@ -167,13 +167,16 @@ def hadamard(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     return round_to_bf16(h * _f32(scale, x))
 
 
-def group_scales(amax: torch.Tensor, cast_fmt: str, sf_format: str):
+def group_scales(amax: torch.Tensor, cast_fmt: str, sf_format: str, floor_exp: Optional[int] = None):
     """amax [...] fp32 (already floored at AMAX_MARGIN) -> (stored scale tensor, multiplier m,
-    dequant scale d), SPEC §2."""
+    dequant scale d), SPEC §2. floor_exp: ceil(log2(scale_floor)) of a power-of-two format's
+    scale_floor (the exponent is at least that), or None."""
     fmax = _f32(FMAX[cast_fmt], amax)
     if sf_format in ("ue8m0", "ue8m0_fp32"):
         s = torch.div(amax, fmax)
         e = ((s.view(torch.int32) - 1) >> 23) + 1 - 127                    # ceil(log2 s)
+        if floor_exp is not None:
+            e = torch.clamp(e, min=floor_exp)
         # m = 2^-e; e reaches 127..128 only for a non-finite or near-max amax: subnormal 2^-127, 2^-128
         m = torch.where(e >= 127, 0x400000 >> (e - 127).clamp(0, 31), (127 - e) << 23).view(F32)
         d = ((e + 127) << 23).view(F32)
@@ -190,14 +193,17 @@ def group_scales(amax: torch.Tensor, cast_fmt: str, sf_format: str):
     raise ValueError(f"unknown sf_format {sf_format!r}")
 
 
-def quantize(x: torch.Tensor, cast_fmt: str, num_per_channels: int, sf_format: str):
+def quantize(x: torch.Tensor, cast_fmt: str, num_per_channels: int, sf_format: str,
+             scale_floor: Optional[float] = None):
     """bf16 [..., D] -> (q, sf): q float8_e4m3fn [..., D] or uint8 [..., D/2] (e2m1 packed);
-    sf [..., D/g] uint8 (ue8m0) / float8_e4m3fn (e4m3) / float32 (fp32, ue8m0_fp32)."""
+    sf [..., D/g] uint8 (ue8m0) / float8_e4m3fn (e4m3) / float32 (fp32, ue8m0_fp32). scale_floor
+    (ue8m0 kinds): the scale is 2^ceil(log2(max(amax / fmax, scale_floor))) (SPEC §2)."""
     d = x.shape[-1]
     g = num_per_channels
     v = x.to(F32).reshape(x.shape[:-1] + (d // g, g))
     amax = torch.maximum(v.abs().amax(dim=-1), _f32(AMAX_MARGIN, x))
-    stored, m, _ = group_scales(amax, cast_fmt, sf_format)
+    floor_exp = None if scale_floor is None else scale_floor_exponent(scale_floor, "scale_floor")
+    stored, m, _ = group_scales(amax, cast_fmt, sf_format, floor_exp)
     fmax = FMAX[cast_fmt]
     t = torch.clamp(v * m[..., None], -fmax, fmax).reshape(x.shape)
     if cast_fmt == "e4m3":
@@ -343,7 +349,8 @@ def run_plan(plan: Plan) -> None:
     q = sf = None
     if cast is not None:
         dq = plan.quant_dim
-        q, sf = quantize(y[..., :dq], cast.cast_fmt, cast.group, cast.sf_format)
+        floor = None if cast.floor_exp is None else 2.0 ** cast.floor_exp
+        q, sf = quantize(y[..., :dq], cast.cast_fmt, cast.group, cast.sf_format, floor)
         if plan.out_stage == "cast_back":
             back = dequantize(q, sf, cast.cast_fmt, cast.group, cast.sf_format)
             stages["cast_back"] = torch.cat([back, y[..., dq:]], dim=-1)

@@ -50,7 +50,7 @@ def fused_variants():
     base = dict(D=512, BLOCK_D=512, LOG2_BLOCK_D=9, VEC=4, BLOCK_M=2, ONE_HEAD=True, ROWS32=True, HAS_NORM=True,
                 W_BF16=True, LAYER=False, HAS_BIAS=False, B_BF16=True, ROPE=2, R=64, ROPE_OFF=448, NEOX=True, CONJ=False, CS_BF16=False, HAS_HAD=False, CAST=1,
                 G=32, SF=0, FMAX=448.0, DQ=512, OUT_STAGE=0, DEST=2, NATIVE=2, SLOT32=True, QALIGN=4, SFALIGN=4,
-                TALIGN=4, EARLY=False)
+                TALIGN=4, EARLY=False, FLOOR_E=-999)
     yield "main_fp8", base
     yield "main_fp8_decode", {**base, "BLOCK_M": 1, "EARLY": True}
     yield "main_fp8_gptj_multirow", {**base, "NEOX": False}
@@ -67,6 +67,7 @@ def fused_variants():
                                                 "CS_BF16": True, "OUT_STAGE": 1, "QALIGN": 16}
     yield "v32_tail_ue8m0_fp32_multihead", {**base, "D": 576, "BLOCK_D": 1024, "LOG2_BLOCK_D": 10, "VEC": 8,
                                             "ROPE_OFF": 512, "G": 128, "SF": 1, "DQ": 512, "OUT_STAGE": 2,
+                                            "FLOOR_E": -13,
                                             "ONE_HEAD": False, "QALIGN": 16, "SFALIGN": 16, "TALIGN": 16}
     yield "bf16_cache_slot64_rows64", {**base, "CAST": 0, "ROPE": 1, "HAS_HAD": True, "SLOT32": False,
                                        "ROWS32": False, "ONE_HEAD": False, "QALIGN": 1}

@@ -251,7 +251,9 @@ class Quant(NamedTuple):
     cast_back: np.ndarray  # bf16 bits [..., Dq]
 
 
-def quantize(v_bits: np.ndarray, cast_fmt: str, g: int, sf_format: str) -> Quant:
+def quantize(v_bits: np.ndarray, cast_fmt: str, g: int, sf_format: str, scale_floor=None) -> Quant:
+    """SPEC §2 quantization; scale_floor (power-of-two formats): the scale is
+    2^ceil(log2(max(amax / fmax, scale_floor)))."""
     vf = bf16_to_f32(v_bits)
     Dq = vf.shape[-1]
     lead = vf.shape[:-1]
@@ -260,6 +262,8 @@ def quantize(v_bits: np.ndarray, cast_fmt: str, g: int, sf_format: str) -> Quant
     amax = np.maximum(np.abs(G).max(axis=-1), AMAX_MARGIN).astype(np.float32)
     if sf_format in ("ue8m0", "ue8m0_fp32"):
         s = (amax / fmax).astype(np.float32)
+        if scale_floor is not None:
+            s = np.maximum(s, F32(scale_floor)).astype(np.float32)
         bits = s.view(np.int32).astype(np.int64)
         e = ((bits - 1) >> 23) + 1 - 127
         m = np.ldexp(np.float32(1.0), (-e).astype(np.int32)).astype(np.float32)
@@ -312,6 +316,7 @@ class Fmt(NamedTuple):
     token_interleaved: bool
     sf_bytes: int           # total scale bytes of a record, reserved included
     bf16_tail: int
+    scale_floor: Optional[float] = None
 
     @property
     def quant_dim(self):
@@ -338,9 +343,9 @@ class Fmt(NamedTuple):
         return self.data_bytes + self.sf_bytes
 
 
-def make_fmt(head_dim, cast_fmt, g, sf_format, token_interleaved, sf_bytes=None, bf16_tail=0) -> Fmt:
+def make_fmt(head_dim, cast_fmt, g, sf_format, token_interleaved, sf_bytes=None, bf16_tail=0, scale_floor=None) -> Fmt:
     """Build from the SPEC fields (sf_bytes None = the exact scale bytes)."""
-    f = Fmt(head_dim, cast_fmt, g, sf_format, token_interleaved, 0, bf16_tail if cast_fmt else 0)
+    f = Fmt(head_dim, cast_fmt, g, sf_format, token_interleaved, 0, bf16_tail if cast_fmt else 0, scale_floor)
     if sf_bytes is None:
         sf_bytes = f.sf_exact
     return f._replace(sf_bytes=sf_bytes)
@@ -446,8 +451,8 @@ def oracle_call(x, norm=None, rope=None, hadamard_scale=None, cast=None, cache=N
         if cast is None:
             res["result"] = shape_back(y)
         else:
-            cast_fmt, g, sf_format, cast_back = cast
-            Q = quantize(y, cast_fmt, g, sf_format)
+            cast_fmt, g, sf_format, cast_back = cast[:4]
+            Q = quantize(y, cast_fmt, g, sf_format, cast[4] if len(cast) > 4 else None)
             res["cast_back"] = Q.cast_back
             if cast_back:
                 res["result"] = shape_back(Q.cast_back)
@@ -463,7 +468,7 @@ def oracle_call(x, norm=None, rope=None, hadamard_scale=None, cast=None, cache=N
         st = write_records(cache, bf16_bytes(y), None, None)
     else:
         Dq = f.quant_dim
-        Q = quantize(y[..., :Dq], f.cast_fmt, f.g, f.sf_format)
+        Q = quantize(y[..., :Dq], f.cast_fmt, f.g, f.sf_format, f.scale_floor)
         tail = y[..., Dq:]
         res["cast_back"] = np.concatenate([Q.cast_back, tail], axis=-1)
         st = write_records(cache, Q.q, Q.sf_bytes, bf16_bytes(tail) if f.bf16_tail else None)

@@ -93,8 +93,8 @@ def expected_payload(fmt, y3):
     if not fmt.quantized:
         return u8(y3), None, None, None
     qd = fmt.head_dim - fmt.bf16_tail
-    q, sf = R.quantize(y3[..., :qd], fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format)
-    back = R.dequantize(q, sf, fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format)
+    q, sf = R.quantize(y3[..., :qd], fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format, fmt.scale_floor)
+    back = R.dequantize(q, sf, fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format, fmt.scale_floor)
     tail = y3[..., qd:]
     back = torch.cat([back, tail], dim=-1)
     return u8(q), u8(sf), (u8(tail) if fmt.bf16_tail else None), back
@@ -356,7 +356,7 @@ def test_store_kv_cache_then_load(name, heads3d):
         return t if (heads3d or t is None) else t[:, 0]
 
     if fmt.quantized:
-        q, sf = R.quantize(y[..., :qd], fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format)
+        q, sf = R.quantize(y[..., :qd], fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format, fmt.scale_floor)
         tail = y[..., qd:] if fmt.bf16_tail else None
         store_kv_cache(shape(q), shape(sf), cache, slots, fmt, tail=shape(tail))
     else:
@@ -402,7 +402,7 @@ def test_contiguous_q_sf(cast, xshape):
     assert q.dtype == qdt and tuple(q.shape) == lead + (128 if cast.cast_fmt == "e4m3" else 64,)
     assert sf.dtype == SF_DTYPES[cast.sf_format] and tuple(sf.shape) == lead + (128 // cast.num_per_channels,)
     _, y = expected_transform(x.reshape(n, -1, 128), norm_args, rope_args, had_args)
-    eq, esf = R.quantize(y, cast.cast_fmt, cast.num_per_channels, cast.sf_format)
+    eq, esf = R.quantize(y, cast.cast_fmt, cast.num_per_channels, cast.sf_format, cast.scale_floor)
     assert_bytes_equal(u8(q), u8(eq).reshape(u8(q).shape))
     assert_bytes_equal(u8(sf), u8(esf).reshape(u8(sf).shape))
     # preallocated outputs: written in place and returned as the same objects

@@ -126,8 +126,8 @@ def test_read_back_is_the_reference_round_trip(fmt, had):
     x = demo.fit_width(demo.synthetic_batch(50, 3)["kv" if fmt.head_dim != 128 else "index_k"], fmt.head_dim)
     y, back = demo.write_and_read(fmt, x, had, block_size=16, seed=3)
     qd = fmt.quant_dim
-    q, sf = R.quantize(y[:, :qd], fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format)
-    want = torch.cat([R.dequantize(q, sf, fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format), y[:, qd:]], dim=-1)
+    q, sf = R.quantize(y[:, :qd], fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format, fmt.scale_floor)
+    want = torch.cat([R.dequantize(q, sf, fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format, fmt.scale_floor), y[:, qd:]], dim=-1)
     assert torch.equal(back.view(torch.int16), want.view(torch.int16))
     assert 0 < demo.relative_error(back, y) < 0.5
 
@@ -199,6 +199,6 @@ def test_model_main_site_is_the_reference_chain(name):
     want = R.rope(want, pos, cs, 64, False, offset=fmt.head_dim - 64)
     assert torch.equal(y.view(torch.int16), want.view(torch.int16))
     qd = fmt.quant_dim
-    q, sf = R.quantize(y[:, :qd], fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format)
-    deq = torch.cat([R.dequantize(q, sf, fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format), y[:, qd:]], dim=-1)
+    q, sf = R.quantize(y[:, :qd], fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format, fmt.scale_floor)
+    deq = torch.cat([R.dequantize(q, sf, fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format, fmt.scale_floor), y[:, qd:]], dim=-1)
     assert torch.equal(back.view(torch.int16), deq.view(torch.int16))

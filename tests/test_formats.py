@@ -79,8 +79,8 @@ def test_flashmla_block_alignments():
     ("INDEX_MXFP4", kvfuse.CastArgs("e2m1", 32, True, "ue8m0")),
     ("INDEX_NVFP4", kvfuse.CastArgs("e2m1", 16, False, "e4m3")),
     ("INDEX_BF16", None),
-    ("FLASHMLA_V32", kvfuse.CastArgs("e4m3", 128, True, "ue8m0_fp32")),
-    ("FLASHMLA_MODEL1", kvfuse.CastArgs("e4m3", 64, True, "ue8m0")),
+    ("FLASHMLA_V32", kvfuse.CastArgs("e4m3", 128, True, "ue8m0_fp32", scale_floor=1e-4)),
+    ("FLASHMLA_MODEL1", kvfuse.CastArgs("e4m3", 64, True, "ue8m0", scale_floor=1e-4)),
 ])
 def test_cast_args_from_cache_format(name, cast):
     assert kvfuse.CastArgs.from_cache_format(formats.PRESETS[name]) == cast

@@ -88,7 +88,7 @@ def _quantize_for(fmt, y):
     qd = fmt.head_dim - fmt.bf16_tail
     if not fmt.quantized:
         return y, None, None
-    q, sf = R.quantize(y[..., :qd], fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format)
+    q, sf = R.quantize(y[..., :qd], fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format, fmt.scale_floor)
     return q, sf, y[..., qd:]
 
 
@@ -254,7 +254,7 @@ def test_indexer_k_and_q(backend, fmt, hadamard):
     yq = had(R.rope(q, pos, cs, 64, True))
     got_q, got_sf = mla.quantize_indexer_q(cfg, q, pos, cs)
     if fmt.quantized:
-        eq, esf = R.quantize(yq, fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format)
+        eq, esf = R.quantize(yq, fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format, fmt.scale_floor)
         assert_bytes_equal(got_q, eq, "indexer Q values")
         assert_bytes_equal(got_sf, esf, "indexer Q scales")
         # preallocated outputs
@@ -427,7 +427,7 @@ def test_model_indexer_k_and_q(backend, cfg):
     g.check(f"{cfg.name} indexer K {fmt.name}")
 
     got_q, got_sf = mla.quantize_indexer_q(cfg, q, pos, cs)
-    eq, esf = R.quantize(transform(q), fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format)
+    eq, esf = R.quantize(transform(q), fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format, fmt.scale_floor)
     assert_bytes_equal(got_q, eq, f"{cfg.name} indexer Q values")
     assert_bytes_equal(got_sf, esf, f"{cfg.name} indexer Q scales")
 

@@ -597,7 +597,7 @@ def test_store_and_load_cache_on_and_off(fmt, backend):
         qd = fmt.quant_dim
         if not fmt.quantized:
             return y, None, None
-        q, sf = R.quantize(y[..., :qd], fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format)
+        q, sf = R.quantize(y[..., :qd], fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format, fmt.scale_floor)
         return q, sf, (y[..., qd:] if fmt.bf16_tail else None)
 
     def run(seed):
@@ -626,7 +626,7 @@ def test_store_and_load_rejected_after_a_warm_cache():
     cache, storage = guarded_cache(fmt, 2, 8)
     y = random_bf16((N, 512), 5)
     from kvfuse import reference as R
-    q, sf = R.quantize(y, fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format)
+    q, sf = R.quantize(y, fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format, fmt.scale_floor)
     slots = torch.arange(N)
     kvfuse.store_kv_cache(q, sf, cache, slots, fmt)
     kvfuse.load_paged_kv_cache(cache, slots, fmt)
@@ -725,7 +725,7 @@ def test_the_key_covers_every_argument_field():
     keyed = {NormArgs: ("weight", "eps", "bias", "kind"),
              RopeArgs: ("positions", "cos_sin_cache", "rotary_dim", "is_neox", "offset", "conjugate"),
              HadamardArgs: ("scale",),
-             CastArgs: ("cast_fmt", "num_per_channels", "round_sf", "sf_format", "cast_back"),
+             CastArgs: ("cast_fmt", "num_per_channels", "round_sf", "sf_format", "cast_back", "scale_floor"),
              ContiguousOutArgs: ("out", "sf"),
              KVCacheOutArgs: ("kv_cache", "slot_mapping", "out", "out_stage", "layout")}
     for cls, fields in keyed.items():
@@ -742,7 +742,7 @@ def test_the_key_covers_every_argument_field():
         dict(rope_args=_rope(conjugate=True)(s)), dict(hadamard_args=HadamardArgs(2.0)),
         dict(cast_args=_cast(cast_fmt="e2m1")(s)), dict(cast_args=_cast(num_per_channels=64)(s)),
         dict(cast_args=_cast(round_sf=False)(s)), dict(cast_args=_cast(sf_format="ue8m0_fp32")(s)),
-        dict(cast_args=_cast(cast_back=True)(s)),
+        dict(cast_args=_cast(cast_back=True)(s)), dict(cast_args=_cast(scale_floor=1e-4)(s)),
         dict(out_args=_oa(kv_cache=guarded_cache(formats.INDEX_MXFP8, 3, 8)[0])(s)),
         dict(out_args=_oa(slot_mapping=torch.arange(N, dtype=torch.int32))(s)), dict(out_args=_oa(out=None)(s)),
         dict(out_args=_oa(out_stage="norm")(s)), dict(out_args=_oa(layout=formats.INDEX_FP8_FP32)(s)),

@@ -98,7 +98,8 @@ def oracle(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=None
     qd = fmt.quant_dim if to_cache else D
     q = sf = back = None
     if cast_args is not None:
-        q, sf = R.quantize(y[..., :qd], cast_args.cast_fmt, cast_args.num_per_channels, cast_args.sf_format)
+        q, sf = R.quantize(y[..., :qd], cast_args.cast_fmt, cast_args.num_per_channels, cast_args.sf_format,
+                         cast_args.scale_floor)
         back = torch.cat([R.dequantize(q, sf, cast_args.cast_fmt, cast_args.num_per_channels, cast_args.sf_format),
                           y[..., qd:]], dim=-1)
     exp = {}

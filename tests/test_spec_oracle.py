@@ -385,7 +385,7 @@ ALL_FORMATS = {**PRESETS, **USER_FORMATS}
 
 def fmt_to_oracle(f: KVCacheFormat) -> O.Fmt:
     return O.make_fmt(f.head_dim, f.cast_fmt, f.elements_per_sf, f.sf_format, f.token_interleaved,
-                      f.sf_bytes, getattr(f, "bf16_tail", 0))
+                      f.sf_bytes, getattr(f, "bf16_tail", 0), f.scale_floor)
 
 
 def make_cache(rng, f: KVCacheFormat, num_heads, n, invalid_frac=0.2, small=False):

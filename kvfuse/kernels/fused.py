@@ -32,6 +32,7 @@ SF_CODES = {"ue8m0": 0, "ue8m0_fp32": 1, "e4m3": 2, "fp32": 3}
 CAST_CODES = {None: 0, "e4m3": 1, "e2m1": 2}
 STAGE_CODES = {None: 0, "norm": 1, "transform": 2, "cast_back": 3}
 DEST_NONE, DEST_CONTIGUOUS, DEST_CACHE = 0, 1, 2
+NO_FLOOR = -999           # FLOOR_E without a scale_floor (numerics.group_scales)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -114,7 +115,7 @@ def _emit(y, tok, head, rmask, ok, qbase, sfbase, tailbase,
           C0: tl.constexpr, SKIP0: tl.constexpr, SKIP1: tl.constexpr, BLOCK_M: tl.constexpr, NGR: tl.constexpr, GV: tl.constexpr, VEC: tl.constexpr,
           G: tl.constexpr, D: tl.constexpr, CAST: tl.constexpr, SF: tl.constexpr, FMAX: tl.constexpr, DQ: tl.constexpr,
           OUT_STAGE: tl.constexpr, DEST: tl.constexpr, NATIVE: tl.constexpr,
-          QALIGN: tl.constexpr, SFALIGN: tl.constexpr, TALIGN: tl.constexpr):
+          QALIGN: tl.constexpr, SFALIGN: tl.constexpr, TALIGN: tl.constexpr, FLOOR_E: tl.constexpr):
     """Everything after the transform for a tile in group form: y [M, NGR, GV, VEC] (bf16 values
     in fp32; a group is GV * VEC = G consecutive columns) holding the consecutive columns C0,
     C0 + 1, ... (C0 a multiple of G); it writes the columns < D outside [SKIP0, SKIP1) and the
@@ -132,7 +133,7 @@ def _emit(y, tok, head, rmask, ok, qbase, sfbase, tailbase,
         _store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None, None, None] + col[None, :, :, :], y, r4 & cm)
     if CAST != 0:
         amax = tl.maximum(tl.max(tl.max(tl.abs(y), axis=3), axis=2), 1e-4)     # [M, NGR]
-        m, d, stored = group_scales(amax, FMAX, SF, NATIVE)
+        m, d, stored = group_scales(amax, FMAX, SF, NATIVE, FLOOR_E)
         # SPEC §2 clamps t to [-FMAX, FMAX]; both encoders saturate, so the clamp changes no byte for
         # finite inputs (non-finite inputs may give any values in their own group) and is left out
         t = y * m[:, :, None, None]
@@ -321,7 +322,7 @@ def fused_kernel(
     CAST: tl.constexpr, G: tl.constexpr, SF: tl.constexpr, FMAX: tl.constexpr, DQ: tl.constexpr,
     OUT_STAGE: tl.constexpr, DEST: tl.constexpr, NATIVE: tl.constexpr,
     SLOT32: tl.constexpr, QALIGN: tl.constexpr, SFALIGN: tl.constexpr, TALIGN: tl.constexpr,
-    EARLY: tl.constexpr,
+    EARLY: tl.constexpr, FLOOR_E: tl.constexpr,
 ):
     """ROPE: 0 off; 1 on the whole tile (each rotated element computed from itself and its
     partner, reloaded and renormalized: the same arithmetic gives the same bits); 2 on a separate
@@ -448,7 +449,7 @@ def fused_kernel(
     SKIP1: tl.constexpr = ROPE_OFF + R if ROPE == 2 else 0
     _emit(tl.reshape(y, [BLOCK_M, NG, GV, VEC]), tok, head, rmask, ok, qbase,
           sfbase, tailbase, out_ptr, so_n, so_h, q_ptr, sq_n, sq_h, sf_ptr, ss_n, ss_h, cache_ptr,
-          0, SKIP0, SKIP1, BLOCK_M, NG, GV, VEC, G, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN)
+          0, SKIP0, SKIP1, BLOCK_M, NG, GV, VEC, G, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN, FLOOR_E)
 
     # ---- ROPE 2: the R rotated columns as their own tile [M, R / GS, GS / VEC, VEC] (two halves for NEOX)
     if ROPE == 2:
@@ -473,10 +474,10 @@ def fused_kernel(
             r1 = tl.where(pm, round_bf16(r1, NATIVE), b)
             _emit(r0, tok, head, rmask, ok, qbase, sfbase,
                   tailbase, out_ptr, so_n, so_h, q_ptr, sq_n, sq_h, sf_ptr, ss_n, ss_h, cache_ptr,
-                  ROPE_OFF, 0, 0, BLOCK_M, NS, GSV, VEC, GS, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN)
+                  ROPE_OFF, 0, 0, BLOCK_M, NS, GSV, VEC, GS, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN, FLOOR_E)
             _emit(r1, tok, head, rmask, ok, qbase,
                   sfbase, tailbase, out_ptr, so_n, so_h, q_ptr, sq_n, sq_h, sf_ptr, ss_n, ss_h, cache_ptr,
-                  ROPE_OFF + HALF, 0, 0, BLOCK_M, NS, GSV, VEC, GS, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN)
+                  ROPE_OFF + HALF, 0, 0, BLOCK_M, NS, GSV, VEC, GS, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN, FLOOR_E)
         else:
             # every rotated column where it lies: a = its own value, b = its partner's (c0 ^ 1)
             NS2: tl.constexpr = 2 * NS
@@ -486,7 +487,7 @@ def fused_kernel(
             rr = tl.where(pm, round_bf16(tl.where(firstc, r0, r1), NATIVE), a)
             _emit(rr, tok, head, rmask, ok,
                   qbase, sfbase, tailbase, out_ptr, so_n, so_h, q_ptr, sq_n, sq_h, sf_ptr, ss_n, ss_h, cache_ptr,
-                  ROPE_OFF, 0, 0, BLOCK_M, NS2, GSV, VEC, GS, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN)
+                  ROPE_OFF, 0, 0, BLOCK_M, NS2, GSV, VEC, GS, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN, FLOOR_E)
 
     # ---- the norm's stage copy under RoPE: after every read of x (out may be x), all threads past them
     if OUT_STAGE == 1 and ROPE != 0:
@@ -684,6 +685,7 @@ def fused_args(plan: Plan, tensor) -> tuple:
         DQ=plan.quant_dim if cast else D,
         OUT_STAGE=STAGE_CODES[plan.out_stage], DEST=dest, NATIVE=_native(interpret),
         SLOT32=cap < _INT32_LIMIT, QALIGN=qal, SFALIGN=sfal, TALIGN=tal, EARLY=bm == 1,
+        FLOOR_E=NO_FLOOR if cast is None or cast.floor_exp is None else cast.floor_exp,
         num_warps=nw, num_stages=1, enable_fp_fusion=False,
     )
     return (cdiv(n * H, bm),), args, options

@@ -251,14 +251,17 @@ if gluon is not None:
         return blk_at, tok
 
     @gluon.jit
-    def ue8m0_scale(amax, FMAX: gl.constexpr):
+    def ue8m0_scale(amax, FMAX: gl.constexpr, FLOOR_E: gl.constexpr = -999):
         """numerics.group_scales SF=0 for FMAX 448 (e4m3) or 6 (e2m1): the exponent e = ceil(log2(RN(amax /
-        FMAX))) without the division, and the multiplier 2^-e as fp32 (amax > 0)."""
+        FMAX))) without the division, at least FLOOR_E (a scale_floor's exponent; -999: none), and the
+        multiplier 2^-e as fp32 (amax > 0)."""
         P2: gl.constexpr = 8 if FMAX == 448.0 else 2
         FRAC: gl.constexpr = 0x600000 if FMAX == 448.0 else 0x400000
         bits = amax.to(gl.int32, bitcast=True)
         e = ((bits >> 23) - (127 + P2)) + ((bits & 0x7FFFFF) > FRAC).to(gl.int32)
         e = gl.where((bits >> 23) == 255, 128, e)
+        if FLOOR_E != -999:
+            e = gl.maximum(e, FLOOR_E)
         m = gl.where(e >= 127, 0x400000 >> gl.maximum(e - 127, 0), (127 - e) << 23).to(gl.float32, bitcast=True)
         return e, m
 

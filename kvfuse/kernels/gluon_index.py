@@ -552,7 +552,7 @@ PACKED_E2M1 = True
 def chain_of(plan):
     """(CAST, G, SF) constexprs of the plan's cast, or None when this kernel has no such chain."""
     c = plan.cast
-    if c is None:
+    if c is None or c.floor_exp is not None:      # no scale_floor here (the FlashMLA formats carry it)
         return None
     cast_sf = CHAINS.get((c.cast_fmt, c.group, c.sf_format))
     return None if cast_sf is None else (cast_sf[0], c.group, cast_sf[1])

@@ -408,7 +408,7 @@ def eligible_records(rec: MainRecords, plan) -> bool:
         return False
     if (plan.rotary_dim, plan.rope_offset, plan.conjugate) != (ROTARY_DIM, 448, False):
         return False
-    if (c.cast_fmt, c.group, c.sf_format) != rec.chain or plan.quant_dim != HEAD_DIM:
+    if (c.cast_fmt, c.group, c.sf_format) != rec.chain or c.floor_exp is not None or plan.quant_dim != HEAD_DIM:
         return False
     if not f.token_interleaved or f.bytes_per_token != rec.record_bytes or f.bf16_tail:
         return False

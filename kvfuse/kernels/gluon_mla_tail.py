@@ -131,7 +131,8 @@ if gluon is not None:
                     cache_ptr, s_blk, data_tok, sf_tok, sf_off, tail_off, block_size, capacity, lane, qword,
                     R: gl.constexpr, LLANE: gl.constexpr, LQ: gl.constexpr,
                     QUANT_DIM: gl.constexpr, GROUP: gl.constexpr, SF_FP32: gl.constexpr,
-                    SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, OFFSETS32: gl.constexpr, NEOX: gl.constexpr):
+                    SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, OFFSETS32: gl.constexpr, NEOX: gl.constexpr,
+                    FLOOR_E: gl.constexpr):
         """RMSNorm -> RoPE (tail) -> UE8M0 / e4m3 -> the records of one tile of R rows whose loads are done.
         NEOX: pairs (j, 32 + j) of the tail; else GPT-J's (2 j, 2 j + 1), which is tail word j = l."""
         HEAD_DIM: gl.constexpr = QUANT_DIM + TAIL_DIM_C
@@ -194,7 +195,7 @@ if gluon is not None:
         if GROUP_LANES == 8:
             amax = gl.maximum(amax, shfl_xor(amax, 4))
         amax = gl.maximum(amax, 1e-4)
-        e, m = ue8m0_scale(amax, 448.0)
+        e, m = ue8m0_scale(amax, 448.0, FLOOR_E)
         m3 = gl.expand_dims(m, 2)
         # codes of columns 4q .. 4q + 3 = (lo, hi) of words 2q and 2q + 1
         t0, t2 = gl.split(gl.reshape(y_lo * m3, [R, 32, 4, 2]))
@@ -240,7 +241,7 @@ if gluon is not None:
         n_rows,
         QUANT_DIM: gl.constexpr, GROUP: gl.constexpr, SF_FP32: gl.constexpr,
         W_BF16: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, ROWS_PER_WARP: gl.constexpr,
-        PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr, NEOX: gl.constexpr,
+        PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr, NEOX: gl.constexpr, FLOOR_E: gl.constexpr,
     ):
         """A program walks over the tiles pid, pid + num_programs, ... (R = ROWS_PER_WARP * num_warps
         rows each; warp w owns rows w * ROWS_PER_WARP ..). QUANT_DIM / GROUP / SF_FP32: the format
@@ -248,7 +249,7 @@ if gluon is not None:
         log2(block_size) when it is a power of two, else -1 (a division). PIPELINE: load tile t + 1
         (x, indices; its cos/sin after tile t's stores) while tile t computes. OFFSETS32: every x,
         index, cos/sin and cache offset of the launch is below 2**31 (host). NEOX: NEOX RoPE pairs on the
-        tail, else GPT-J's."""
+        tail, else GPT-J's. FLOOR_E: the scale_floor's exponent (FlashMLA's presets: -13), -999 without."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = ROWS_PER_WARP * NW
         TAIL_WORD0: gl.constexpr = QUANT_DIM // 2                       # the tail's first word in x's row
@@ -307,7 +308,7 @@ if gluon is not None:
                 next_xw, next_xt = _load_x(x_ptr, sx_w, next_rows, n_rows, word, lane, TAIL_WORD0, OFFSETS32)
                 _write_rows(xw, xt, cos, sin, pos, slot, rows, n_rows, w_lo, w_hi, wt_lo, wt_hi, sin_flip, eps, P,
                             cache_ptr, s_blk, data_tok, sf_tok, sf_off, tail_off, block_size, capacity, lane, qword,
-                            R, LLANE, LQ, QUANT_DIM, GROUP, SF_FP32, SLOT32, LOG2_BLOCK, OFFSETS32, NEOX)
+                            R, LLANE, LQ, QUANT_DIM, GROUP, SF_FP32, SLOT32, LOG2_BLOCK, OFFSETS32, NEOX, FLOOR_E)
                 # the next positions arrived while this tile computed
                 cos, sin = _load_cos_sin(cs_ptr, s_cs, P, next_pos, next_rows, n_rows, pair_col, LP, OFFSETS32, NEOX)
                 pos = next_pos
@@ -322,7 +323,7 @@ if gluon is not None:
                 cos, sin = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP, OFFSETS32, NEOX)
                 _write_rows(xw, xt, cos, sin, pos, slot, rows, n_rows, w_lo, w_hi, wt_lo, wt_hi, sin_flip, eps, P,
                             cache_ptr, s_blk, data_tok, sf_tok, sf_off, tail_off, block_size, capacity, lane, qword,
-                            R, LLANE, LQ, QUANT_DIM, GROUP, SF_FP32, SLOT32, LOG2_BLOCK, OFFSETS32, NEOX)
+                            R, LLANE, LQ, QUANT_DIM, GROUP, SF_FP32, SLOT32, LOG2_BLOCK, OFFSETS32, NEOX, FLOOR_E)
 
 
 # --------------------------------------------------------------------------- host side
@@ -377,7 +378,7 @@ def launch_parts(plan, tensor, num_warps: int, rows_per_warp: int, pipeline: boo
     constexprs = dict(format_constexprs(plan.fmt), W_BF16=plan.weight.dtype == torch.bfloat16,
                       SLOT32=capacity <= INT32_LIMIT, LOG2_BLOCK=log2_block(block_size),
                       ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline), OFFSETS32=max(spans) < INT32_LIMIT,
-                      NEOX=bool(plan.is_neox))
+                      NEOX=bool(plan.is_neox), FLOOR_E=-999 if plan.cast.floor_exp is None else plan.cast.floor_exp)
     options = compile_options(num_warps)
     tiles = -(-n // (rows_per_warp * num_warps))
     grid = occupancy_grid(mla_tail_kernel, _resident, x, tiles, args, plan_tensors(plan), constexprs, options,

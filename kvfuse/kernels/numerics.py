@@ -106,9 +106,10 @@ def pow2(e):
 
 
 @triton.jit
-def group_scales(amax, FMAX: tl.constexpr, SF: tl.constexpr, NATIVE: tl.constexpr):
+def group_scales(amax, FMAX: tl.constexpr, SF: tl.constexpr, NATIVE: tl.constexpr, FLOOR_E: tl.constexpr = -999):
     """amax (floored) -> (multiplier m, dequant scale d, stored: the scale byte or the fp32 bits, uint32).
-    FMAX 448 (e4m3) or 6 (e2m1); SF 0 ue8m0, 1 ue8m0_fp32, 2 e4m3, 3 fp32."""
+    FMAX 448 (e4m3) or 6 (e2m1); SF 0 ue8m0, 1 ue8m0_fp32, 2 e4m3, 3 fp32. FLOOR_E (SF 0 / 1): the
+    scale_floor's exponent, e = max(e, FLOOR_E) (SPEC §2); -999 (NO_FLOOR): none."""
     if SF == 0 or SF == 1:
         # e = ceil(log2(RN(amax / FMAX))) without the division. FMAX = 1.f * 2^p (448 = 1.75 * 2^8,
         # 6 = 1.5 * 2^2): RN(amax / FMAX) <= 2^k exactly when amax <= FMAX * 2^k, because no fp32 lies
@@ -121,6 +122,8 @@ def group_scales(amax, FMAX: tl.constexpr, SF: tl.constexpr, NATIVE: tl.constexp
         bits = amax.to(tl.int32, bitcast=True)
         e = ((bits >> 23) - (127 + P)) + ((bits & 0x7FFFFF) > FRAC).to(tl.int32)
         e = tl.where((bits >> 23) == 255, 128, e)
+        if FLOOR_E != -999:
+            e = tl.maximum(e, FLOOR_E)
         m = tl.where(e >= 127, 0x400000 >> tl.maximum(e - 127, 0), (127 - e) << 23).to(tl.float32, bitcast=True)
         d = pow2(e)
         if SF == 0:
