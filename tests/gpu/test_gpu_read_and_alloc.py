@@ -43,3 +43,17 @@ def test_flashmla_v32_engine_allocation(block_size, neox):
     for _ in range(2):                    # Triton's launch, then the direct launcher
         tri = run_case(case, "triton", "cuda")
         assert diff_bytes(ref, tri) == 0, diff_report(ref, tri)
+
+
+@pytest.mark.parametrize("fmt", [formats.FLASHMLA_V32, formats.FLASHMLA_MODEL1], ids=lambda f: f.name)
+@pytest.mark.parametrize("n", [1, 300, 20000])
+@pytest.mark.parametrize("norm", [True, False])
+def test_flashmla_scale_floor_zero_tiny_and_huge_rows(fmt, n, norm):
+    """The presets' scale_floor (FlashMLA's 2^-13 smallest scale) on the fast path (norm on) and the
+    portable kernel (norm off): zero rows, tiny and huge rows (kernel_cases' data), whole storages."""
+    case = Case(n=n, heads=1, head_dim=fmt.head_dim, fmt=fmt, norm=norm, neox=n % 2 == 0, block_size=64,
+                num_blocks=n // 64 + 2, slot_kind="random", seed=n + norm)
+    ref = run_case(case, "reference", "cuda")
+    for _ in range(2):
+        tri = run_case(case, "triton", "cuda")
+        assert diff_bytes(ref, tri) == 0, diff_report(ref, tri)
