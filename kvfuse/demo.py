@@ -58,7 +58,7 @@ MAIN_KEYS = ("kv", "k", "latent", "kv_c", "key")
 INDEX_KEYS = ("index_k", "indexer_k", "idx_k")
 PNG_NAME = "kv_formats.png"
 CSV_NAME = "results.csv"
-COLUMNS = ("format", "layout", "head_dim", "hadamard", "bytes/token", "vs_bf16", "rel_err", "recall")
+COLUMNS = ("format", "layout", "head_dim", "hadamard", "bytes/token", "vs_bf16", "rel_err", "recall", "read_by")
 
 
 # --------------------------------------------------------------------------- data
@@ -346,6 +346,9 @@ def format_table(rows: List[dict], topk: int) -> str:
         rec = "-" if r["recall"] is None else f"{r['recall']:.4f}"
         lines.append(f"{r['format']:<{fw}} {r['layout']:<6} {r['head_dim']:>4} {('yes' if r['hadamard'] else 'no'):>8} "
                      f"{r['bytes/token']:>11} {r['vs_bf16']:>7.2f}x {r['rel_err']:>9.2e} {rec:>10}")
+    readers = [(name, F.READERS[name]) for name in dict.fromkeys(r["format"] for r in rows) if name in F.READERS]
+    if readers:
+        lines += ["", "read by:"] + [f"  - {name}: {who}" for name, who in readers]
     return "\n".join(lines)
 
 
@@ -355,7 +358,8 @@ def write_csv(rows: List[dict], path: str) -> None:
         w.writerow(COLUMNS)
         for r in rows:
             w.writerow([r["format"], r["layout"], r["head_dim"], int(r["hadamard"]), r["bytes/token"],
-                        f"{r['vs_bf16']:.4f}", f"{r['rel_err']:.6e}", "" if r["recall"] is None else f"{r['recall']:.6f}"])
+                        f"{r['vs_bf16']:.4f}", f"{r['rel_err']:.6e}", "" if r["recall"] is None else f"{r['recall']:.6f}",
+                        F.READERS.get(r["format"], "")])
 
 
 def _spread(values, min_gap):

@@ -341,5 +341,18 @@ FLASHMLA_V32 = KVCacheFormat("FLASHMLA_V32", 576, "e4m3", 128, "ue8m0_fp32", Tru
 FLASHMLA_MODEL1 = KVCacheFormat("FLASHMLA_MODEL1", 512, "e4m3", 64, "ue8m0", False, sf_bytes=8, bf16_tail=64,
                                 block_alignment=576, scale_floor=1e-4)
 
+# Who reads each preset's records (README.md "Who reads each preset" has the sources).
+READERS = {
+    "MAIN_FP8": "DeepInfer's DeepSeek V4 main cache (FlashMLA-family sparse decode)",
+    "MAIN_FP4": "DeepInfer's DeepSeek V4 main cache (FlashMLA-family sparse decode)",
+    "INDEX_MXFP8": "DeepInfer's lightning indexer (K cache; Q in the same format)",
+    "INDEX_MXFP4": "DeepInfer's lightning indexer (K cache; Q in the same format)",
+    "INDEX_NVFP4": "DeepInfer's lightning indexer (K cache; Q in the same format)",
+    "INDEX_FP8_FP32": "DeepSeek V3.2's indexer K: DeepGEMM fp8_paged_mqa_logits",
+    "INDEX_BF16": "unquantized index cache (read side)",
+    "FLASHMLA_V32": "FlashMLA sparse decode, V3.2 layout (DeepSeek V3 / V3.1 / V3.2)",
+    "FLASHMLA_MODEL1": "FlashMLA sparse decode, MODEL1 layout (DeepSeek V4)",
+}
+
 PRESETS = {f.name: f for f in (MAIN_FP8, MAIN_FP4, INDEX_MXFP8, INDEX_FP8_FP32, INDEX_MXFP4, INDEX_NVFP4,
                                INDEX_BF16, FLASHMLA_V32, FLASHMLA_MODEL1)}

@@ -247,14 +247,13 @@ def test_kvfuse_addressing_is_the_map(fmt, block_size):
 
 def flashmla_bytes(fmt, x: torch.Tensor):
     """FlashMLA's documented quantization of rows x (bf16 [n, head_dim]), written independently of
-    kvfuse: per group of the NoPE part, scale = 2^ceil(log2(amax / 448)) (tests/quant.py rounds the
-    scale up to a power of two; its clamp at 1e-4 never binds for the inputs used here), values
+    kvfuse: per group of the NoPE part, scale = 2^ceil(log2(clamp_min(amax / 448, 1e-4))) (tests/quant.py
+    clamps, then rounds the scale up to a power of two; kvfuse's presets carry scale_floor = 1e-4), values
     e4m3(x / scale) (round to nearest even); the RoPE part raw bf16.
     Returns (nope uint8 [n, d_nope], scale bytes uint8 [n, num_scales * item], rope uint8 [n, 128])."""
     d_nope, g = fmt.quant_dim, fmt.elements_per_sf
     v = x[:, :d_nope].float().reshape(x.shape[0], d_nope // g, g)
-    s = v.abs().amax(-1) / 448.0
-    assert (s >= 1e-4).all(), "inputs chosen so that FlashMLA's 1e-4 clamp does not bind"
+    s = torch.clamp(v.abs().amax(-1) / 448.0, min=1e-4)
     mant, exp = torch.frexp(s)                                    # s = mant * 2^exp, mant in [0.5, 1)
     e = torch.where(mant == 0.5, exp - 1, exp)                    # ceil(log2 s)
     scale = torch.ldexp(torch.ones_like(s), e)
@@ -281,6 +280,8 @@ def test_reference_write_at_every_mapped_range(fmt, block_size):
     slots = torch.randperm(cap, generator=g)[:min(cap, 20)]
     n = slots.numel()
     x = (torch.randn(n, fmt.head_dim, generator=g) * torch.exp2(torch.randint(-3, 8, (n, 1), generator=g).float()))
+    x[::5] *= 1e-4                                 # tiny groups: FlashMLA's scale floor binds
+    x[1::7] = 0.0                                  # zero rows: scale 2^-13
     x = x.to(torch.bfloat16)
     with kvfuse.use_backend("reference"):
         kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(

@@ -9,6 +9,7 @@ the same work done by one thread alone.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -24,8 +25,17 @@ REPEATS = 2
 FORMATS = (formats.INDEX_MXFP8, formats.MAIN_FP4, formats.FLASHMLA_V32, formats.INDEX_BF16)
 
 
-def work(k: int, backend: str, start: threading.Barrier = None):
-    """Thread k's calls; returns the bytes it produced (cache storages, outputs, loads)."""
+def _on(device, cache, storage):
+    """(cache, storage) moved to ``device``, the cache still a view of the storage."""
+    if device == "cpu":
+        return cache, storage
+    storage = storage.to(device)
+    return torch.as_strided(storage, cache.shape, cache.stride(), cache.storage_offset()), storage
+
+
+def work(k: int, backend: str, start: threading.Barrier = None, device: str = "cpu", stream=None):
+    """Thread k's calls (on ``device``, inside ``stream`` if given); returns the bytes it produced
+    (cache storages, outputs, loads), on the CPU."""
     fmt = FORMATS[k % len(FORMATS)]
     D, n = fmt.head_dim, 5
     x = random_bf16((n, D), seed=10 + k)
@@ -38,6 +48,13 @@ def work(k: int, backend: str, start: threading.Barrier = None):
               rope_args=RopeArgs(torch.arange(n) * 3, cos_sin_cache(16, 64), 64, k % 2 == 0))
     q_out = torch.empty((n, 128), dtype=torch.float8_e4m3fn)
     sf_out = torch.empty((n, 4), dtype=torch.uint8)
+    if device != "cpu":
+        cache, storage = _on(device, cache, storage)
+        store_cache, store_storage = _on(device, store_cache, store_storage)
+        x, slots, out, q_out, sf_out = (t.to(device) for t in (x, slots, out, q_out, sf_out))
+        kw = dict(norm_args=NormArgs(kw["norm_args"].weight.to(device)),
+                  rope_args=RopeArgs(kw["rope_args"].positions.to(device), kw["rope_args"].cos_sin_cache.to(device),
+                                     64, k % 2 == 0))
     qd = fmt.quant_dim
     if fmt.quantized:
         q, sf = R.quantize(x[:, :qd], fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format)
@@ -47,7 +64,8 @@ def work(k: int, backend: str, start: threading.Barrier = None):
     if start is not None:
         start.wait()
     loads = []
-    with kvfuse.use_backend(backend):
+    ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    with kvfuse.use_backend(backend), ctx:
         for _ in range(REPEATS):
             kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(
                 x, cast_args=CastArgs.from_cache_format(fmt),
@@ -56,21 +74,28 @@ def work(k: int, backend: str, start: threading.Barrier = None):
                 x[:, :128], cast_args=CastArgs("e4m3", 32, True, "ue8m0"), out_args=ContiguousOutArgs(q_out, sf_out))
             kvfuse.store_kv_cache(q, sf, store_cache, slots, fmt, tail)
             loads.append(kvfuse.load_paged_kv_cache(cache, slots, fmt))
-    return [storage, store_storage, out.view(torch.uint8), q_out.view(torch.uint8), sf_out] + \
-        [y.view(torch.uint8) for y in loads]
+    if stream is not None:
+        stream.synchronize()
+    return [t.cpu() for t in [storage, store_storage, out.view(torch.uint8), q_out.view(torch.uint8), sf_out]
+            + [y.view(torch.uint8) for y in loads]]
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_threads_write_what_one_thread_writes(backend):
     """Regression: 4 threads on the triton backend under TRITON_INTERPRET=1 raised InterpreterError
     ('Did you forget to add @triton.jit ?') and left partial writes."""
-    alone = [work(k, backend) for k in range(THREADS)]
+    run_threads(backend)
+
+
+def run_threads(backend, device="cpu", streams=None):
+    """THREADS threads released together (each on its own stream if given) against one thread alone."""
+    alone = [work(k, backend, device=device) for k in range(THREADS)]
     results, errors = [None] * THREADS, []
     start = threading.Barrier(THREADS)
 
     def run(k):
         try:
-            results[k] = work(k, backend, start)
+            results[k] = work(k, backend, start, device, None if streams is None else streams[k])
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append((k, e))
 
