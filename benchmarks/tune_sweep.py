@@ -22,7 +22,7 @@ def configs(name, n, sweep_vec=False):
     if n <= 512:
         grid = [(bm, nw) for bm in (1, 2) for nw in (1, 2, 4)]
     else:
-        grid = [(bm, 1) for bm in (1, 2, 4, 8)] + [(2, 2), (4, 2)]
+        grid = [(bm, 1) for bm in (1, 2, 4, 8)] + [(2, 2), (4, 2), (8, 2), (1, 2), (1, 4), (4, 4), (16, 4)]
     return [(bm, nw, v) for bm, nw in grid for v in vecs]
 
 
@@ -32,6 +32,8 @@ def main():
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--n", default=",".join(map(str, SIZES)))
     p.add_argument("--vec", action="store_true", help="also sweep VEC (4, 8) for main_fp8")
+    p.add_argument("--check", action="store_true", help="compare every config's result with the reference, "
+                   "byte for byte (a config that differs is reported and not used)")
     args = p.parse_args()
     copy_gbps = bench.measure_copy_bandwidth()["copy_GBps"]
     timer = bench.CudaTimer()
@@ -43,7 +45,14 @@ def main():
         for n in map(int, args.n.split(",")):
             if n * wl.num_heads * wl.head_dim > 1 << 28:
                 continue                                   # x over 512 MiB
-            call = bench.fused_call(wl, bench.build_inputs(wl, n, "cuda"))
+            inp = bench.build_inputs(wl, n, "cuda")
+            call = bench.fused_call(wl, inp)
+            want = None
+            if args.check:
+                ref = bench.build_inputs(wl, n, "cuda")
+                with bench.use_backend("reference"):
+                    bench.fused_call(wl, ref)()
+                want = [t.clone() for t in bench.result_tensors(wl, ref)]
             nbytes = bench.moved_bytes(wl, n)["total"]
             rows_n = n * wl.num_heads
             for bm, nw, vec in configs(name, rows_n, args.vec):
@@ -51,9 +60,19 @@ def main():
                     continue
                 with force_config(bm, nw, vec):
                     us = timer.measure([call]).gpu_us
-                rows.append(dict(workload=name, n=n, bm=bm, nw=nw, vec=vec, us=us,
+                    diff = None
+                    if want is not None:
+                        call()
+                        torch.cuda.synchronize()
+                        diff = sum(int((a.view(torch.uint8) != b.view(torch.uint8)).sum())
+                                   for a, b in zip(bench.result_tensors(wl, inp), want))
+                        if diff:
+                            print(f"  {name} n={n} bm={bm} nw={nw}: {diff} bytes differ", flush=True)
+                            continue
+                rows.append(dict(workload=name, n=n, bm=bm, nw=nw, vec=vec, us=us, byte_diffs=diff,
                                  pct=100 * nbytes / (us * 1e-6) / (copy_gbps * 1e9)))
             mine = [r for r in rows if r["workload"] == name and r["n"] == n]
+            print(f"{name:16s} n={n:7d} " + "  ".join(f"({r['bm']},{r['nw']}) {r['us']:.2f}" for r in mine), flush=True)
             best = min(mine, key=lambda r: r["us"])
             dflt = launch_config(rows_n, wl.head_dim, block_d, False, wl.cast_args.cast_fmt if wl.cast_args else None)
             cur = [r["us"] for r in mine if (r["bm"], r["nw"]) == dflt and r["vec"] in (None, 4)]
