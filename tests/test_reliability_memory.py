@@ -41,7 +41,8 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def find_preset(kv_cache: torch.Tensor, cast_args) -> KVCacheFormat:
     want = None if cast_args is None else CastArgs(cast_args.cast_fmt, cast_args.num_per_channels,
-                                                   cast_args.round_sf, cast_args.sf_format)
+                                                   cast_args.round_sf, cast_args.sf_format,
+                                                   scale_floor=cast_args.scale_floor)
     hits = [f for f in PRESETS if f.bytes_per_token == kv_cache.shape[-1] and CastArgs.from_cache_format(f) == want]
     assert len(hits) == 1, hits
     return hits[0]

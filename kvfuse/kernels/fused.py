@@ -42,15 +42,26 @@ NO_FLOOR = -999           # FLOOR_E without a scale_floor (numerics.group_scales
 # alignment allows (a narrower store than the tile's vector would cost a shared-memory relayout).
 # Reshapes between [M, NV, VEC] and the group form [M, groups, G / VEC, VEC] move no data.
 @triton.jit
+def _pair_sum(v, AXIS: tl.constexpr, SPLIT: tl.constexpr):
+    """v [..., 2] (AXIS: the last axis) -> v[..., 0] + v[..., 1]. SPLIT (the interpreter): by tl.split, because the
+    interpreter's tl.sum (numpy's sum along an axis) starts from +0 and turns -0 + -0 into +0; the
+    compiled tl.sum of two elements in one thread is the one IEEE add (proven on the H200)."""
+    if SPLIT:
+        a, b = tl.split(v)
+        return a + b
+    return tl.sum(v, axis=AXIS)
+
+
+@triton.jit
 def _tree_sum(v, BLOCK_M: tl.constexpr, NV: tl.constexpr, LOG2_NV: tl.constexpr, VEC: tl.constexpr,
-              LOG2_VEC: tl.constexpr):
+              LOG2_VEC: tl.constexpr, SPLIT: tl.constexpr):
     """Sum [M, NV, VEC] over each row in the adjacent-pairs order of SPEC §2: every level sums a
     size-2 axis (one add, commutative), so the order is fixed whatever layout the compiler picks."""
     for lvl in tl.static_range(LOG2_VEC):
-        v = tl.sum(tl.reshape(v, [BLOCK_M, NV, VEC >> (lvl + 1), 2]), axis=3)
+        v = _pair_sum(tl.reshape(v, [BLOCK_M, NV, VEC >> (lvl + 1), 2]), 3, SPLIT)
     v = tl.reshape(v, [BLOCK_M, NV])
     for lvl in tl.static_range(LOG2_NV):
-        v = tl.sum(tl.reshape(v, [BLOCK_M, NV >> (lvl + 1), 2]), axis=2)
+        v = _pair_sum(tl.reshape(v, [BLOCK_M, NV >> (lvl + 1), 2]), 2, SPLIT)
     return tl.reshape(v, [BLOCK_M])
 
 
@@ -382,15 +393,15 @@ def fused_kernel(
     # ---- RMSNorm / LayerNorm (mu: the LayerNorm mean; RMSNorm leaves it unused)
     if HAS_NORM:
         if LAYER:
-            mu = _tree_sum(x, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC)
+            mu = _tree_sum(x, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC, NATIVE == 0)
             if (D & (D - 1)) == 0:
                 mu = mu * (1.0 / D)           # exact: the same bits as mu / D for a power of two
             else:
                 mu = tl.div_rn(mu, D * 1.0)
             dev = tl.where(m3, x - mu[:, None, None], 0.0)   # the tree's zero padding stays zero
-            ss = _tree_sum(dev * dev, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC)
+            ss = _tree_sum(dev * dev, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC, NATIVE == 0)
         else:
-            ss = _tree_sum(x * x, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC)
+            ss = _tree_sum(x * x, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC, NATIVE == 0)
             mu = ss
         if (D & (D - 1)) == 0:
             mean = ss * (1.0 / D)             # exact: the same bits as ss / D for a power of two
@@ -432,8 +443,13 @@ def fused_kernel(
         first2 = (tl.arange(0, 2) == 0)[None, None, :, None]
         for lvl in tl.static_range(LOG2_BLOCK_D):
             v4 = tl.reshape(h, [BLOCK_M, BLOCK_D >> (lvl + 1), 2, 1 << lvl])
-            plus = tl.sum(v4, axis=2)
-            minus = tl.sum(v4 * sgn, axis=2)
+            if NATIVE == 0:      # the interpreter: exact signed zeros (see _pair_sum)
+                a, b = tl.split(tl.permute(v4, (0, 1, 3, 2)))
+                plus = a + b
+                minus = a - b
+            else:
+                plus = tl.sum(v4, axis=2)
+                minus = tl.sum(v4 * sgn, axis=2)
             h = tl.reshape(tl.where(first2, plus[:, :, None, :], minus[:, :, None, :]), [BLOCK_M, BLOCK_D])
         y = tl.reshape(round_bf16(h * had_scale, NATIVE), [BLOCK_M, NV, VEC])
 
