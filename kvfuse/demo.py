@@ -52,6 +52,7 @@ from kvfuse import mla
 from kvfuse import models as M
 from kvfuse import reference as R
 from kvfuse.args import CastArgs, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
+from kvfuse.cli import EXTRA_HINT, missing_modules
 
 ROPE_DIM = 64
 MAIN_KEYS = ("kv", "k", "latent", "kv_c", "key")
@@ -307,7 +308,11 @@ def configurations():
 
 def explore(tensors: Dict[str, torch.Tensor], n: int, block_size: int, seed: int, topk: int, num_queries: int,
             device, progress: Optional[bool] = None) -> List[dict]:
-    from tqdm import tqdm
+    try:
+        from tqdm import tqdm
+    except ImportError:  # no [demo] extra: no progress bar (main says so)
+        def tqdm(it, **_):
+            return it
 
     main = _pick(tensors, MAIN_KEYS)
     index = next((tensors[k] for k in INDEX_KEYS if k in tensors), main)
@@ -479,10 +484,42 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+WITHOUT = {"tqdm": "progress bar", "matplotlib": "PNG chart"}
+
+
+def _one_line(exc: BaseException) -> str:
+    """The first line of an exception's message (torch.load's can run to a page), or its type's name."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def parse_device(text: Optional[str]) -> torch.device:
+    """``--device``: cpu, cuda or cuda:N (default: cuda when present). ValueError, one line, otherwise."""
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {text!r}: expected cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {text!r}: no CUDA device (torch {torch.__version__}, "
+                             f"torch.cuda.is_available() is False); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {text!r}: only {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = parse_device(args.device)
+    except ValueError as e:
+        print(f"kvfuse demo: {e}", file=sys.stderr)
+        return 2
     if args.n is None:
         args.n = 65536 if device.type == "cuda" else 4096
     for name in ("n", "block_size", "topk", "queries"):
@@ -491,13 +528,28 @@ def main(argv=None) -> int:
     if args.input:
         try:
             tensors = load_input(args.input)
-        except (OSError, ValueError, RuntimeError) as e:
-            print(f"kvfuse demo: {e}", file=sys.stderr)
+        except ImportError as e:  # a .safetensors file without the [demo] extra
+            print(f"kvfuse demo: --input {args.input!r} needs {e.name or 'safetensors'}: {EXTRA_HINT}",
+                  file=sys.stderr)
+            return 2
+        except (OSError, ValueError) as e:
+            print(f"kvfuse demo: {_one_line(e)}", file=sys.stderr)
+            return 2
+        except Exception as e:  # torch.load's / safetensors' errors on a file that is neither
+            detail = _one_line(e)
+            detail = type(e).__name__ + (f": {detail}" if detail != type(e).__name__ else "")
+            print(f"kvfuse demo: --input {args.input!r} is not a readable .pt or .safetensors file ({detail})",
+                  file=sys.stderr)
             return 2
         source = os.path.basename(args.input)
     else:
         tensors = synthetic_batch(args.n, args.seed)
         source = "synthetic MLA batch with outlier channels"
+    missing = missing_modules(*(("tqdm",) if not (args.no_progress or args.model) else ()), "matplotlib")
+    if missing:  # the [demo] extra is not installed: run without what it adds, and say so
+        print(f"kvfuse demo: {' and '.join(missing)} not installed: no "
+              f"{' and no '.join(WITHOUT[m] for m in missing)} ({EXTRA_HINT} adds {'them' if len(missing) > 1 else 'it'})",
+              file=sys.stderr)
     t0 = time.perf_counter()
     with kvfuse.use_backend(args.backend):
         try:
@@ -522,6 +574,9 @@ def main(argv=None) -> int:
     write_csv(rows, os.path.join(args.out, CSV_NAME))
     png = os.path.join(args.out, PNG_NAME)
     what = f"{cfg.name} call sites" if args.model else "formats"
+    if "matplotlib" in missing:
+        print(f"wrote {os.path.join(args.out, CSV_NAME)} ({elapsed:.1f} s; no chart: matplotlib is not installed)")
+        return 0
     plot(rows, png, f"kvfuse {what}: error vs bytes/token ({source}, n={n_main})")
     print(f"wrote {png} and {os.path.join(args.out, CSV_NAME)} ({elapsed:.1f} s)")
     return 0

@@ -517,8 +517,9 @@ def oracle_load(cache: CacheDesc, dequantize=True):
             ng = f.quant_dim // f.g
             sfb = st[sa:sa + f.sf_exact]
             if f.sf_format == "ue8m0":
-                # SPEC §4: the byte 0xFF is NaN (OCP MX), not 2^128
-                d = np.ldexp(np.float32(1.0), sfb.astype(np.int32) - 127).astype(np.float32)
+                # SPEC §4: the byte 0xFF is NaN (OCP MX), not 2^128 (which overflows fp32 here, on purpose)
+                with np.errstate(over="ignore"):
+                    d = np.ldexp(np.float32(1.0), sfb.astype(np.int32) - 127).astype(np.float32)
                 d = np.where(sfb == 0xFF, np.float32(np.nan), d).astype(np.float32)
             elif f.sf_format == "e4m3":
                 d = decode_e4m3(sfb)
@@ -528,7 +529,8 @@ def oracle_load(cache: CacheDesc, dequantize=True):
                 qf = decode_e4m3(q)
             else:
                 qf = decode_e2m1(unpack_e2m1(q))
-            v = (qf.reshape(ng, f.g) * d[:, None]).astype(np.float32).reshape(-1)
+            with np.errstate(over="ignore"):  # arbitrary bytes: a large value times a large scale is inf
+                v = (qf.reshape(ng, f.g) * d[:, None]).astype(np.float32).reshape(-1)
             # every decoded NaN is the bf16 0x7FC0 (kvfuse's choice, README "Non-finite values")
             out[t, h, :f.quant_dim] = np.where(np.isnan(v), np.uint16(0x7FC0), f32_to_bf16(v))
             if f.bf16_tail:

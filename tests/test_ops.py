@@ -9,6 +9,7 @@
 - the dispatcher's per-call cost (printed, not asserted: run with -s to see it).
 """
 import inspect
+import logging
 import time
 
 import pytest
@@ -319,9 +320,11 @@ def _per_call_us(fn, iters):
 
 
 @pytest.mark.parametrize("n", [0, 16])
-def test_dispatcher_cost(n, capsys):
+def test_dispatcher_cost(n):
     """Per-call cost of the op path (ops.execute_op: flatten the Plan, dispatch, rebuild the Plan)
-    over the direct path (api.execute), same plan, reference backend. Printed, not asserted."""
+    over the direct path (api.execute), same plan, reference backend. Logged at DEBUG on the
+    "kvfuse.ops" logger (``pytest --log-cli-level=DEBUG`` shows it), not asserted: timings on a
+    shared CPU are noise."""
     fmt = F.MAIN_FP8
     x = random_bf16((n, 512), 9)
     w = torch.ones(512, dtype=torch.bfloat16)
@@ -332,7 +335,6 @@ def test_dispatcher_cost(n, capsys):
     iters = 400 if n == 0 else 20
     direct = _per_call_us(lambda: kvfuse.api.execute(plans[0]), iters)
     via_op = _per_call_us(lambda: ops.execute_op(plans[1]), iters)
-    with capsys.disabled():
-        print(f"\n[kvfuse.ops] n={n}: direct api.execute {direct:.1f} us/call, via torch.ops.kvfuse "
-              f"{via_op:.1f} us/call, dispatcher overhead {via_op - direct:+.1f} us/call")
+    logging.getLogger("kvfuse.ops").debug("n=%d: direct api.execute %.1f us/call, via torch.ops.kvfuse %.1f us/call, "
+                                          "dispatcher overhead %+.1f us/call", n, direct, via_op, via_op - direct)
     assert_bytes_equal(s1, s2, "same bytes through both paths")

@@ -15,8 +15,13 @@ from kvfuse.formats import PRESETS
 
 import spec_oracle as O
 
-# NaN-confinement cases and masked kernel lanes raise numpy RuntimeWarnings by design
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+# Triton's interpreter runs the kernels in numpy, which warns where the SPEC's arithmetic is meant to
+# overflow or meet NaN: decoding arbitrary cache bytes (huge value x huge scale = inf) and reducing a
+# row that is NaN on purpose. Only those messages, only from the interpreter, only in those tests.
+INTERPRETER_OVERFLOW = pytest.mark.filterwarnings(
+    "ignore:overflow encountered in multiply:RuntimeWarning:triton.runtime.interpreter")
+INTERPRETER_ALL_NAN = pytest.mark.filterwarnings(
+    "ignore:All-NaN slice encountered:RuntimeWarning:triton.runtime.interpreter")
 
 SEED = 20240611
 N_REF_CONTIG = 250
@@ -557,6 +562,7 @@ def test_store_and_load(fname, backend):
     assert_bits_equal(raw_sf.numpy().reshape(exp_sf.shape)[valid], exp_sf[valid], "load raw sf", ctx)
 
 
+@INTERPRETER_OVERFLOW
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("fname", sorted(ALL_FORMATS))
 def test_load_of_random_bytes(fname, backend):
@@ -832,6 +838,7 @@ def test_engine_views(fname, backend):
 # --------------------------------------------------------------------------------------------
 # a non-finite row under RMSNorm/RoPE stays inside its own record(s)
 # --------------------------------------------------------------------------------------------
+@INTERPRETER_ALL_NAN
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("fname", ["MAIN_FP4", "FLASHMLA_MODEL1"])
 def test_nonfinite_row_confined(fname, backend):
