@@ -58,7 +58,8 @@ MAIN_KEYS = ("kv", "k", "latent", "kv_c", "key")
 INDEX_KEYS = ("index_k", "indexer_k", "idx_k")
 PNG_NAME = "kv_formats.png"
 CSV_NAME = "results.csv"
-COLUMNS = ("format", "layout", "head_dim", "hadamard", "bytes/token", "vs_bf16", "rel_err", "recall", "read_by")
+COLUMNS = ("format", "layout", "head_dim", "hadamard", "bytes/token", "vs_bf16", "rel_err", "rel_err_q", "recall", "k",
+           "read_by")
 
 
 # --------------------------------------------------------------------------- data
@@ -165,8 +166,24 @@ def write_and_read(fmt: F.KVCacheFormat, x: torch.Tensor, hadamard: bool, block_
 
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    """||approx - exact||_F / ||exact||_F; NaN when ``exact`` is all zeros or not finite (nothing to
+    measure against: such data is not "lossless")."""
     a, e = approx.double(), exact.double()
-    return float(torch.linalg.vector_norm(a - e) / torch.linalg.vector_norm(e).clamp_min(1e-300))
+    ref = torch.linalg.vector_norm(e)
+    if not bool(torch.isfinite(ref)) or float(ref) == 0.0:
+        return math.nan
+    return float(torch.linalg.vector_norm(a - e) / ref)
+
+
+def score(label: str, fmt: F.KVCacheFormat, hadamard: bool, y: torch.Tensor, back: torch.Tensor) -> dict:
+    """A table row: sizes and the read-back's relative error against the transform output y, over
+    the whole record (``rel_err``) and over the quantized dims only (``rel_err_q``: without the
+    exact bf16 tail of the FlashMLA formats; the same as rel_err for the others)."""
+    qd = fmt.quant_dim
+    return {"format": label, "layout": "token" if fmt.token_interleaved else "block",
+            "head_dim": fmt.head_dim, "hadamard": hadamard, "bytes/token": fmt.bytes_per_token,
+            "vs_bf16": 2 * fmt.head_dim / fmt.bytes_per_token, "rel_err": relative_error(back, y),
+            "rel_err_q": relative_error(back[:, :qd], y[:, :qd]), "bf16_tail": fmt.bf16_tail, "recall": None, "k": None}
 
 
 def quantized_queries(fmt: F.KVCacheFormat, q: torch.Tensor, hadamard: bool) -> torch.Tensor:
@@ -261,16 +278,13 @@ def explore_model(cfg: mla.MLAConfig, tensors: Dict[str, torch.Tensor], n: int, 
         src = main if site == "main" else index
         x = fit_width(src, fmt.head_dim)[:n].contiguous().to(device)
         y, back, plain = model_write_and_read(cfg, site, x, block_size, seed)
-        row = {"format": f"{site}:{fmt.name}", "layout": "token" if fmt.token_interleaved else "block",
-               "head_dim": fmt.head_dim, "hadamard": had, "bytes/token": fmt.bytes_per_token,
-               "vs_bf16": 2 * fmt.head_dim / fmt.bytes_per_token, "rel_err": relative_error(back, y),
-               "recall": None}
+        row = score(f"{site}:{fmt.name}", fmt, had, y, back)
         if site == "index":
             queries = torch.randn(num_queries, fmt.head_dim, generator=g).to(torch.bfloat16).to(device)
             k = min(topk, x.shape[0])
             ref_scores = queries.float() @ plain.float().T
             scores = model_quantized_queries(cfg, queries).float() @ back.float().T
-            row["recall"] = recall_at_k(scores, ref_scores, k)
+            row["recall"] = recall_at_k(scores, ref_scores, k) if math.isfinite(row["rel_err"]) else math.nan
             row["k"] = k
         rows.append(row)
     return rows
@@ -320,10 +334,7 @@ def explore(tensors: Dict[str, torch.Tensor], n: int, block_size: int, seed: int
         src = index if fmt.head_dim == 128 else main
         x = fit_width(src, fmt.head_dim)[:n].contiguous().to(device)
         y, back = write_and_read(fmt, x, had, block_size, seed)
-        row = {"format": fmt.name, "layout": "token" if fmt.token_interleaved else "block",
-               "head_dim": fmt.head_dim, "hadamard": had, "bytes/token": fmt.bytes_per_token,
-               "vs_bf16": 2 * fmt.head_dim / fmt.bytes_per_token, "rel_err": relative_error(back, y),
-               "recall": None}
+        row = score(fmt.name, fmt, had, y, back)
         if fmt.head_dim == 128:
             k = min(topk, x.shape[0])
             if x.shape[0] not in ref_scores:
@@ -331,21 +342,38 @@ def explore(tensors: Dict[str, torch.Tensor], n: int, block_size: int, seed: int
                 y_plain, _ = (y, None) if not had else write_and_read(F.INDEX_BF16, x, False, block_size, seed)
                 ref_scores[x.shape[0]] = queries.float() @ y_plain.float().T
             scores = quantized_queries(fmt, queries, had).float() @ back.float().T
-            row["recall"] = recall_at_k(scores, ref_scores[x.shape[0]], k)
+            # zero or non-finite keys: every score ties (or is NaN), the top-k is arbitrary
+            row["recall"] = recall_at_k(scores, ref_scores[x.shape[0]], k) if math.isfinite(row["rel_err"]) \
+                else math.nan
             row["k"] = k
         rows.append(row)
     return rows
 
 
-def format_table(rows: List[dict], topk: int) -> str:
+def recall_label(rows: List[dict]) -> str:
+    """``recall@K`` with the k the rows used (--topk clamped to the keys there are), ``recall@k``
+    when the rows used different ks."""
+    ks = sorted({r["k"] for r in rows if r.get("k") is not None})
+    return f"recall@{ks[0]}" if len(ks) == 1 else "recall@k"
+
+
+def format_table(rows: List[dict], topk: Optional[int] = None) -> str:
+    """The table; ``topk``: the --topk asked for (a note says when fewer keys made k smaller)."""
     fw = max([16] + [len(r["format"]) for r in rows])
     head = f"{'format':<{fw}} {'layout':<6} {'dim':>4} {'hadamard':>8} {'bytes/token':>11} {'vs bf16':>8} " \
-           f"{'rel.err':>9} {f'recall@{topk}':>10}"
+           f"{'rel.err':>9} {'rel.err(q)':>10} {recall_label(rows):>10}"
     lines = [head, "-" * len(head)]
     for r in rows:
         rec = "-" if r["recall"] is None else f"{r['recall']:.4f}"
         lines.append(f"{r['format']:<{fw}} {r['layout']:<6} {r['head_dim']:>4} {('yes' if r['hadamard'] else 'no'):>8} "
-                     f"{r['bytes/token']:>11} {r['vs_bf16']:>7.2f}x {r['rel_err']:>9.2e} {rec:>10}")
+                     f"{r['bytes/token']:>11} {r['vs_bf16']:>7.2f}x {r['rel_err']:>9.2e} {r['rel_err_q']:>10.2e} {rec:>10}")
+    tails = {r["format"]: r["bf16_tail"] for r in rows if r.get("bf16_tail")}
+    lines += ["", "rel.err: over the whole record; rel.err(q): over the quantized dims only"
+              + (" (" + ", ".join(f"{name} keeps its last {t} dims in exact bf16" for name, t in tails.items()) + ")"
+                 if tails else "")]
+    ks = sorted({r["k"] for r in rows if r.get("k") is not None})
+    if topk is not None and ks and ks != [topk]:
+        lines.append(f"recall: --topk {topk} asked for, k = {', '.join(map(str, ks))} used (the keys there are)")
     readers = [(name, F.READERS[name]) for name in dict.fromkeys(r["format"] for r in rows) if name in F.READERS]
     if readers:
         lines += ["", "read by:"] + [f"  - {name}: {who}" for name, who in readers]
@@ -358,7 +386,8 @@ def write_csv(rows: List[dict], path: str) -> None:
         w.writerow(COLUMNS)
         for r in rows:
             w.writerow([r["format"], r["layout"], r["head_dim"], int(r["hadamard"]), r["bytes/token"],
-                        f"{r['vs_bf16']:.4f}", f"{r['rel_err']:.6e}", "" if r["recall"] is None else f"{r['recall']:.6f}",
+                        f"{r['vs_bf16']:.4f}", f"{r['rel_err']:.6e}", f"{r['rel_err_q']:.6e}",
+                        "" if r["recall"] is None else f"{r['recall']:.6f}", "" if r.get("k") is None else r["k"],
                         F.READERS.get(r["format"], "")])
 
 

@@ -48,16 +48,20 @@ def _check_table(text, out):
         assert int(parts[2]) == fmt.head_dim
         assert int(parts[4]) == fmt.bytes_per_token
         assert parts[5] == f"{2 * fmt.head_dim / fmt.bytes_per_token:.2f}x"
-        err = float(parts[6])
+        err, err_q = float(parts[6]), float(parts[7])
         assert math.isfinite(err) and 0 <= err < 0.5
         if fmt.head_dim == 128:
-            assert 0.0 <= float(parts[7]) <= 1.0
+            assert 0.0 <= float(parts[8]) <= 1.0
         else:
-            assert parts[7] == "-"
+            assert parts[8] == "-"
         if fmt.quantized:
             assert err > 0
+        if fmt.bf16_tail:       # the exact bf16 tail dilutes the whole-record error
+            assert err_q > err
+        else:
+            assert parts[7] == parts[6]
     assert float(rows[("INDEX_BF16", False)][6]) == 0.0
-    assert float(rows[("INDEX_BF16", False)][7]) == 1.0
+    assert float(rows[("INDEX_BF16", False)][8]) == 1.0
     # FP4 loses more than FP8 on the same data
     assert float(rows[("MAIN_FP4", False)][6]) > float(rows[("MAIN_FP8", False)][6])
     png = out / demo.PNG_NAME
@@ -65,14 +69,41 @@ def _check_table(text, out):
     with open(out / demo.CSV_NAME) as fh:
         table = list(csv.reader(fh))
     assert table[0] == list(demo.COLUMNS) and len(table) == 15
+    col = {name: i for i, name in enumerate(demo.COLUMNS)}
+    for line in table[1:]:
+        parts = rows[(line[col["format"]], line[col["hadamard"]] == "1")]
+        assert float(line[col["rel_err"]]) == pytest.approx(float(parts[6]), rel=0.01)
+        assert float(line[col["rel_err_q"]]) == pytest.approx(float(parts[7]), rel=0.01)
+        if F.PRESETS[line[col["format"]]].head_dim == 128:
+            assert f"recall@{line[col['k']]}" in text
+        else:
+            assert line[col["k"]] == "" and line[col["recall"]] == ""
     return rows
 
 
 def test_demo_synthetic(capsys, tmp_path):
     rc, text, out = _run(capsys, tmp_path)
     assert rc == 0
-    assert "synthetic" in text and "96 tokens" in text and "recall@8" in text
+    assert "synthetic" in text and "96 tokens" in text and "recall@8" in text and "asked for" not in text
     _check_table(text, out)
+
+
+def test_demo_recall_label_is_the_k_used(capsys, tmp_path):
+    """--topk larger than the keys: the table and the CSV say the k that was used, not the one asked for."""
+    rc, text, out = _run(capsys, tmp_path, "--topk", "100000")
+    assert rc == 0
+    assert "recall@96" in text and "recall@100000" not in text
+    assert "--topk 100000 asked for, k = 96 used" in text
+    with open(out / demo.CSV_NAME) as fh:
+        table = list(csv.DictReader(fh))
+    assert {r["k"] for r in table if r["recall"]} == {"96"}
+
+
+def test_relative_error_of_nothing_is_not_zero():
+    z = torch.zeros(4, 8)
+    assert math.isnan(demo.relative_error(z, z))
+    assert math.isnan(demo.relative_error(z, torch.full((4, 8), float("inf"))))
+    assert demo.relative_error(torch.ones(4, 8), torch.ones(4, 8)) == 0.0
 
 
 def test_demo_input_safetensors(capsys, tmp_path):
@@ -164,11 +195,11 @@ def test_demo_model(capsys, tmp_path, name):
         parts = rows[label]
         assert int(parts[2]) == fmt.head_dim and int(parts[4]) == fmt.bytes_per_token
         assert parts[3] == ("yes" if had else "no")
-        assert 0 < float(parts[6]) < 0.5
+        assert 0 < float(parts[6]) < 0.5 and float(parts[7]) >= float(parts[6])
         if label.startswith("index:"):
-            assert 0.0 <= float(parts[7]) <= 1.0
+            assert 0.0 <= float(parts[8]) <= 1.0
         else:
-            assert parts[7] == "-"
+            assert parts[8] == "-"
     if cfg.index_format is not None and cfg.index_norm_kind == "layer":
         assert "LayerNorm, RoPE 64 NEOX at 0, Hadamard" in text
     assert (out / demo.PNG_NAME).read_bytes()[:8] == PNG_MAGIC
