@@ -27,12 +27,18 @@ model's style on the record's tail; V3's 576-d record normalized on the latent o
 Input: synthetic activations with outlier channels by default (the case Hadamard is for), or
 ``--input`` a .pt / .safetensors file holding K activations ``[tokens, dim]`` (or ``[..., dim]``):
 a tensor, or a dict where ``kv`` / ``k`` / ``latent`` (main) and ``index_k`` (indexer) are used if
-present, else the first tensor. A tensor narrower than a format's head has its columns repeated; a
+present, else the first by name (or the one ``--input-key`` names). A tensor narrower than a
+format's head has its columns repeated; a
 wider one gives its first columns (576 -> 512: the latent without k_pe), or, when the width is a
 multiple of the head, more rows (512 -> 4 x 128).
 
 Outputs: the table on stdout, ``results.csv`` and ``kv_formats.png`` (error vs bytes/token) in
-``--out``. Runs on CUDA when present (the Triton kernel), else on the CPU (the reference chain).
+``--out``. Runs on CUDA when present (the Triton kernel), else on the CPU (the reference chain;
+``TRITON_INTERPRET=1 kvfuse demo --backend triton`` runs the kernel in Triton's interpreter).
+
+With ``--input`` the demo prints which tensor each kind of call site took (``--input-key`` picks
+one), its shape and dtype and how it was reshaped, and warns when the cast to bf16 overflows to inf
+or the data is all zeros (the errors are then NaN, never "lossless").
 """
 from __future__ import annotations
 
@@ -59,7 +65,8 @@ MAIN_KEYS = ("kv", "k", "latent", "kv_c", "key")
 INDEX_KEYS = ("index_k", "indexer_k", "idx_k")
 PNG_NAME = "kv_formats.png"
 CSV_NAME = "results.csv"
-COLUMNS = ("format", "layout", "head_dim", "hadamard", "bytes/token", "vs_bf16", "rel_err", "recall", "read_by")
+COLUMNS = ("format", "layout", "head_dim", "hadamard", "bytes/token", "vs_bf16", "rel_err", "rel_err_q", "recall", "k",
+           "read_by")
 
 
 # --------------------------------------------------------------------------- data
@@ -81,7 +88,8 @@ def synthetic_batch(n: int, seed: int) -> Dict[str, torch.Tensor]:
 
 
 def load_input(path: str) -> Dict[str, torch.Tensor]:
-    """Tensors of a .safetensors or .pt file (a tensor, or a dict of tensors)."""
+    """The floating-point tensors of a .safetensors or .pt file (a tensor, or a dict of tensors),
+    as stored: name -> tensor (a bare tensor is named ``k``)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"--input: no such file {path!r}")
     if path.endswith(".safetensors"):
@@ -96,13 +104,94 @@ def load_input(path: str) -> Dict[str, torch.Tensor]:
     tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 1}
     if not tensors:
         raise ValueError(f"--input: {path!r} holds no floating-point tensor")
-    out = {}
-    for k, v in tensors.items():
-        v = v.reshape(-1, v.shape[-1]).to(torch.bfloat16)
-        if not torch.isfinite(v.float()).all():
-            raise ValueError(f"--input: tensor {k!r} holds non-finite values")
-        out[k] = v
-    return out
+    return tensors
+
+
+def choose_inputs(tensors: Dict[str, torch.Tensor], input_keys=None):
+    """Which tensor feeds the main call sites and which the index ones: {"main": (name, why),
+    "index": (name, why)}. ``input_keys``: --input-key values, ``NAME`` (every call site) or
+    ``main=NAME`` / ``index=NAME``; otherwise the conventional names (MAIN_KEYS, INDEX_KEYS), else
+    the first tensor by name (and the index sites take the main tensor)."""
+    chosen = {}
+    for spec in input_keys or ():
+        role, _, name = spec.rpartition("=") if spec.split("=", 1)[0] in ("main", "index") else ("", "", spec)
+        if name not in tensors:
+            have = ", ".join(map(repr, sorted(tensors)))
+            raise ValueError(f"--input-key: no tensor {name!r} in the file (it has: {have})")
+        for r in ((role,) if role else ("main", "index")):
+            chosen[r] = (name, "--input-key")
+    if "main" not in chosen:
+        name = next((k for k in MAIN_KEYS if k in tensors), None)
+        if len(tensors) == 1:
+            chosen["main"] = (next(iter(tensors)), "the only tensor")
+        elif name is not None:
+            chosen["main"] = (name, "by name")
+        else:
+            chosen["main"] = (sorted(tensors)[0], f"first by name of {len(tensors)}, none named "
+                                                  f"{'/'.join(MAIN_KEYS)}; --input-key NAME picks another")
+    if "index" not in chosen:
+        name = next((k for k in INDEX_KEYS if k in tensors), None)
+        chosen["index"] = (name, "by name") if name is not None else (chosen["main"][0], "the main tensor")
+    return chosen
+
+
+def to_bf16(name: str, v: torch.Tensor):
+    """[..., D] -> bf16 [rows, D], and a one-line warning (or None) when the cast overflows to inf
+    or the data is all zeros. NaN in the file is a ValueError."""
+    if torch.isnan(v).any():
+        raise ValueError(f"--input: tensor {name!r} holds NaN values")
+    x = v.reshape(-1, v.shape[-1]).to(torch.bfloat16)
+    inf = torch.isinf(x)
+    if inf.any():
+        in_file = int(torch.isinf(v).sum())
+        over = int(inf.sum()) - in_file
+        what = ", ".join(p for p in (f"{over} beyond bf16's max {torch.finfo(torch.bfloat16).max:.3g}" if over else "",
+                                     f"{in_file} already inf in the file ({v.dtype})" if in_file else "") if p)
+        return x, (f"warning: --input tensor {name!r}: {int(inf.sum())} of {x.numel()} values are inf in bf16 "
+                   f"({what}); its errors are NaN, not measurements")
+    if not x.any():
+        why = "" if not v.any() else f" (the file's {v.dtype} values underflow bf16)"
+        return x, (f"warning: --input tensor {name!r} is all zeros in bf16{why}; its errors are undefined (NaN), "
+                   f"not lossless")
+    return x, None
+
+
+def describe_fit(d: int, dim: int) -> str:
+    """How :func:`fit_width` makes a [rows, d] tensor ``dim`` wide."""
+    if d == dim:
+        return "as is"
+    if d > dim and d % dim == 0:
+        return f"each row split into {d // dim}"
+    if d > dim:
+        return f"first {dim} of {d} columns"
+    return f"columns tiled {math.ceil(dim / d)}x" + (f" and cut to {dim}" if dim % d else "")
+
+
+def prepare_input(path: str, widths: Dict[str, List[int]], n: int, input_keys=None):
+    """--input: the tensors the call sites take ({"kv": main, "index_k": index}, bf16 [rows, D]), a
+    one-line report of what was used and how it was reshaped (``widths``: role -> the head dims the
+    role's call sites take; n: the rows they take at most) and the warnings (one line each)."""
+    tensors = load_input(path)
+    chosen = choose_inputs(tensors, input_keys)
+    out, parts, warnings, done = {}, [], [], {}
+    for role, key in (("main", "kv"), ("index", "index_k")):
+        name, why = chosen[role]
+        if name not in done:
+            done[name] = to_bf16(name, tensors[name])
+            if done[name][1]:
+                warnings.append(done[name][1])
+        x = out[key] = done[name][0]
+        v = tensors[name]
+        desc = f"{role} = {name!r} {list(v.shape)} {str(v.dtype).replace('torch.', '')} ({why})"
+        if v.dim() != 2:
+            desc += f" as {list(x.shape)}"
+        fits = [f"-> {w}: {describe_fit(x.shape[1], w)}, {min(n, fit_width(x[:1], w).shape[0] * x.shape[0])} rows"
+                for w in widths.get(role, ())]
+        parts.append(desc + (": " + "; ".join(fits) if fits else ": unused"))
+    unused = [k for k in tensors if k not in done]
+    if unused:
+        parts.append("unused: " + ", ".join(map(repr, unused)))
+    return out, f"input {os.path.basename(path)}: " + " | ".join(parts), warnings
 
 
 def _pick(tensors: Dict[str, torch.Tensor], keys) -> torch.Tensor:
@@ -166,8 +255,24 @@ def write_and_read(fmt: F.KVCacheFormat, x: torch.Tensor, hadamard: bool, block_
 
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    """||approx - exact||_F / ||exact||_F; NaN when ``exact`` is all zeros or not finite (nothing to
+    measure against: such data is not "lossless")."""
     a, e = approx.double(), exact.double()
-    return float(torch.linalg.vector_norm(a - e) / torch.linalg.vector_norm(e).clamp_min(1e-300))
+    ref = torch.linalg.vector_norm(e)
+    if not bool(torch.isfinite(ref)) or float(ref) == 0.0:
+        return math.nan
+    return float(torch.linalg.vector_norm(a - e) / ref)
+
+
+def score(label: str, fmt: F.KVCacheFormat, hadamard: bool, y: torch.Tensor, back: torch.Tensor) -> dict:
+    """A table row: sizes and the read-back's relative error against the transform output y, over
+    the whole record (``rel_err``) and over the quantized dims only (``rel_err_q``: without the
+    exact bf16 tail of the FlashMLA formats; the same as rel_err for the others)."""
+    qd = fmt.quant_dim
+    return {"format": label, "layout": "token" if fmt.token_interleaved else "block",
+            "head_dim": fmt.head_dim, "hadamard": hadamard, "bytes/token": fmt.bytes_per_token,
+            "vs_bf16": 2 * fmt.head_dim / fmt.bytes_per_token, "rel_err": relative_error(back, y),
+            "rel_err_q": relative_error(back[:, :qd], y[:, :qd]), "bf16_tail": fmt.bf16_tail, "recall": None, "k": None}
 
 
 def quantized_queries(fmt: F.KVCacheFormat, q: torch.Tensor, hadamard: bool) -> torch.Tensor:
@@ -262,16 +367,13 @@ def explore_model(cfg: mla.MLAConfig, tensors: Dict[str, torch.Tensor], n: int, 
         src = main if site == "main" else index
         x = fit_width(src, fmt.head_dim)[:n].contiguous().to(device)
         y, back, plain = model_write_and_read(cfg, site, x, block_size, seed)
-        row = {"format": f"{site}:{fmt.name}", "layout": "token" if fmt.token_interleaved else "block",
-               "head_dim": fmt.head_dim, "hadamard": had, "bytes/token": fmt.bytes_per_token,
-               "vs_bf16": 2 * fmt.head_dim / fmt.bytes_per_token, "rel_err": relative_error(back, y),
-               "recall": None}
+        row = score(f"{site}:{fmt.name}", fmt, had, y, back)
         if site == "index":
             queries = torch.randn(num_queries, fmt.head_dim, generator=g).to(torch.bfloat16).to(device)
             k = min(topk, x.shape[0])
             ref_scores = queries.float() @ plain.float().T
             scores = model_quantized_queries(cfg, queries).float() @ back.float().T
-            row["recall"] = recall_at_k(scores, ref_scores, k)
+            row["recall"] = recall_at_k(scores, ref_scores, k) if math.isfinite(row["rel_err"]) else math.nan
             row["k"] = k
         rows.append(row)
     return rows
@@ -296,6 +398,18 @@ def describe_model(cfg: mla.MLAConfig) -> str:
 
 
 # --------------------------------------------------------------------------- the explorer
+def site_widths(cfg: Optional[mla.MLAConfig] = None) -> Dict[str, List[int]]:
+    """"main" / "index" -> the head dims of the call sites that take the main / index input: the
+    presets' (index: the 128-d formats) or, with a model configuration, its call sites'."""
+    pairs = ([("main" if site == "main" else "index", fmt) for site, fmt, _ in model_sites(cfg)] if cfg is not None
+             else [("index" if fmt.head_dim == 128 else "main", fmt) for fmt, _ in configurations()])
+    out: Dict[str, List[int]] = {}
+    for role, fmt in pairs:
+        if fmt.head_dim not in out.setdefault(role, []):
+            out[role].append(fmt.head_dim)
+    return out
+
+
 def configurations():
     """(format, hadamard) pairs: every preset, and the 128-d ones with Hadamard too."""
     out = []
@@ -325,10 +439,7 @@ def explore(tensors: Dict[str, torch.Tensor], n: int, block_size: int, seed: int
         src = index if fmt.head_dim == 128 else main
         x = fit_width(src, fmt.head_dim)[:n].contiguous().to(device)
         y, back = write_and_read(fmt, x, had, block_size, seed)
-        row = {"format": fmt.name, "layout": "token" if fmt.token_interleaved else "block",
-               "head_dim": fmt.head_dim, "hadamard": had, "bytes/token": fmt.bytes_per_token,
-               "vs_bf16": 2 * fmt.head_dim / fmt.bytes_per_token, "rel_err": relative_error(back, y),
-               "recall": None}
+        row = score(fmt.name, fmt, had, y, back)
         if fmt.head_dim == 128:
             k = min(topk, x.shape[0])
             if x.shape[0] not in ref_scores:
@@ -336,21 +447,38 @@ def explore(tensors: Dict[str, torch.Tensor], n: int, block_size: int, seed: int
                 y_plain, _ = (y, None) if not had else write_and_read(F.INDEX_BF16, x, False, block_size, seed)
                 ref_scores[x.shape[0]] = queries.float() @ y_plain.float().T
             scores = quantized_queries(fmt, queries, had).float() @ back.float().T
-            row["recall"] = recall_at_k(scores, ref_scores[x.shape[0]], k)
+            # zero or non-finite keys: every score ties (or is NaN), the top-k is arbitrary
+            row["recall"] = recall_at_k(scores, ref_scores[x.shape[0]], k) if math.isfinite(row["rel_err"]) \
+                else math.nan
             row["k"] = k
         rows.append(row)
     return rows
 
 
-def format_table(rows: List[dict], topk: int) -> str:
+def recall_label(rows: List[dict]) -> str:
+    """``recall@K`` with the k the rows used (--topk clamped to the keys there are), ``recall@k``
+    when the rows used different ks."""
+    ks = sorted({r["k"] for r in rows if r.get("k") is not None})
+    return f"recall@{ks[0]}" if len(ks) == 1 else "recall@k"
+
+
+def format_table(rows: List[dict], topk: Optional[int] = None) -> str:
+    """The table; ``topk``: the --topk asked for (a note says when fewer keys made k smaller)."""
     fw = max([16] + [len(r["format"]) for r in rows])
     head = f"{'format':<{fw}} {'layout':<6} {'dim':>4} {'hadamard':>8} {'bytes/token':>11} {'vs bf16':>8} " \
-           f"{'rel.err':>9} {f'recall@{topk}':>10}"
+           f"{'rel.err':>9} {'rel.err(q)':>10} {recall_label(rows):>10}"
     lines = [head, "-" * len(head)]
     for r in rows:
         rec = "-" if r["recall"] is None else f"{r['recall']:.4f}"
         lines.append(f"{r['format']:<{fw}} {r['layout']:<6} {r['head_dim']:>4} {('yes' if r['hadamard'] else 'no'):>8} "
-                     f"{r['bytes/token']:>11} {r['vs_bf16']:>7.2f}x {r['rel_err']:>9.2e} {rec:>10}")
+                     f"{r['bytes/token']:>11} {r['vs_bf16']:>7.2f}x {r['rel_err']:>9.2e} {r['rel_err_q']:>10.2e} {rec:>10}")
+    tails = {r["format"]: r["bf16_tail"] for r in rows if r.get("bf16_tail")}
+    lines += ["", "rel.err: over the whole record; rel.err(q): over the quantized dims only"
+              + (" (" + ", ".join(f"{name} keeps its last {t} dims in exact bf16" for name, t in tails.items()) + ")"
+                 if tails else "")]
+    ks = sorted({r["k"] for r in rows if r.get("k") is not None})
+    if topk is not None and ks and ks != [topk]:
+        lines.append(f"recall: --topk {topk} asked for, k = {', '.join(map(str, ks))} used (the keys there are)")
     readers = [(name, F.READERS[name]) for name in dict.fromkeys(r["format"] for r in rows) if name in F.READERS]
     if readers:
         lines += ["", "read by:"] + [f"  - {name}: {who}" for name, who in readers]
@@ -363,7 +491,8 @@ def write_csv(rows: List[dict], path: str) -> None:
         w.writerow(COLUMNS)
         for r in rows:
             w.writerow([r["format"], r["layout"], r["head_dim"], int(r["hadamard"]), r["bytes/token"],
-                        f"{r['vs_bf16']:.4f}", f"{r['rel_err']:.6e}", "" if r["recall"] is None else f"{r['recall']:.6f}",
+                        f"{r['vs_bf16']:.4f}", f"{r['rel_err']:.6e}", f"{r['rel_err_q']:.6e}",
+                        "" if r["recall"] is None else f"{r['recall']:.6f}", "" if r.get("k") is None else r["k"],
                         F.READERS.get(r["format"], "")])
 
 
@@ -395,9 +524,20 @@ def _short(r) -> str:
     return r["format"].replace("INDEX_", "").replace("FLASHMLA_", "FlashMLA ") + (" +H" if r["hadamard"] else "")
 
 
+def _plain_log_ticks(axis, lo: float, hi: float, steps=(1, 2, 5)) -> None:
+    """Log-axis major ticks at round numbers in [lo, hi] labelled as plain numbers (100, 200, 0.05),
+    minor ticks unlabelled."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+    ticks = [k * 10.0 ** e for e in range(-8, 8) for k in steps if lo <= k * 10.0 ** e <= hi]
+    axis.set_major_locator(FixedLocator(ticks))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def plot(rows: List[dict], path: str, title: str) -> None:
-    """Two panels: relative error vs bytes/token (every format; lossless ones on the bottom edge),
-    and recall@k vs bytes/token (index formats)."""
+    """Two panels: relative error vs bytes/token (every format; the quantized-dims error too where
+    a bf16 tail dilutes it; lossless formats on the bottom edge, marked as such; rows whose error is
+    NaN left out and named), and recall@k vs bytes/token (index formats)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -409,36 +549,62 @@ def plot(rows: List[dict], path: str, title: str) -> None:
         return ("tab:red", "^") if r["hadamard"] else ("tab:orange", "o")
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5.5), dpi=110, gridspec_kw={"width_ratios": [3, 2]})
-    lossy = [r["rel_err"] for r in rows if r["rel_err"] > 0]
-    floor = (min(lossy) / 3) if lossy else 1e-3
-    errs = [max(r["rel_err"], floor) for r in rows]
+    shown = [r for r in rows if math.isfinite(r["rel_err"])]
+    missing = [r for r in rows if not math.isfinite(r["rel_err"])]
+    measured = [e for r in shown for e in (r["rel_err"], r["rel_err_q"]) if e > 0]
+    lo, hi = (min(measured) / 2.5, max(measured) * 2) if measured else (1e-3, 1e-1)
+    errs = [r["rel_err"] if r["rel_err"] > 0 else lo for r in shown]     # lossless: on the bottom edge
+    xs = [r["bytes/token"] for r in shown]
     # labels: one column right of each bytes/token value, spread in log10(error)
-    xs = [r["bytes/token"] for r in rows]
     for idx in _clusters(xs):
         ys = _spread([math.log10(errs[i]) for i in idx], 0.09)
+        lift = max(0.0, math.log10(lo) + 0.06 - min(ys))        # no label below the bottom edge
+        ys = [y + lift for y in ys]
         right = max(xs[i] for i in idx)
         for i, ly in zip(idx, ys):
-            r = rows[i]
+            r = shown[i]
             c, m = style(r)
-            ax.scatter(xs[i], errs[i], c=c, marker=m, s=46, zorder=3, clip_on=False)
+            if r["rel_err"] == 0:
+                ax.scatter(xs[i], lo, marker="v", s=70, facecolors="white", edgecolors=c, linewidths=1.5, zorder=4,
+                           clip_on=False)
+            else:
+                ax.scatter(xs[i], errs[i], c=c, marker=m, s=46, zorder=3, clip_on=False)
+            if r["bf16_tail"] and r["rel_err_q"] > r["rel_err"] > 0:
+                ax.plot([xs[i], xs[i]], [r["rel_err"], r["rel_err_q"]], color=c, lw=0.8, ls=":", zorder=2)
+                ax.scatter(xs[i], r["rel_err_q"], marker=m, s=46, facecolors="white", edgecolors=c, zorder=3)
             text = _short(r) + (" (lossless)" if r["rel_err"] == 0 else "")
             ax.annotate(text, (xs[i], errs[i]), xytext=(right * 1.06, 10 ** ly), fontsize=7, va="center",
-                        arrowprops=dict(arrowstyle="-", lw=0.4, color="0.5"))
+                        arrowprops=dict(arrowstyle="-", lw=0.4, color="0.5"), annotation_clip=False)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlim(min(xs) / 1.25, max(xs) * 1.9)
-    ax.set_ylim(floor / 1.5, max(errs) * 2)
+    if xs:
+        ax.set_xlim(min(xs) / 1.25, max(xs) * 1.9)
+        _plain_log_ticks(ax.xaxis, min(xs) / 1.25, max(xs) * 1.9, (1, 2, 3, 5, 7))
+    ax.set_ylim(lo, hi)
+    _plain_log_ticks(ax.yaxis, lo, hi)
     ax.set_xlabel("bytes per token (cache record)")
     ax.set_ylabel("relative error of the read-back  ||deq - x|| / ||x||")
     ax.set_title("error vs size", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(handles=[Line2D([], [], color=c, marker=m, ls="", label=l) for c, m, l in
-                       (("tab:blue", "s", "main / FlashMLA (512, 576)"), ("tab:orange", "o", "index (128)"),
-                        ("tab:red", "^", "index (128) + Hadamard"))], fontsize=8, loc="lower left")
+    handles = [Line2D([], [], color=c, marker=m, ls="", label=l) for c, m, l in
+               (("tab:blue", "s", "main / FlashMLA (512, 576)"), ("tab:orange", "o", "index (128)"),
+                ("tab:red", "^", "index (128) + Hadamard"))]
+    if any(r["bf16_tail"] for r in shown):
+        handles.append(Line2D([], [], color="tab:blue", marker="s", markerfacecolor="white", ls=":",
+                              label="quantized dims only (without the bf16 tail)"))
+    if any(r["rel_err"] == 0 for r in shown):
+        handles.append(Line2D([], [], color="0.3", marker="v", markerfacecolor="white", ls="",
+                              label="lossless (0 error), on the bottom edge"))
+    ax.legend(handles=handles, fontsize=8, loc="upper right")
+    if missing:
+        ax.text(0.01, 0.99, "not plotted, error NaN (zero or non-finite data): "
+                + ", ".join(dict.fromkeys(_short(r) for r in missing)), transform=ax.transAxes, fontsize=7,
+                va="top", wrap=True)
 
-    idx_rows = [r for r in rows if r["recall"] is not None]
+    idx_rows = [r for r in rows if r["recall"] is not None and math.isfinite(r["recall"])]
     if idx_rows:
-        k = idx_rows[0].get("k", "k")
+        ks = sorted({r["k"] for r in idx_rows})
+        k = ks[0] if len(ks) == 1 else "k"
         xs2 = [r["bytes/token"] for r in idx_rows]
         for idx in _clusters(xs2):
             ys = _spread([idx_rows[i]["recall"] for i in idx], 0.035)
@@ -451,8 +617,9 @@ def plot(rows: List[dict], path: str, title: str) -> None:
                              fontsize=7, va="center", arrowprops=dict(arrowstyle="-", lw=0.4, color="0.5"))
         ax2.set_xscale("log")
         ax2.set_xlim(min(xs2) / 1.2, max(xs2) * 2.2)
-        lo = min(r["recall"] for r in idx_rows)
-        ax2.set_ylim(max(0.0, lo - 0.08), 1.03)
+        _plain_log_ticks(ax2.xaxis, min(xs2) / 1.2, max(xs2) * 2.2, (1, 2, 3, 5, 7))
+        lo2 = min(r["recall"] for r in idx_rows)
+        ax2.set_ylim(max(0.0, lo2 - 0.08), 1.03)
         ax2.set_xlabel("bytes per token (index cache record)")
         ax2.set_ylabel(f"recall@{k} of q.k top-{k} vs bf16")
         ax2.set_title("indexer top-k recall (Q quantized like K)", fontsize=9)
@@ -474,6 +641,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed (data, positions, slots, queries)")
     p.add_argument("--out", default="./kvfuse_demo_out", help="output folder (default ./kvfuse_demo_out)")
     p.add_argument("--input", default=None, help="K activations, a .pt or .safetensors file ([tokens, dim])")
+    p.add_argument("--input-key", action="append", default=None, metavar="[main=|index=]NAME",
+                   help="the tensor of --input to use: NAME for every call site, main=NAME / index=NAME for one "
+                        "kind (repeatable; default: kv/k/latent/kv_c/key and index_k/indexer_k/idx_k, else the "
+                        "first by name)")
     p.add_argument("--topk", type=int, default=64, help="k of recall@k for the index formats (default 64)")
     p.add_argument("--queries", type=int, default=64, help="random queries for recall@k (default 64)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
@@ -525,9 +696,13 @@ def main(argv=None) -> int:
     for name in ("n", "block_size", "topk", "queries"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.input_key and not args.input:
+        parser.error("--input-key needs --input")
+    cfg = M.get(args.model) if args.model else None
+    input_report = None
     if args.input:
         try:
-            tensors = load_input(args.input)
+            tensors, input_report, warnings = prepare_input(args.input, site_widths(cfg), args.n, args.input_key)
         except ImportError as e:  # a .safetensors file without the [demo] extra
             print(f"kvfuse demo: --input {args.input!r} needs {e.name or 'safetensors'}: {EXTRA_HINT}",
                   file=sys.stderr)
@@ -541,6 +716,8 @@ def main(argv=None) -> int:
             print(f"kvfuse demo: --input {args.input!r} is not a readable .pt or .safetensors file ({detail})",
                   file=sys.stderr)
             return 2
+        for w in warnings:
+            print(f"kvfuse demo: {w}", file=sys.stderr)
         source = os.path.basename(args.input)
     else:
         tensors = synthetic_batch(args.n, args.seed)
@@ -558,15 +735,21 @@ def main(argv=None) -> int:
             print(f"kvfuse demo: {e}", file=sys.stderr)
             return 2
         if args.model:
-            cfg = M.get(args.model)
             rows = explore_model(cfg, tensors, args.n, args.block_size, args.seed, args.topk, args.queries, device)
         else:
             rows = explore(tensors, args.n, args.block_size, args.seed, args.topk, args.queries, device,
                            progress=False if args.no_progress else None)
     elapsed = time.perf_counter() - t0
     n_main = min(args.n, fit_width(_pick(tensors, MAIN_KEYS), 512).shape[0])
-    print(f"kvfuse demo: {source}, {n_main} tokens, block_size {args.block_size}, device {device}, "
-          f"backend {kvfuse.backend.resolve_backend(device) if args.backend == 'auto' else args.backend}")
+    with kvfuse.use_backend(args.backend):
+        backend = kvfuse.backend.resolve_backend(device)
+    print(f"kvfuse demo: {source}, {n_main} tokens, block_size {args.block_size}, device {device}, backend {backend}")
+    if device.type == "cpu":
+        print("backend reference: kvfuse's PyTorch reference chain, not the Triton kernel; to run the kernel on the "
+              "CPU: TRITON_INTERPRET=1 kvfuse demo --backend triton (Triton's interpreter, slow)" if backend == "reference"
+              else "backend triton on the CPU: the Triton kernel through Triton's interpreter (TRITON_INTERPRET=1)")
+    if input_report:
+        print(input_report)
     if args.model:
         print(describe_model(cfg))
     print(format_table(rows, args.topk))
@@ -577,7 +760,8 @@ def main(argv=None) -> int:
     if "matplotlib" in missing:
         print(f"wrote {os.path.join(args.out, CSV_NAME)} ({elapsed:.1f} s; no chart: matplotlib is not installed)")
         return 0
-    plot(rows, png, f"kvfuse {what}: error vs bytes/token ({source}, n={n_main})")
+    plot(rows, png, f"kvfuse {what}: error vs bytes/token ({source}, n={n_main}, {device.type}, "
+                    f"backend {backend})")
     print(f"wrote {png} and {os.path.join(args.out, CSV_NAME)} ({elapsed:.1f} s)")
     return 0
 

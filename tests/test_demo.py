@@ -2,8 +2,9 @@
 
 Checks the table (one row per preset, two for the 128-d formats: with/without Hadamard; sizes from
 the formats; a bf16 cache is lossless with recall 1), results.csv, that the chart is a real PNG,
---input with .safetensors and .pt files, that the explorer's read-back is exactly the
-reference chain's quantize -> dequantize of the transform output it reports, and ``--model NAME``
+--input with .safetensors and .pt files (the report of the tensor used and its reshaping,
+--input-key, the warnings on data that overflows bf16 or is all zeros), the recall label (the k
+used), that the explorer's read-back is exactly the reference chain's quantize -> dequantize of the transform output it reports, and ``--model NAME``
 (one row per call site of a kvfuse.models configuration, through its kvfuse.mla calls).
 """
 import csv
@@ -48,16 +49,20 @@ def _check_table(text, out):
         assert int(parts[2]) == fmt.head_dim
         assert int(parts[4]) == fmt.bytes_per_token
         assert parts[5] == f"{2 * fmt.head_dim / fmt.bytes_per_token:.2f}x"
-        err = float(parts[6])
+        err, err_q = float(parts[6]), float(parts[7])
         assert math.isfinite(err) and 0 <= err < 0.5
         if fmt.head_dim == 128:
-            assert 0.0 <= float(parts[7]) <= 1.0
+            assert 0.0 <= float(parts[8]) <= 1.0
         else:
-            assert parts[7] == "-"
+            assert parts[8] == "-"
         if fmt.quantized:
             assert err > 0
+        if fmt.bf16_tail:       # the exact bf16 tail dilutes the whole-record error
+            assert err_q > err
+        else:
+            assert parts[7] == parts[6]
     assert float(rows[("INDEX_BF16", False)][6]) == 0.0
-    assert float(rows[("INDEX_BF16", False)][7]) == 1.0
+    assert float(rows[("INDEX_BF16", False)][8]) == 1.0
     # FP4 loses more than FP8 on the same data
     assert float(rows[("MAIN_FP4", False)][6]) > float(rows[("MAIN_FP8", False)][6])
     png = out / demo.PNG_NAME
@@ -65,14 +70,41 @@ def _check_table(text, out):
     with open(out / demo.CSV_NAME) as fh:
         table = list(csv.reader(fh))
     assert table[0] == list(demo.COLUMNS) and len(table) == 15
+    col = {name: i for i, name in enumerate(demo.COLUMNS)}
+    for line in table[1:]:
+        parts = rows[(line[col["format"]], line[col["hadamard"]] == "1")]
+        assert float(line[col["rel_err"]]) == pytest.approx(float(parts[6]), rel=0.01)
+        assert float(line[col["rel_err_q"]]) == pytest.approx(float(parts[7]), rel=0.01)
+        if F.PRESETS[line[col["format"]]].head_dim == 128:
+            assert f"recall@{line[col['k']]}" in text
+        else:
+            assert line[col["k"]] == "" and line[col["recall"]] == ""
     return rows
 
 
 def test_demo_synthetic(capsys, tmp_path):
     rc, text, out = _run(capsys, tmp_path)
     assert rc == 0
-    assert "synthetic" in text and "96 tokens" in text and "recall@8" in text
+    assert "synthetic" in text and "96 tokens" in text and "recall@8" in text and "asked for" not in text
     _check_table(text, out)
+
+
+def test_demo_recall_label_is_the_k_used(capsys, tmp_path):
+    """--topk larger than the keys: the table and the CSV say the k that was used, not the one asked for."""
+    rc, text, out = _run(capsys, tmp_path, "--topk", "100000")
+    assert rc == 0
+    assert "recall@96" in text and "recall@100000" not in text
+    assert "--topk 100000 asked for, k = 96 used" in text
+    with open(out / demo.CSV_NAME) as fh:
+        table = list(csv.DictReader(fh))
+    assert {r["k"] for r in table if r["recall"]} == {"96"}
+
+
+def test_relative_error_of_nothing_is_not_zero():
+    z = torch.zeros(4, 8)
+    assert math.isnan(demo.relative_error(z, z))
+    assert math.isnan(demo.relative_error(z, torch.full((4, 8), float("inf"))))
+    assert demo.relative_error(torch.ones(4, 8), torch.ones(4, 8)) == 0.0
 
 
 def test_demo_input_safetensors(capsys, tmp_path):
@@ -84,6 +116,8 @@ def test_demo_input_safetensors(capsys, tmp_path):
     rc, text, out = _run(capsys, tmp_path, "--input", str(path))
     assert rc == 0
     assert "acts.safetensors, 40 tokens" in text
+    assert "main = 'kv' [40, 576] bfloat16 (by name): -> 512: first 512 of 576 columns, 40 rows; -> 576: as is" in text
+    assert "index = 'index_k' [40, 128] float32 (by name): -> 128: as is, 40 rows" in text
     _check_table(text, out)
 
 
@@ -94,7 +128,78 @@ def test_demo_input_pt(capsys, tmp_path):
     rc, text, out = _run(capsys, tmp_path, "--input", str(path))
     assert rc == 0
     assert "k.pt, 30 tokens" in text
+    assert "main = 'k' [30, 1, 512] bfloat16 (the only tensor) as [30, 512]: -> 512: as is, 30 rows" in text
+    assert "-> 128: each row split into 4, 96 rows" in text      # --n 96 of the 120
     _check_table(text, out)
+
+
+def _run_input(capsys, tmp_path, obj, *extra):
+    path = tmp_path / "x.pt"
+    torch.save(obj, str(path))
+    out = tmp_path / "out"
+    rc = cli.main(["demo", "--n", "32", "--block-size", "16", "--topk", "8", "--queries", "4", "--no-progress",
+                   "--out", str(out), "--input", str(path), *extra])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err, out
+
+
+def _input_line(text):
+    return next(line for line in text.splitlines() if line.startswith("input x.pt: "))
+
+
+def test_demo_input_several_tensors(capsys, tmp_path):
+    """No conventional name: the choice is reported, --input-key makes another."""
+    g = torch.Generator().manual_seed(2)
+    obj = {"b": torch.randn(20, 128, generator=g), "a": torch.randn(20, 512, generator=g), "c": torch.randn(20, 64)}
+    rc, text, _, _ = _run_input(capsys, tmp_path, obj)
+    line = _input_line(text)
+    assert rc == 0
+    assert "main = 'a' [20, 512] float32 (first by name of 3" in line and "--input-key NAME picks another" in line
+    assert "index = 'a'" in line and "unused: 'b', 'c'" in line
+    rc, text, _, _ = _run_input(capsys, tmp_path, obj, "--input-key", "main=a", "--input-key", "index=b")
+    line = _input_line(text)
+    assert rc == 0
+    assert "main = 'a' [20, 512] float32 (--input-key)" in line and "index = 'b' [20, 128] float32 (--input-key)" in line
+    assert "unused: 'c'" in line
+    rc, _, err, _ = _run_input(capsys, tmp_path, obj, "--input-key", "zz")
+    assert rc == 2 and "no tensor 'zz'" in err and "'a', 'b', 'c'" in err
+    assert cli.main(["demo", "--input-key", "a", "--out", str(tmp_path / "o")]) == 2
+    assert "--input-key needs --input" in capsys.readouterr().err
+
+
+def test_demo_input_narrow_tensor_is_tiled(capsys, tmp_path):
+    rc, text, err, _ = _run_input(capsys, tmp_path, {"k": torch.randn(24, 128)})
+    line = _input_line(text)
+    assert rc == 0 and err.count("warning") == 0
+    assert "main = 'k' [24, 128] float32 (the only tensor): -> 512: columns tiled 4x, 24 rows; " \
+           "-> 576: columns tiled 5x and cut to 576, 24 rows" in line
+    assert "index = 'k' [24, 128] float32 (the main tensor): -> 128: as is, 24 rows" in line
+
+
+@pytest.mark.parametrize("values,what", [(torch.full((16, 128), 1e39, dtype=torch.float64), "beyond bf16's max"),
+                                         (torch.full((16, 128), 1e39, dtype=torch.float64).float(),
+                                          "already inf in the file"),
+                                         (torch.zeros(16, 128), "all zeros"),
+                                         (torch.full((16, 128), 1e-60, dtype=torch.float64), "underflow")],
+                         ids=["overflow-f64", "inf-f32", "zeros", "underflow"])
+def test_demo_input_overflow_or_zeros_warns(capsys, tmp_path, values, what):
+    """Data that becomes inf or 0 in bf16: one warning line, NaN errors, never "lossless"."""
+    rc, text, err, out = _run_input(capsys, tmp_path, {"k": values})
+    assert rc == 0
+    warnings = [line for line in err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and what in warnings[0] and "'k'" in warnings[0]
+    rows = _rows(text)
+    assert rows and all(parts[6] == "nan" and parts[7] == "nan" for parts in rows.values())
+    assert "lossless" not in text
+    with open(out / demo.CSV_NAME) as fh:
+        assert all(r["rel_err"] == "nan" for r in csv.DictReader(fh))
+    assert (out / demo.PNG_NAME).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_demo_says_the_backend(capsys, tmp_path):
+    rc, text, _, _ = _run_input(capsys, tmp_path, {"k": torch.randn(24, 128)})
+    assert rc == 0 and "device cpu, backend reference" in text
+    assert "TRITON_INTERPRET=1 kvfuse demo --backend triton" in text
 
 
 def test_demo_bad_input(capsys, tmp_path):
@@ -164,11 +269,11 @@ def test_demo_model(capsys, tmp_path, name):
         parts = rows[label]
         assert int(parts[2]) == fmt.head_dim and int(parts[4]) == fmt.bytes_per_token
         assert parts[3] == ("yes" if had else "no")
-        assert 0 < float(parts[6]) < 0.5
+        assert 0 < float(parts[6]) < 0.5 and float(parts[7]) >= float(parts[6])
         if label.startswith("index:"):
-            assert 0.0 <= float(parts[7]) <= 1.0
+            assert 0.0 <= float(parts[8]) <= 1.0
         else:
-            assert parts[7] == "-"
+            assert parts[8] == "-"
     if cfg.index_format is not None and cfg.index_norm_kind == "layer":
         assert "LayerNorm, RoPE 64 NEOX at 0, Hadamard" in text
     assert (out / demo.PNG_NAME).read_bytes()[:8] == PNG_MAGIC
