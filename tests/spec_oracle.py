@@ -138,26 +138,6 @@ def as_f32(t) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 # stages
 # --------------------------------------------------------------------------------------------
-def rmsnorm(x_bits: np.ndarray, w, eps: float) -> np.ndarray:
-    xf = bf16_to_f32(x_bits)
-    D = xf.shape[-1]
-    p = xf * xf
-    P = 1
-    while P < D:
-        P *= 2
-    if P != D:
-        p = np.concatenate([p, np.zeros(p.shape[:-1] + (P - D,), np.float32)], axis=-1)
-    while p.shape[-1] > 1:
-        p = p[..., 0::2] + p[..., 1::2]
-    ss = p[..., 0]
-    mean = ss / F32(D)
-    arg = mean + F32(eps)
-    sq = np.sqrt(arg.astype(np.float64)).astype(np.float32)
-    rstd = F32(1.0) / sq
-    wf = as_f32(w)
-    return f32_to_bf16((xf * rstd[..., None]) * wf)
-
-
 def _tree(p: np.ndarray) -> np.ndarray:
     """The adjacent-pairs tree sum over the last axis, zero-padded to a power of two."""
     D = p.shape[-1]
@@ -169,6 +149,18 @@ def _tree(p: np.ndarray) -> np.ndarray:
     while p.shape[-1] > 1:
         p = p[..., 0::2] + p[..., 1::2]
     return p[..., 0]
+
+
+def rmsnorm(x_bits: np.ndarray, w, eps: float) -> np.ndarray:
+    xf = bf16_to_f32(x_bits)
+    D = xf.shape[-1]
+    ss = _tree(xf * xf)
+    mean = ss / F32(D)
+    arg = mean + F32(eps)
+    sq = np.sqrt(arg.astype(np.float64)).astype(np.float32)
+    rstd = F32(1.0) / sq
+    wf = as_f32(w)
+    return f32_to_bf16((xf * rstd[..., None]) * wf)
 
 
 def layernorm(x_bits: np.ndarray, w, b, eps: float) -> np.ndarray:
