@@ -150,7 +150,7 @@ def _emit(y, tok, head, rmask, ok, qbase, sfbase, tailbase,
         t = y * m[:, :, None, None]
         if CAST == 1:
             # the unguarded native encode (NATIVE 2) only where the codes are just stored: decoded again
-            # for cast_back it gave wrong bf16 values on the H200 (Triton 3.6; DECISIONS.md)
+            # for cast_back it gave wrong bf16 values on the H200 (Triton 3.6; docs/design.md)
             ENC: tl.constexpr = 1 if (NATIVE == 2 and OUT_STAGE == 3) else NATIVE
             code = encode_e4m3(t, ENC)
             if OUT_STAGE == 3:
