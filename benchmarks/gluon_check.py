@@ -1,5 +1,5 @@
 """H200 check of the Gluon MAIN_FP8 fast path (kvfuse/kernels/gluon_main_fp8.py) against kvfuse's
-plain Triton path, which is byte-exact to the reference (DEVICE_NOTES.md).
+plain Triton path, which is byte-exact to the reference (docs/performance.md).
 
 (a) correctness: for each case, two caches poisoned with the same random bytes (guard bytes around
     the cache included) are written, one by the public kvfuse call (Triton backend), one by the

@@ -1,5 +1,5 @@
 """H200 check of the Gluon INDEXER fast path (kvfuse/kernels/gluon_index.py) against kvfuse's plain
-Triton path (byte-exact to the reference, DEVICE_NOTES.md), through the PUBLIC API: the fast path is
+Triton path (byte-exact to the reference, docs/performance.md), through the PUBLIC API: the fast path is
 switched by monkeypatching kvfuse.kernels.fused.FAST_PATHS / GLUON (the plan cache cleared at each
 switch), so dispatch, eligibility, the argument table and the launch table are checked too.
 

@@ -1,5 +1,5 @@
 """H200 check of the Gluon FlashMLA fast path (kvfuse/kernels/gluon_mla_tail.py) through kvfuse's
-public call, against the plain Triton path (byte-exact to the reference: DEVICE_NOTES.md).
+public call, against the plain Triton path (byte-exact to the reference: docs/performance.md).
 
 The fast path is switched by monkeypatching ``kvfuse.kernels.fused.FAST_PATHS = (gluon_mla_tail,)``
 and ``GLUON = True`` (off: ``GLUON = False``), the plan cache cleared at every switch.

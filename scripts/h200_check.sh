@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device checks (see DEVICE_NOTES.md). On the device, from the repo root:
+# Device checks (see docs/performance.md, "How these figures were measured"). On the device, from the repo root:
 #   bash scripts/h200_check.sh tests [SECONDS]   GPU test modules + a compute-sanitizer memcheck sample
 #   bash scripts/h200_check.sh bench [SECONDS]   host overhead + the full benchmark
 #   bash scripts/h200_check.sh quick [SECONDS]   launcher / streams / compile GPU tests, real eager host

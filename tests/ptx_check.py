@@ -1,7 +1,7 @@
 """Compile kernel variants for sm_90 on the CPU (no GPU needed) and scan the PTX for
 non-IEEE arithmetic: contracted multiply-adds (fma), approximate ops (.approx) and div.full;
 and, for the hot cache writes, that the record stores stay vectorized (Triton 3.6 once turned
-them all into byte stores: DEVICE_NOTES.md, session 2). Variants compile as a launch specializes
+them all into byte stores: docs/performance.md). Variants compile as a launch specializes
 them: 16-divisible pointers and row strides, 32-bit integers. Run as a script (it must not run
 under TRITON_INTERPRET): prints one line per variant, exits 1 on any finding."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """kvfuse.kernels.launcher: a Launch's direct path into Triton's compiled launcher, with stand-in
-kernels (no GPU here: the real launcher runs in tests/gpu, see DEVICE_NOTES.md). What is checked:
+kernels (no GPU here: the real launcher runs in tests/gpu, see docs/performance.md). What is checked:
 the arguments the direct path passes (every parameter in order, constexprs included, Triton's hook
 protocol), and every case that must fall back to Triton's own path."""
 from __future__ import annotations

@@ -58,7 +58,7 @@ def _compiled_bad_call(fullgraph):
 
 
 def test_compile_fullgraph_reports_the_real_error_inside_unsupported():
-    """The exact behaviour documented in RELIABILITY.md (fullgraph=True): Unsupported, with the
+    """The exact behaviour documented in docs/reliability.md (fullgraph=True): Unsupported, with the
     TypeError's text in its message and an ObservedTypeError as its cause."""
     err = _compiled_bad_call(fullgraph=True)
     assert isinstance(err, torch._dynamo.exc.Unsupported), type(err)

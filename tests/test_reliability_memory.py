@@ -561,7 +561,7 @@ def test_rmsnorm_square_overflow_is_exact(fmt):
 def test_hadamard_overflow_confined_to_its_row(fmt):
     """Finite x whose Hadamard overflows (bf16-max values): the overflowing rows hold inf/NaN after
     the transform, and the backends may disagree inside them (see the xfail below and
-    RELIABILITY.md); the other rows and every other byte must be exact."""
+    docs/reliability.md); the other rows and every other byte must be exact."""
     x = _overflow_x(fmt)
     res = _run_both(fmt, x, {"hadamard_args": HadamardArgs(1.0)}, "cast_back")
     (cache, st, out), (_, sr, outr) = res["triton"], res["reference"]

@@ -150,7 +150,7 @@ def _emit(y, tok, head, rmask, ok, qbase, sfbase, tailbase,
         t = y * m[:, :, None, None]
         if CAST == 1:
             # the unguarded native encode (NATIVE 2) only where the codes are just stored: decoded again
-            # for cast_back it gave wrong bf16 values on the H200 (Triton 3.6; DEVICE_NOTES.md)
+            # for cast_back it gave wrong bf16 values on the H200 (Triton 3.6; docs/design.md)
             ENC: tl.constexpr = 1 if (NATIVE == 2 and OUT_STAGE == 3) else NATIVE
             code = encode_e4m3(t, ENC)
             if OUT_STAGE == 3:
@@ -368,7 +368,7 @@ def fused_kernel(
     # that their latency (and the positions -> cos/sin chain) overlaps the norm's tree, which halves
     # the time beyond the launch at decode sizes. Else where they are used: issued up front they
     # raise the register count of multi-row programs (104 vs 64 for MAIN_FP8 at BLOCK_M 2), which
-    # costs more in occupancy at large n than it saves in latency (DEVICE_NOTES.md, session 3).
+    # costs more in occupancy at large n than it saves in latency (docs/performance.md).
     HALF: tl.constexpr = R // 2
     if EARLY:
         if HAS_NORM:
@@ -569,7 +569,7 @@ def plain_launch_table(block_d: int, cast_fmt=None) -> tuple:
 
 def launch_config(n_rows: int, head_dim: int, block_d: int, interpret: bool, cast_fmt=None):
     """(BLOCK_M, num_warps) from a small table measured on the H200 (benchmarks/tune_sweep.py,
-    DEVICE_NOTES.md): one row per one-warp program at decode sizes; above, one-warp programs of
+    docs/performance.md): one row per one-warp program at decode sizes; above, one-warp programs of
     ~1K elements (2 rows of 512, 1 of 576), 4 rows of 128, 8 for e2m1 from 16384 rows (whose
     encode and nibble packing leave more room between memory accesses: 8 rows measured 15-20%
     faster for INDEX_MXFP4 and INDEX_NVFP4 at n >= 65536, while 8 rows of INDEX_FP8_FP32 were 35%

@@ -97,8 +97,8 @@ switch existed (40 variants, offline). Checked on the H200 by benchmarks/gluon_c
 The module imports without a GPU and under any Triton; ``available()`` says whether this path can
 run (Triton 3.6's Gluon API and a CUDA device); ``enabled()``: on there unless KVFUSE_GLUON=0 or
 KVFUSE_GLUON_SKIP names "index". Proven byte-equal on the H200 (27 of 27 whole-storage comparisons
-for FP8_FP32 / MXFP4 / NVFP4, plus MXFP8 in the memcheck cases, 0 memcheck errors; DEVICE_NOTES.md
-session 3, run 6).
+for FP8_FP32 / MXFP4 / NVFP4, plus MXFP8 in the memcheck cases, 0 memcheck errors; see
+docs/performance.md).
 """
 from __future__ import annotations
 
@@ -638,8 +638,8 @@ def _grid(plan, args, constexprs: dict, options: dict) -> tuple:
 
 # --------------------------------------------------------------------------- kvfuse's dispatch
 def enabled() -> bool:
-    """On with Triton 3.6 on CUDA (``available()``; proven byte-equal on the H200, DEVICE_NOTES.md
-    session 3), unless KVFUSE_GLUON=0 (every Gluon path off) or KVFUSE_GLUON_SKIP (a comma list)
+    """On with Triton 3.6 on CUDA (``available()``; proven byte-equal on the H200, see
+    docs/performance.md), unless KVFUSE_GLUON=0 (every Gluon path off) or KVFUSE_GLUON_SKIP (a comma list)
     names "index"."""
     return allowed_by_env("index") and available()
 

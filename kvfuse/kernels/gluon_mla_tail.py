@@ -66,7 +66,7 @@ scales as st.global.b8 (st.global.b32 codes where the pointer or a stride is not
 The module imports without a GPU and under any Triton; ``available()`` says whether this path can
 run (Triton 3.6's Gluon API and a CUDA device); ``enabled()``: on there unless KVFUSE_GLUON=0 or
 KVFUSE_GLUON_SKIP names "mla_tail". Proven byte-equal on the H200 (14 of 14 whole-storage
-comparisons, 0 memcheck errors; DEVICE_NOTES.md session 3, run 6).
+comparisons, 0 memcheck errors; see docs/performance.md).
 """
 from __future__ import annotations
 
@@ -388,8 +388,8 @@ def launch_parts(plan, tensor, num_warps: int, rows_per_warp: int, pipeline: boo
 
 # --------------------------------------------------------------------------- kvfuse's dispatch
 def enabled() -> bool:
-    """On with Triton 3.6 on CUDA (``available()``; proven byte-equal on the H200, DEVICE_NOTES.md
-    session 3), unless KVFUSE_GLUON=0 (every Gluon path off) or KVFUSE_GLUON_SKIP (a comma list)
+    """On with Triton 3.6 on CUDA (``available()``; proven byte-equal on the H200, see
+    docs/performance.md), unless KVFUSE_GLUON=0 (every Gluon path off) or KVFUSE_GLUON_SKIP (a comma list)
     names "mla_tail"."""
     return allowed_by_env("mla_tail") and available()
 

@@ -29,7 +29,7 @@ import triton
 from ..backend import env_flag
 
 # the launcher convention used below: CompiledKernel.run(gx, gy, gz, stream, function, packed_metadata,
-# launch_metadata, enter_hook, exit_hook, *every parameter in order); checked on the H200 (DEVICE_NOTES.md)
+# launch_metadata, enter_hook, exit_hook, *every parameter in order); checked on the H200 (docs/performance.md)
 DIRECT_LAUNCH_VERSIONS = ("3.6.",)
 
 
