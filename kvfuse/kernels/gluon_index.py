@@ -79,13 +79,13 @@ launch table's BLOCK_M (4 rows; e2m1 8 rows from n = 16384), warp-instructions p
 | INDEX_FP8_FP32  | 77                                   | 230                     |
 | INDEX_MXFP8     | 77                                   | 224                     |
 | INDEX_MXFP4     | 99 (108 with the fp32 e2m1 encoder)  | 302 (8 rows: 229)       |
-| INDEX_NVFP4     | 110.5 (125 before session 5)         | 334 (8 rows: 228)       |
+| INDEX_NVFP4     | 110.5 (125 with the fp32 encoder)    | 334 (8 rows: 228)       |
 
-(72-76 registers; 88 with PIPELINE.) Session 5 replaced the fp32 e2m1 encoder (12 instructions a value)
-by gluon_common.e2m1_nibble (8): INDEX_NVFP4 at n = 262144 went from 47.7 to 41.4-41.7 us (76.9% ->
-87.8% of copy, H200). Time: the report of benchmarks/gluon_check_index.py.
+(72-76 registers; 88 with PIPELINE.) gluon_common.e2m1_nibble (8 instructions a value, against 12 for
+an fp32 encoder) took INDEX_NVFP4 at n = 262144 from 47.7 to 41.4-41.7 us (76.9% -> 87.8% of copy,
+H200). Time: the report of benchmarks/gluon_check_index.py.
 
-The same kernel writes CONTIGUOUS outputs too (CONTIG, session 4): kvfuse's (q, sf) of these casts
+The same kernel writes CONTIGUOUS outputs too (CONTIG): kvfuse's (q, sf) of these casts
 without a cache, e.g. the indexer's Q (x [n, H, 128], H a power of two, RoPE, no norm: NORM off). Its
 rows are the (token, head) pairs, r = token * H + head (a head's position is its token's), row r's
 codes go to q + r * q_row and its scales to sf + r * sf_row (bytes; ``_eligible_contig``: evenly
@@ -559,13 +559,13 @@ def chain_of(plan):
 
 
 def launch_table(n_rows: int):
-    """(num_warps, rows_per_thread, pipeline) per batch size, from the H200 sweep of session 4
+    """(num_warps, rows_per_thread, pipeline) per batch size, from an H200 sweep
     (benchmarks/gluon_tune.py; benchmarks/results/2026-11-29_h200_s4_gluon_tune.txt; a warp holds
     4 * rows_per_thread rows): four one-row-per-thread warps up to n = 16384 (best or within 0.05 us
     at n = 256 and 4096 for all three formats), two warps, no pipeline, around n = 65536 (MXFP4
-    11.3 us against 12.4 with the session-3 table), four warps of two rows per thread loading their
+    11.3 us against 12.4 with the earlier table), four warps of two rows per thread loading their
     next tile ahead above (at n = 262144: MXFP4 41.7 us = 88.6% of copy, NVFP4 47.4 us = 78.4%,
-    FP8_FP32 33.6 us, against 52.3 / 51.1 / 47.2 us with the session-3 table's one pipelined warp).
+    FP8_FP32 33.6 us, against 52.3 / 51.1 / 47.2 us with the earlier table's one pipelined warp).
     The thresholds between the measured sizes (1, 256, 4096, 65536, 262144) are not tuned."""
     return gluon_common.table_entry(LAUNCH_TABLE, n_rows)
 

@@ -39,7 +39,7 @@ value from t = y * m to the signed nibble; 66 instructions a row fewer than with
 ``_e2m1``, packing included); its host mirror
 ``e2m1_nibble_mirror`` was checked against kvfuse.reference.encode_e2m1 on all 2^32 fp32 patterns
 (benchmarks/gluon_check_main_fp4.py --prove-encoder; 0 differ). INDEX_NVFP4 (gluon_index) uses the
-same encoder since session 5.
+same encoder.
 
 SASS, offline (sm_90, Triton 3.6, enable_fp_fusion=False; bf16 weight, int32 indices, fp32 cos/sin,
 16-byte-aligned pointers; the persistent loop body, IEEE div/sqrt slow paths not counted), warp-
@@ -123,10 +123,10 @@ def supports(x, weight, positions, cos_sin, slot_mapping, kv_cache) -> str:
 
 def launch_table(n_rows: int):
     """(num_warps, rows_per_warp, pipeline) per batch size, measured on the H200 with
-    benchmarks/gluon_tune.py (sessions 4 and 5; ``benchmarks/results/2026-11-29_h200_s5_gluon_tune*``):
+    benchmarks/gluon_tune.py (``benchmarks/results/2026-11-29_h200_s5_gluon_tune*``):
     two one-row warps per CTA up to n = 8192 (n = 1: 1.76 us against 1.85 with one warp; n = 4096:
     4.03 us), then one warp without pipeline (n = 16384: 10.5-10.8 us against 10.7-10.9 with two warps;
-    n = 262144: 149.9-151.4 us over six session-5 sweeps against 153.6-160.9 pipelined: the
+    n = 262144: 149.9-151.4 us over six sweeps against 153.6-160.9 pipelined: the
     kernel is issue-bound, and the pipeline's register moves cost more than its early loads save)."""
     return gluon_common.table_entry(LAUNCH_TABLE, n_rows)
 

@@ -338,7 +338,7 @@ def supports(x, weight, positions, cos_sin, slot_mapping, kv_cache) -> str:
 
 def launch_table(n_rows: int):
     """(num_warps, rows_per_warp, pipeline) per batch size, measured on the H200 with
-    benchmarks/gluon_tune.py (sessions 4 and 5; ``benchmarks/results/2026-11-29_h200_s5_gluon_tune*``):
+    benchmarks/gluon_tune.py (``benchmarks/results/2026-11-29_h200_s5_gluon_tune*``):
     one one-warp row per CTA up to n = 1024 (n = 1024: 2.23 us against 2.41 with four warps), four
     warps per CTA up to 8192 (n = 4096: 3.44-3.49 us; two warps are within 1-3% either way at 2048 /
     4096 / 8192), one warp without pipeline up to 16384 (8.06 us against 8.45 with four warps), then

@@ -343,11 +343,11 @@ def format_constexprs(fmt):
 
 def launch_table(n_rows: int):
     """(num_warps, rows_per_warp, pipeline) per batch size, measured on the H200 with
-    benchmarks/gluon_tune.py (sessions 4 and 5; ``benchmarks/results/2026-11-29_h200_s*_gluon_tune*``):
+    benchmarks/gluon_tune.py (``benchmarks/results/2026-11-29_h200_s*_gluon_tune*``):
     two one-row warps per CTA up to n = 16384 (n = 1: 1.70 / 1.73 us for V32 / MODEL1 against 1.76 /
     1.84 with one warp; n = 8192: 5.12 / 4.90 us against 5.24 / 5.08 with four warps; n = 4096: within
     1% of four warps), two warps of two rows each, no pipeline, above (V32 at n = 262144: 145.1 us =
-    89.7% of copy, against 195.8 us with the session-3 table's one pipelined warp; MODEL1 128.2 us)."""
+    89.7% of copy, against 195.8 us with the earlier table's one pipelined warp; MODEL1 128.2 us)."""
     return gluon_common.table_entry(LAUNCH_TABLE, n_rows)
 
 
@@ -394,7 +394,7 @@ def enabled() -> bool:
     return allowed_by_env("mla_tail") and available()
 
 
-# faster than (or within 0.02 us of) the plain kernel at every measured size with the session-4
+# faster than (or within 0.02 us of) the plain kernel at every measured size with the tuned
 # table (n = 1: V32 1.70 vs 1.87 us, MODEL1 1.73 vs 1.75; n = 256: V32 2.15 vs 2.30, MODEL1 1.96 vs
 # 1.94; benchmarks/results/2026-11-29_h200_s4_gluon_tune.txt)
 MIN_ROWS = 1

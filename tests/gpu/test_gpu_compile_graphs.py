@@ -1,4 +1,4 @@
-"""GPU module for issue 5 (skipped without CUDA; KVFUSE_TEST_GPU=1): the public entry points under
+"""GPU module (skipped without CUDA; KVFUSE_TEST_GPU=1): the public entry points under
 CUDA-graph capture/replay with preallocated outputs, under torch.compile(fullgraph=True), and both
 together; bytes compared with direct eager calls. (Written 2026-11-29 after the session's device
 time was spent: not yet run on a GPU.)"""
