@@ -1,4 +1,4 @@
-"""An independent, pure-numpy oracle of SPEC.md §2-§4 and §9 (written from the SPEC text only).
+"""An independent, pure-numpy oracle of docs/SPEC.md §2-§4 and §9 (written from the SPEC text only).
 
 Conventions
 -----------

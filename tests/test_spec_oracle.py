@@ -1,4 +1,4 @@
-"""kvfuse (backends "reference" and "triton") against the independent numpy oracle of SPEC.md
+"""kvfuse (backends "reference" and "triton") against the independent numpy oracle of docs/SPEC.md
 (tests/spec_oracle.py), on randomized and hand-constructed cases; every byte compared exactly."""
 from __future__ import annotations
 
