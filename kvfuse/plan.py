@@ -241,6 +241,13 @@ def validate(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=No
     plan = Plan(x=None)
     sources = [("x", X, two_d)]
 
+    # ---- a cache whose format disagrees with x: say so first (the norm weight, shaped for the cache's
+    # head_dim, would otherwise be blamed for the mismatch)
+    if isinstance(out_args, KVCacheOutArgs) and isinstance(out_args.layout, KVCacheFormat) \
+            and out_args.layout.head_dim != D:
+        raise ValueError(f"out_args.layout {out_args.layout.name} has head_dim {out_args.layout.head_dim}, "
+                         f"but x has head_dim {D}")
+
     # ---- norm
     if norm_args is not None:
         if not isinstance(norm_args, NormArgs):

@@ -850,3 +850,15 @@ def test_user_formats_in_the_api_validated():
     s = Setup(uf)
     s.args["cast_args"] = CastArgs("e4m3", 64, True, "ue8m0")
     s.rejects(ValueError, "cast_args must match the cache format U")
+
+
+def test_head_dim_mismatch_blames_x_and_the_format_not_the_weight():
+    """x of the wrong width for the cache's format: the error names the format and x, even when the
+    norm weight was shaped for the format."""
+    fmt = kvfuse.formats.MAIN_FP8
+    cache = fmt.allocate(2, 4)
+    x = torch.zeros(3, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"out_args.layout MAIN_FP8 has head_dim 512, but x has head_dim 128"):
+        kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(
+            x, norm_args=kvfuse.NormArgs(torch.ones(512)), cast_args=kvfuse.CastArgs.from_cache_format(fmt),
+            out_args=kvfuse.KVCacheOutArgs(cache, torch.arange(3), layout=fmt))
