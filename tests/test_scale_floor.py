@@ -22,7 +22,7 @@ def flashmla_exponent(amax: torch.Tensor) -> torch.Tensor:
     return torch.ceil(torch.log2(s)).to(torch.int64)
 
 
-def _rows(n, g):
+def _rows(n):
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(n, 576, generator=gen)
     scales = torch.tensor([0.0, 1e-6, 1e-3, 0.01, 0.02734375, 0.0274, 0.05, 1.0, 300.0])
@@ -30,18 +30,22 @@ def _rows(n, g):
     return x.to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_flashmla_v32_scales_follow_flashmlas_rule(backend):
-    fmt = formats.FLASHMLA_V32
-    n = 27
-    x = _rows(n, 128)
-    cache = fmt.allocate(4, 8)
+def _scale_bytes(fmt, x, backend):
+    """The raw scale bytes [n, sf_bytes] of x's rows written through the public call (the cast of x)."""
+    n = x.shape[0]
+    cache = fmt.allocate(-(-n // 8), 8)
     slots = torch.arange(n)
     with kvfuse.use_backend(backend):
         kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(
             x, cast_args=CastArgs.from_cache_format(fmt), out_args=KVCacheOutArgs(cache, slots, layout=fmt))
-    data, sf = kvfuse.load_paged_kv_cache(cache, slots, fmt, dequantize=False)
-    scales = sf[:, 0, :16].contiguous().view(torch.float32)                    # [n, 4] fp32 2^e
+    return kvfuse.load_paged_kv_cache(cache, slots, fmt, dequantize=False)[1][:, 0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flashmla_v32_scales_follow_flashmlas_rule(backend):
+    n = 27
+    x = _rows(n)
+    scales = _scale_bytes(formats.FLASHMLA_V32, x, backend)[:, :16].contiguous().view(torch.float32)  # 2^e
     amax = torch.maximum(x[:, :512].float().abs().reshape(n, 4, 128).amax(-1), torch.tensor(1e-4))
     want = torch.exp2(flashmla_exponent(amax).double()).float()
     assert torch.equal(scales, want)
@@ -50,17 +54,11 @@ def test_flashmla_v32_scales_follow_flashmlas_rule(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_flashmla_model1_scale_bytes(backend):
-    fmt = formats.FLASHMLA_MODEL1
     n = 18
-    x = _rows(n, 64)[:, :512].contiguous()
-    cache = fmt.allocate(3, 8)
-    slots = torch.arange(n)
-    with kvfuse.use_backend(backend):
-        kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(
-            x, cast_args=CastArgs.from_cache_format(fmt), out_args=KVCacheOutArgs(cache, slots, layout=fmt))
-    _, sf = kvfuse.load_paged_kv_cache(cache, slots, fmt, dequantize=False)
+    x = _rows(n)[:, :512].contiguous()
+    sf = _scale_bytes(formats.FLASHMLA_MODEL1, x, backend)
     amax = torch.maximum(x[:, :448].float().abs().reshape(n, 7, 64).amax(-1), torch.tensor(1e-4))
-    assert torch.equal(sf[:, 0, :7].long(), flashmla_exponent(amax) + 127)
+    assert torch.equal(sf[:, :7].long(), flashmla_exponent(amax) + 127)
 
 
 def test_reference_quantize_with_and_without_the_floor():
@@ -73,7 +71,7 @@ def test_reference_quantize_with_and_without_the_floor():
 
 
 def test_contiguous_cast_with_a_floor_on_both_backends():
-    x = _rows(20, 32)[:, :256].contiguous()
+    x = _rows(20)[:, :256].contiguous()
     cast = CastArgs("e4m3", 32, True, "ue8m0", scale_floor=2.0 ** -10)
     got = {}
     for backend in BACKENDS:
