@@ -25,6 +25,7 @@ import random
 
 from kvfuse import CastArgs, formats
 from kvfuse.kernels import fused
+from kvfuse.kernels.gluon_common import table_index
 
 from kernel_cases import ALL_FORMATS, Case, plan_of
 
@@ -64,7 +65,7 @@ def dispatch_of(case: Case) -> str:
     if key not in _DISPATCH:
         _DISPATCH[key] = _dispatch_table(small, rows)
     table, label = _DISPATCH[key]
-    return f"{label} entry {_entry_index(table, rows)}"
+    return f"{label} entry {table_index(table, rows)}"
 
 
 _DISPATCH = {}
@@ -80,11 +81,6 @@ def _dispatch_table(small: Case, rows: int):
     block_d = fused.next_pow2(small.head_dim)
     cast = plan.cast.cast_fmt if plan.cast else None
     return fused.plain_launch_table(block_d, cast), f"plain {block_d}/{cast}"
-
-
-def _entry_index(table, rows: int) -> int:
-    """The position in ``table`` of the entry that gluon_common.table_entry picks for ``rows``."""
-    return max(i for i, (first, _) in enumerate(table) if rows >= first or i == 0)
 
 
 def all_table_entries() -> set:

@@ -54,16 +54,21 @@ def x_weight_guard(plan) -> tuple:
     return word_aligned, ("x", "weight")
 
 
-def table_entry(table, n_rows: int):
-    """The entry of a launch table ``((first n_rows, entry), ...)`` (ascending firsts, the first 1)
-    that covers ``n_rows``: the last whose first is <= n_rows. The tables are data so that the GPU
-    test matrix (tests/gpu_matrix.py) can enumerate every entry a dispatch can pick."""
-    entry = table[0][1]
-    for first, e in table:
+def table_index(table, n_rows: int) -> int:
+    """The position of the launch-table entry ``((first n_rows, entry), ...)`` (ascending firsts,
+    the first 1) that covers ``n_rows``: the last whose first is <= n_rows. The tables are data so
+    that the GPU test matrix (tests/gpu_matrix.py) can enumerate every entry a dispatch can pick."""
+    index = 0
+    for i, (first, _) in enumerate(table):
         if n_rows < first:
             break
-        entry = e
-    return entry
+        index = i
+    return index
+
+
+def table_entry(table, n_rows: int):
+    """The entry of a launch table that covers ``n_rows`` (``table_index``)."""
+    return table[table_index(table, n_rows)][1]
 
 
 def log2_block(block_size: int) -> int:
