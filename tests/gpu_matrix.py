@@ -24,6 +24,7 @@ import itertools
 import random
 
 from kvfuse import CastArgs, formats
+from kvfuse.models import INDEX_FP8_UE8M0_FP32
 from kvfuse.kernels import fused
 from kvfuse.kernels.gluon_common import table_index
 
@@ -98,6 +99,11 @@ def all_table_entries() -> set:
 # ------------------------------------------------------------------------------ fast paths
 FAST_MAIN = dict(heads=1, head_dim=512, rotary_dim=64, out_stage=None)
 FAST_INDEX_WRITE = dict(heads=1, head_dim=128, rotary_dim=64, out_stage=None, neox=True)
+# the indexer fast path's chains: the NEOX preset, DeepSeek V3.2's K (LayerNorm + bias, RoPE on columns
+# 0..63, Hadamard), V4's (GPT-J on the tail, Hadamard), and each new feature alone
+INDEX_CHAINS = [dict(), dict(norm_kind="layer", bias=True, rope_offset=0, hadamard=True),
+                dict(neox=False, hadamard=True), dict(neox=False, rope_offset=0, norm_kind="layer")]
+INDEX_Q_CHAINS = [dict(neox=True), dict(neox=True, rope_offset=0, hadamard=True), dict(neox=False, hadamard=True)]
 
 
 def _fast_n(table, i, min_rows, heads=1):
@@ -117,26 +123,27 @@ def fast_cases() -> list:
                                 (gluon_main_fp4, [formats.MAIN_FP4], FAST_MAIN),
                                 (gluon_mla_tail, [formats.FLASHMLA_V32, formats.FLASHMLA_MODEL1], None),
                                 (gluon_index, [formats.INDEX_FP8_FP32, formats.INDEX_MXFP8, formats.INDEX_MXFP4,
-                                               formats.INDEX_NVFP4], FAST_INDEX_WRITE)):
+                                               formats.INDEX_NVFP4, INDEX_FP8_UE8M0_FP32], FAST_INDEX_WRITE)):
         table = module.LAUNCH_TABLE
-        for i, neox in itertools.product(range(len(table)), styles if module is not gluon_index else (True,)):
+        variants = INDEX_CHAINS if module is gluon_index else [dict(neox=neox) for neox in styles]
+        for i, variant in itertools.product(range(len(table)), variants):
             for k, fmt in enumerate(fmts):
                 seed += 1
                 n = _fast_n(table, i, module.MIN_ROWS) + (seed % 3)
-                base = chain or dict(heads=1, head_dim=fmt.head_dim, rotary_dim=64, out_stage=None)
+                base = {**(chain or dict(heads=1, head_dim=fmt.head_dim, rotary_dim=64, out_stage=None)), **variant}
                 bs = (16, 64, 24)[seed % 3]
-                cases.append(Case(n=n, **{**base, "neox": neox}, fmt=fmt, seed=seed, idx32=bool(seed % 2),
+                cases.append(Case(n=n, **base, fmt=fmt, seed=seed, idx32=bool(seed % 2),
                                   w_fp32=(seed // 2) % 2 == 1, cs_bf16=(seed // 4) % 2 == 1, block_size=bs,
                                   num_blocks=n // bs + 3, slot_kind=("random", "invalid", "cross_page")[seed % 3],
                                   x2d=seed % 5 == 0))
         if module is gluon_index:     # the contiguous (q, sf) path: the indexer Q, rows = tokens x heads
-            for i in range(len(table)):
+            for i, variant in itertools.product(range(len(table)), INDEX_Q_CHAINS):
                 for k, fmt in enumerate(fmts):
                     seed += 1
                     heads = (64, 4, 16)[seed % 3]
                     n = _fast_n(table, i, module.MIN_ROWS, heads)
                     cases.append(Case(n=n, heads=heads, head_dim=128, fmt=None, norm=seed % 4 == 0, rotary_dim=64,
-                                      neox=True, cast=CastArgs.from_cache_format(fmt), seed=seed,
+                                      **variant, cast=CastArgs.from_cache_format(fmt), seed=seed,
                                       idx32=bool(seed % 2), cs_bf16=seed % 3 == 0))
     return cases
 

@@ -40,14 +40,37 @@ def test_each_index_chain_is_eligible(fmt):
     assert GI.eligible(plan_of(index_case(fmt, n=1, slot_kind="invalid", block_size=1, num_blocks=7)))
 
 
+# the models' chains: DeepSeek V3.2's indexer K (LayerNorm + bias, NEOX RoPE on columns 0..63, Hadamard)
+# and V4's (RMSNorm, GPT-J RoPE on the tail, Hadamard), and their neighbours
+MODEL_CHAINS = [
+    dict(norm_kind="layer", bias=True, rope_offset=0, hadamard=True),
+    dict(neox=False, hadamard=True),
+    dict(neox=False), dict(hadamard=True), dict(rope_offset=0), dict(rope_offset=0, neox=False),
+    dict(norm_kind="layer"), dict(norm_kind="layer", bias=True, w_fp32=True),
+]
+
+
+@pytest.mark.parametrize("fmt", INDEX_FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("change", MODEL_CHAINS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_model_chains_are_eligible(fmt, change):
+    assert GI.eligible(plan_of(index_case(fmt, **change)))
+
+
 @pytest.mark.parametrize("fmt", INDEX_FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("change", [
-    dict(conjugate=True), dict(neox=False), dict(hadamard=True),
+    dict(conjugate=True), dict(neox=False, conjugate=True),
     dict(out_stage="transform"), dict(out_stage="norm"), dict(out_stage="cast_back"),
-    dict(rotary_dim=32), dict(rotary_dim=64, rope_offset=0), dict(rope=False), dict(norm=False),
+    dict(rotary_dim=32), dict(rotary_dim=64, rope_offset=32), dict(rope=False), dict(norm=False),
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_neighbouring_chains_are_not(fmt, change):
     assert not GI.eligible(plan_of(index_case(fmt, **change)))
+
+
+def test_ue8m0_fp32_scales_of_128_are_eligible():
+    """DeepSeek V3.2's shipped indexer format (power-of-two scales stored as fp32): CHAINS' SF 1."""
+    from kvfuse.models import INDEX_FP8_UE8M0_FP32
+    plan = plan_of(index_case(INDEX_FP8_UE8M0_FP32, norm_kind="layer", bias=True, rope_offset=0, hadamard=True))
+    assert GI.eligible(plan) and GI.chain_of(plan) == (1, 128, 1)
 
 
 @pytest.mark.parametrize("fmt", [
@@ -126,16 +149,18 @@ def test_argument_table(fmt, chain):
     plan = plan_of(index_case(fmt, n=7, block_size=24, block_padding=40, idx32=True))
     args, constexprs, options = GI.launch_args(plan, tensor_arg, 4, 1, False)
     cache, a = plan.kv_cache, plan.addressing
-    assert [a_.field for a_ in args if hasattr(a_, "field")] == ["x", "weight", "positions", "cos_sin",
+    assert [a_.field for a_ in args if hasattr(a_, "field")] == ["x", "weight", "bias", "positions", "cos_sin",
                                                                  "slot_mapping", "kv_cache", "kv_cache"]
     numbers = [v for v in args if not hasattr(v, "field")]
-    assert numbers == [plan.x.stride(0) // 2, plan.eps, plan.positions.stride(0), plan.cos_sin.stride(0),
+    assert numbers == [plan.x.stride(0) // 2, plan.eps, 1.0, plan.positions.stride(0), plan.cos_sin.stride(0),
                        plan.cos_sin.shape[0], plan.slot_mapping.stride(0), cache.stride(0), a.sf_offset,
                        a.sf_token_stride, 24, cache.shape[0] * 24, 7, 0, 0]
     assert (constexprs["CAST"], constexprs["G"], constexprs["SF"]) == chain
     assert constexprs["NORM"] and not constexprs["CONTIG"] and constexprs["LOG2_HEADS"] == 0
     assert constexprs["LOG2_BLOCK"] == -1 and constexprs["SLOT32"] and constexprs["OFFSETS32"]
     assert constexprs["W_BF16"] and constexprs["ROWS_PER_THREAD"] == 1 and not constexprs["PIPELINE"]
+    assert constexprs["NEOX"] and not (constexprs["LAYER"] or constexprs["HAS_BIAS"] or constexprs["ROPE_A"]
+                                       or constexprs["HAD"])
     assert options == dict(num_warps=4, num_stages=1, enable_fp_fusion=False)
     kernel = getattr(GI, "index_write_kernel", None)
     if kernel is not None:                                       # Gluon importable: the parameter order
@@ -184,15 +209,16 @@ def test_contiguous_q_chains_are_eligible(name):
     assert GI.eligible(plan_of(q_case(cast)))
     assert GI.eligible(plan_of(q_case(cast, norm=True, w_fp32=True, heads=64, x_row_pad=8, idx32=True)))
     assert GI.eligible(plan_of(q_case(cast, heads=1, x2d=True, n=1)))
+    # the models' indexer Q: V3.2 (RoPE on columns 0..63, NEOX) and V4 (GPT-J on the tail), with the Hadamard
+    assert GI.eligible(plan_of(q_case(cast, heads=64, rope_offset=0, hadamard=True)))
+    assert GI.eligible(plan_of(q_case(cast, heads=64, neox=False, hadamard=True)))
 
 
 def test_contiguous_q_deviations_are_not_eligible():
     assert not GI.eligible(plan_of(q_case(heads=3)))                 # heads not a power of two
     assert not GI.eligible(plan_of(q_case(x_row_pad=1)))             # rows 129 bf16 apart: not whole words
-    assert not GI.eligible(plan_of(q_case(rope_offset=0)))
-    assert not GI.eligible(plan_of(q_case(neox=False)))
+    assert not GI.eligible(plan_of(q_case(rope_offset=32)))
     assert not GI.eligible(plan_of(q_case(conjugate=True)))
-    assert not GI.eligible(plan_of(q_case(hadamard=True)))
     assert not GI.eligible(plan_of(q_case(cast=CastArgs("e2m1", 32, True, "ue8m0", cast_back=True))))
     assert not GI.eligible(plan_of(q_case(cast=CastArgs("e4m3", 64, True, "ue8m0"))))   # no such chain
     plan = plan_of(q_case())
@@ -206,10 +232,10 @@ def test_contiguous_q_deviations_are_not_eligible():
 def test_contiguous_argument_table():
     plan = plan_of(q_case(CASTS["INDEX_FP8_FP32"], n=5, heads=8, x_row_pad=8, idx32=True))
     args, constexprs, options = GI.launch_args(plan, tensor_arg, 2, 1, False)
-    assert [a_.field for a_ in args if hasattr(a_, "field")] == ["x", "weight", "positions", "cos_sin",
+    assert [a_.field for a_ in args if hasattr(a_, "field")] == ["x", "weight", "bias", "positions", "cos_sin",
                                                                  "slot_mapping", "q_out", "sf_out"]
     numbers = [v for v in args if not hasattr(v, "field")]
-    assert numbers == [136 // 2, plan.eps, plan.positions.stride(0), plan.cos_sin.stride(0),
+    assert numbers == [136 // 2, plan.eps, 1.0, plan.positions.stride(0), plan.cos_sin.stride(0),
                        plan.cos_sin.shape[0], 0, 0, 0, 0, 1, 0, 40, 128, 4]
     assert (constexprs["CAST"], constexprs["G"], constexprs["SF"]) == (1, 128, 3)
     assert constexprs["CONTIG"] and not constexprs["NORM"] and constexprs["LOG2_HEADS"] == 3

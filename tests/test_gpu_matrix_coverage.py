@@ -23,17 +23,28 @@ def test_every_launch_table_entry_has_a_case(built):
     assert not missing, f"launch-table entries without a GPU case: {sorted(missing)}"
 
 
-def test_every_fast_path_entry_runs_each_rope_style_it_serves(built):
+def test_every_fast_path_entry_runs_each_chain_it_serves(built):
+    """Every entry of every fast path runs both RoPE styles; the indexer's also RoPE at offset 0 and on
+    the tail, LayerNorm (with a bias) and RMSNorm, with and without the Hadamard, and every format."""
     fast, _, _ = built
-    seen = collections.defaultdict(set)
+    seen = collections.defaultdict(lambda: collections.defaultdict(set))
     for c in fast:
         if c.fmt is not None:
-            seen[M.dispatch_of(c)].add(c.neox)
+            got = seen[M.dispatch_of(c)]
+            got["neox"].add(c.neox)
+            got["offset"].add(c.rope_offset)
+            got["norm"].add((c.norm_kind, c.bias))
+            got["hadamard"].add(c.hadamard)
+            got["format"].add(c.fmt.name)
     for module in fused.FAST_PATH_MODULES:
         name = module.__name__.rsplit(".", 1)[1]
-        styles = {True} if name == "gluon_index" else {True, False}
         for i in range(len(module.LAUNCH_TABLE)):
-            assert seen[f"{name} entry {i}"] == styles, (name, i, seen[f"{name} entry {i}"])
+            got = seen[f"{name} entry {i}"]
+            assert got["neox"] == {True, False}, (name, i, got["neox"])
+            if name == "gluon_index":
+                assert got["offset"] == {None, 0} and got["hadamard"] == {False, True}, (i, got)
+                assert got["norm"] == {("rms", False), ("layer", True), ("layer", False)}, (i, got["norm"])
+                assert len(got["format"]) == 5, (i, got["format"])
 
 
 def test_fast_cases_are_taken_by_their_fast_path(built):

@@ -14,9 +14,10 @@ constexpr switches per format (CAST, G, SF).
 
 Assumptions (``eligible`` checks them on the validated plan; anything else keeps the plain kernel):
 x bf16 [n, 1, 128] with unit column stride and an even row stride, 4-byte aligned (read as int32
-words: ``word_aligned``, per call); RMSNorm weight [128] bf16 (4-byte aligned) or fp32; NEOX RoPE,
-rotary_dim 64 at offset 64, not conjugate, positions int32/int64 [n], cos_sin [P, 64] fp32/bf16;
-no Hadamard, no stage copy; one head; the cache's data records at block * stride(0) + offset *
+words: ``word_aligned``, per call); RMSNorm or LayerNorm (bias optional) weight [128] bf16 (4-byte
+aligned) or fp32; RoPE NEOX or GPT-J, rotary_dim 64 at offset 64 (the tail: DeepSeek V4's indexer)
+or 0 (DeepSeek V3.2's), not conjugate, positions int32/int64 [n], cos_sin [P, 64] fp32/bf16;
+Hadamard (any scale) or none; no stage copy; one head; the cache's data records at block * stride(0) + offset *
 data_bytes and its scales at block * stride(0) + block_size * data_bytes + offset * sf_bytes; the
 cache pointer 8-byte aligned for e4m3 (codes leave as 64-bit stores), 4-byte aligned for e2m1
 (32-bit stores) -- kvfuse keys its plan cache by data_ptr() % 16, so this holds for the key.
@@ -39,6 +40,15 @@ Layout (explicit Gluon layouts):
   lane computes own*c + partner*s (two rounded products, then the rounded sum, as SPEC §2), packs
   the results (cvt.rn.bf16x2.f32) and keeps them where the position is inside [0, P). Half the
   rotation work of a layout where lanes 4..7 hold all 64 rotated columns.
+- the other model chains: RoPE at offset 0 rotates chunk A instead (the same lanes and cos/sin
+  columns). GPT-J pairs (2i, 2i + 1) are the two halves of one word: the partner is the word with
+  its halves swapped, the new low half negated; cos/sin column 4 l + w for word w of lane l.
+  LayerNorm: the same adjacent-pairs tree on x (the mean), then on d = x - mean (the variance).
+- Hadamard (128 points, SPEC §2 order: distance 1, 2, 4, ..., 64): a chunk's 4 words become 8 fp32
+  values per lane; distances 1, 2, 4 inside the lane, 8, 16, 32 one shuffle each (xor 1, 2, 4: the
+  lane whose bit is set computes partner - own as partner + (-own), the other own + partner), 64
+  between the lane's chunks A and B; then * scale, rounded to bf16 words, and quantized from the
+  separate words (``_fp8_words`` / ``_fp4_words``).
 - groups: 16 columns = two lanes' chunks (xor 1), 32 = four lanes (xor 1, 2), 128 = both chunks of
   all 8 lanes (xor 1, 2, 4). The lanes of a pair (l, l ^ 1) split the scale work: the even one
   computes its chunk A group's scale, the odd one its chunk B group's, one xor-1 shuffle swaps the
@@ -112,10 +122,10 @@ from .gluon_common import (INT32_LIMIT, allowed_by_env, available, compile_optio
 
 HEAD_DIM = 128
 ROTARY_DIM = 64
-ROPE_OFFSET = 64
+ROPE_OFFSETS = (64, 0)           # the tail (DeepSeek V4's indexer, the presets) or the head (V3.2's)
 # (cast_fmt, group, sf_format) -> (CAST, SF) constexprs; CAST 1 e4m3 (128 data bytes), 2 e2m1 (64)
-CHAINS = {("e4m3", 128, "fp32"): (1, 3), ("e4m3", 32, "ue8m0"): (1, 0), ("e2m1", 32, "ue8m0"): (2, 0),
-          ("e2m1", 16, "e4m3"): (2, 2)}
+CHAINS = {("e4m3", 128, "fp32"): (1, 3), ("e4m3", 128, "ue8m0_fp32"): (1, 1), ("e4m3", 32, "ue8m0"): (1, 0),
+          ("e2m1", 32, "ue8m0"): (2, 0), ("e2m1", 16, "e4m3"): (2, 2)}
 # the cache pointer's alignment the code stores need (64-bit stores of e4m3 codes, 32-bit of e2m1)
 CACHE_ALIGN = {1: 8, 2: 4}
 
@@ -199,19 +209,158 @@ if gluon is not None:
         return pos, slot, xa, xb
 
     @gluon.jit
-    def _load_cos_sin(cs_ptr, s_cs, P, pos, cs_col, R: gl.constexpr, LW: gl.constexpr,
-                      LCROW: gl.constexpr, OFFSETS32: gl.constexpr):
-        """(cos_j, sin_j) of the lane's chunk B as fp32 [R, 8, 4] word pairs (lo, hi) = columns (2w, 2w + 1)
-        of the chunk, j = 8 (l & 3) + column. A position outside [0, P) loads row 0 (P >= 1: host; such
+    def _load_cos_sin(cs_ptr, s_cs, P, pos, cs_col, word, R: gl.constexpr, LW: gl.constexpr,
+                      LCROW: gl.constexpr, OFFSETS32: gl.constexpr, NEOX: gl.constexpr):
+        """(cos, sin) of the lane's rotated chunk as fp32 [R, 8, 4] word pairs (lo, hi) = columns (2w, 2w + 1)
+        of the chunk. NEOX: pair j = 8 (l & 3) + column; GPT-J: both halves of word w form pair 4 l + w
+        (lo and hi get the same cos / sin). A position outside [0, P) loads row 0 (P >= 1: host; such
         rows are not rotated): unmasked loads."""
         pok = (pos >= 0) & (pos < P)
-        cs_row = _rows_cs(as_offset(gl.where(pok, pos, 0), OFFSETS32) * s_cs, LCROW)
-        c = gl.load(cs_ptr + cs_row + cs_col).to(gl.float32)                             # [R, 8, 8]
-        s = gl.load(cs_ptr + cs_row + 32 + cs_col).to(gl.float32)
-        c_lo, c_hi = gl.split(gl.reshape(c, [R, 8, 4, 2]))
-        s_lo, s_hi = gl.split(gl.reshape(s, [R, 8, 4, 2]))
-        return (gl.convert_layout(c_lo, LW, assert_trivial=True), gl.convert_layout(c_hi, LW, assert_trivial=True),
-                gl.convert_layout(s_lo, LW, assert_trivial=True), gl.convert_layout(s_hi, LW, assert_trivial=True))
+        row = as_offset(gl.where(pok, pos, 0), OFFSETS32) * s_cs
+        if NEOX:
+            cs_row = _rows_cs(row, LCROW)
+            c = gl.load(cs_ptr + cs_row + cs_col).to(gl.float32)                             # [R, 8, 8]
+            s = gl.load(cs_ptr + cs_row + 32 + cs_col).to(gl.float32)
+            c_lo, c_hi = gl.split(gl.reshape(c, [R, 8, 4, 2]))
+            s_lo, s_hi = gl.split(gl.reshape(s, [R, 8, 4, 2]))
+            c_lo = gl.convert_layout(c_lo, LW, assert_trivial=True)
+            c_hi = gl.convert_layout(c_hi, LW, assert_trivial=True)
+            s_lo = gl.convert_layout(s_lo, LW, assert_trivial=True)
+            s_hi = gl.convert_layout(s_hi, LW, assert_trivial=True)
+        else:
+            cs_row = expand_rows(row)                                                        # [R, 1, 1]
+            c_lo = gl.load(cs_ptr + cs_row + word).to(gl.float32)                            # [R, 8, 4]
+            s_lo = gl.load(cs_ptr + cs_row + 32 + word).to(gl.float32)
+            c_hi = c_lo
+            s_hi = s_lo
+        return c_lo, c_hi, s_lo, s_hi
+
+    @gluon.jit
+    def _rope_words(y, c_lo, c_hi, s_lo, s_hi, pok, partner_flip, NEOX: gl.constexpr):
+        """RoPE on a chunk's bf16 words [R, 8, 4] of the rows whose position is in range: own * c + partner * s
+        (SPEC §2's a*c - b*s as a*c + (-b)*s, the same IEEE result). NEOX: the partner is lane l ^ 4's
+        same column, negated on first-half lanes (``partner_flip``); GPT-J: the other half of the same
+        word, negated in the low half (whose partner is subtracted)."""
+        if NEOX:
+            partner = shfl_xor(y, 4) ^ partner_flip
+        else:
+            partner = (((y >> 16) & 0xFFFF) | (y << 16)) ^ 0x8000
+        rot = bf16x2((lo_f32(y) * c_lo) + (lo_f32(partner) * s_lo),
+                     (hi_f32(y) * c_hi) + (hi_f32(partner) * s_hi))
+        return gl.where(expand_rows(pok), rot, y)
+
+    @gluon.jit
+    def _words4(y, R: gl.constexpr, LL: gl.constexpr):
+        """A chunk's words [R, 8, 4] -> its four words as [R, 8] tensors (registers only)."""
+        e, o = gl.split(gl.reshape(y, [R, 8, 2, 2]))                   # words (0, 2), (1, 3)
+        w0, w2 = gl.split(e)
+        w1, w3 = gl.split(o)
+        return (gl.convert_layout(w0, LL, assert_trivial=True), gl.convert_layout(w1, LL, assert_trivial=True),
+                gl.convert_layout(w2, LL, assert_trivial=True), gl.convert_layout(w3, LL, assert_trivial=True))
+
+    @gluon.jit
+    def _bfly(a, b):
+        return a + b, a - b
+
+    @gluon.jit
+    def _in_lane8(w0, w1, w2, w3):
+        """A chunk's 4 bf16 words -> its 8 fp32 values after the Hadamard levels at distance 1, 2, 4."""
+        v0, v1 = _bfly(lo_f32(w0), hi_f32(w0))
+        v2, v3 = _bfly(lo_f32(w1), hi_f32(w1))
+        v4, v5 = _bfly(lo_f32(w2), hi_f32(w2))
+        v6, v7 = _bfly(lo_f32(w3), hi_f32(w3))
+        v0, v2 = _bfly(v0, v2)
+        v1, v3 = _bfly(v1, v3)
+        v4, v6 = _bfly(v4, v6)
+        v5, v7 = _bfly(v5, v7)
+        v0, v4 = _bfly(v0, v4)
+        v1, v5 = _bfly(v1, v5)
+        v2, v6 = _bfly(v2, v6)
+        v3, v7 = _bfly(v3, v7)
+        return v0, v1, v2, v3, v4, v5, v6, v7
+
+    @gluon.jit
+    def _across(v, sgn, MASK: gl.constexpr):
+        """One Hadamard level across lanes l, l ^ MASK: partner + own (lower lane), partner + (-own) =
+        partner - own (upper lane, sgn -1): the pair's a + b and a - b."""
+        return shfl_xor(v, MASK) + v * sgn
+
+    @gluon.jit
+    def _across8(v0, v1, v2, v3, v4, v5, v6, v7, sgn, MASK: gl.constexpr):
+        return (_across(v0, sgn, MASK), _across(v1, sgn, MASK), _across(v2, sgn, MASK), _across(v3, sgn, MASK),
+                _across(v4, sgn, MASK), _across(v5, sgn, MASK), _across(v6, sgn, MASK), _across(v7, sgn, MASK))
+
+    @gluon.jit
+    def _hadamard_chunk(a0, a1, a2, a3, a4, a5, a6, a7, sgn1, sgn2, sgn4):
+        """The levels at distance 8, 16, 32 (lanes xor 1, 2, 4) of a chunk's 8 values per lane."""
+        a0, a1, a2, a3, a4, a5, a6, a7 = _across8(a0, a1, a2, a3, a4, a5, a6, a7, sgn1, 1)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _across8(a0, a1, a2, a3, a4, a5, a6, a7, sgn2, 2)
+        return _across8(a0, a1, a2, a3, a4, a5, a6, a7, sgn4, 4)
+
+    @gluon.jit
+    def _hadamard128(ya, yb, sgn1, sgn2, sgn4, had_scale, R: gl.constexpr, LL: gl.constexpr):
+        """The 128-point Hadamard of a row (SPEC §2: distances 1, 2, ..., 64, then * scale, bf16) ->
+        its 8 bf16 words per lane: chunk A's (ha0..ha3), chunk B's (hb0..hb3), [R, 8] each."""
+        w0, w1, w2, w3 = _words4(ya, R, LL)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _in_lane8(w0, w1, w2, w3)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _hadamard_chunk(a0, a1, a2, a3, a4, a5, a6, a7, sgn1, sgn2, sgn4)
+        w0, w1, w2, w3 = _words4(yb, R, LL)
+        b0, b1, b2, b3, b4, b5, b6, b7 = _in_lane8(w0, w1, w2, w3)
+        b0, b1, b2, b3, b4, b5, b6, b7 = _hadamard_chunk(b0, b1, b2, b3, b4, b5, b6, b7, sgn1, sgn2, sgn4)
+        a0, b0 = _bfly(a0, b0)                                          # distance 64: the lane's two chunks
+        a1, b1 = _bfly(a1, b1)
+        a2, b2 = _bfly(a2, b2)
+        a3, b3 = _bfly(a3, b3)
+        a4, b4 = _bfly(a4, b4)
+        a5, b5 = _bfly(a5, b5)
+        a6, b6 = _bfly(a6, b6)
+        a7, b7 = _bfly(a7, b7)
+        return (bf16x2(a0 * had_scale, a1 * had_scale), bf16x2(a2 * had_scale, a3 * had_scale),
+                bf16x2(a4 * had_scale, a5 * had_scale), bf16x2(a6 * had_scale, a7 * had_scale),
+                bf16x2(b0 * had_scale, b1 * had_scale), bf16x2(b2 * had_scale, b3 * had_scale),
+                bf16x2(b4 * had_scale, b5 * had_scale), bf16x2(b6 * had_scale, b7 * had_scale))
+
+    @gluon.jit
+    def _words_amax(w0, w1, w2, w3):
+        """max |y| over a chunk's 4 bf16 words [R, 8] (NaN-ignoring max.f32, like tl.max)."""
+        a = gl.maximum(gl.maximum(gl.abs(lo_f32(w0)), gl.abs(hi_f32(w0))),
+                       gl.maximum(gl.abs(lo_f32(w1)), gl.abs(hi_f32(w1))))
+        b = gl.maximum(gl.maximum(gl.abs(lo_f32(w2)), gl.abs(hi_f32(w2))),
+                       gl.maximum(gl.abs(lo_f32(w3)), gl.abs(hi_f32(w3))))
+        return gl.maximum(a, b)
+
+    @gluon.jit
+    def _fp8_words(w0, w1, w2, w3, m):
+        """A chunk's 4 bf16 words [R, 8] times m [R, 8] -> its 8 e4m3 codes as one int64 [R, 8]."""
+        q0 = e4m3x4(lo_f32(w0) * m, hi_f32(w0) * m, lo_f32(w1) * m, hi_f32(w1) * m)
+        q1 = e4m3x4(lo_f32(w2) * m, hi_f32(w2) * m, lo_f32(w3) * m, hi_f32(w3) * m)
+        return _b64(q0, q1)
+
+    @gluon.jit
+    def _bytes_word(b0, b1, b2, b3):
+        """Four int32 whose low bytes are bytes 0..3 of a word (garbage above) -> the word (three prmt)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 lo, hi; prmt.b32 lo, $1, $2, 0x0040; prmt.b32 hi, $3, $4, 0x0040; "
+            "prmt.b32 $0, lo, hi, 0x5410; }", "=r,r,r,r,r", [b0, b1, b2, b3], dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _e2m1_byte(w, m, m2, PACKED: gl.constexpr):
+        """A bf16 word's two values times m -> their e2m1 codes in the low byte (low value in bits 0..3)."""
+        if PACKED:
+            c = _e2m1x2_bf16(w, m2)                                     # codes at bits 0..3, 16..19
+            b = c + (c >> 12)
+        else:
+            b = e2m1_nibble(lo_f32(w) * m) + (e2m1_nibble(hi_f32(w) * m) << 4)
+        return b
+
+    @gluon.jit
+    def _fp4_words(w0, w1, w2, w3, m, PACKED: gl.constexpr):
+        """A chunk's 4 bf16 words [R, 8] times m [R, 8] -> its 8 e2m1 codes as one int32 [R, 8] (byte w:
+        columns 2w (low nibble), 2w + 1). PACKED: m is a power of two (UE8M0)."""
+        m_bits = m.to(gl.int32, bitcast=True)
+        m2 = ((m_bits >> 16) & 0xFFFF) | (m_bits & -65536)             # bf16 of m, twice (exact when PACKED)
+        return _bytes_word(_e2m1_byte(w0, m, m2, PACKED), _e2m1_byte(w1, m, m2, PACKED),
+                           _e2m1_byte(w2, m, m2, PACKED), _e2m1_byte(w3, m, m2, PACKED))
 
     @gluon.jit
     def _group_amax(aa, ab, G: gl.constexpr):
@@ -234,11 +383,14 @@ if gluon is not None:
 
     @gluon.jit
     def _scales(amax, SF: gl.constexpr, FMAX: gl.constexpr):
-        """numerics.group_scales for SF 0 (ue8m0) and 2 (e4m3): (multiplier m, the stored scale byte as
-        int32)."""
+        """numerics.group_scales for SF 0 (ue8m0), 1 (ue8m0_fp32) and 2 (e4m3): (multiplier m, the stored scale
+        byte, or the fp32 bits of 2^e, as int32)."""
         if SF == 0:
             e, m = ue8m0_scale(amax, FMAX)
             stored = e + 127
+        elif SF == 1:
+            e, m = ue8m0_scale(amax, FMAX)
+            stored = (e + 127) << 23                                    # 2^e as fp32 bits (amax >= 1e-4: normal)
         else:
             s = gl.minimum(gl.maximum(gl.div_rn(amax, gl.full_like(amax, FMAX)), 0.001953125), 448.0)
             stored, d = _e4m3_scale(s)
@@ -286,10 +438,7 @@ if gluon is not None:
         b02, b13 = gl.split(gl.reshape(b, [R, 8, 2, 2]))               # bytes (0, 2), (1, 3)
         b0, b2 = gl.split(b02)
         b1, b3 = gl.split(b13)
-        word = gl.inline_asm_elementwise(
-            "{ .reg .b32 lo, hi; prmt.b32 lo, $1, $2, 0x0040; prmt.b32 hi, $3, $4, 0x0040; "
-            "prmt.b32 $0, lo, hi, 0x5410; }", "=r,r,r,r,r", [b0, b1, b2, b3], dtype=gl.int32, is_pure=True, pack=1)
-        return gl.convert_layout(word, LL, assert_trivial=True)
+        return gl.convert_layout(_bytes_word(b0, b1, b2, b3), LL, assert_trivial=True)
 
     @gluon.jit
     def _fp4_chunk(y, m, PACKED: gl.constexpr, R: gl.constexpr, LL: gl.constexpr):
@@ -335,22 +484,40 @@ if gluon is not None:
         return gl.max(gl.maximum(gl.abs(lo_f32(y)), gl.abs(hi_f32(y))), axis=2)
 
     @gluon.jit
-    def _write_rows(xa, xb, c_lo, c_hi, s_lo, s_hi, pos, slot, rows, n_rows, wa_lo, wa_hi, wb_lo, wb_hi, eps, P,
-                    cache_ptr, s_blk, sf_off, sf_tok, block_size, capacity, lane, partner_flip, sf_ptr, q_row, sf_row,
+    def _write_rows(xa, xb, c_lo, c_hi, s_lo, s_hi, pos, slot, rows, n_rows, wa_lo, wa_hi, wb_lo, wb_hi,
+                    ba_lo, ba_hi, bb_lo, bb_hi, eps, had_scale, P,
+                    cache_ptr, s_blk, sf_off, sf_tok, block_size, capacity, lane, partner_flip, sgn1, sgn2, sgn4,
+                    sf_ptr, q_row, sf_row,
                     R: gl.constexpr, LL: gl.constexpr, CAST: gl.constexpr, G: gl.constexpr, SF: gl.constexpr,
                     PACKED_E2M1: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr,
-                    OFFSETS32: gl.constexpr, NORM: gl.constexpr, CONTIG: gl.constexpr):
-        """RMSNorm -> RoPE -> quantization -> the records of one tile of R rows whose loads are done
+                    OFFSETS32: gl.constexpr, NORM: gl.constexpr, CONTIG: gl.constexpr, LAYER: gl.constexpr,
+                    HAS_BIAS: gl.constexpr, NEOX: gl.constexpr, ROPE_A: gl.constexpr, HAD: gl.constexpr):
+        """Norm -> RoPE -> (Hadamard) -> quantization -> the records of one tile of R rows whose loads are done
         (CONTIG: the rows of the contiguous q / sf outputs instead of cache records)."""
         rmask = rows < n_rows
         pok = rmask & (pos >= 0) & (pos < P)
 
         if NORM:
-            # ---- RMSNorm: levels 1-3 inside each chunk, 4-6 across lanes, 7 the lane's two chunks
+            # ---- the norm's adjacent-pairs trees: levels 1-3 inside each chunk, 4-6 across lanes, 7 the
+            # lane's two chunks; LayerNorm: first on x (the mean), then on d = x - mean
             xa_lo = lo_f32(xa)
             xa_hi = hi_f32(xa)
             xb_lo = lo_f32(xb)
             xb_hi = hi_f32(xb)
+            if LAYER:
+                sa = _chunk_sum(xa_lo + xa_hi, R, LL)
+                sb = _chunk_sum(xb_lo + xb_hi, R, LL)
+                sa = sa + shfl_xor(sa, 1)
+                sb = sb + shfl_xor(sb, 1)
+                sa = sa + shfl_xor(sa, 2)
+                sb = sb + shfl_xor(sb, 2)
+                sa = sa + shfl_xor(sa, 4)
+                sb = sb + shfl_xor(sb, 4)
+                mu = gl.expand_dims((sa + sb) * (1.0 / 128), 2)        # exact: a power of two
+                xa_lo = xa_lo - mu
+                xa_hi = xa_hi - mu
+                xb_lo = xb_lo - mu
+                xb_hi = xb_hi - mu
             ssa = _chunk_sum(xa_lo * xa_lo + xa_hi * xa_hi, R, LL)
             ssb = _chunk_sum(xb_lo * xb_lo + xb_hi * xb_hi, R, LL)
             ssa = ssa + shfl_xor(ssa, 1)
@@ -361,20 +528,28 @@ if gluon is not None:
             ssb = ssb + shfl_xor(ssb, 4)
             mean = (ssa + ssb) * (1.0 / 128)                            # exact: a power of two
             rstd = gl.expand_dims(gl.div_rn(gl.full_like(mean, 1.0), gl.sqrt_rn(mean + eps)), 2)
-            ya = bf16x2((xa_lo * rstd) * wa_lo, (xa_hi * rstd) * wa_hi)  # [R, 8, 4] bf16 pairs
-            yb = bf16x2((xb_lo * rstd) * wb_lo, (xb_hi * rstd) * wb_hi)
+            if HAS_BIAS:
+                ya = bf16x2(((xa_lo * rstd) * wa_lo) + ba_lo, ((xa_hi * rstd) * wa_hi) + ba_hi)
+                yb = bf16x2(((xb_lo * rstd) * wb_lo) + bb_lo, ((xb_hi * rstd) * wb_hi) + bb_hi)
+            else:
+                ya = bf16x2((xa_lo * rstd) * wa_lo, (xa_hi * rstd) * wa_hi)  # [R, 8, 4] bf16 pairs
+                yb = bf16x2((xb_lo * rstd) * wb_lo, (xb_hi * rstd) * wb_hi)
         else:
             ya = xa                                                     # no norm: RoPE reads x's bf16
             yb = xb
 
-        # ---- RoPE on chunk B: own * c + partner * s (the partner negated on first-half lanes)
-        partner = shfl_xor(yb, 4) ^ partner_flip
-        rot = bf16x2((lo_f32(yb) * c_lo) + (lo_f32(partner) * s_lo),
-                      (hi_f32(yb) * c_hi) + (hi_f32(partner) * s_hi))
-        yb = gl.where(expand_rows(pok), rot, yb)
+        # ---- RoPE on the rotated chunk (B: the tail, A: offset 0)
+        if ROPE_A:
+            ya = _rope_words(ya, c_lo, c_hi, s_lo, s_hi, pok, partner_flip, NEOX)
+        else:
+            yb = _rope_words(yb, c_lo, c_hi, s_lo, s_hi, pok, partner_flip, NEOX)
 
         # ---- scales per group and codes
-        if PACKED_E2M1 and CAST == 2 and SF == 0:
+        if HAD:
+            ha0, ha1, ha2, ha3, hb0, hb1, hb2, hb3 = _hadamard128(ya, yb, sgn1, sgn2, sgn4, had_scale, R, LL)
+            amax_a = _words_amax(ha0, ha1, ha2, ha3)
+            amax_b = _words_amax(hb0, hb1, hb2, hb3)
+        elif PACKED_E2M1 and CAST == 2 and SF == 0:
             amax_a = gl.convert_layout(_chunk_amax_bf16x2(ya, R), LL, assert_trivial=True)
             amax_b = gl.convert_layout(_chunk_amax_bf16x2(yb, R), LL, assert_trivial=True)
         else:
@@ -382,7 +557,14 @@ if gluon is not None:
             amax_b = _chunk_amax(yb)
         amax_a, amax_b = _group_amax(amax_a, amax_b, G)
         m_a, m_b, stored = _split_scales(amax_a, amax_b, lane, CAST, SF)
-        if CAST == 1:
+        if HAD:
+            if CAST == 1:
+                qa = _fp8_words(ha0, ha1, ha2, ha3, m_a)
+                qb = _fp8_words(hb0, hb1, hb2, hb3, m_b)
+            else:
+                qa = _fp4_words(ha0, ha1, ha2, ha3, m_a, PACKED_E2M1 and SF == 0)
+                qb = _fp4_words(hb0, hb1, hb2, hb3, m_b, PACKED_E2M1 and SF == 0)
+        elif CAST == 1:
             qa = _fp8_chunk(ya, m_a, R, LL)
             qb = _fp8_chunk(yb, m_b, R, LL)
         else:
@@ -426,7 +608,7 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["n_rows", "P", "capacity"])
     def index_write_kernel(
         x_ptr, sx_w,                            # x bf16 [n, 128] (read as int32 words); row stride in words
-        w_ptr, eps,                             # RMSNorm weight [128] (bf16 or fp32)
+        w_ptr, b_ptr, eps, had_scale,           # norm weight, LayerNorm bias [128] (bf16 or fp32); Hadamard scale
         pos_ptr, s_pos, cs_ptr, s_cs, P,        # positions [n]; cos_sin [P, 64] (cos | sin; fp32 or bf16)
         slot_ptr, s_slot,                       # slot_mapping [n]
         cache_ptr, s_blk, sf_off, sf_tok,       # kv_cache uint8 [blocks, block_size, 1, bytes_per_token], block-wide
@@ -436,6 +618,8 @@ if gluon is not None:
         CAST: gl.constexpr, G: gl.constexpr, SF: gl.constexpr, W_BF16: gl.constexpr, SLOT32: gl.constexpr,
         LOG2_BLOCK: gl.constexpr, ROWS_PER_THREAD: gl.constexpr, PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr,
         PACKED_E2M1: gl.constexpr, NORM: gl.constexpr, CONTIG: gl.constexpr, LOG2_HEADS: gl.constexpr,
+        LAYER: gl.constexpr, HAS_BIAS: gl.constexpr, B_BF16: gl.constexpr, NEOX: gl.constexpr, ROPE_A: gl.constexpr,
+        HAD: gl.constexpr,
     ):
         """A program walks over the tiles pid, pid + num_programs, ... of R = 4 * ROWS_PER_THREAD *
         num_warps rows. CAST 1 e4m3 / 2 e2m1; G the group; SF 0 ue8m0 / 2 e4m3 / 3 fp32 (group_scales).
@@ -444,7 +628,9 @@ if gluon is not None:
         (x, indices; its cos/sin after tile t's stores) while tile t computes. OFFSETS32: every x,
         index, cos/sin and cache offset of the launch is below 2**31 (host). PACKED_E2M1: the e2m1
         codes of UE8M0 groups on packed bf16 words (``_e2m1x2_bf16``), else fp32 (``_e2m1``). NORM:
-        RMSNorm on (off: RoPE reads x itself, w_ptr is not read). CONTIG: contiguous outputs instead of a
+        the norm on (off: RoPE reads x itself, w_ptr is not read); LAYER: LayerNorm (HAS_BIAS: with the
+        bias at b_ptr, B_BF16 its dtype), else RMSNorm. NEOX: the RoPE pairs, else GPT-J's; ROPE_A: RoPE on
+        columns 0..63 (chunk A), else 64..127. HAD: the Hadamard (* had_scale) before the cast. CONTIG: contiguous outputs instead of a
         cache (kvfuse's (q, sf) of a cast without a cache: the indexer's Q): row r is head r % 2^LOG2_HEADS
         of token r >> LOG2_HEADS, its codes go to cache_ptr + r * q_row and its scales to sf_ptr + r *
         sf_row (bytes); the slot and cache-geometry arguments are not read."""
@@ -469,6 +655,10 @@ if gluon is not None:
         cs_col = gl.expand_dims(gl.expand_dims((lane_c & 3) * 8, 0), 2) + gl.expand_dims(gl.expand_dims(k8, 0), 1)
         # first-half lanes (l < 4) negate the partner: sign bits of both bf16 (0x80008000)
         partner_flip = gl.expand_dims(gl.where(lane < 4, -2147450880, 0), 2)             # [1, 8, 1]
+        # the Hadamard's levels across lanes: -1 where the lane holds the upper element of the pair
+        sgn1 = gl.where((lane & 1) != 0, -1.0, 1.0)
+        sgn2 = gl.where((lane & 2) != 0, -1.0, 1.0)
+        sgn4 = gl.where((lane & 4) != 0, -1.0, 1.0)
 
         if not NORM:
             wa_lo = gl.full([1, 8, 4], 0.0, gl.float32, LW)              # not used (w_ptr is a stand-in)
@@ -488,6 +678,16 @@ if gluon is not None:
             wa_hi = gl.load(w_ptr + 2 * word + 1)
             wb_lo = gl.load(w_ptr + 64 + 2 * word)
             wb_hi = gl.load(w_ptr + 64 + 2 * word + 1)
+        if HAS_BIAS:                                                    # per element: no alignment asked
+            ba_lo = gl.load(b_ptr + 2 * word).to(gl.float32)
+            ba_hi = gl.load(b_ptr + 2 * word + 1).to(gl.float32)
+            bb_lo = gl.load(b_ptr + 64 + 2 * word).to(gl.float32)
+            bb_hi = gl.load(b_ptr + 64 + 2 * word + 1).to(gl.float32)
+        else:
+            ba_lo = wa_lo                                               # not used
+            ba_hi = wa_lo
+            bb_lo = wa_lo
+            bb_hi = wa_lo
 
         pid = gl.program_id(0)
         num_programs = gl.num_programs(0)
@@ -496,7 +696,8 @@ if gluon is not None:
             rows = pid * R + r_idx                                      # [R] int32 (n_rows < 2**30: host)
             pos, slot, xa, xb = _load_tile(x_ptr, sx_w, pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, word,
                                            OFFSETS32, CONTIG, LOG2_HEADS)
-            c_lo, c_hi, s_lo, s_hi = _load_cos_sin(cs_ptr, s_cs, P, pos, cs_col, R, LW, LCROW, OFFSETS32)
+            c_lo, c_hi, s_lo, s_hi = _load_cos_sin(cs_ptr, s_cs, P, pos, cs_col, word, R, LW, LCROW, OFFSETS32,
+                                                   NEOX)
             for tile in range(pid, num_tiles, num_programs):
                 rows = tile * R + r_idx
                 next_rows = rows + num_programs * R
@@ -504,12 +705,13 @@ if gluon is not None:
                                                                    next_rows, n_rows, word, OFFSETS32, CONTIG,
                                                                    LOG2_HEADS)
                 _write_rows(xa, xb, c_lo, c_hi, s_lo, s_hi, pos, slot, rows, n_rows, wa_lo, wa_hi, wb_lo, wb_hi,
-                            eps, P, cache_ptr, s_blk, sf_off, sf_tok, block_size, capacity, lane, partner_flip,
-                            sf_ptr, q_row, sf_row,
-                            R, LL, CAST, G, SF, PACKED_E2M1, SLOT32, LOG2_BLOCK, OFFSETS32, NORM, CONTIG)
+                            ba_lo, ba_hi, bb_lo, bb_hi, eps, had_scale, P, cache_ptr, s_blk, sf_off, sf_tok,
+                            block_size, capacity, lane, partner_flip, sgn1, sgn2, sgn4, sf_ptr, q_row, sf_row,
+                            R, LL, CAST, G, SF, PACKED_E2M1, SLOT32, LOG2_BLOCK, OFFSETS32, NORM, CONTIG,
+                            LAYER, HAS_BIAS, NEOX, ROPE_A, HAD)
                 # the next positions arrived while this tile computed
-                c_lo, c_hi, s_lo, s_hi = _load_cos_sin(cs_ptr, s_cs, P, next_pos, cs_col, R, LW,
-                                                       LCROW, OFFSETS32)
+                c_lo, c_hi, s_lo, s_hi = _load_cos_sin(cs_ptr, s_cs, P, next_pos, cs_col, word, R, LW,
+                                                       LCROW, OFFSETS32, NEOX)
                 pos = next_pos
                 slot = next_slot
                 xa = next_xa
@@ -519,12 +721,13 @@ if gluon is not None:
                 rows = tile * R + r_idx
                 pos, slot, xa, xb = _load_tile(x_ptr, sx_w, pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, word,
                                                OFFSETS32, CONTIG, LOG2_HEADS)
-                c_lo, c_hi, s_lo, s_hi = _load_cos_sin(cs_ptr, s_cs, P, pos, cs_col, R, LW,
-                                                       LCROW, OFFSETS32)
+                c_lo, c_hi, s_lo, s_hi = _load_cos_sin(cs_ptr, s_cs, P, pos, cs_col, word, R, LW,
+                                                       LCROW, OFFSETS32, NEOX)
                 _write_rows(xa, xb, c_lo, c_hi, s_lo, s_hi, pos, slot, rows, n_rows, wa_lo, wa_hi, wb_lo, wb_hi,
-                            eps, P, cache_ptr, s_blk, sf_off, sf_tok, block_size, capacity, lane, partner_flip,
-                            sf_ptr, q_row, sf_row,
-                            R, LL, CAST, G, SF, PACKED_E2M1, SLOT32, LOG2_BLOCK, OFFSETS32, NORM, CONTIG)
+                            ba_lo, ba_hi, bb_lo, bb_hi, eps, had_scale, P, cache_ptr, s_blk, sf_off, sf_tok,
+                            block_size, capacity, lane, partner_flip, sgn1, sgn2, sgn4, sf_ptr, q_row, sf_row,
+                            R, LL, CAST, G, SF, PACKED_E2M1, SLOT32, LOG2_BLOCK, OFFSETS32, NORM, CONTIG,
+                            LAYER, HAS_BIAS, NEOX, ROPE_A, HAD)
 
 
 # --------------------------------------------------------------------------- host mirrors
@@ -598,12 +801,13 @@ def launch_args(plan, tensor, num_warps: int, rows_per_thread: int, pipeline: bo
     cast, group, sf = chain_of(plan)
     T = tensor
     contig = plan.kv_cache is None
+    had_scale = 1.0 if plan.hadamard_scale is None else float(plan.hadamard_scale)
     if contig:
         q, sfo = plan.q_out, plan.sf_out
         q_row, sf_row = row_stride(q) * q.element_size(), row_stride(sfo) * sfo.element_size()
         # the slot and cache-geometry arguments are not read (x stands in for slot_mapping)
-        args = (T("x"), x_row, T("weight"), float(plan.eps), T("positions"), positions.stride(0),
-                T("cos_sin"), cos_sin.stride(0), cos_sin.shape[0], T("slot_mapping"), 0,
+        args = (T("x"), x_row, T("weight"), T("bias"), float(plan.eps), had_scale, T("positions"),
+                positions.stride(0), T("cos_sin"), cos_sin.stride(0), cos_sin.shape[0], T("slot_mapping"), 0,
                 T("q_out"), 0, 0, 0, 1, 0, rows, T("sf_out"), q_row, sf_row)
         out_span = max(rows * q_row + 128, rows * sf_row + 16)
         slot32, log2_blk = True, 0
@@ -611,8 +815,9 @@ def launch_args(plan, tensor, num_warps: int, rows_per_thread: int, pipeline: bo
         slots, cache, a = plan.slot_mapping, plan.kv_cache, plan.addressing
         block_size = cache.shape[1]
         capacity = cache.shape[0] * block_size
-        args = (T("x"), x_row, T("weight"), float(plan.eps), T("positions"), positions.stride(0),
-                T("cos_sin"), cos_sin.stride(0), cos_sin.shape[0], T("slot_mapping"), slots.stride(0),
+        args = (T("x"), x_row, T("weight"), T("bias"), float(plan.eps), had_scale, T("positions"),
+                positions.stride(0), T("cos_sin"), cos_sin.stride(0), cos_sin.shape[0], T("slot_mapping"),
+                slots.stride(0),
                 T("kv_cache"), cache.stride(0), a.sf_offset, a.sf_token_stride, block_size, capacity, rows,
                 T("kv_cache"), 0, 0)
         out_span = max(rows * slots.stride(0) + 1, cache.shape[0] * cache.stride(0) + a.sf_offset)
@@ -622,7 +827,10 @@ def launch_args(plan, tensor, num_warps: int, rows_per_thread: int, pipeline: bo
     constexprs = dict(CAST=cast, G=group, SF=sf, W_BF16=weight is None or weight.dtype == torch.bfloat16,
                       SLOT32=slot32, LOG2_BLOCK=log2_blk, ROWS_PER_THREAD=rows_per_thread, PIPELINE=bool(pipeline),
                       OFFSETS32=max(spans) < INT32_LIMIT, PACKED_E2M1=bool(PACKED_E2M1), NORM=weight is not None,
-                      CONTIG=contig, LOG2_HEADS=heads.bit_length() - 1)
+                      CONTIG=contig, LOG2_HEADS=heads.bit_length() - 1, LAYER=plan.norm_kind == "layer",
+                      HAS_BIAS=plan.bias is not None,
+                      B_BF16=plan.bias is None or plan.bias.dtype == torch.bfloat16, NEOX=bool(plan.is_neox),
+                      ROPE_A=plan.rope_offset == 0, HAD=plan.hadamard_scale is not None)
     options = compile_options(num_warps)
     return args, constexprs, options
 
@@ -632,7 +840,7 @@ def _grid(plan, args, constexprs: dict, options: dict) -> tuple:
     the device at once, the compiled variant's occupancy found once per variant)."""
     x = plan.x
     tiles = -(-(x.shape[0] * x.shape[1]) // (4 * constexprs["ROWS_PER_THREAD"] * options["num_warps"]))
-    tensors = {**plan_tensors(plan), "q_out": plan.q_out, "sf_out": plan.sf_out}
+    tensors = {**plan_tensors(plan), "bias": plan.bias, "q_out": plan.q_out, "sf_out": plan.sf_out}
     return occupancy_grid(index_write_kernel, _resident, x, tiles, args, tensors, constexprs, options)
 
 
@@ -652,23 +860,25 @@ MIN_ROWS = 2
 
 
 def _common_chain(plan):
-    """The chain both kinds of call share: NEOX RoPE on columns 64..127 (not conjugate), no Hadamard,
-    no stage copy, one of the casts of CHAINS over all 128 columns, x rows as int32 words, a
-    contiguous weight if any, cos/sin [P, 64]. Returns the (CAST, G, SF) chain or None."""
+    """The chain both kinds of call share: RoPE (NEOX or GPT-J, not conjugate) on columns 64..127 or
+    0..63, RMSNorm or LayerNorm (or no norm), Hadamard or none, no stage copy, one of the casts of
+    CHAINS over all 128 columns, x rows as int32 words, a contiguous weight (and bias) if any, cos/sin
+    [P, 64]. Returns the (CAST, G, SF) chain or None."""
     x = plan.x
-    if plan.positions is None or plan.hadamard_scale is not None or plan.out is not None \
-            or plan.out_stage is not None or plan.norm_kind != "rms":
+    if plan.positions is None or plan.out is not None or plan.out_stage is not None:
         return None
     if x.dim() != 3 or x.shape[2] != HEAD_DIM or not rows_evenly_spaced(x) or row_stride(x) % 2 \
             or x.shape[0] * x.shape[1] >= 2 ** 30:
         return None
-    if (plan.rotary_dim, plan.rope_offset, plan.is_neox, plan.conjugate) != (ROTARY_DIM, ROPE_OFFSET, True, False):
+    if plan.rotary_dim != ROTARY_DIM or plan.rope_offset not in ROPE_OFFSETS or plan.conjugate:
         return None
     chain = chain_of(plan)
     if chain is None or plan.quant_dim != HEAD_DIM:
         return None
-    w, cs = plan.weight, plan.cos_sin
+    w, b, cs = plan.weight, plan.bias, plan.cos_sin
     if w is not None and (w.shape != (HEAD_DIM,) or w.stride(0) != 1):
+        return None
+    if b is not None and (b.shape != (HEAD_DIM,) or b.stride(0) != 1):
         return None
     if cs.dim() != 2 or cs.shape[1] != ROTARY_DIM or cs.shape[0] < 1 or cs.stride(1) != 1:
         return None
@@ -693,7 +903,7 @@ def _eligible_write(plan, chain) -> bool:
     if (a.data_offset, a.data_token_stride, a.sf_offset, a.sf_token_stride) != (
             0, data_bytes, block_size * data_bytes, f.sf_bytes):
         return False
-    if sf == 3 and a.sf_token_stride % 4:          # the fp32 scale leaves as one 32-bit store
+    if sf in (1, 3) and a.sf_token_stride % 4:     # an fp32 scale leaves as one 32-bit store
         return False
     return not (cache.data_ptr() % CACHE_ALIGN[cast] or cache.stride(0) % 8)
 
