@@ -66,8 +66,9 @@ Layout (explicit Gluon layouts):
   predicates. PIPELINE loads the next tile (x, positions, slots; its cos/sin after this tile's
   stores) while this one computes.
 
-Numerics mirror the plain kernel exactly: fp32 ops one by one (enable_fp_fusion=False: no FMA; the
-PTX has no fma / .approx / div.full), div_rn/sqrt_rn, native bf16 rounding (cvt.rn), the UE8M0
+Numerics mirror the plain kernel exactly: fp32 ops one by one (enable_fp_fusion=False: no contracted
+FMA; the PTX's only fma is the Hadamard's cross-lane level, whose multiplier is +-1: exact; no .approx /
+div.full), div_rn/sqrt_rn, native bf16 rounding (cvt.rn), the UE8M0
 exponent without division (``group_scales`` SF=0), the e4m3 scale of NVFP4 by the plain kernel's
 native conversion (cvt.rn.satfinite.e4m3x2.f32) and decoded exactly (cvt.rn.f16x2.e4m3x2; the
 signed-zero guard of its NATIVE=1 encode cannot fire: s >= 2^-9 after the clamp, and amax is never
@@ -282,8 +283,9 @@ if gluon is not None:
     @gluon.jit
     def _across(v, sgn, MASK: gl.constexpr):
         """One Hadamard level across lanes l, l ^ MASK: partner + own (lower lane), partner + (-own) =
-        partner - own (upper lane, sgn -1): the pair's a + b and a - b."""
-        return shfl_xor(v, MASK) + v * sgn
+        partner - own (upper lane, sgn -1): the pair's a + b and a - b. One fma: v * sgn is exact
+        (sgn is +-1), so the fused result is the rounded sum, bit for bit the fp32 addition."""
+        return gl.fma(v, sgn, shfl_xor(v, MASK))
 
     @gluon.jit
     def _across8(v0, v1, v2, v3, v4, v5, v6, v7, sgn, MASK: gl.constexpr):
@@ -322,12 +324,10 @@ if gluon is not None:
 
     @gluon.jit
     def _words_amax(w0, w1, w2, w3):
-        """max |y| over a chunk's 4 bf16 words [R, 8] (NaN-ignoring max.f32, like tl.max)."""
-        a = gl.maximum(gl.maximum(gl.abs(lo_f32(w0)), gl.abs(hi_f32(w0))),
-                       gl.maximum(gl.abs(lo_f32(w1)), gl.abs(hi_f32(w1))))
-        b = gl.maximum(gl.maximum(gl.abs(lo_f32(w2)), gl.abs(hi_f32(w2))),
-                       gl.maximum(gl.abs(lo_f32(w3)), gl.abs(hi_f32(w3))))
-        return gl.maximum(a, b)
+        """max |y| over a chunk's 4 bf16 words [R, 8], on the packed words (max.bf16x2: exact, NaN-ignoring
+        like max.f32 / tl.max)."""
+        a = _max_bf16x2(_max_bf16x2(w0 & 0x7FFF7FFF, w1 & 0x7FFF7FFF), _max_bf16x2(w2 & 0x7FFF7FFF, w3 & 0x7FFF7FFF))
+        return gl.maximum(lo_f32(a), hi_f32(a))
 
     @gluon.jit
     def _fp8_words(w0, w1, w2, w3, m):
