@@ -7,7 +7,7 @@ plain Triton path, which is byte-exact to the reference (docs/performance.md).
     whether they all lie in rows holding inf/NaN inputs, where SPEC §2 allows any bytes);
 (b) timing: CUDA-graph replay (kvfuse.bench.CudaTimer, median per call) of the plain path and of
     several Gluon launch variants on kvfuse.bench's MAIN_FP8 inputs, as GPU us and % of the
-    device-to-device copy bandwidth (kvfuse.bench.measure_copy_bandwidth / moved_bytes).
+    device-to-device copy bandwidth (kvfuse.bench.measure_copy_bandwidth / input_bytes).
 A failing case or variant is reported and the run goes on (an illegal memory access, though, ends
 the CUDA context: what follows it errors too). About 2-4 minutes (most of it compiling variants).
 Usage: python3 benchmarks/gluon_check.py --out DIR   (writes DIR/gluon_check.json)
@@ -151,9 +151,9 @@ def run_timing(copy_gbps, deadline):
         if time.perf_counter() > deadline:
             records.append(dict(n=n, status="skipped: time budget"))
             continue
-        nbytes = bench.moved_bytes(wl, n)["total"]
         try:
             inp = bench.build_inputs(wl, n, "cuda")
+            nbytes = bench.input_bytes(wl, inp)["total"]
         except Exception as e:
             records.append(dict(n=n, status="error building inputs", error=short(e)))
             continue

@@ -16,7 +16,7 @@ switch), so dispatch, eligibility, the argument table and the launch table are c
     plain kernel. An INDEX_MXFP4 mismatch is re-run with the fp32 e2m1 encoder (PACKED_E2M1 = False).
 (b) timing: CUDA-graph replay medians (kvfuse.bench.CudaTimer) of the public call, fast path off vs
     on, at n = 1, 256, 4096, 65536, 262144 on kvfuse.bench's inputs, as GPU us and % of the device
-    copy bandwidth (kvfuse.bench.measure_copy_bandwidth, 1 GiB; kvfuse.bench.moved_bytes).
+    copy bandwidth (kvfuse.bench.measure_copy_bandwidth, 1 GiB; kvfuse.bench.input_bytes).
 Only the launch table's variants are compiled. Exceptions are reported per case; a CUDA error (which
 ends the CUDA context) stops the run and the report is written. About 60-80 s on an H200.
 
@@ -152,9 +152,9 @@ def run_timing(formats, copy_gbps, deadline, report):
             if time.perf_counter() > deadline:
                 records.append(dict(format=fmt.name, n=n, status="skipped: time budget"))
                 continue
-            nbytes = bench.moved_bytes(wl, n)["total"]
             try:
                 inp = bench.build_inputs(wl, n, DEVICE)
+                nbytes = bench.input_bytes(wl, inp)["total"]
                 call = bench.fused_call(wl, inp)
                 # the timing inputs written both ways must agree too
                 diff_bytes, _ = common.written_both_ways(GI, "index_write_kernel", inp, call)

@@ -152,7 +152,7 @@ def run_timing(report, copy_gbps, deadline):
             continue
         inp = bench.build_inputs(wl, n, DEVICE)
         call = bench.fused_call(wl, inp)
-        nbytes = bench.moved_bytes(wl, n)["total"]
+        nbytes = bench.input_bytes(wl, inp)["total"]
         got = {}
         for label, on in (("plain", False), ("fast", True)):
             fast_path(on)

@@ -18,7 +18,7 @@ switch), so dispatch, eligibility, the argument table and the launch table are c
     variants outside the launch table (two rows a warp, two warps, four warps pipelined).
 (b) timing: CUDA-graph replay medians (kvfuse.bench.CudaTimer) of the public call, fast path off vs
     on, at n = 1, 256, 4096, 65536, 262144 on kvfuse.bench's "main_fp4" inputs, as GPU us and % of the
-    device copy bandwidth (kvfuse.bench.measure_copy_bandwidth, 1 GiB; kvfuse.bench.moved_bytes); the
+    device copy bandwidth (kvfuse.bench.measure_copy_bandwidth, 1 GiB; kvfuse.bench.input_bytes); the
     timing inputs written both ways must agree too.
 Exceptions are reported per case; a CUDA error (which ends the CUDA context) stops the run and the
 report is written. About 40-80 s on an H200 (most of it compiling).
@@ -197,9 +197,9 @@ def run_timing(copy_gbps, deadline, report):
         if time.perf_counter() > deadline:
             records.append(dict(n=n, status="skipped: time budget"))
             continue
-        nbytes = bench.moved_bytes(wl, n)["total"]
         try:
             inp = bench.build_inputs(wl, n, common.DEVICE)
+            nbytes = bench.input_bytes(wl, inp)["total"]
             call = bench.fused_call(wl, inp)
             # the timing inputs written both ways must agree too
             diff_bytes, launches = common.written_both_ways(G4, KERNEL, inp, call)

@@ -14,7 +14,7 @@ and ``GLUON = True`` (off: ``GLUON = False``), the plan cache cleared at every s
     case (x and cache pointers, int64 and strided indices, fp32 weight, bf16 cos/sin, block size 24).
 (b) timing: CUDA-graph replay medians (kvfuse.bench.CudaTimer) of the public call, fast path off and
     on, at n = 1, 256, 4096, 65536, 262144 on kvfuse.bench's inputs, as GPU us and % of the
-    device-to-device copy bandwidth (kvfuse.bench.measure_copy_bandwidth on 1 GiB, moved_bytes).
+    device-to-device copy bandwidth (kvfuse.bench.measure_copy_bandwidth on 1 GiB, input_bytes).
 Few compiled variants (the launch table's configurations and one alignment variant): about a
 minute on the H200. A CUDA error (an illegal address ends the context) stops the run; the report
 is written anyway. Usage: python3 benchmarks/gluon_check_mla_tail.py --out DIR
@@ -169,9 +169,9 @@ def run_timing(copy_gbps, deadline, state):
                 records.append(dict(format=fname, n=n, status="skipped: " + ("CUDA context lost" if state["dead"]
                                                                            else "time budget")))
                 continue
-            nbytes = bench.moved_bytes(wl, n)["total"]
             try:
                 inp = bench.build_inputs(wl, n, DEVICE)
+                nbytes = bench.input_bytes(wl, inp)["total"]
                 call = bench.fused_call(wl, inp)
                 # the timing inputs written both ways must agree as well
                 diff_bytes, launches = common.written_both_ways(mla, "mla_tail_kernel", inp, call)

@@ -91,7 +91,7 @@ def main():
                 continue
             inp = bench.build_inputs(wl, n, "cuda")
             call = bench.fused_call(wl, inp)
-            nbytes = bench.moved_bytes(wl, n)["total"]
+            nbytes = bench.input_bytes(wl, inp)["total"]
             route(module, None)
             plain = written_bytes(call, inp)
             plain_us = timer.measure([call]).gpu_us

@@ -1,8 +1,8 @@
 """Calls of kvfuse's fused write on kvfuse.bench's inputs, for Nsight Compute or a slot-pattern timing.
 
---slots: kvfuse.bench.slot_mapping's patterns (random: every record scattered, paged: 64-token blocks
-in a random order, contiguous); --time times all three, to tell what the scattered records cost
-against what the kernel costs.
+--slots: kvfuse.bench.token_layout's patterns (paged: each sequence's tokens in its own blocks, random:
+every record scattered, contiguous) on the bench's default inputs (decode for n <= 256, else prefill);
+--time times all three, to tell what the scattered records cost against what the kernel costs.
 
 Usage (on the device, repo root):
     ncu --clock-control none --kernel-name regex:"main_fp8_kernel|mla_tail_kernel|index_write_kernel" \\
@@ -48,7 +48,7 @@ def main():
             torch.cuda.synchronize()
             if a.time:
                 us = timer.measure([call]).gpu_us
-                pct = 100 * bench.moved_bytes(wl, n)["total"] / (us * 1e-6) / (copy * 1e9)
+                pct = 100 * bench.input_bytes(wl, inp)["total"] / (us * 1e-6) / (copy * 1e9)
                 print(f"{name:16s} n={n:7d} slots {slots:10s} {us:9.2f} us {pct:5.1f}% of copy", flush=True)
             else:
                 print(f"{name} n={n} slots {slots}: {a.calls} calls", flush=True)

@@ -27,6 +27,19 @@ ROWS = (
 )
 
 
+def inputs_text(report: dict) -> str:
+    """The inputs of a run, from its JSON: the slot pattern and, for runs that record one, the input
+    regime (earlier runs used uniform positions and have no regime)."""
+    cfg = report["meta"].get("config", {})
+    slots, regime = cfg.get("slots", "random"), cfg.get("regime")
+    if regime is None:
+        return f"{slots} slots"
+    if regime == "auto":
+        limit = report.get("inputs", {}).get("decode_max_n", 256)
+        return f"{slots} slots, decode inputs for n <= {limit} and prefill inputs above"
+    return f"{slots} slots, {regime} inputs"
+
+
 def render(report: dict) -> str:
     meta, dev = report["meta"], report["device"]
     us = {(r["workload"], r["n"]): r["gpu_us"] for r in report["results"] if r["peer"] == "fused" and r["status"] == "ok"}
@@ -36,7 +49,8 @@ def render(report: dict) -> str:
         return " / ".join(f"{us[(wl, n)]:.2f}" for n in sizes) if wl else "-"
 
     lines = [BEGIN,
-             f"GPU us per call at n = {' / '.join(map(str, sizes))} tokens (CUDA-graph replay, median, random slots), "
+             f"GPU us per call at n = {' / '.join(map(str, sizes))} tokens (CUDA-graph replay, median, "
+             f"{inputs_text(report)}), "
              f"{meta['device']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['date'][:10]} "
              f"(copy bandwidth {dev['copy_GBps'] / 1e3:.2f} TB/s, launch floor {dev['floor_us']:.2f} us; "
              f"`{LATEST.relative_to(ROOT)}`):",

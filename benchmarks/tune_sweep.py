@@ -53,7 +53,7 @@ def main():
                 with bench.use_backend("reference"):
                     bench.fused_call(wl, ref)()
                 want = [t.clone() for t in bench.result_tensors(wl, ref)]
-            nbytes = bench.moved_bytes(wl, n)["total"]
+            nbytes = bench.input_bytes(wl, inp)["total"]
             rows_n = n * wl.num_heads
             for bm, nw, vec in configs(name, rows_n, args.vec):
                 if bm * block_d > 16384:

@@ -6,12 +6,26 @@ What it does (see benchmarks/README.md for how to read the output):
    time) and the launch floor (the GPU time of one tiny Triton kernel, 100 launches captured in
    one CUDA graph);
 2. for every workload (a call site of the fused operator) and size n, builds realistic inputs
-   on the device and times four peers on the same inputs:
+   on the device (:func:`token_layout`: n <= 256 is a decode step, one token per sequence at
+   spread positions, each in its own cache block; larger n a prefill, whole sequences of
+   1024-4096 tokens at positions 0..len-1, each sequence's tokens in its own consecutive blocks
+   (``--slots paged``, the default) or scattered over the cache (``--slots random``);
+   ``--regime`` forces one) and times four peers on the same inputs:
    ``reference`` (the eager :mod:`kvfuse.reference` chain, through the public call),
    ``compile`` (torch.compile of the same reference stages plus a flat-index scatter store),
    ``stages`` (kvfuse's own kernels one stage per launch, as an unfused engine runs them) and
    ``fused`` (one public call on the Triton backend);
 3. prints a table, PASS/MISS lines against the performance targets, and writes JSON + PNG.
+
+Byte accounting (:func:`moved_bytes`, applied to each point's inputs by :func:`input_bytes`):
+effective bandwidth = compulsory DRAM bytes of one call / its GPU time, compared with the measured
+copy bandwidth. Compulsory bytes count what must cross DRAM at least once: x, the positions and
+the slot_mapping read once; the cache records (data + exact scales + bf16 tail), the bf16 out or
+(q, sf) written once; the norm weight (and bias) once per call; and one cos/sin row per DISTINCT
+position of the call inside the table (``positions.unique()``, out-of-range positions read none),
+however many tokens share it. A token with an invalid slot costs its slot only. Every peer of a
+point is charged the same bytes (intermediates of the unfused peers are not counted), so GB/s ranks
+peers like GPU time. With --cold-l2 the bytes are the mean over the input sets.
 
 Timing is injectable (``run_suite(..., timer=...)``) so the orchestration, the byte model and the
 report are tested on machines without CUDA. Nothing here needs matplotlib or tqdm at import.
@@ -58,7 +72,7 @@ PEERS = ("reference", "compile", "stages", "fused")
 DEFAULT_SIZES = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 QUICK_SIZES = (1, 256, 4096, 65536, 262144)
 QUICK_WORKLOADS = ("main_fp8", "index_mxfp4", "q_pre")
-MAX_POSITION = 8192          # rows of the cos/sin table; positions are uniform in [0, MAX_POSITION)
+MAX_POSITION = 8192          # rows of the cos/sin table (positions: token_layout)
 BLOCK_SIZE = 64              # tokens per cache block
 ROTARY_DIM = 64
 EPS = 1e-6
@@ -134,22 +148,42 @@ WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
 )}
 
 
-def moved_bytes(wl: Workload, n: int, index_bytes: int = 4, cos_sin_bytes: int = 4,
-                weight_bytes: int = 2) -> Dict[str, int]:
-    """Bytes that must move for one call (the effective-bandwidth numerator), by component.
+ACCOUNTING = ("compulsory DRAM bytes per call, computed from the inputs: x, positions and slots read once, "
+              "records / outputs written once, the norm weight (and bias) once, one cos/sin row per distinct "
+              "in-range position")
 
-    Read: x (bf16), the norm weight, one cos/sin row per token (n * rotary_dim * cos_sin_bytes,
-    repeats not discounted), positions, slots. Written: the cache record bytes a write touches
-    (quantized data + exact scales + bf16 tail; reserved bytes excluded), the bf16 out, or (q, sf).
+
+def moved_bytes(wl: Workload, n: int, index_bytes: int = 4, cos_sin_bytes: int = 4,
+                weight_bytes: int = 2, cos_sin_rows: Optional[int] = None, written: Optional[int] = None,
+                slot_bytes: Optional[int] = None) -> Dict[str, int]:
+    """Compulsory DRAM bytes of one call (the effective-bandwidth numerator), by component.
+
+    Every byte that must cross DRAM at least once, counted once per call:
+
+    - read: x (bf16) of the tokens processed, their positions and, for a write, the whole
+      slot_mapping; the norm weight (and bias) once; ``cos_sin_rows`` rows of the cos/sin table
+      (``rotary_dim * cos_sin_bytes`` each): one per DISTINCT in-range position of the call, however
+      many tokens share it (:func:`cos_sin_rows`; ``None``: every token at its own position, at most
+      MAX_POSITION rows);
+    - written: the cache record bytes a write touches (quantized data + exact scales + bf16 tail;
+      reserved bytes and padding excluded), the bf16 out, or (q, sf).
+
+    ``written``: for a write, the tokens with a valid slot (default n); a token whose slot is invalid
+    writes nothing and needs no x, position or cos/sin row, only its slot. Intermediates of unfused
+    peers are not counted: every peer of a point is charged the same bytes. :func:`input_bytes`
+    applies this model to actual inputs.
     """
-    rows = n * wl.num_heads
+    tokens = n if wl.kind != "write" or written is None else written
+    rows = tokens * wl.num_heads
+    if cos_sin_rows is None:
+        cos_sin_rows = min(tokens, MAX_POSITION)
     b = {"x": rows * wl.head_dim * 2}
     if wl.norm:
         b["norm_weight"] = wl.head_dim * weight_bytes * (2 if wl.norm_bias else 1)
-    b["cos_sin"] = n * wl.rotary_dim * cos_sin_bytes
-    b["positions"] = n * index_bytes
+    b["cos_sin"] = cos_sin_rows * wl.rotary_dim * cos_sin_bytes
+    b["positions"] = tokens * index_bytes
     if wl.kind == "write":
-        b["slots"] = n * index_bytes
+        b["slots"] = n * (index_bytes if slot_bytes is None else slot_bytes)
         b["cache_data"] = rows * wl.fmt.quant_bytes
         b["cache_scales"] = rows * wl.fmt.sf_exact_bytes
         if wl.fmt.bf16_tail:
@@ -159,6 +193,37 @@ def moved_bytes(wl: Workload, n: int, index_bytes: int = 4, cos_sin_bytes: int =
     else:
         b["q"] = rows * wl.fmt.quant_bytes
         b["sf"] = rows * wl.fmt.sf_exact_bytes
+    b["total"] = sum(b.values())
+    return b
+
+
+def cos_sin_rows(positions: torch.Tensor, table_rows: int) -> int:
+    """The cos/sin rows a call must read: its distinct positions inside [0, table_rows) (a position
+    outside the table rotates by the identity and reads no row)."""
+    p = positions.reshape(-1)
+    return int(p[(p >= 0) & (p < table_rows)].unique().numel())
+
+
+def input_bytes(wl: Workload, inp: "Inputs") -> Dict[str, int]:
+    """:func:`moved_bytes` of one call on these inputs: the distinct positions, the valid slots and
+    the element sizes of the actual tensors."""
+    positions, written = inp.positions, None
+    if wl.kind == "write":
+        capacity = inp.cache.shape[0] * inp.cache.shape[1]
+        valid = (inp.slots >= 0) & (inp.slots < capacity)
+        written = int(valid.sum())
+        positions = positions[valid]
+    return moved_bytes(wl, inp.n, index_bytes=inp.positions.element_size(),
+                       cos_sin_bytes=inp.cos_sin.element_size(),
+                       weight_bytes=inp.weight.element_size() if inp.weight is not None else 2,
+                       cos_sin_rows=cos_sin_rows(positions, inp.cos_sin.shape[0]), written=written,
+                       slot_bytes=inp.slots.element_size() if inp.slots is not None else None)
+
+
+def mean_bytes(details: Sequence[Dict[str, int]]) -> Dict[str, int]:
+    """Per-component mean (rounded) over input sets timed together (--cold-l2 cycles through them)."""
+    keys = [k for k in dict.fromkeys(k for d in details for k in d) if k != "total"]
+    b = {k: round(sum(d.get(k, 0) for d in details) / len(details)) for k in keys}
     b["total"] = sum(b.values())
     return b
 
@@ -181,6 +246,8 @@ class Inputs:
     sf: Optional[torch.Tensor] = None
     norm_buf: Optional[torch.Tensor] = None
     rope_buf: Optional[torch.Tensor] = None
+    regime: str = ""                     # "decode" | "prefill" | "uniform" (token_layout)
+    slot_pattern: str = ""               # writes: SLOT_PATTERNS
 
     def nbytes(self) -> int:
         total = 0
@@ -199,14 +266,17 @@ def rope_table(max_position: int, rotary_dim: int, device) -> torch.Tensor:
     return torch.cat([torch.cos(ang), torch.sin(ang)], dim=1).float().to(device)
 
 
-SLOT_PATTERNS = ("random", "paged", "contiguous")
+SLOT_PATTERNS = ("paged", "random", "contiguous")
+REGIMES = ("auto", "decode", "prefill", "uniform")
+DECODE_MAX_N = 256           # regime "auto": n <= this is a decode step, larger n a prefill
+PREFILL_SEQ_LEN = (1024, 4096)   # a prefill's sequence lengths are uniform in this range (tokens)
 
 
 def slot_mapping(n: int, blocks: int, pattern: str, g: torch.Generator, device) -> torch.Tensor:
-    """int32 [n] slots of a cache of ``blocks`` blocks of BLOCK_SIZE tokens. random: a random
-    permutation of all slots (every record scattered: the hardest write pattern); paged: the blocks in
-    a random order, the tokens of a block together (what a paged allocator gives a prefill);
-    contiguous: token i in slot i."""
+    """int32 [n] slots of a cache of ``blocks`` blocks of BLOCK_SIZE tokens, whatever the tokens'
+    positions (the "uniform" regime). random: a random permutation of all slots (every record
+    scattered: the hardest write pattern); paged: the blocks in a random order, the tokens of a block
+    together; contiguous: token i in slot i."""
     if pattern == "random":
         slots = torch.randperm(blocks * BLOCK_SIZE, generator=g, device=device)[:n]
     elif pattern == "paged":
@@ -219,11 +289,96 @@ def slot_mapping(n: int, blocks: int, pattern: str, g: torch.Generator, device) 
     return slots.to(torch.int32)
 
 
-def build_inputs(wl: Workload, n: int, device, seed: int = 0, slots: str = "random") -> Inputs:
+def input_regime(n: int, regime: str = "auto") -> str:
+    """The input regime of a point: "auto" is "decode" for n <= DECODE_MAX_N, else "prefill"."""
+    if regime not in REGIMES:
+        raise ValueError(f"regime: expected one of {REGIMES}, got {regime!r}")
+    if regime == "auto":
+        return "decode" if n <= DECODE_MAX_N else "prefill"
+    return regime
+
+
+def _regime_text(regime: str) -> str:
+    return {"auto": f"decode for n <= {DECODE_MAX_N}, else prefill",
+            "decode": "one token per sequence", "prefill": "whole sequences",
+            "uniform": "uniform positions"}.get(regime, regime)
+
+
+def prefill_lengths(n: int, g: torch.Generator) -> List[int]:
+    """The sequences of a prefill of n tokens: lengths uniform in PREFILL_SEQ_LEN, the last one cut so
+    that they total n (n below the range: one sequence of n tokens)."""
+    lo, hi = PREFILL_SEQ_LEN
+    lens: List[int] = []
+    total = 0
+    while total < n:
+        length = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        lens.append(min(length, n - total))
+        total += lens[-1]
+    return lens
+
+
+def token_layout(n: int, regime: str, pattern: str, g: torch.Generator):
+    """(positions, slots, cache blocks) of n tokens, int32 on the CPU, for one input regime
+    (:func:`input_regime`) and slot pattern:
+
+    - decode: one token per sequence, at a position (the sequence's context length) uniform in
+      [0, MAX_POSITION); the cache has n blocks. paged: each sequence's token in its own block (the
+      blocks in a random order), at offset position % BLOCK_SIZE; random: n slots drawn from all the
+      cache's slots; contiguous: token i in slot i.
+    - prefill: sequences of :func:`prefill_lengths`, positions 0..len-1 each; the cache has the
+      sequences' blocks (ceil(len / BLOCK_SIZE) each). paged: each sequence's tokens in its own
+      consecutive blocks, the sequences' runs of blocks in a random order (the last block of a
+      sequence partly empty); random: a random permutation of all the cache's slots, every record
+      scattered; contiguous: token i in slot i.
+    - uniform: positions uniform in [0, MAX_POSITION) whatever the sequence, ceil(n / BLOCK_SIZE)
+      blocks and :func:`slot_mapping`'s pattern.
+    """
+    if pattern not in SLOT_PATTERNS:
+        raise ValueError(f"slots: expected one of {SLOT_PATTERNS}, got {pattern!r}")
+    if regime == "uniform":
+        blocks = max(1, -(-n // BLOCK_SIZE))
+        positions = torch.randint(0, MAX_POSITION, (n,), generator=g)
+        return positions.to(torch.int32), slot_mapping(n, blocks, pattern, g, "cpu"), blocks
+    if regime == "decode":
+        positions = torch.randint(0, MAX_POSITION, (n,), generator=g)
+        blocks = n
+        if pattern == "paged":
+            slots = torch.randperm(blocks, generator=g) * BLOCK_SIZE + positions % BLOCK_SIZE
+        elif pattern == "random":
+            slots = torch.randperm(blocks * BLOCK_SIZE, generator=g)[:n]
+        else:
+            blocks = max(1, -(-n // BLOCK_SIZE))
+            slots = torch.arange(n)
+    elif regime == "prefill":
+        lens = prefill_lengths(n, g)
+        positions = torch.cat([torch.arange(length) for length in lens])
+        runs = [-(-length // BLOCK_SIZE) for length in lens]
+        blocks = sum(runs)
+        if pattern == "paged":
+            start, first = [0] * len(lens), 0
+            for i in torch.randperm(len(lens), generator=g).tolist():
+                start[i], first = first, first + runs[i]
+            slots = torch.cat([start[i] * BLOCK_SIZE + torch.arange(length) for i, length in enumerate(lens)])
+        elif pattern == "random":
+            slots = torch.randperm(blocks * BLOCK_SIZE, generator=g)[:n]
+        else:
+            blocks = max(1, -(-n // BLOCK_SIZE))
+            slots = torch.arange(n)
+    else:
+        raise ValueError(f"regime: expected one of {REGIMES[1:]}, got {regime!r}")
+    return positions.to(torch.int32), slots.to(torch.int32), blocks
+
+
+def build_inputs(wl: Workload, n: int, device, seed: int = 0, slots: str = "paged",
+                 regime: str = "auto") -> Inputs:
     """Random realistic inputs: bf16 activations (normal, per-token scales 2^-3..2^3), a norm weight
-    near 1, uniform positions, a cache with ceil(n / 64) blocks and the slots of ``slot_mapping``
-    (default: a random permutation of all slots)."""
+    near 1, the positions, cache and slots of :func:`token_layout` for the point's regime
+    (:func:`input_regime`) and slot pattern. The layout depends on (seed, n) only: every workload
+    of a size gets the same positions and slots."""
     device = torch.device(device)
+    regime = input_regime(n, regime)
+    layout = torch.Generator().manual_seed(seed * 1_000_003 + n)
+    positions, slot_map, blocks = token_layout(n, regime, slots, layout)
     g = torch.Generator(device=device)
     g.manual_seed(seed * 1_000_003 + n * 7 + len(wl.name))
     H, D = wl.num_heads, wl.head_dim
@@ -232,7 +387,7 @@ def build_inputs(wl: Workload, n: int, device, seed: int = 0, slots: str = "rand
     scale = torch.randint(-3, 4, (n,) + (1,) * (len(shape) - 1), generator=g, device=device)
     x.mul_(torch.exp2(scale.float()).to(torch.bfloat16))
     inp = Inputs(n=n, x=x, cos_sin=rope_table(MAX_POSITION, wl.rotary_dim, device),
-                 positions=torch.randint(0, MAX_POSITION, (n,), generator=g, device=device, dtype=torch.int32))
+                 positions=positions.to(device), regime=regime)
     if wl.norm:
         inp.weight = (torch.randn(D, generator=g, device=device) * 0.1 + 1.0).to(torch.bfloat16)
         if wl.norm_bias:
@@ -240,9 +395,9 @@ def build_inputs(wl: Workload, n: int, device, seed: int = 0, slots: str = "rand
         inp.norm_buf = torch.empty_like(x)
     if wl.kind == "write":
         fmt = wl.fmt
-        blocks = max(1, -(-n // BLOCK_SIZE))
         inp.cache = fmt.allocate(blocks, BLOCK_SIZE, device=device)
-        inp.slots = slot_mapping(n, blocks, slots, g, device)
+        inp.slots = slot_map.to(device)
+        inp.slot_pattern = slots
         inp.rope_buf = torch.empty_like(x)
         inp.q = torch.empty((n, fmt.quant_bytes), dtype=q_dtype(fmt.cast_fmt), device=device)
         inp.sf = torch.empty((n, fmt.num_scales), dtype=fmt.sf_dtype, device=device)
@@ -256,13 +411,13 @@ def build_inputs(wl: Workload, n: int, device, seed: int = 0, slots: str = "rand
 
 
 def build_input_sets(wl: Workload, n: int, device, cold_l2: bool = False, seed: int = 0,
-                     slots: str = "random") -> List[Inputs]:
+                     slots: str = "paged", regime: str = "auto") -> List[Inputs]:
     """One set; with cold_l2, as many (at most 16) as needed to total COLD_L2_BYTES."""
-    first = build_inputs(wl, n, device, seed, slots)
+    first = build_inputs(wl, n, device, seed, slots, regime)
     count = 1
     if cold_l2:
         count = max(1, min(16, math.ceil(COLD_L2_BYTES / max(1, first.nbytes()))))
-    return [first] + [build_inputs(wl, n, device, seed + i, slots) for i in range(1, count)]
+    return [first] + [build_inputs(wl, n, device, seed + i, slots, regime) for i in range(1, count)]
 
 
 def result_tensors(wl: Workload, inp: Inputs) -> List[torch.Tensor]:
@@ -596,6 +751,9 @@ class Record:
     x_floor: Optional[float] = None
     fused_speedup: Optional[float] = None   # this peer's GPU time / the fused GPU time, same point
     note: str = ""
+    regime: str = ""                 # the inputs' regime (input_regime): "decode" | "prefill" | "uniform"
+    slots: str = ""                  # writes: the slot pattern of the inputs
+    bytes_detail: Optional[Dict[str, int]] = None   # input_bytes by component (None: no inputs built)
 
 
 def finalize(rec: Record, copy_gbps: Optional[float], floor_us: Optional[float]) -> Record:
@@ -629,7 +787,8 @@ class Config:
     compile_budget_s: float = 100.0
     max_x_elems: int = MAX_X_ELEMS
     seed: int = 0
-    slots: str = "random"
+    slots: str = "paged"
+    regime: str = "auto"
     plot: bool = True
     progress: bool = True
 
@@ -682,7 +841,8 @@ def measure_point(wl: Workload, n: int, cfg: Config, device, timer, cstate: _Com
                   deadline: float, log=print) -> List[Record]:
     """All peers of one (workload, n): build the inputs once, time each peer on them."""
     rows = n * wl.num_heads
-    base = dict(workload=wl.name, n=n, rows=rows, bytes=moved_bytes(wl, n)["total"])
+    base = dict(workload=wl.name, n=n, rows=rows, regime=input_regime(n, cfg.regime),
+                slots=cfg.slots if wl.kind == "write" else "")
     skip = ""
     if rows * wl.head_dim > cfg.max_x_elems:
         skip = f"x would hold {rows * wl.head_dim} elements > {cfg.max_x_elems} (--max-x-elems)"
@@ -691,10 +851,12 @@ def measure_point(wl: Workload, n: int, cfg: Config, device, timer, cstate: _Com
     if skip:
         return [Record(peer=p, status="skipped", note=skip, **base) for p in cfg.peers]
     try:
-        sets = build_input_sets(wl, n, device, cfg.cold_l2, cfg.seed, cfg.slots)
+        sets = build_input_sets(wl, n, device, cfg.cold_l2, cfg.seed, cfg.slots, cfg.regime)
+        detail = mean_bytes([input_bytes(wl, s) for s in sets])
     except Exception as e:
         _recover_cuda()
         return [Record(peer=p, status="error", note=f"building inputs: {_short(e)}", **base) for p in cfg.peers]
+    base.update(bytes=detail["total"], bytes_detail=detail)
     out = []
     for peer in cfg.peers:
         reason = _skip_reason(peer, wl, n, cfg, cstate)
@@ -867,8 +1029,10 @@ def build_report(cfg: Config, info: dict, device: dict, records: Sequence[Record
                               description=WORKLOADS[w].description,
                               bytes_per_token=moved_bytes(WORKLOADS[w], 1))
                       for w in cfg.workloads},
-        "results": [dict(dataclasses.asdict(r), bytes_detail=moved_bytes(WORKLOADS[r.workload], r.n))
-                    if r.workload in WORKLOADS else dataclasses.asdict(r) for r in records],
+        "inputs": dict(regime=cfg.regime, slots=cfg.slots, decode_max_n=DECODE_MAX_N,
+                       prefill_seq_len=list(PREFILL_SEQ_LEN), max_position=MAX_POSITION, block_size=BLOCK_SIZE),
+        "accounting": ACCOUNTING,
+        "results": [dataclasses.asdict(r) for r in records],
         "targets": list(targets),
     })
 
@@ -936,9 +1100,13 @@ def parse_config(argv: Optional[Sequence[str]]) -> Config:
                    "it has used this many seconds (default 100; --quick 25)")
     p.add_argument("--max-x-elems", type=int, default=MAX_X_ELEMS, help="skip points whose x has more elements")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slots", choices=SLOT_PATTERNS, default="random", help="where the tokens of a write go: "
-                   "random (default: a random permutation of the cache's slots, every record scattered), paged "
-                   "(64-token blocks in a random order, the tokens of a block together: a prefill) or contiguous")
+    p.add_argument("--slots", choices=SLOT_PATTERNS, default="paged", help="where the tokens of a write go: "
+                   "paged (default: each sequence's tokens in its own blocks), random (a random permutation of "
+                   "the cache's slots, every record scattered) or contiguous (token i in slot i)")
+    p.add_argument("--regime", choices=REGIMES, default="auto", help=f"the inputs' positions and sequences: "
+                   f"auto (default: decode for n <= {DECODE_MAX_N}, else prefill), decode (one token per "
+                   f"sequence at spread positions), prefill (sequences of {PREFILL_SEQ_LEN[0]}-{PREFILL_SEQ_LEN[1]} "
+                   f"tokens at positions 0..len-1) or uniform (positions uniform in [0, {MAX_POSITION}))")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(list(argv) if argv is not None else [])
@@ -965,7 +1133,8 @@ def parse_config(argv: Optional[Sequence[str]]) -> Config:
                   budget_s=a.budget_s if a.budget_s is not None else (75.0 if a.quick else 330.0),
                   compile_budget_s=(a.compile_budget_s if a.compile_budget_s is not None
                                     else (25.0 if a.quick else 100.0)),
-                  max_x_elems=a.max_x_elems, seed=a.seed, slots=a.slots, plot=not a.no_plot, progress=not a.no_progress)
+                  max_x_elems=a.max_x_elems, seed=a.seed, slots=a.slots, regime=a.regime, plot=not a.no_plot,
+                  progress=not a.no_progress)
 
 
 def run_info() -> dict:
@@ -1056,7 +1225,8 @@ def run_on_device(cfg: Config, device="cuda", timer=None, measure=measure_device
     print(f"kvfuse bench on {info.get('device')} ({info.get('sm_count')} SMs): torch {info['torch']} "
           f"(CUDA {info['torch_cuda']}), triton {info['triton']}, python {info['python']}, {info['date']}")
     print(f"workloads {','.join(cfg.workloads)}; n {','.join(map(str, cfg.sizes))}; peers {','.join(cfg.peers)}; "
-          f"reference/compile only for n*heads <= {cfg.peer_max_n}; {'cold' if cfg.cold_l2 else 'warm'} L2; {cfg.slots} slots")
+          f"reference/compile only for n*heads <= {cfg.peer_max_n}; {'cold' if cfg.cold_l2 else 'warm'} L2; "
+          f"{cfg.slots} slots; {cfg.regime} regime ({_regime_text(cfg.regime)})")
     dev = measure(cfg.quick)
     bar = _progress_bar(len(cfg.workloads) * len(cfg.sizes), cfg.progress)
     if timer is None:

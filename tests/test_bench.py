@@ -87,6 +87,159 @@ def test_moved_bytes_per_workload_n1(name, total):
     assert bench.moved_bytes(bench.WORKLOADS[name], 1)["total"] == total
 
 
+def _index_inputs(positions, slots=None, name="index_fp8_fp32"):
+    """8 tokens of a 128-d indexer write with the given positions (and slots)."""
+    wl = bench.WORKLOADS[name]
+    inp = bench.build_inputs(wl, 8, "cpu")
+    inp.positions = torch.tensor(positions, dtype=torch.int32)
+    if slots is not None:
+        inp.slots = torch.tensor(slots, dtype=torch.int32)
+    return wl, inp
+
+
+# INDEX_FP8_FP32, per token: x 256 + position 4 + slot 4 + record 128 data + 4 scale bytes; once: weight 256
+INDEX_TOKEN, INDEX_WEIGHT, ROW = 256 + 4 + 4 + 128 + 4, 256, 64 * 4
+
+
+def test_input_bytes_tokens_at_one_position_count_one_cos_sin_row():
+    wl, inp = _index_inputs([5] * 8)
+    b = bench.input_bytes(wl, inp)
+    assert b["cos_sin"] == ROW and b["norm_weight"] == INDEX_WEIGHT
+    assert b == {"x": 8 * 256, "norm_weight": 256, "cos_sin": 256, "positions": 32, "slots": 32,
+                 "cache_data": 8 * 128, "cache_scales": 8 * 4, "total": 8 * INDEX_TOKEN + INDEX_WEIGHT + ROW}
+
+
+@pytest.mark.parametrize("positions,rows", [
+    (list(range(8)), 8),                       # distinct: one row each
+    ([3, 3, 7, 7, 7, 1, 1, 1], 3),             # repeats count once
+    ([0, 8191, 0, 8191, 2, 2, 2, 2], 3),       # the table's first and last rows
+    ([-1, 8192, 9000, -5, 4, 4, 6, 6], 2),     # out of [0, 8192): identity rotation, no row read
+    ([-1] * 8, 0),
+])
+def test_input_bytes_count_distinct_in_range_positions(positions, rows):
+    wl, inp = _index_inputs(positions)
+    assert bench.cos_sin_rows(inp.positions, bench.MAX_POSITION) == rows
+    b = bench.input_bytes(wl, inp)
+    assert b["cos_sin"] == rows * ROW and b["total"] == 8 * INDEX_TOKEN + INDEX_WEIGHT + rows * ROW
+
+
+def test_input_bytes_invalid_slots_write_and_read_nothing_but_the_slot():
+    """Tokens 2 and 5 have invalid slots (-1, past the cache): only their slots are read; the cos/sin
+    rows are those of the written tokens (position 9 appears only on an invalid one)."""
+    wl, inp = _index_inputs([1, 1, 9, 2, 2, 2, 3, 3], slots=None)
+    capacity = inp.cache.shape[0] * inp.cache.shape[1]
+    slots = inp.slots.clone()
+    slots[2], slots[5] = -1, capacity
+    inp.slots = slots
+    b = bench.input_bytes(wl, inp)
+    assert b["x"] == 6 * 256 and b["positions"] == 6 * 4 and b["slots"] == 8 * 4
+    assert b["cache_data"] == 6 * 128 and b["cache_scales"] == 6 * 4 and b["cos_sin"] == 3 * ROW
+
+
+def test_input_bytes_weight_bias_and_table_dtypes_once_per_call():
+    wl = bench.WORKLOADS["dsv32_index_k"]         # LayerNorm: weight + bias, 128 bf16 each
+    for n in (1, 300):
+        b = bench.input_bytes(wl, bench.build_inputs(wl, n, "cpu"))
+        assert b["norm_weight"] == 2 * 128 * 2
+    wl, inp = _index_inputs([0, 1, 2, 3, 0, 1, 2, 3])
+    inp.cos_sin = inp.cos_sin.to(torch.bfloat16)  # a bf16 table: 128 bytes a row
+    inp.positions = inp.positions.long()           # int64 positions: 8 bytes each
+    b = bench.input_bytes(wl, inp)
+    assert b["cos_sin"] == 4 * 64 * 2 and b["positions"] == 8 * 8 and b["slots"] == 8 * 4
+
+
+def test_input_bytes_q_workloads_count_each_head_and_each_row_once():
+    wl = bench.WORKLOADS["q_pre"]                 # 64 heads of 512, bf16 out, no slots
+    inp = bench.build_inputs(wl, 3, "cpu")
+    inp.positions = torch.tensor([7, 7, 100], dtype=torch.int32)
+    b = bench.input_bytes(wl, inp)
+    assert b == {"x": 3 * 64 * 1024, "norm_weight": 1024, "cos_sin": 2 * ROW, "positions": 12,
+                 "out": 3 * 64 * 1024, "total": 2 * 3 * 64 * 1024 + 1024 + 2 * ROW + 12}
+
+
+def test_moved_bytes_model_and_mean_over_input_sets():
+    wl = bench.WORKLOADS["main_fp8"]
+    # without positions: every token at its own position, at most the table's rows
+    assert bench.moved_bytes(wl, 100)["cos_sin"] == 100 * ROW
+    assert bench.moved_bytes(wl, 65536)["cos_sin"] == bench.MAX_POSITION * ROW
+    assert bench.moved_bytes(wl, 65536, cos_sin_rows=4096)["total"] == 65536 * 1560 + 1024 + 4096 * ROW
+    a, b = bench.moved_bytes(wl, 10, cos_sin_rows=3), bench.moved_bytes(wl, 10, cos_sin_rows=6)
+    m = bench.mean_bytes([a, b])
+    assert m["cos_sin"] == round(4.5 * ROW) and m["total"] == sum(v for k, v in m.items() if k != "total")
+
+
+def test_index_fp8_fp32_prefill_bytes_no_longer_charge_a_row_per_token():
+    """The 128-d INDEX_FP8_FP32 write of a prefill: the cos/sin rows are those of the longest sequence
+    (at most 4096 here), not one per token (which once put it above 100% of copy bandwidth)."""
+    wl = bench.WORKLOADS["index_fp8_fp32"]
+    inp = bench.build_inputs(wl, 20000, "cpu")
+    b = bench.input_bytes(wl, inp)
+    assert b["cos_sin"] == (int(inp.positions.max()) + 1) * ROW <= bench.PREFILL_SEQ_LEN[1] * ROW
+    assert b["total"] == 20000 * INDEX_TOKEN + INDEX_WEIGHT + b["cos_sin"]
+
+
+# ----------------------------------------------------------------------------- input regimes
+def test_input_regime_by_n_or_option():
+    assert [bench.input_regime(n) for n in (1, 256, 257, 262144)] == ["decode", "decode", "prefill", "prefill"]
+    assert bench.input_regime(1, "prefill") == "prefill" and bench.input_regime(4096, "decode") == "decode"
+    with pytest.raises(ValueError, match="regime"):
+        bench.input_regime(1, "chunked")
+
+
+@pytest.mark.parametrize("n", [1, 7, 256])
+def test_decode_layout_one_token_per_sequence_in_distinct_blocks(n):
+    g = torch.Generator().manual_seed(n)
+    pos, slots, blocks = bench.token_layout(n, "decode", "paged", g)
+    assert pos.dtype == slots.dtype == torch.int32 and blocks == n
+    assert int(pos.min()) >= 0 and int(pos.max()) < bench.MAX_POSITION
+    assert (slots // bench.BLOCK_SIZE).unique().numel() == n                # one block per sequence
+    assert torch.equal(slots % bench.BLOCK_SIZE, pos % bench.BLOCK_SIZE)    # at the position's offset
+    if n == 256:
+        assert pos.unique().numel() > 200                                   # spread context lengths
+    pos_r, rnd, blocks_r = bench.token_layout(n, "decode", "random", torch.Generator().manual_seed(n))
+    assert torch.equal(pos_r, pos) and blocks_r == n and rnd.unique().numel() == n
+    assert int(rnd.max()) < n * bench.BLOCK_SIZE
+
+
+def _sequences(pos):
+    starts = (pos == 0).nonzero().flatten().tolist() + [pos.numel()]
+    return [(a, b) for a, b in zip(starts, starts[1:])]
+
+
+@pytest.mark.parametrize("n", [257, 4096, 20000])
+def test_prefill_layout_whole_sequences_in_their_own_consecutive_blocks(n):
+    pos, slots, blocks = bench.token_layout(n, "prefill", "paged", torch.Generator().manual_seed(n))
+    seqs = _sequences(pos)
+    lo, hi = bench.PREFILL_SEQ_LEN
+    for i, (a, b) in enumerate(seqs):
+        assert torch.equal(pos[a:b], torch.arange(b - a, dtype=torch.int32))    # positions 0..len-1
+        assert b - a <= hi and (b - a >= lo or i == len(seqs) - 1 or n < lo)
+        first = int(slots[a]) // bench.BLOCK_SIZE
+        assert int(slots[a]) % bench.BLOCK_SIZE == 0
+        assert torch.equal(slots[a:b], first * bench.BLOCK_SIZE + torch.arange(b - a, dtype=torch.int32))
+    assert blocks == sum(-(-(b - a) // bench.BLOCK_SIZE) for a, b in seqs)
+    assert slots.unique().numel() == n and int(slots.max()) < blocks * bench.BLOCK_SIZE
+    # random slots: the same sequences, every record scattered over the same cache
+    pos_r, rnd, blocks_r = bench.token_layout(n, "prefill", "random", torch.Generator().manual_seed(n))
+    assert torch.equal(pos_r, pos) and blocks_r == blocks
+    assert rnd.unique().numel() == n and int(rnd.max()) < blocks * bench.BLOCK_SIZE
+    with pytest.raises(ValueError, match="slots"):
+        bench.token_layout(n, "prefill", "sorted", torch.Generator())
+
+
+def test_build_inputs_use_the_regime_and_record_it():
+    wl = bench.WORKLOADS["dsv4_main_fp8"]
+    dec = bench.build_inputs(wl, 64, "cpu")
+    assert dec.regime == "decode" and dec.slot_pattern == "paged" and dec.cache.shape[0] == 64
+    pre = bench.build_inputs(wl, 5000, "cpu", slots="random")
+    assert pre.regime == "prefill" and pre.slot_pattern == "random" and int((pre.positions == 0).sum()) >= 2
+    # every workload of a size gets the same layout
+    other = bench.build_inputs(bench.WORKLOADS["index_mxfp4"], 5000, "cpu", slots="random")
+    assert torch.equal(other.positions, pre.positions) and torch.equal(other.slots, pre.slots)
+    uni = bench.build_inputs(wl, 5000, "cpu", regime="uniform")
+    assert uni.regime == "uniform" and uni.cache.shape[0] == -(-5000 // bench.BLOCK_SIZE)
+
+
 # ----------------------------------------------------------------------------- peers
 def _snapshot(wl, inp):
     if wl.kind == "write":
@@ -145,7 +298,7 @@ def test_slot_patterns():
     rnd = bench.slot_mapping(130, 3, "random", g, "cpu")
     for s in (paged, rnd):
         assert s.dtype == torch.int32 and s.unique().numel() == 130 and int(s.max()) < 3 * bench.BLOCK_SIZE
-    inp = bench.build_inputs(bench.WORKLOADS["main_fp8"], 100, "cpu", slots="paged")
+    inp = bench.build_inputs(bench.WORKLOADS["main_fp8"], 100, "cpu", slots="paged", regime="uniform")
     assert torch.equal(inp.slots % bench.BLOCK_SIZE, torch.arange(100, dtype=torch.int32) % bench.BLOCK_SIZE)
     with pytest.raises(ValueError, match="slots"):
         bench.slot_mapping(4, 1, "sorted", g, "cpu")
@@ -173,6 +326,27 @@ def test_run_suite_with_fake_timer():
     assert f.pct_copy == pytest.approx(100 * f.gbps / 4000.0) and f.x_floor == pytest.approx(10.0)
     assert by[("main_fp8", 4, "stages")].fused_speedup == pytest.approx(3.0)
     assert len(timer.labels) == sum(r.status == "ok" for r in records)
+    # bytes from the inputs measured (the layout depends on (seed, n) only: rebuilt identically here)
+    wl = bench.WORKLOADS["main_fp8"]
+    want = bench.input_bytes(wl, bench.build_inputs(wl, 4, "cpu", cfg.seed, cfg.slots, cfg.regime))
+    assert f.bytes_detail == want and f.bytes == want["total"]
+    assert (f.regime, f.slots) == ("decode", "paged") and by[("q_pre", 4, "fused")].slots == ""
+
+
+def test_cli_regime_and_slots_reach_the_records_and_the_json(tmp_path):
+    cfg = bench.parse_config(["--n", "300", "--workloads", "index_mxfp4", "--peers", "fused", "--slots", "random",
+                              "--regime", "auto", "--out", str(tmp_path), "--no-progress", "--no-plot"])
+    assert (cfg.slots, cfg.regime) == ("random", "auto")
+    assert bench.parse_config([]).slots == "paged" and bench.parse_config([]).regime == "auto"
+    assert bench.parse_config(["--regime", "uniform"]).regime == "uniform"
+    assert bench.run_on_device(cfg, device="cpu", timer=FakeTimer(), measure=fake_device,
+                               kernel_backend="reference", compiler=lambda f: f) == 0
+    data = json.loads((tmp_path / "kvfuse_bench.json").read_text())
+    assert data["inputs"]["slots"] == "random" and data["inputs"]["regime"] == "auto"
+    assert data["meta"]["config"]["regime"] == "auto" and "distinct" in data["accounting"]
+    (r,) = data["results"]
+    assert (r["regime"], r["slots"]) == ("prefill", "random") and r["bytes"] == r["bytes_detail"]["total"]
+    assert r["bytes_detail"]["cos_sin"] == 300 * 64 * 4                  # one sequence of 300 tokens
 
 
 def test_run_suite_records_errors_and_goes_on():
@@ -208,9 +382,10 @@ def _fake_records():
     for wl in ("main_fp8", "index_mxfp4"):
         for n in (1, 256, 4096, 65536, 262144):
             fused = 1.5 if n <= 256 else n * 1e-3
+            detail = bench.moved_bytes(bench.WORKLOADS[wl], n, cos_sin_rows=1)   # every token at one position
             for peer, t in (("stages", 3.0 * fused), ("fused", fused)):
                 recs.append(Record(workload=wl, n=n, peer=peer, rows=n, gpu_us=t, gpu_method="graph",
-                                   eager_us=t + 20, bytes=bench.moved_bytes(bench.WORKLOADS[wl], n)["total"]))
+                                   eager_us=t + 20, bytes=detail["total"], bytes_detail=detail))
     recs.append(Record(workload="main_fp8", n=262144, peer="reference", status="skipped", note="too big"))
     for r in recs:
         bench.finalize(r, 4000.0, 1.0)
@@ -232,8 +407,9 @@ def test_targets():
     recs = _fake_records()
     targets = {t["target"]: t for t in bench.check_targets(recs)}
     main64k = targets["main_fp8 fused % copy at n=65536"]
-    # 65536 tokens in 65.536 us: 1816 B/token -> 1816 GB/s -> 45% of 4000
-    assert main64k["status"] == "MISS" and main64k["value"] == pytest.approx(100 * (65536 * 1816 + 1024) / 65.536e-6 / 1e9 / 4000)
+    # 65536 tokens in 65.536 us: 1560 B/token (+ one cos/sin row and the weight) -> ~1560 GB/s -> 39% of 4000
+    total = 65536 * 1560 + 256 + 1024
+    assert main64k["status"] == "MISS" and main64k["value"] == pytest.approx(100 * total / 65.536e-6 / 1e9 / 4000)
     assert targets["main_fp8 fused GPU time / launch floor, n<=256 (worst)"]["status"] == "PASS"
     assert targets["main_fp8 fused vs stage chain, n<=4096 (least)"]["status"] == "PASS"
     assert targets["index_mxfp4 fused vs stage chain at n=65536"]["value"] == pytest.approx(3.0)

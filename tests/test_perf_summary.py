@@ -28,3 +28,36 @@ def test_every_row_of_the_summary_was_measured():
     for _, wl, preset in ps.ROWS:
         for w in filter(None, (wl, preset)):
             assert {(w, n) for n in sizes} <= measured, w
+
+
+def _new_style_report(slots="paged", regime="auto"):
+    """A report as kvfuse bench now writes it (input regime, slots, bytes from the inputs), with
+    made-up timings for every workload the summary quotes, through JSON."""
+    from kvfuse import bench
+    ps = _module()
+    names = [w for _, wl, preset in ps.ROWS for w in (wl, preset) if w]
+    cfg = bench.parse_config(["--workloads", ",".join(names), "--n", "1,4096", "--peers", "fused",
+                              "--slots", slots, "--regime", regime])
+    recs = []
+    for w in names:
+        for n in cfg.sizes:
+            detail = bench.moved_bytes(bench.WORKLOADS[w], n)
+            recs.append(bench.finalize(bench.Record(workload=w, n=n, peer="fused", rows=n, bytes=detail["total"],
+                                                    gpu_us=1.5 + n * 1e-3, gpu_method="graph", eager_us=20.0,
+                                                    regime=bench.input_regime(n, regime), slots=slots,
+                                                    bytes_detail=detail), 4000.0, 1.0))
+    info = {"device": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0", "date": "2027-01-01T00:00:00+00:00"}
+    report = bench.build_report(cfg, info, {"copy_GBps": 4000.0, "floor_us": 0.9}, recs, [], 1.0)
+    return json.loads(json.dumps(report))
+
+
+def test_summary_renders_old_and_new_result_files():
+    """Files written before the input regimes render as before ("random slots"); new files say which
+    slots and regime they measured."""
+    ps = _module()
+    old = ps.render(json.loads(ps.LATEST.read_text()))
+    assert "median, random slots)" in old
+    new = ps.render(_new_style_report())
+    assert "median, paged slots, decode inputs for n <= 256 and prefill inputs above)" in new
+    assert f"| DeepSeek V4 main cache (MAIN_FP8, GPT-J) | {1.5 + 1e-3:.2f} / {1.5 + 4.096:.2f} |" in new
+    assert "random slots, prefill inputs)" in ps.render(_new_style_report("random", "prefill"))
