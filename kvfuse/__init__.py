@@ -3,7 +3,7 @@ Triton launch, byte-equal to the unfused PyTorch chain (:mod:`kvfuse.reference`)
 from . import formats, reference
 from .api import fused_norm_rope_hadamard_cast_store_kvcache, load_paged_kv_cache, store_kv_cache
 from .args import CastArgs, ContiguousOutArgs, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
-from .backend import checks_enabled, current_backend, set_checks, use_backend
+from .backend import checks_enabled, current_backend, pdl_enabled, set_checks, set_pdl, use_backend
 from .formats import KVCacheFormat, allocate_kv_cache
 from . import mla, models  # noqa: E402  (after the api: mla builds on it; models on mla)
 
@@ -12,5 +12,5 @@ __all__ = [
     "fused_norm_rope_hadamard_cast_store_kvcache", "store_kv_cache", "load_paged_kv_cache",
     "NormArgs", "RopeArgs", "HadamardArgs", "CastArgs", "ContiguousOutArgs", "KVCacheOutArgs",
     "KVCacheFormat", "allocate_kv_cache", "formats", "reference", "use_backend", "set_checks",
-    "current_backend", "checks_enabled", "mla", "models",
+    "current_backend", "checks_enabled", "set_pdl", "pdl_enabled", "mla", "models",
 ]

@@ -11,7 +11,10 @@ range, no duplicate valid slots): they synchronize the device and stay off by de
 Scope: the backend chosen with ``use_backend`` is per thread (a thread that never chose follows
 ``KVFUSE_BACKEND``); ``set_checks`` and every environment variable are per process.
 
-Boolean environment switches (``KVFUSE_CHECKS``, ``KVFUSE_PLAN_CACHE``, ``KVFUSE_GLUON``,
+``set_pdl(True)`` or ``KVFUSE_PDL=1`` launches the kernels with programmatic dependent launch
+(Hopper and newer, compiled kernels only; off by default).
+
+Boolean environment switches (``KVFUSE_CHECKS``, ``KVFUSE_PDL``, ``KVFUSE_PLAN_CACHE``, ``KVFUSE_GLUON``,
 ``KVFUSE_DIRECT_LAUNCH``, ``TRITON_INTERPRET``) are read with :func:`env_flag`: 0/1/true/false/
 yes/no/on/off in any case, surrounding whitespace ignored, an empty value counts as unset;
 anything else is a ValueError naming the variable.
@@ -23,6 +26,7 @@ import threading
 
 BACKENDS = ("auto", "triton", "reference")
 _checks_override = None
+_pdl_override = None
 
 
 class _BackendState(threading.local):
@@ -164,3 +168,20 @@ def checks_enabled() -> bool:
     if _checks_override is not None:
         return _checks_override
     return env_flag("KVFUSE_CHECKS")
+
+
+def set_pdl(enabled: bool) -> None:
+    """Programmatic dependent launch on or off for the whole process (overrides KVFUSE_PDL): each
+    kernel may start while the previous kernel on the stream finishes and waits for it (griddepcontrol)
+    before its first read of x, the positions or the slots. Bytes unchanged; works in CUDA graphs.
+    Takes effect on Hopper and newer GPUs with compiled kernels; elsewhere it changes nothing."""
+    global _pdl_override
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    _pdl_override = enabled
+
+
+def pdl_enabled() -> bool:
+    if _pdl_override is not None:
+        return _pdl_override
+    return env_flag("KVFUSE_PDL")

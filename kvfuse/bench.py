@@ -53,18 +53,27 @@ from .args import CastArgs, ContiguousOutArgs, HadamardArgs, KVCacheOutArgs, Nor
 from .backend import use_backend
 from .formats import (FLASHMLA_MODEL1, FLASHMLA_V32, INDEX_FP8_FP32, INDEX_MXFP4, INDEX_MXFP8, INDEX_NVFP4, MAIN_FP4,
                       MAIN_FP8, KVCacheFormat)
+from . import backend as _backend
 from .plan import q_dtype
 
 try:  # triton is a kvfuse dependency; still, keep this module importable without it
     import triton
     import triton.language as tl
 
+    from triton.language.extra.cuda import gdc_launch_dependents
+
     @triton.jit
     def _tiny_kernel(p):
         tl.store(p, tl.load(p) + 1)
+
+    @triton.jit
+    def _producer_kernel(p):
+        # a PDL-aware predecessor that writes x (its first element, with its own value: inputs unchanged)
+        gdc_launch_dependents()
+        tl.store(p, tl.load(p))
 except Exception:  # pragma: no cover
     triton = None
-    _tiny_kernel = None
+    _tiny_kernel = _producer_kernel = None
 
 NEEDS_CUDA = "kvfuse bench needs a CUDA device (torch.cuda.is_available() is False): nothing measured."
 
@@ -791,6 +800,8 @@ class Config:
     regime: str = "auto"
     plot: bool = True
     progress: bool = True
+    pdl: bool = False          # the whole suite with programmatic dependent launch (kvfuse.set_pdl)
+    pdl_pairs: bool = False    # also time producer + call pairs, PDL off and on (measure_pdl_pairs)
 
 
 class _CompileState:
@@ -1009,6 +1020,48 @@ def format_targets(targets: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def measure_pdl_pairs(cfg: Config, device, timer) -> List[dict]:
+    """GPU us per pair [a producer kernel that writes x (and lets its dependents launch), then the fused
+    call], replayed in a CUDA graph with kvfuse's PDL off and on, and of the producer alone; the call's
+    share of a pair is pair - producer. Sizes above the decode range are skipped (PDL hides a launch,
+    not bandwidth)."""
+    pairs = []
+    for name in cfg.workloads:
+        wl = WORKLOADS[name]
+        for n in cfg.sizes:
+            if n > DECODE_MAX_N:
+                continue
+            inp = build_inputs(wl, n, device, seed=cfg.seed, slots=cfg.slots, regime=cfg.regime)
+            call = fused_call(wl, inp)
+            x = inp.x
+
+            def producer():
+                _producer_kernel[(1,)](x)
+            row = dict(workload=name, n=n, producer_us=timer.measure([producer]).gpu_us)
+            for pdl in (False, True):
+                _backend.set_pdl(pdl)
+
+                def pair():
+                    producer()
+                    call()
+                row["pair_pdl_us" if pdl else "pair_us"] = timer.measure([pair]).gpu_us
+            _backend.set_pdl(cfg.pdl)
+            row["call_us"] = row["pair_us"] - row["producer_us"]
+            row["call_pdl_us"] = row["pair_pdl_us"] - row["producer_us"]
+            pairs.append(row)
+            del inp
+    return pairs
+
+
+def format_pdl_pairs(pairs: Sequence[dict]) -> str:
+    lines = ["producer + call pairs (GPU us, CUDA-graph replay; call = pair - producer):",
+             f"{'workload':22s} {'n':>6s} {'producer':>9s} {'pair':>8s} {'pair PDL':>9s} {'call':>7s} {'call PDL':>9s}"]
+    for r in pairs:
+        lines.append(f"{r['workload']:22s} {r['n']:6d} {r['producer_us']:9.2f} {r['pair_us']:8.2f} "
+                     f"{r['pair_pdl_us']:9.2f} {r['call_us']:7.2f} {r['call_pdl_us']:9.2f}")
+    return "\n".join(lines)
+
+
 def _json_safe(v):
     if isinstance(v, float) and not math.isfinite(v):
         return None
@@ -1020,7 +1073,7 @@ def _json_safe(v):
 
 
 def build_report(cfg: Config, info: dict, device: dict, records: Sequence[Record], targets: Sequence[dict],
-                 elapsed_s: float) -> dict:
+                 elapsed_s: float, pdl_pairs: Sequence[dict] = ()) -> dict:
     return _json_safe({
         "meta": dict(info, elapsed_s=elapsed_s, config=dataclasses.asdict(cfg)),
         "device": device,
@@ -1034,6 +1087,7 @@ def build_report(cfg: Config, info: dict, device: dict, records: Sequence[Record
         "accounting": ACCOUNTING,
         "results": [dataclasses.asdict(r) for r in records],
         "targets": list(targets),
+        "pdl_pairs": list(pdl_pairs),
     })
 
 
@@ -1107,6 +1161,10 @@ def parse_config(argv: Optional[Sequence[str]]) -> Config:
                    f"auto (default: decode for n <= {DECODE_MAX_N}, else prefill), decode (one token per "
                    f"sequence at spread positions), prefill (sequences of {PREFILL_SEQ_LEN[0]}-{PREFILL_SEQ_LEN[1]} "
                    f"tokens at positions 0..len-1) or uniform (positions uniform in [0, {MAX_POSITION}))")
+    p.add_argument("--pdl", action="store_true", help="run kvfuse with programmatic dependent launch "
+                   "(kvfuse.set_pdl(True)): each call of a graph may start while the previous one finishes")
+    p.add_argument("--pdl-pairs", action="store_true", help="also time, per workload and n, a producer kernel "
+                   "that writes x followed by the fused call, PDL off and on (the call's share: pair - producer)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(list(argv) if argv is not None else [])
@@ -1134,7 +1192,7 @@ def parse_config(argv: Optional[Sequence[str]]) -> Config:
                   compile_budget_s=(a.compile_budget_s if a.compile_budget_s is not None
                                     else (25.0 if a.quick else 100.0)),
                   max_x_elems=a.max_x_elems, seed=a.seed, slots=a.slots, regime=a.regime, plot=not a.no_plot,
-                  progress=not a.no_progress)
+                  progress=not a.no_progress, pdl=a.pdl, pdl_pairs=a.pdl_pairs)
 
 
 def run_info() -> dict:
@@ -1232,20 +1290,24 @@ def run_on_device(cfg: Config, device="cuda", timer=None, measure=measure_device
     if timer is None:
         timer = CudaTimer(graph_calls=10 if cfg.quick else 20, target_s=0.02 if cfg.quick else 0.05,
                           eager_target_s=0.015 if cfg.quick else 0.03, max_reps=15 if cfg.quick else 40)
+    pdl_before = _backend.pdl_enabled()
     try:
+        _backend.set_pdl(cfg.pdl)
         records = run_suite(cfg, device, timer, dev.get("copy_GBps"), dev.get("floor_us"),
                             progress=bar, log=bar.write, **suite_kwargs)
+        pairs = measure_pdl_pairs(cfg, device, timer) if cfg.pdl_pairs else []
     finally:
         bar.close()
+        _backend.set_pdl(pdl_before)
     targets = check_targets(records)
     elapsed = time.perf_counter() - t_start
     summary = (f"copy bandwidth {_f(dev.get('copy_GBps'), '.0f')} GB/s; launch floor {_f(dev.get('floor_us'), '.2f')}"
                f" us; total {elapsed:.0f} s. GPU us: per call, CUDA-graph replay ('graph') or CUDA events around "
                f"eager calls ('events', for host-synchronizing peers); vs fused = this peer's GPU time / fused's.")
     text = "\n".join([format_table(records), "", format_summary(records), "", summary, "",
-                      format_targets(targets)])
+                      format_targets(targets)] + (["", format_pdl_pairs(pairs)] if pairs else []))
     print(text)
-    report = build_report(cfg, info, dev, records, targets, elapsed)
+    report = build_report(cfg, info, dev, records, targets, elapsed, pairs)
     write_outputs(cfg, report, records, text, dev)
     if "fused" in cfg.peers and not any(r.peer == "fused" and r.status == "ok" for r in records):
         print("no fused measurement succeeded")

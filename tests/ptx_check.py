@@ -50,9 +50,10 @@ def fused_variants():
     base = dict(D=512, BLOCK_D=512, LOG2_BLOCK_D=9, VEC=4, BLOCK_M=2, ONE_HEAD=True, ROWS32=True, HAS_NORM=True,
                 W_BF16=True, LAYER=False, HAS_BIAS=False, B_BF16=True, ROPE=2, R=64, ROPE_OFF=448, NEOX=True, CONJ=False, CS_BF16=False, HAS_HAD=False, CAST=1,
                 G=32, SF=0, FMAX=448.0, DQ=512, OUT_STAGE=0, DEST=2, NATIVE=2, SLOT32=True, QALIGN=4, SFALIGN=4,
-                TALIGN=4, EARLY=False, FLOOR_E=-999)
+                TALIGN=4, EARLY=False, FLOOR_E=-999, PDL=False)
     yield "main_fp8", base
     yield "main_fp8_decode", {**base, "BLOCK_M": 1, "EARLY": True}
+    yield "main_fp8_decode_pdl", {**base, "BLOCK_M": 1, "EARLY": True, "PDL": True}
     yield "main_fp8_gptj_multirow", {**base, "NEOX": False}
     yield "layernorm_bias_copy_rope2", {**base, "LAYER": True, "HAS_BIAS": True, "OUT_STAGE": 1}
     yield "index_layernorm_offset0_had_fp32", {**base, "D": 128, "BLOCK_D": 128, "LOG2_BLOCK_D": 7, "VEC": 8,
@@ -117,6 +118,10 @@ def main() -> int:
         stores = {}
         for st in STORE.findall(ptx):
             stores[st] = stores.get(st, 0) + 1
+        # programmatic dependent launch: the wait comes before the first global load, and only with PDL
+        wait = ptx.find("griddepcontrol.wait")
+        if name.endswith("_pdl") != (wait >= 0) or 0 <= ptx.find("ld.global") < wait:
+            bad.append("griddepcontrol.wait missing, misplaced or unasked")
         if name in WIDE_STORES:
             wide, at_least, max_bytes = WIDE_STORES[name]
             if stores.get(wide, 0) < at_least or stores.get("st.global.b8", 0) > max_bytes:

@@ -27,7 +27,7 @@ from helpers import cos_sin_cache, guarded_cache, random_bf16
 
 fused = kvfuse.fused_norm_rope_hadamard_cast_store_kvcache
 KVFUSE_DIR = Path(kvfuse.__file__).parent
-BOOLEAN_SWITCHES = ("KVFUSE_CHECKS", "KVFUSE_PLAN_CACHE", "KVFUSE_GLUON", "KVFUSE_DIRECT_LAUNCH", "TRITON_INTERPRET")
+BOOLEAN_SWITCHES = ("KVFUSE_CHECKS", "KVFUSE_PDL", "KVFUSE_PLAN_CACHE", "KVFUSE_GLUON", "KVFUSE_DIRECT_LAUNCH", "TRITON_INTERPRET")
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import threading
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import backend as _backend
 from ..formats import FMAX
@@ -333,14 +334,19 @@ def fused_kernel(
     CAST: tl.constexpr, G: tl.constexpr, SF: tl.constexpr, FMAX: tl.constexpr, DQ: tl.constexpr,
     OUT_STAGE: tl.constexpr, DEST: tl.constexpr, NATIVE: tl.constexpr,
     SLOT32: tl.constexpr, QALIGN: tl.constexpr, SFALIGN: tl.constexpr, TALIGN: tl.constexpr,
-    EARLY: tl.constexpr, FLOOR_E: tl.constexpr,
+    EARLY: tl.constexpr, FLOOR_E: tl.constexpr, PDL: tl.constexpr,
 ):
     """ROPE: 0 off; 1 on the whole tile (each rotated element computed from itself and its
     partner, reloaded and renormalized: the same arithmetic gives the same bits); 2 on a separate
     sub-tile of the R rotated columns (the main tile skips them; needs the rotated columns to be
     whole quantization groups, or outside the quantized part, and no Hadamard). LAYER: the norm is
     LayerNorm (HAS_BIAS: with a bias), else RMSNorm. A stage copy of the norm (OUT_STAGE 1) with
-    RoPE is stored last, after a barrier, because the RoPE reloads x and `out` may be x (in place)."""
+    RoPE is stored last, after a barrier, because the RoPE reloads x and `out` may be x (in place).
+    PDL (launched with programmatic dependent launch): wait for the previous kernel on the stream
+    before the first read, then let the next one start its launch."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     LOG2_VEC: tl.constexpr = 3 if VEC == 8 else 2
     NV: tl.constexpr = BLOCK_D // VEC
     pid = tl.program_id(0)
@@ -701,7 +707,7 @@ def fused_args(plan: Plan, tensor) -> tuple:
         DQ=plan.quant_dim if cast else D,
         OUT_STAGE=STAGE_CODES[plan.out_stage], DEST=dest, NATIVE=_native(interpret),
         SLOT32=cap < _INT32_LIMIT, QALIGN=qal, SFALIGN=sfal, TALIGN=tal, EARLY=bm == 1,
-        FLOOR_E=NO_FLOOR if cast is None or cast.floor_exp is None else cast.floor_exp,
+        FLOOR_E=NO_FLOOR if cast is None or cast.floor_exp is None else cast.floor_exp, PDL=False,
         num_warps=nw, num_stages=1, enable_fp_fusion=False,
     )
     return (cdiv(n * H, bm),), args, options
@@ -720,19 +726,42 @@ def fast_path(plan: Plan):
     return None
 
 
-def fused_launch(plan: Plan, tensor_index: dict, num_tensors: int) -> Launch:
+_PDL_CAPABLE = {}       # device index -> compute capability >= 9.0 (griddepcontrol: Hopper and newer)
+
+
+def pdl_launch(x: torch.Tensor) -> bool:
+    """Whether this call launches with programmatic dependent launch: kvfuse.set_pdl / KVFUSE_PDL on,
+    compiled kernels, and x on a Hopper-or-newer GPU."""
+    if INTERPRET or not _backend.pdl_enabled() or x.device.type != "cuda":
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    capable = _PDL_CAPABLE.get(index)
+    if capable is None:
+        capable = _PDL_CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return capable
+
+
+def with_pdl(options: dict, pdl: bool) -> dict:
+    """A kernel's keyword arguments with its PDL constexpr and Triton's launch_pdl option set."""
+    return {**options, "PDL": True, "launch_pdl": True} if pdl else options
+
+
+def fused_launch(plan: Plan, tensor_index: dict, num_tensors: int, pdl: bool = False) -> Launch:
     """The fused kernel's launch for ``plan``, its tensors left open (see Launch): a Gluon fast
     path where one applies (whose own precondition, e.g. x and the weight read as 4-byte words, is
-    checked per call: ``Launch.guard``), else the plain kernel."""
+    checked per call: ``Launch.guard``), else the plain kernel. ``pdl``: launched with programmatic
+    dependent launch."""
     module = fast_path(plan)
     if module is not None:
         name, grid, args, options, namespace = module.plan_launch(plan, tensor_arg)
-        launch = Launch(name, grid, args, options, tensor_index, num_tensors, namespace, allow_direct=DIRECT_LAUNCH)
+        launch = Launch(name, grid, args, with_pdl(options, pdl), tensor_index, num_tensors, namespace,
+                        allow_direct=DIRECT_LAUNCH)
         check, fields = module.call_guard(plan)
         x_at = tensor_index["x"]
         launch.guard = (check, tuple(tensor_index.get(f, x_at) for f in fields))
         return launch
-    return Launch("fused_kernel", *fused_args(plan, tensor_arg), tensor_index, num_tensors, globals(),
+    grid, args, options = fused_args(plan, tensor_arg)
+    return Launch("fused_kernel", grid, args, with_pdl(options, pdl), tensor_index, num_tensors, globals(),
                   allow_direct=DIRECT_LAUNCH)
 
 
@@ -749,29 +778,33 @@ def run_plan(plan: Plan, plain: bool = False) -> None:
         check, fields = module.call_guard(plan)
         if not check(*(tensor(f) for f in fields)):
             module = None
+    pdl = pdl_launch(x)
     if module is not None:
         name, grid, args, options, namespace = module.plan_launch(plan, tensor)
-        namespace[name][grid](*args, **options)
+        namespace[name][grid](*args, **with_pdl(options, pdl))
         return
     grid, args, options = fused_args(plan, tensor)
-    fused_kernel[grid](*args, **options)
+    fused_kernel[grid](*args, **with_pdl(options, pdl))
 
 
 def run_template(template, tensors: tuple) -> None:
     """Launch the fused kernel for one call of a validated signature (a kvfuse.plan.PlanTemplate):
     its launch parameters are computed on the first launch of each batch size n and kept with the
     template (recomputed, not kept, while force_config is active). n = 0 launches nothing."""
-    n = tensors[X].shape[0]
+    x = tensors[X]
+    n = x.shape[0]
     if n == 0:
         return
     launches = template.launches
-    launch = launches.get(n)
+    pdl = pdl_launch(x)
+    key = (n, True) if pdl else n
+    launch = launches.get(key)
     if launch is None or _force.cfg is not None:
-        launch = fused_launch(template.bind(tensors), template.tensor_index, template.num_tensors)
+        launch = fused_launch(template.bind(tensors), template.tensor_index, template.num_tensors, pdl)
         if _force.cfg is None:
             if len(launches) >= LAUNCHES_PER_TEMPLATE:
                 launches.clear()
-            launches[n] = launch
+            launches[key] = launch
     if not launch.run(tensors):
         # a fast path's guard failed (e.g. x or the weight not 4-byte aligned): the plain kernel, uncached
         run_plan(template.bind(tensors), plain=True)

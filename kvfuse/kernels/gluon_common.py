@@ -17,6 +17,7 @@ try:
     import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     IMPORT_ERROR = None
 except Exception as e:  # pragma: no cover - triton without Gluon
     triton = gluon = gl = None
@@ -162,6 +163,15 @@ if gluon is not None:
     def _bfly_asm(lane_mask):
         # butterfly shuffle over the whole warp: lane l receives the value of lane l ^ lane_mask
         return f"shfl.sync.bfly.b32 $0, $1, {lane_mask}, 0x1f, 0xffffffff;"
+
+    @gluon.jit
+    def pdl_wait(PDL: gl.constexpr):
+        """Launched with programmatic dependent launch (PDL): wait for the previous kernel on the stream
+        (griddepcontrol.wait) before the first read of data it may write (x, positions, slots: the
+        kernels call this after loading only their weights), then let the next kernel launch."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
 
     @gluon.jit
     def shfl_xor(v, LANE_MASK: gl.constexpr):

@@ -133,7 +133,7 @@ CACHE_ALIGN = {1: 8, 2: 4}
 
 if gluon is not None:
     from .gluon_common import (as_offset, bf16x2, block_and_token, e2m1_nibble, e4m3x4, expand_rows, hi_f32, lo_f32,
-                               shfl_xor, ue8m0_scale)
+                               shfl_xor, ue8m0_scale, pdl_wait)
 
     @gluon.jit
     def _e4m3_scale(s):
@@ -619,7 +619,7 @@ if gluon is not None:
         LOG2_BLOCK: gl.constexpr, ROWS_PER_THREAD: gl.constexpr, PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr,
         PACKED_E2M1: gl.constexpr, NORM: gl.constexpr, CONTIG: gl.constexpr, LOG2_HEADS: gl.constexpr,
         LAYER: gl.constexpr, HAS_BIAS: gl.constexpr, B_BF16: gl.constexpr, NEOX: gl.constexpr, ROPE_A: gl.constexpr,
-        HAD: gl.constexpr,
+        HAD: gl.constexpr, PDL: gl.constexpr,
     ):
         """A program walks over the tiles pid, pid + num_programs, ... of R = 4 * ROWS_PER_THREAD *
         num_warps rows. CAST 1 e4m3 / 2 e2m1; G the group; SF 0 ue8m0 / 2 e4m3 / 3 fp32 (group_scales).
@@ -689,6 +689,7 @@ if gluon is not None:
             bb_lo = wa_lo
             bb_hi = wa_lo
 
+        pdl_wait(PDL)                                                   # after the weight loads
         pid = gl.program_id(0)
         num_programs = gl.num_programs(0)
         num_tiles = gl.cdiv(n_rows, R)
@@ -830,7 +831,7 @@ def launch_args(plan, tensor, num_warps: int, rows_per_thread: int, pipeline: bo
                       CONTIG=contig, LOG2_HEADS=heads.bit_length() - 1, LAYER=plan.norm_kind == "layer",
                       HAS_BIAS=plan.bias is not None,
                       B_BF16=plan.bias is None or plan.bias.dtype == torch.bfloat16, NEOX=bool(plan.is_neox),
-                      ROPE_A=plan.rope_offset == 0, HAD=plan.hadamard_scale is not None)
+                      ROPE_A=plan.rope_offset == 0, HAD=plan.hadamard_scale is not None, PDL=False)
     options = compile_options(num_warps)
     return args, constexprs, options
 

@@ -62,7 +62,7 @@ ROTARY_DIM = 64
 
 if gluon is not None:
     from .gluon_common import (as_offset, bf16x2, e4m3x4, expand_rows, hi_f32, lane_tree, lo_f32, load_indices,
-                               shfl_xor, slot_block, ue8m0_scale)
+                               shfl_xor, slot_block, ue8m0_scale, pdl_wait)
 
     @gluon.jit
     def _prmt(a, b, sel):
@@ -198,6 +198,7 @@ if gluon is not None:
         n_rows,
         W_BF16: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, ROWS_PER_WARP: gl.constexpr,
         PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr, FP4: gl.constexpr, NEOX: gl.constexpr,
+        PDL: gl.constexpr,
     ):
         """A program walks over the tiles pid, pid + num_programs, ... (R = ROWS_PER_WARP * num_warps
         rows each; warp w owns rows w * ROWS_PER_WARP ..). LOG2_BLOCK: log2(block_size) when it is a
@@ -249,6 +250,7 @@ if gluon is not None:
         w_pair = gl.load(w_ptr + 448 + pair_col).to(gl.float32)         # [1, 8, 4, 2]
         tail_buf = gl.allocate_shared_memory(gl.int32, [R, 32], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
+        pdl_wait(PDL)                                                   # after the weight loads
         pid = gl.program_id(0)
         num_programs = gl.num_programs(0)
         num_tiles = gl.cdiv(n_rows, R)
@@ -369,7 +371,7 @@ def launch_parts_records(rec: MainRecords, tensor, n: int, eps: float, x, weight
              cos_sin.shape[0] * cos_sin.stride(0), kv_cache.shape[0] * kv_cache.stride(0) + rec.record_bytes)
     constexprs = dict(W_BF16=weight.dtype == torch.bfloat16, SLOT32=capacity <= INT32_LIMIT,
                       LOG2_BLOCK=log2_block(block_size), ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline),
-                      OFFSETS32=max(spans) < INT32_LIMIT, FP4=rec.fp4, NEOX=bool(neox))
+                      OFFSETS32=max(spans) < INT32_LIMIT, FP4=rec.fp4, NEOX=bool(neox), PDL=False)
     options = compile_options(num_warps)
     tiles = -(-n // (rows_per_warp * num_warps))
     tensors = dict(x=x, weight=weight, positions=positions, cos_sin=cos_sin, slot_mapping=slot_mapping,

@@ -90,7 +90,7 @@ SUPPORTED_RECORDS = {
 
 if gluon is not None:
     from .gluon_common import (as_offset, bf16x2, block_and_token, e4m3x4, hi_f32, lane_tree, lo_f32, load_indices,
-                               shfl_xor, ue8m0_scale)
+                               shfl_xor, ue8m0_scale, pdl_wait)
 
     ROPE_HALF_C = gl.constexpr(ROTARY_DIM // 2)     # the kernels read module globals only as constexprs
     TAIL_DIM_C = gl.constexpr(TAIL_DIM)
@@ -242,6 +242,7 @@ if gluon is not None:
         QUANT_DIM: gl.constexpr, GROUP: gl.constexpr, SF_FP32: gl.constexpr,
         W_BF16: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, ROWS_PER_WARP: gl.constexpr,
         PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr, NEOX: gl.constexpr, FLOOR_E: gl.constexpr,
+        PDL: gl.constexpr,
     ):
         """A program walks over the tiles pid, pid + num_programs, ... (R = ROWS_PER_WARP * num_warps
         rows each; warp w owns rows w * ROWS_PER_WARP ..). QUANT_DIM / GROUP / SF_FP32: the format
@@ -293,6 +294,7 @@ if gluon is not None:
             wt_lo = gl.load(w_ptr + QUANT_DIM + 2 * lane)
             wt_hi = gl.load(w_ptr + QUANT_DIM + 2 * lane + 1)
 
+        pdl_wait(PDL)                                                   # after the weight loads
         pid = gl.program_id(0)
         num_programs = gl.num_programs(0)
         num_tiles = gl.cdiv(n_rows, R)
@@ -378,7 +380,8 @@ def launch_parts(plan, tensor, num_warps: int, rows_per_warp: int, pipeline: boo
     constexprs = dict(format_constexprs(plan.fmt), W_BF16=plan.weight.dtype == torch.bfloat16,
                       SLOT32=capacity <= INT32_LIMIT, LOG2_BLOCK=log2_block(block_size),
                       ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline), OFFSETS32=max(spans) < INT32_LIMIT,
-                      NEOX=bool(plan.is_neox), FLOOR_E=-999 if plan.cast.floor_exp is None else plan.cast.floor_exp)
+                      NEOX=bool(plan.is_neox), FLOOR_E=-999 if plan.cast.floor_exp is None else plan.cast.floor_exp,
+                      PDL=False)
     options = compile_options(num_warps)
     tiles = -(-n // (rows_per_warp * num_warps))
     grid = occupancy_grid(mla_tail_kernel, _resident, x, tiles, args, plan_tensors(plan), constexprs, options,

@@ -1,0 +1,131 @@
+"""Programmatic dependent launch on the GPU (kvfuse.set_pdl): every kernel the dispatcher can pick
+waits for the previous kernel before its first read of x.
+
+A producer kernel lets its dependents launch at once (griddepcontrol.launch_dependents), then spins
+for 20 us and only then writes x (x is NaN until then). A kvfuse call launched right after it with
+PDL on starts during the spin; it must still write exactly the reference's bytes for the real x.
+The negative control shows that the setup can catch a missing wait: a consumer kernel launched with
+PDL but without the wait reads the NaN. Eagerly and inside a CUDA graph. Run with KVFUSE_TEST_GPU=1
+on a Hopper (or newer) GPU:
+
+    KVFUSE_TEST_GPU=1 python3 -m pytest -q tests/gpu/test_gpu_pdl.py
+"""
+import dataclasses
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, globaltimer
+
+import kvfuse
+from kvfuse.kernels import fused
+from gpu_matrix import dispatch_of, fast_cases
+from kernel_cases import Case, build, diff_bytes, diff_report, run_case
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or kvfuse.backend.interpreter_enabled()
+    or torch.cuda.get_device_capability()[0] < 9,
+    reason="needs a Hopper-or-newer CUDA GPU and compiled kernels (KVFUSE_TEST_GPU=1)")
+
+SPIN_NS = 20_000
+PRODUCER_CTAS = 64
+
+
+@triton.jit
+def _late_writer(src, dst, numel, spin_ns, BLOCK: tl.constexpr):
+    gdc_launch_dependents()                     # dependents may launch now ...
+    t0 = globaltimer()
+    while globaltimer() - t0 < spin_ns:         # ... while x is still NaN
+        pass
+    for start in range(tl.program_id(0) * BLOCK, numel, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(dst + offs, tl.load(src + offs, mask=offs < numel), mask=offs < numel)
+
+
+@triton.jit
+def _copy_without_wait(src, dst, numel, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(src + offs, mask=offs < numel), mask=offs < numel)
+
+
+def _late_write(src, dst):
+    _late_writer[(PRODUCER_CTAS,)](src, dst, src.numel(), SPIN_NS, BLOCK=1024)
+
+
+def _cases():
+    """One case per launch-table entry the dispatcher can pick for these chains: every fast-path
+    entry (from the GPU matrix's fast cases) and the portable kernel's one-row (EARLY) and multi-row
+    programs."""
+    by_label = {}
+    for c in fast_cases():
+        if c.fmt is not None:
+            by_label.setdefault(dispatch_of(c), c)
+    # conjugate RoPE: no fast path takes it
+    base = dict(heads=1, head_dim=128, rotary_dim=64, seed=7, hadamard=True, conjugate=True,
+                fmt=kvfuse.formats.INDEX_MXFP8)
+    for n in (1, 3000):
+        c = Case(n=n, **base, num_blocks=n // 16 + 2)
+        by_label.setdefault(dispatch_of(c), c)
+    return sorted(by_label.items())
+
+
+CASES = _cases() if torch.cuda.is_available() else []
+
+
+def _pdl_call(case, graph: bool):
+    """The case's kvfuse call with PDL on, right after a producer that writes x late; its outputs."""
+    args, outs, storage = build(case, "cuda")
+    x = args["x"]
+    src = x.clone()
+    x.fill_(float("nan"))
+    kvfuse.set_pdl(True)
+    try:
+        with kvfuse.use_backend("triton"):
+            kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(**{**args, "x": src})   # compile, warm the plan
+            if graph:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    _late_write(src, x)
+                    kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(**args)
+                x.fill_(float("nan"))
+                g.replay()
+            else:
+                _late_write(src, x)
+                kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(**args)
+    finally:
+        kvfuse.set_pdl(False)
+    torch.cuda.synchronize()
+    res = {k: v.view(torch.uint8).cpu() for k, v in outs.items()}
+    if storage is not None:
+        res["storage"] = storage.cpu()
+    return res
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("label,case", CASES, ids=[label for label, _ in CASES])
+def test_pdl_call_waits_for_the_producer(label, case, graph):
+    ref = run_case(case, "reference", "cuda")
+    got = _pdl_call(case, graph)
+    assert diff_bytes(ref, got) == 0, label + " :: " + diff_report(ref, got)
+
+
+def test_negative_control_a_consumer_without_the_wait_reads_stale_x():
+    """The setup can fail: launched with PDL but without griddepcontrol.wait, a copy of x made during
+    the producer's spin still holds the NaN."""
+    src = torch.randn(1 << 16, device="cuda")
+    x = torch.full_like(src, float("nan"))
+    seen = torch.empty_like(src)
+    _late_write(src, x)
+    _copy_without_wait[(64,)](x, seen, x.numel(), BLOCK=1024, launch_pdl=True)
+    torch.cuda.synchronize()
+    assert torch.equal(x, src)                              # the producer did write x
+    assert torch.isnan(seen).any(), "the consumer never overlapped the producer: this test proves nothing"
+
+
+def test_cases_cover_every_fast_path_and_both_portable_programs():
+    labels = {label for label, _ in CASES}
+    for module in fused.FAST_PATH_MODULES:
+        name = module.__name__.rsplit(".", 1)[1]
+        assert any(label.startswith(name) for label in labels), name
+    assert sum(label.startswith("plain") for label in labels) >= 2, labels
