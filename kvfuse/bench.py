@@ -5,7 +5,8 @@ What it does (see benchmarks/README.md for how to read the output):
 1. measures the device: copy bandwidth (a 2 GiB device-to-device copy, bytes read + written /
    time) and the launch floor (the GPU time of one tiny Triton kernel, 100 launches captured in
    one CUDA graph);
-2. for every workload (a call site of the fused operator) and size n, builds realistic inputs
+2. for every workload (a call site of the fused operator, or of ``fused_qk_norm_rope_store_kv`` for
+   the GQA models of :data:`kvfuse.models.GQA_MODELS`) and size n, builds realistic inputs
    on the device (:func:`token_layout`: n <= 256 is a decode step, one token per sequence at
    spread positions, each in its own cache block; larger n a prefill, whole sequences of
    1024-4096 tokens at positions 0..len-1, each sequence's tokens in its own consecutive blocks
@@ -51,6 +52,8 @@ from . import api as _api
 from . import reference
 from .args import CastArgs, ContiguousOutArgs, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
 from .backend import use_backend
+from .gqa import fused_qk_norm_rope_store_kv
+from .models import GQA_MODELS, GQAConfig
 from .formats import (FLASHMLA_MODEL1, FLASHMLA_V32, INDEX_FP8_FP32, INDEX_MXFP4, INDEX_MXFP8, INDEX_NVFP4, MAIN_FP4,
                       MAIN_FP8, KVCacheFormat)
 from . import backend as _backend
@@ -94,7 +97,10 @@ OUT_NAME = "kvfuse_bench"
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """One call site. kind "write": norm + rope + cast into a paged cache of ``fmt``; "q_pre": norm +
-    rope into a preallocated bf16 out; "index_q": rope + cast of ``fmt`` into preallocated (q, sf)."""
+    rope into a preallocated bf16 out; "index_q": rope + cast of ``fmt`` into preallocated (q, sf);
+    "gqa": :func:`kvfuse.fused_qk_norm_rope_store_kv` of the model ``gqa`` (packed QKV [n, (Hq + 2 Hkv) D],
+    QK-norm if the model has one, RoPE, q_out, K and V into NHD caches, fp8 with per-tensor scales when
+    ``cache_fp8``); num_heads is then Hq + 2 Hkv (the rows a call reads)."""
     name: str
     kind: str
     head_dim: int
@@ -108,6 +114,8 @@ class Workload:
     norm_kind: str = "rms"               # "rms" | "layer" (LayerNorm, with a bias when norm_bias)
     norm_bias: bool = False
     hadamard: bool = False               # the orthonormal Hadamard (scale head_dim ** -0.5) after RoPE
+    gqa: Optional[GQAConfig] = None      # kind "gqa": the model
+    cache_fp8: bool = False              # kind "gqa": float8_e4m3fn caches with per-tensor scales (else bf16)
 
     @property
     def hadamard_args(self) -> Optional[HadamardArgs]:
@@ -116,6 +124,17 @@ class Workload:
     @property
     def cast_args(self) -> Optional[CastArgs]:
         return None if self.fmt is None else CastArgs.from_cache_format(self.fmt)
+
+
+def _gqa(name, model, fp8):
+    cfg = GQA_MODELS[model]
+    norm = "QK-norm + " if cfg.qk_norm else ""
+    return Workload(name, "gqa", cfg.head_dim, None, num_heads=cfg.num_heads + 2 * cfg.num_kv_heads, norm=cfg.qk_norm,
+                    rotary_dim=cfg.rotary_dim, rope_offset=0, is_neox=cfg.rope_is_neox, gqa=cfg, cache_fp8=fp8,
+                    description=f"{model} q/k/v: {norm}NEOX rope -> q_out, K/V into {'fp8' if fp8 else 'bf16'} NHD "
+                                f"caches ({cfg.num_heads}/{cfg.num_kv_heads} heads of {cfg.head_dim})")
+
+
 
 
 def _write(name, fmt, what, is_neox=True):
@@ -154,6 +173,15 @@ WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
              description="Q preprocessing: x [n, 64, 512], norm + NEOX rope (last 64) -> bf16 out"),
     Workload("index_q", "index_q", 128, INDEX_MXFP4, num_heads=64, norm=False,
              description="indexer Q: x [n, 64, 128], NEOX rope (last 64) + INDEX_MXFP4 cast -> (q, sf)"),
+    # GQA / MHA models (kvfuse.models.GQA_MODELS): one fused_qk_norm_rope_store_kv call per layer
+    _gqa("llama3_8b_bf16", "llama-3-8b", False),
+    _gqa("llama3_8b_fp8", "llama-3-8b", True),
+    _gqa("llama3_70b_fp8", "llama-3-70b", True),
+    _gqa("qwen3_8b_bf16", "qwen3-8b", False),
+    _gqa("qwen3_8b_fp8", "qwen3-8b", True),
+    _gqa("qwen3_32b_fp8", "qwen3-32b", True),
+    _gqa("gemma3_12b_bf16", "gemma-3-12b", False),
+    _gqa("gemma3_12b_fp8", "gemma-3-12b", True),
 )}
 
 
@@ -175,13 +203,18 @@ def moved_bytes(wl: Workload, n: int, index_bytes: int = 4, cos_sin_bytes: int =
       many tokens share it (:func:`cos_sin_rows`; ``None``: every token at its own position, at most
       MAX_POSITION rows);
     - written: the cache record bytes a write touches (quantized data + exact scales + bf16 tail;
-      reserved bytes and padding excluded), the bf16 out, or (q, sf).
+      reserved bytes and padding excluded), the bf16 out, or (q, sf);
+    - GQA (:func:`_gqa_bytes`): q, k, v read and q written (bf16), the K and V cache elements
+      written, the two norm weights once, the cos/sin rows as above, positions and slots (the fp8
+      scales' 8 bytes left out).
 
     ``written``: for a write, the tokens with a valid slot (default n); a token whose slot is invalid
     writes nothing and needs no x, position or cos/sin row, only its slot. Intermediates of unfused
     peers are not counted: every peer of a point is charged the same bytes. :func:`input_bytes`
     applies this model to actual inputs.
     """
+    if wl.kind == "gqa":
+        return _gqa_bytes(wl, n, index_bytes, cos_sin_bytes, weight_bytes, cos_sin_rows, slot_bytes)
     tokens = n if wl.kind != "write" or written is None else written
     rows = tokens * wl.num_heads
     if cos_sin_rows is None:
@@ -237,6 +270,26 @@ def mean_bytes(details: Sequence[Dict[str, int]]) -> Dict[str, int]:
     return b
 
 
+def _gqa_bytes(wl: Workload, n: int, index_bytes: int, cos_sin_bytes: int, weight_bytes: int,
+               cos_sin_rows: Optional[int] = None, slot_bytes: Optional[int] = None) -> Dict[str, int]:
+    cfg = wl.gqa
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    elem = 1 if wl.cache_fp8 else 2
+    w_bytes = 4 if cfg.norm_weight_offset else weight_bytes       # Gemma's 1 + w is an fp32 weight
+    b = {"q": n * hq * d * 2, "k": n * hkv * d * 2, "v": n * hkv * d * 2}
+    if cfg.qk_norm:
+        b["norm_weights"] = 2 * d * w_bytes
+    rows = min(n, MAX_POSITION) if cos_sin_rows is None else cos_sin_rows
+    b["cos_sin"] = rows * wl.rotary_dim * cos_sin_bytes
+    b["positions"] = n * index_bytes
+    b["slots"] = n * (index_bytes if slot_bytes is None else slot_bytes)
+    b["q_out"] = n * hq * d * 2
+    b["k_cache"] = n * hkv * d * elem
+    b["v_cache"] = n * hkv * d * elem
+    b["total"] = sum(b.values())
+    return b
+
+
 # =============================================================================== inputs
 @dataclasses.dataclass
 class Inputs:
@@ -257,6 +310,12 @@ class Inputs:
     rope_buf: Optional[torch.Tensor] = None
     regime: str = ""                     # "decode" | "prefill" | "uniform" (token_layout)
     slot_pattern: str = ""               # writes: SLOT_PATTERNS
+    # kind "gqa": the packed projection, q_out, the caches and scales, the k norm weight (``weight`` is q's)
+    k_weight: Optional[torch.Tensor] = None
+    k_cache: Optional[torch.Tensor] = None
+    v_cache: Optional[torch.Tensor] = None
+    k_scale: Optional[torch.Tensor] = None
+    v_scale: Optional[torch.Tensor] = None
 
     def nbytes(self) -> int:
         total = 0
@@ -265,6 +324,10 @@ class Inputs:
             if isinstance(t, torch.Tensor):
                 total += t.untyped_storage().nbytes() if f.name == "cache" else t.numel() * t.element_size()
         return total
+
+    def qkv(self, wl: "Workload"):
+        """kind "gqa": the q, k, v views of the packed projection x."""
+        return wl.gqa.split_qkv(self.x)
 
 
 def rope_table(max_position: int, rotary_dim: int, device) -> torch.Tensor:
@@ -390,6 +453,8 @@ def build_inputs(wl: Workload, n: int, device, seed: int = 0, slots: str = "page
     positions, slot_map, blocks = token_layout(n, regime, slots, layout)
     g = torch.Generator(device=device)
     g.manual_seed(seed * 1_000_003 + n * 7 + len(wl.name))
+    if wl.kind == "gqa":
+        return _gqa_inputs(wl, n, device, g, positions, slot_map, blocks, regime, slots)
     H, D = wl.num_heads, wl.head_dim
     shape = (n, D) if H == 1 else (n, H, D)
     x = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
@@ -419,6 +484,34 @@ def build_inputs(wl: Workload, n: int, device, seed: int = 0, slots: str = "page
     return inp
 
 
+def _gqa_inputs(wl: Workload, n: int, device, g: torch.Generator, positions, slot_map, blocks: int, regime: str,
+                slots: str) -> Inputs:
+    """kind "gqa": a packed projection [n, (Hq + 2 Hkv) D] (normal, per-token scales 2^-3..2^3), the model's
+    norm weights (Gemma: 1 + w in fp32), NHD caches of ``blocks`` blocks, per-tensor scales for fp8, and the
+    positions and slots of :func:`token_layout` (as every workload of the size)."""
+    cfg = wl.gqa
+    x = torch.randn((n, cfg.qkv_width), generator=g, device=device, dtype=torch.bfloat16)
+    scale = torch.randint(-3, 4, (n, 1), generator=g, device=device)
+    x.mul_(torch.exp2(scale.float()).to(torch.bfloat16))
+    inp = Inputs(n=n, x=x, cos_sin=rope_table(MAX_POSITION, cfg.rotary_dim, device), positions=positions.to(device),
+                 regime=regime, slot_pattern=slots)
+    if cfg.qk_norm:
+        raw = [(torch.randn(cfg.head_dim, generator=g, device=device) * 0.1
+                + (0.0 if cfg.norm_weight_offset else 1.0)).to(torch.bfloat16) for _ in range(2)]
+        inp.weight, inp.k_weight = (cfg.norm_args(w).weight for w in raw)
+    dtype = torch.float8_e4m3fn if wl.cache_fp8 else torch.bfloat16
+    shape = (blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
+    inp.k_cache = torch.zeros(shape, dtype=torch.uint8 if wl.cache_fp8 else dtype, device=device).view(dtype)
+    inp.v_cache = torch.zeros(shape, dtype=torch.uint8 if wl.cache_fp8 else dtype, device=device).view(dtype)
+    if wl.cache_fp8:
+        inp.k_scale = torch.tensor([0.02], device=device)
+        inp.v_scale = torch.tensor([0.05], device=device)
+    inp.slots = slot_map.to(device)
+    inp.out = torch.empty((n, cfg.num_heads, cfg.head_dim), dtype=torch.bfloat16, device=device)
+    inp.rope_buf = torch.empty((n, cfg.num_kv_heads, cfg.head_dim), dtype=torch.bfloat16, device=device)
+    return inp
+
+
 def build_input_sets(wl: Workload, n: int, device, cold_l2: bool = False, seed: int = 0,
                      slots: str = "paged", regime: str = "auto") -> List[Inputs]:
     """One set; with cold_l2, as many (at most 16) as needed to total COLD_L2_BYTES."""
@@ -430,7 +523,10 @@ def build_input_sets(wl: Workload, n: int, device, cold_l2: bool = False, seed: 
 
 
 def result_tensors(wl: Workload, inp: Inputs) -> List[torch.Tensor]:
-    """What a call of the workload produces (to compare peers): the cache, the bf16 out, or (q, sf)."""
+    """What a call of the workload produces (to compare peers): the cache, the bf16 out, or (q, sf); for
+    "gqa" q_out and the two caches."""
+    if wl.kind == "gqa":
+        return [inp.out, inp.k_cache, inp.v_cache]
     if wl.kind == "write":
         return [inp.cache]
     if wl.kind == "q_pre":
@@ -441,6 +537,8 @@ def result_tensors(wl: Workload, inp: Inputs) -> List[torch.Tensor]:
 # =============================================================================== peers
 def fused_call(wl: Workload, inp: Inputs) -> Callable[[], None]:
     """One public call of the fused operator for this workload (the fused and reference peers)."""
+    if wl.kind == "gqa":
+        return _gqa_call(wl, inp)
     norm = NormArgs(inp.weight, EPS, inp.bias, wl.norm_kind) if wl.norm else None
     rope = RopeArgs(inp.positions, inp.cos_sin, wl.rotary_dim, wl.is_neox, wl.rope_offset)
     had = wl.hadamard_args
@@ -457,8 +555,50 @@ def fused_call(wl: Workload, inp: Inputs) -> Callable[[], None]:
     return call
 
 
+def _gqa_args(wl: Workload, inp: Inputs):
+    cfg = wl.gqa
+    q, k, v = inp.qkv(wl)
+    eps = cfg.norm_eps
+    qn = NormArgs(inp.weight, eps) if cfg.qk_norm else None
+    kn = NormArgs(inp.k_weight, eps) if cfg.qk_norm else None
+    rope = RopeArgs(inp.positions, inp.cos_sin, cfg.rotary_dim, cfg.rope_is_neox, 0)
+    return q, k, v, qn, kn, rope
+
+
+def _gqa_call(wl: Workload, inp: Inputs) -> Callable[[], None]:
+    q, k, v, qn, kn, rope = _gqa_args(wl, inp)
+    kc, vc, ks, vs, slots, out = inp.k_cache, inp.v_cache, inp.k_scale, inp.v_scale, inp.slots, inp.out
+
+    def call():
+        fused_qk_norm_rope_store_kv(q, k, v, kc, vc, slots, qn, kn, rope, ks, vs, "NHD", out)
+    return call
+
+
+def _gqa_stage_chain(wl: Workload, inp: Inputs) -> Callable[[], None]:
+    """GQA unfused: kvfuse's kernel for the q transform (norm + rope -> q_out) and the k transform (-> a bf16
+    buffer), then the per-tensor cast and the paged scatter of K and V as torch ops (the reference's
+    quantize_per_tensor and store_paged): what an engine without a fused write runs."""
+    q, k, v, qn, kn, rope = _gqa_args(wl, inp)
+    fused = _api.fused_norm_rope_hadamard_cast_store_kvcache
+    kc, vc, ks, vs, slots = inp.k_cache, inp.v_cache, inp.k_scale, inp.v_scale, inp.slots
+    qo, kb = ContiguousOutArgs(out=inp.out), ContiguousOutArgs(out=inp.rope_buf)
+
+    def call():
+        fused(q, qn, rope, out_args=qo)
+        fused(k, kn, rope, out_args=kb)
+        if ks is None:
+            reference.store_paged(kc, slots, inp.rope_buf.view(torch.int16), "NHD")
+            reference.store_paged(vc, slots, v.view(torch.int16), "NHD")
+        else:
+            reference.store_paged(kc, slots, reference.quantize_per_tensor(inp.rope_buf, ks), "NHD")
+            reference.store_paged(vc, slots, reference.quantize_per_tensor(v, vs), "NHD")
+    return call
+
+
 def _stage_chain(wl: Workload, inp: Inputs) -> Callable[[], None]:
     """kvfuse's kernels one stage per launch: norm, rope, cast, then store_kv_cache (writes)."""
+    if wl.kind == "gqa":
+        return _gqa_stage_chain(wl, inp)
     fused = _api.fused_norm_rope_hadamard_cast_store_kvcache
     steps = []
     src = inp.x
@@ -505,6 +645,14 @@ def make_chain(wl: Workload) -> Callable:
     rd, neox, off = wl.rotary_dim, wl.is_neox, wl.rope_offset
     fmt = wl.fmt
     had = None if not wl.hadamard else wl.head_dim ** -0.5
+    if wl.kind == "gqa":
+        eps = wl.gqa.norm_eps
+
+        def gqa_chain(q, k, v, k_cache, v_cache, slots, q_out, q_weight, k_weight, positions, cos_sin, k_scale,
+                      v_scale):
+            reference.qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slots, q_out, q_weight, eps, k_weight, eps,
+                                            positions, cos_sin, rd, 0, neox, False, k_scale, v_scale, "NHD")
+        return gqa_chain
 
     def transform(x, weight, bias, positions, cos_sin):
         y = reference.rope(reference.norm(x, weight, EPS, wl.norm_kind, bias), positions, cos_sin, rd, neox, off)
@@ -535,6 +683,9 @@ def make_chain(wl: Workload) -> Callable:
 
 
 def chain_args(wl: Workload, inp: Inputs) -> tuple:
+    if wl.kind == "gqa":
+        return (*inp.qkv(wl), inp.k_cache, inp.v_cache, inp.slots, inp.out, inp.weight, inp.k_weight, inp.positions,
+                inp.cos_sin, inp.k_scale, inp.v_scale)
     if wl.kind == "write":
         cache, fmt = inp.cache, wl.fmt
         a = fmt.addressing_for(cache)

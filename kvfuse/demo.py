@@ -36,6 +36,13 @@ Outputs: the table on stdout, ``results.csv`` and ``kv_formats.png`` (error vs b
 ``--out``. Runs on CUDA when present (the Triton kernel), else on the CPU (the reference chain;
 ``TRITON_INTERPRET=1 kvfuse demo --backend triton`` runs the kernel in Triton's interpreter).
 
+``--gqa NAME`` (a GQA / MHA configuration of :mod:`kvfuse.models`: llama-3-8b, qwen3-8b, gemma-3-12b, ...)
+shows the GQA page instead: a synthetic packed QKV batch of that model goes through
+:func:`kvfuse.fused_qk_norm_rope_store_kv` into bf16 and float8_e4m3fn (per-tensor scale) NHD caches, and
+the table gives the K and V cache bytes per token and layer and the relative error of the K and V read
+back against the exact bf16 values, for a calibrated scale (amax / 448 of the batch) and for scale 1.0
+(what an engine uses when no scales were calibrated); written to ``gqa_results.csv``.
+
 With ``--input`` the demo prints which tensor each kind of call site took (``--input-key`` picks
 one), its shape and dtype and how it was reshaped, and warns when the cast to bf16 overflows to inf
 or the data is all zeros (the errors are then NaN, never "lossless").
@@ -632,6 +639,97 @@ def plot(rows: List[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
+# --------------------------------------------------------------------------- the GQA page
+GQA_CSV_NAME = "gqa_results.csv"
+GQA_COLUMNS = ("model", "cache", "k_scale", "v_scale", "kv bytes/token/layer", "vs_bf16", "k_rel_err", "v_rel_err")
+
+
+def _gqa_batch(cfg: M.GQAConfig, n: int, seed: int, device):
+    """A packed projection [n, qkv_width] (per-token scale spread, a few outlier channels in k and v), the
+    model's q / k norm weights (raw: GQAConfig.norm_args maps them), positions and a cos/sin table."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, cfg.qkv_width, generator=g) * torch.exp(0.5 * torch.randn(n, 1, generator=g))
+    kv0 = cfg.num_heads * cfg.head_dim
+    out_ch = kv0 + torch.randperm(2 * cfg.num_kv_heads * cfg.head_dim, generator=g)[:4 * cfg.num_kv_heads]
+    x[:, out_ch] *= 10.0 + 20.0 * torch.rand(out_ch.numel(), generator=g)
+    base = 0.0 if cfg.norm_weight_offset else 1.0
+    weights = [(base + 0.1 * torch.randn(cfg.head_dim, generator=g)).to(torch.bfloat16).to(device) for _ in range(2)]
+    positions = torch.randint(0, 4096, (n,), generator=g).to(device)
+    return x.to(torch.bfloat16).to(device), weights, positions, cfg.cos_sin_cache(4096, device)
+
+
+def gqa_page(cfg: M.GQAConfig, n: int, block_size: int, seed: int, device) -> List[dict]:
+    """One row per cache: bf16, fp8 with calibrated per-tensor scales (amax / 448), fp8 with scale 1.0.
+    Each is one fused_qk_norm_rope_store_kv call into NHD caches (tokens on shuffled slots), read back and
+    compared with the exact bf16 K (normed and rotated: the reference chain) and V."""
+    qkv, (wq, wk), positions, cos_sin = _gqa_batch(cfg, n, seed, device)
+    q, k, v = cfg.split_qkv(qkv)
+    qn, kn, rope = cfg.norm_args(wq), cfg.norm_args(wk), cfg.rope_args(positions, cos_sin)
+    k_exact = R.qk_norm_rope(k, None if kn is None else kn.weight, cfg.norm_eps, positions, cos_sin, cfg.rotary_dim,
+                             0, cfg.rope_is_neox).float()
+    v_exact = v.float()
+    blocks = -(-n // block_size)
+    g = torch.Generator().manual_seed(seed + 1)
+    slots = torch.randperm(blocks * block_size, generator=g)[:n].to(device)
+    blk, off = slots // block_size, slots % block_size
+    calibrated = (k_exact.abs().max() / 448.0, v_exact.abs().max() / 448.0)
+    rows = []
+    bf16_bytes = cfg.kv_bytes_per_token(2)
+    for label, scales in (("bf16", None), ("fp8 per-tensor, calibrated", calibrated), ("fp8 per-tensor, scale 1.0",
+                                                                                       (1.0, 1.0))):
+        dtype = torch.bfloat16 if scales is None else torch.float8_e4m3fn
+        shape = (blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        caches = [torch.zeros(shape, dtype=torch.uint8 if scales else dtype, device=device).view(dtype)
+                  for _ in range(2)]
+        ks, vs = (None, None) if scales is None else (torch.tensor([float(s)], device=device) for s in scales)
+        kvfuse.fused_qk_norm_rope_store_kv(q, k, v, caches[0], caches[1], slots, qn, kn, rope, ks, vs, "NHD")
+        back = [c[blk, off].float() * (1.0 if s is None else s) for c, s in zip(caches, (ks, vs))]
+        elem = 2 if scales is None else 1
+        rows.append({"model": cfg.name, "cache": label,
+                     "k_scale": "-" if scales is None else f"{float(scales[0]):.4g}",
+                     "v_scale": "-" if scales is None else f"{float(scales[1]):.4g}",
+                     "kv bytes/token/layer": cfg.kv_bytes_per_token(elem),
+                     "vs_bf16": f"{bf16_bytes / cfg.kv_bytes_per_token(elem):.2f}x",
+                     "k_rel_err": relative_error(back[0], k_exact), "v_rel_err": relative_error(back[1], v_exact)})
+    return rows
+
+
+def format_gqa_table(rows: List[dict]) -> str:
+    head = f"{'cache':<28} {'k_scale':>8} {'v_scale':>8} {'KV bytes/token/layer':>21} {'vs bf16':>8} " \
+           f"{'K rel.err':>10} {'V rel.err':>10}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['cache']:<28} {r['k_scale']:>8} {r['v_scale']:>8} {r['kv bytes/token/layer']:>21} "
+                     f"{r['vs_bf16']:>8} {r['k_rel_err']:>10.2e} {r['v_rel_err']:>10.2e}")
+    return "\n".join(lines)
+
+
+def run_gqa(args, device) -> int:
+    cfg = M.get_gqa(args.gqa)
+    n = args.n if args.n is not None else (65536 if device.type == "cuda" else 512)
+    t0 = time.perf_counter()
+    with kvfuse.use_backend(args.backend):
+        try:
+            backend = kvfuse.backend.resolve_backend(device)
+        except ValueError as e:
+            print(f"kvfuse demo: {e}", file=sys.stderr)
+            return 2
+        rows = gqa_page(cfg, n, args.block_size, args.seed, device)
+    print(f"kvfuse demo --gqa {cfg.name}: {cfg.num_heads} Q heads, {cfg.num_kv_heads} KV heads of {cfg.head_dim}, "
+          f"{'QK-norm, ' if cfg.qk_norm else ''}NEOX RoPE; {n} tokens, block_size {args.block_size}, device {device}, "
+          f"backend {backend}")
+    print(format_gqa_table(rows))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, GQA_CSV_NAME)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=GQA_COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({c: (f"{r[c]:.6g}" if isinstance(r[c], float) else r[c]) for c in GQA_COLUMNS})
+    print(f"wrote {path} ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvfuse demo", description="KV-cache format explorer: every kvfuse format on a "
                                 "realistic MLA batch (bytes/token, error, top-k recall), table + PNG chart.")
@@ -651,6 +749,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", choices=kvfuse.backend.BACKENDS, help="kvfuse backend (default auto)")
     p.add_argument("--model", default=None, type=str.lower, choices=M.names(), metavar="NAME",
                    help="run a model configuration's call sites (kvfuse.models: " + ", ".join(M.names()) + ")")
+    p.add_argument("--gqa", default=None, type=str.lower, choices=M.gqa_names(), metavar="NAME",
+                   help="the GQA page: bf16 vs fp8 per-tensor K/V caches of a GQA / MHA model (kvfuse.models: "
+                        + ", ".join(M.gqa_names()) + "; default --n 512 on the CPU)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -691,6 +792,12 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"kvfuse demo: {e}", file=sys.stderr)
         return 2
+    if args.gqa:
+        if args.input or args.model:
+            parser.error("--gqa takes neither --input nor --model")
+        if args.n is not None and args.n < 1 or args.block_size < 1:
+            parser.error("--n and --block-size must be >= 1")
+        return run_gqa(args, device)
     if args.n is None:
         args.n = 65536 if device.type == "cuda" else 4096
     for name in ("n", "block_size", "topk", "queries"):

@@ -1,4 +1,8 @@
-"""Named, frozen configurations of the real models whose write-KV paths kvfuse serves (SPEC §10).
+"""Named, frozen configurations of the real models whose write-KV paths kvfuse serves (SPEC §10, §11).
+
+The GQA / MHA models (Llama 3, Qwen3, Gemma 3) are :class:`GQAConfig` objects in :data:`GQA_MODELS`
+(:func:`get_gqa`), served by :func:`kvfuse.fused_qk_norm_rope_store_kv`; the rest of this docstring is
+about the MLA models below.
 
 Each one is a :class:`kvfuse.mla.MLAConfig` (frozen dataclass): pass it to the call sites of
 :mod:`kvfuse.mla` and they run the model's real calls (RoPE style and offsets, norm kinds,
@@ -69,8 +73,11 @@ deployments also run a bf16 576-d cache).
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict
+from typing import Dict, Optional
 
+import torch
+
+from .args import NormArgs, RopeArgs
 from .formats import (FLASHMLA_MODEL1, FLASHMLA_V32, INDEX_FP8_FP32, INDEX_MXFP4, INDEX_MXFP8, MAIN_FP4, MAIN_FP8,
                       KVCacheFormat)
 from .mla import MLAConfig
@@ -78,6 +85,7 @@ from .mla import MLAConfig
 __all__ = [
     "DEEPSEEK_V3", "DEEPSEEK_V32", "DEEPSEEK_V32_UE8M0", "DEEPSEEK_V4", "DEEPSEEK_V4_FP4", "DEEPSEEK_V4_FLASHMLA",
     "INDEX_FP8_UE8M0_FP32", "MODELS", "ALIASES", "get", "names",
+    "GQAConfig", "LLAMA3_8B", "LLAMA3_70B", "QWEN3_8B", "QWEN3_32B", "GEMMA3_12B", "GQA_MODELS", "gqa_names", "get_gqa",
 ]
 
 # DeepSeek V3.2's indexer cache as the shipped config runs it (scale_fmt "ue8m0"): e4m3 values,
@@ -182,3 +190,157 @@ def get(name: str) -> MLAConfig:
     if key not in MODELS:
         raise ValueError(f"name: unknown model configuration {name!r}; known: {', '.join(names())}")
     return MODELS[key]
+
+
+# =============================================================================== GQA / MHA models (SPEC §11)
+@dataclasses.dataclass(frozen=True)
+class GQAConfig:
+    """The attention shapes, RoPE style and QK-norm of a GQA / MHA model, as
+    :func:`kvfuse.fused_qk_norm_rope_store_kv` takes them.
+
+    num_heads / num_kv_heads / head_dim: Q heads, K and V heads, their width (V's too).
+    rotary_dim: the rotated dims, at offset 0 (the whole head in these models); rope_is_neox: the
+        pairing (HF's ``rotate_half`` is NEOX: pairs (j, j + rotary_dim / 2)); rope_theta: the base of the
+        default table (:meth:`cos_sin_cache`; a model's RoPE scaling, e.g. Llama 3's "llama3" or Gemma 3's
+        linear factor, lives in the table the caller builds: kvfuse takes any table).
+    qk_norm: per-head RMSNorm of q and k (one weight [head_dim] each, shared by the heads) before RoPE;
+        norm_eps: its eps (the model's rms_norm_eps).
+    norm_weight_offset: the model scales by (offset + w) (Gemma: 1.0); :meth:`norm_args` passes
+        ``offset + w.float()`` as an fp32 weight, the model's own fp32 sum.
+    name / source: a label and the public sources the values come from.
+    """
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_is_neox: bool
+    rope_theta: float
+    qk_norm: bool
+    norm_eps: float
+    norm_weight_offset: float = 0.0
+    source: str = dataclasses.field(default="", repr=False)
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"GQAConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(f"GQAConfig.rotary_dim must be even and in (0, head_dim], got {self.rotary_dim}")
+
+    @property
+    def qkv_width(self) -> int:
+        """Columns of the packed QKV projection output: (num_heads + 2 num_kv_heads) * head_dim."""
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        """K and V cache bytes of one token in one layer (element_size 2 for bf16, 1 for fp8)."""
+        return 2 * self.num_kv_heads * self.head_dim * element_size
+
+    def split_qkv(self, qkv: torch.Tensor):
+        """Views q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, D] of a packed projection [n, qkv_width]
+        (stride(-1) == 1): no copies."""
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q = qkv[:, :hq * d].unflatten(1, (hq, d))
+        k = qkv[:, hq * d:(hq + hkv) * d].unflatten(1, (hkv, d))
+        v = qkv[:, (hq + hkv) * d:(hq + 2 * hkv) * d].unflatten(1, (hkv, d))
+        return q, k, v
+
+    def norm_args(self, weight: Optional[torch.Tensor]) -> Optional[NormArgs]:
+        """The NormArgs of a q_norm / k_norm weight as the model applies it (None without QK-norm):
+        the weight itself, or for Gemma ``offset + w.float()`` (fp32: the model's own fp32 sum, kept
+        unrounded; kvfuse multiplies by the fp32 weight and rounds once, as Gemma3RMSNorm does)."""
+        if not self.qk_norm:
+            return None
+        if weight is None:
+            raise ValueError(f"{self.name} has a QK-norm: its weight is needed, got None")
+        w = weight if not self.norm_weight_offset else self.norm_weight_offset + weight.float()
+        return NormArgs(w, eps=self.norm_eps)
+
+    def rope_args(self, positions: torch.Tensor, cos_sin: torch.Tensor) -> RopeArgs:
+        return RopeArgs(positions, cos_sin, self.rotary_dim, self.rope_is_neox, offset=0)
+
+    def cos_sin_cache(self, max_position: int, device=None) -> torch.Tensor:
+        """fp32 [max_position, rotary_dim] of the unscaled RoPE with base rope_theta."""
+        from .mla import make_cos_sin_cache
+        return make_cos_sin_cache(max_position, self.rotary_dim, self.rope_theta, device)
+
+    def store_kv(self, qkv, k_cache, v_cache, slot_mapping, positions, cos_sin, q_norm_weight=None,
+                 k_norm_weight=None, k_scale=None, v_scale=None, layout="NHD", q_out=None):
+        """One layer's call: the packed projection qkv [n, qkv_width] -> q_out (returned), K and V into
+        the paged caches (see :func:`kvfuse.fused_qk_norm_rope_store_kv`)."""
+        from .gqa import fused_qk_norm_rope_store_kv
+        q, k, v = self.split_qkv(qkv)
+        return fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, self.norm_args(q_norm_weight),
+                                           self.norm_args(k_norm_weight), self.rope_args(positions, cos_sin),
+                                           k_scale, v_scale, layout, q_out)
+
+
+# Read in stored public snapshots: transformers' modeling_gemma3.py (Gemma3RMSNorm, Gemma3Attention,
+# rotate_half) and Gemma 3 12B's text_config. The Llama 3 and Qwen3 values are those of the models' published
+# config.json files and modeling files (LlamaAttention, Qwen3Attention / Qwen3RMSNorm), not re-read here.
+_HF = "huggingface/transformers src/transformers/models"
+LLAMA3_8B = GQAConfig(
+    name="llama-3-8b", num_heads=32, num_kv_heads=8, head_dim=128, rotary_dim=128, rope_is_neox=True,
+    rope_theta=500000.0, qk_norm=False, norm_eps=1e-5,
+    source=f"{_HF}/llama/modeling_llama.py (LlamaAttention: no QK-norm; apply_rotary_pos_emb with rotate_half = "
+           "NEOX pairs over the whole head); meta-llama/Meta-Llama-3-8B config.json: hidden_size 4096, "
+           "num_attention_heads 32, num_key_value_heads 8 (head_dim 4096 / 32 = 128), rope_theta 500000, "
+           "rms_norm_eps 1e-5 (Llama 3.1 adds rope_scaling 'llama3', a property of the cos/sin table)")
+"""Llama 3 / 3.1 8B: 32 Q heads, 8 KV heads of 128, NEOX RoPE over the whole head, no QK-norm."""
+
+LLAMA3_70B = dataclasses.replace(
+    LLAMA3_8B, name="llama-3-70b", num_heads=64,
+    source=LLAMA3_8B.source.replace("Meta-Llama-3-8B config.json: hidden_size 4096, num_attention_heads 32",
+                                    "Meta-Llama-3-70B config.json: hidden_size 8192, num_attention_heads 64")
+    .replace("4096 / 32", "8192 / 64"))
+"""Llama 3 / 3.1 70B: 64 Q heads, 8 KV heads of 128, NEOX RoPE over the whole head, no QK-norm."""
+
+QWEN3_8B = GQAConfig(
+    name="qwen3-8b", num_heads=32, num_kv_heads=8, head_dim=128, rotary_dim=128, rope_is_neox=True,
+    rope_theta=1000000.0, qk_norm=True, norm_eps=1e-6,
+    source=f"{_HF}/qwen3/modeling_qwen3.py (Qwen3Attention: q_norm / k_norm = Qwen3RMSNorm(head_dim) on each "
+           "head before apply_rotary_pos_emb, rotate_half = NEOX); Qwen/Qwen3-8B config.json: num_attention_heads "
+           "32, num_key_value_heads 8, head_dim 128, rms_norm_eps 1e-6, rope_theta 1000000")
+"""Qwen3-8B: 32 Q heads, 8 KV heads of 128, per-head RMSNorm of q and k (weight [128]), NEOX RoPE.
+HF's Qwen3RMSNorm rounds x * rstd to bf16 before multiplying by the weight; kvfuse rounds once (SPEC §2),
+so its q / k may differ from HF's eager path by one bf16 rounding (vLLM's fused kernels differ from
+both in their own ways)."""
+
+QWEN3_32B = dataclasses.replace(
+    QWEN3_8B, name="qwen3-32b", num_heads=64,
+    source=QWEN3_8B.source.replace("Qwen/Qwen3-8B config.json: num_attention_heads 32",
+                                   "Qwen/Qwen3-32B config.json: num_attention_heads 64"))
+"""Qwen3-32B: 64 Q heads, 8 KV heads of 128, as Qwen3-8B otherwise."""
+
+GEMMA3_12B = GQAConfig(
+    name="gemma-3-12b", num_heads=16, num_kv_heads=8, head_dim=256, rotary_dim=256, rope_is_neox=True,
+    rope_theta=1000000.0, qk_norm=True, norm_eps=1e-6, norm_weight_offset=1.0,
+    source=f"{_HF}/gemma3/modeling_gemma3.py (Gemma3Attention: q_norm / k_norm = Gemma3RMSNorm(head_dim), "
+           "applied per head before apply_rotary_pos_emb, rotate_half = NEOX; Gemma3RMSNorm: x.float() * "
+           "rsqrt(mean(x^2) + eps) * (1.0 + weight.float()), rounded once to the input dtype); "
+           "google/gemma-3-12b text_config: num_attention_heads 16, num_key_value_heads 8, head_dim 256, "
+           "rms_norm_eps 1e-6, rope_theta 1000000 (global layers, linear scaling factor 8), "
+           "rope_local_base_freq 10000 (sliding-window layers)")
+"""Gemma 3 12B: 16 Q heads, 8 KV heads of 256, per-head RMSNorm with (1 + w) scaling, NEOX RoPE
+(two tables: base 1e6 with linear scaling 8 on the global layers, 10000 on the local ones; the table is
+the caller's). The (1 + w) maps onto kvfuse's RMSNorm exactly by passing the fp32 weight 1.0 + w.float()
+(:meth:`GQAConfig.norm_args`): the model computes that sum in fp32 and rounds the product once, as
+kvfuse does."""
+
+GQA_MODELS: Dict[str, GQAConfig] = {c.name: c for c in (LLAMA3_8B, LLAMA3_70B, QWEN3_8B, QWEN3_32B, GEMMA3_12B)}
+"""The GQA / MHA configurations, by name (separate from the MLA configurations of :data:`MODELS`)."""
+
+
+def gqa_names():
+    return list(GQA_MODELS)
+
+
+def get_gqa(name: str) -> GQAConfig:
+    """The GQA configuration called ``name`` (case-insensitive). ValueError for an unknown name."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    key = name.strip().lower()
+    if key not in GQA_MODELS:
+        raise ValueError(f"name: unknown GQA model configuration {name!r}; known: {', '.join(GQA_MODELS)}")
+    return GQA_MODELS[key]

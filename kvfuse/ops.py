@@ -14,10 +14,12 @@ holds exactly one opaque call that writes into buffers it was given.
 * ``kvfuse::store_kv_cache`` -- mutates ``kv_cache``.
 * ``kvfuse::load_paged_kv_cache`` -- mutates ``out`` (dequantized bf16) or ``data_out`` /
   ``sf_out`` (raw bytes).
+* ``kvfuse::fused_qk_norm_rope_store_kv`` -- a validated :class:`kvfuse.gqa.GQAPlan` (SPEC §11):
+  mutates ``k_cache``, ``v_cache`` and ``q_out``.
 
 Wrappers: :func:`execute_op` (a Plan -> the op), :func:`fused_norm_rope_hadamard_cast_store_kvcache`
-(validate + allocate + op: the public function's traceable twin), :func:`store_kv_cache` and
-:func:`load_paged_kv_cache`. Validation (:func:`kvfuse.plan.build_plan`) only looks at shapes,
+(validate + allocate + op: the public function's traceable twin), :func:`store_kv_cache`,
+:func:`load_paged_kv_cache`, :func:`execute_gqa_op` and :func:`fused_qk_norm_rope_store_kv`. Validation (:func:`kvfuse.plan.build_plan`) only looks at shapes,
 dtypes, strides and Python objects, so it traces under ``torch.compile(fullgraph=True)``.
 
 Eager code should call :mod:`kvfuse.api` directly (no dispatcher cost); :mod:`kvfuse.api` routes
@@ -36,7 +38,8 @@ from .plan import CastSpec, Plan, build_plan
 
 __all__ = [
     "execute_op", "fused_norm_rope_hadamard_cast_store_kvcache", "store_kv_cache", "load_paged_kv_cache",
-    "fused_op", "store_op", "load_op", "format_fields", "format_from_fields",
+    "fused_op", "store_op", "load_op", "format_fields", "format_from_fields", "gqa_op", "gqa_plan_to_op_args",
+    "execute_gqa_op", "fused_qk_norm_rope_store_kv",
 ]
 
 
@@ -85,9 +88,14 @@ STORE_SCHEMA = ("store_kv_cache(Tensor data, Tensor? sf, Tensor(a!) kv_cache, Te
                 + _FORMAT_SCHEMA + ") -> ()")
 LOAD_SCHEMA = ("load_paged_kv_cache(Tensor kv_cache, Tensor slot_mapping, Tensor(a!)? out, Tensor(b!)? data_out, "
                "Tensor(c!)? sf_out, " + _FORMAT_SCHEMA + ") -> ()")
+GQA_SCHEMA = ("fused_qk_norm_rope_store_kv(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+              "Tensor slot_mapping, Tensor(c!) q_out, Tensor? q_weight, float q_eps, Tensor? k_weight, float k_eps, "
+              "Tensor? positions, Tensor? cos_sin, int rotary_dim, int rope_offset, bool is_neox, bool conjugate, "
+              "Tensor? k_scale, Tensor? v_scale, str layout) -> ()")
 _lib.define(FUSED_SCHEMA)
 _lib.define(STORE_SCHEMA)
 _lib.define(LOAD_SCHEMA)
+_lib.define(GQA_SCHEMA)
 
 
 def _impl(name):
@@ -195,3 +203,46 @@ def load_paged_kv_cache(kv_cache: Tensor, slot_mapping: Tensor, layout: KVCacheF
     torch.ops.kvfuse.load_paged_kv_cache(kv_cache, slot_mapping, None, data, sf, *format_fields(layout))
     return data, sf
 
+
+
+# --------------------------------------------------------------------------- GQA / MHA (SPEC §11)
+@_impl("fused_qk_norm_rope_store_kv")
+def gqa_op(q, k, v, k_cache, v_cache, slot_mapping, q_out, q_weight, q_eps, k_weight, k_eps, positions, cos_sin,
+           rotary_dim, rope_offset, is_neox, conjugate, k_scale, v_scale, layout) -> None:
+    """One validated :class:`kvfuse.gqa.GQAPlan`, flattened (see :func:`execute_gqa_op`). The norms are on
+    iff their weights are given, RoPE iff ``positions`` is, fp8 caches take the scales."""
+    from . import gqa
+
+    gqa.execute(gqa.GQAPlan(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, q_out=q_out,
+                            q_weight=q_weight, q_eps=q_eps, k_weight=k_weight, k_eps=k_eps, positions=positions,
+                            cos_sin=cos_sin, rotary_dim=rotary_dim, rope_offset=rope_offset, is_neox=is_neox,
+                            conjugate=conjugate, k_scale=k_scale, v_scale=v_scale, layout=layout))
+
+
+def gqa_plan_to_op_args(plan) -> tuple:
+    """The positional arguments of :data:`gqa_op` for a GQAPlan (q_out set)."""
+    return (plan.q, plan.k, plan.v, plan.k_cache, plan.v_cache, plan.slot_mapping, plan.q_out, plan.q_weight,
+            float(plan.q_eps), plan.k_weight, float(plan.k_eps), plan.positions, plan.cos_sin, int(plan.rotary_dim),
+            int(plan.rope_offset), bool(plan.is_neox), bool(plan.conjugate), plan.k_scale, plan.v_scale, plan.layout)
+
+
+def execute_gqa_op(plan) -> None:
+    """Run a validated GQAPlan through the ``kvfuse::fused_qk_norm_rope_store_kv`` op."""
+    torch.ops.kvfuse.fused_qk_norm_rope_store_kv(*gqa_plan_to_op_args(plan))
+
+
+def fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_args=None,
+                                rope_args=None, k_scale=None, v_scale=None, layout="NHD", q_out=None):
+    """:func:`kvfuse.fused_qk_norm_rope_store_kv` through the custom op: validate, allocate q_out in
+    Python when it is not given, check aliasing (eagerly), then one op call. Same arguments, result
+    and errors."""
+    from . import gqa
+
+    plan = gqa.validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale,
+                        v_scale, layout, q_out)
+    if plan.q_out is None:
+        plan.q_out = torch.empty(tuple(q.shape), dtype=torch.bfloat16, device=q.device)
+    if q.device.type != "meta" and not torch.compiler.is_compiling():
+        gqa.check_overlap(plan)
+    execute_gqa_op(plan)
+    return plan.q_out

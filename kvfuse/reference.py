@@ -364,3 +364,71 @@ def run_plan(plan: Plan) -> None:
         plan.sf_out.copy_(sf)
     if plan.out is not None:
         plan.out.copy_(stages[plan.out_stage])
+
+
+# --------------------------------------------------------------------------- GQA / MHA K and V (SPEC §11)
+GQA_LAYOUTS = ("NHD", "HND")
+
+
+def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """bf16 [...] -> e4m3 codes (uint8) with one fp32 scale for the whole tensor:
+    e4m3(clamp(f(x) / f(scale), -448, 448)), a correctly rounded division (by a tensor, also on CUDA),
+    round to nearest even. ``scale``: fp32 with one element."""
+    t = torch.div(x.to(F32), scale.reshape(()).to(F32))
+    return encode_e4m3(torch.clamp(t, -FMAX["e4m3"], FMAX["e4m3"]))
+
+
+def store_paged(cache: torch.Tensor, slot_mapping: torch.Tensor, data: torch.Tensor, layout: str) -> None:
+    """Scatter rows into a paged cache of vLLM's layout ``"NHD"`` [num_blocks, block_size, H, D] or
+    FlashInfer's ``"HND"`` [num_blocks, H, block_size, D] (any strides): ``data`` [n, H, D] holds
+    the elements' bytes (int16 bf16 bits or uint8 e4m3 codes, the element size of the cache). Slot s
+    writes (s // block_size, s % block_size); a slot outside [0, num_blocks * block_size) writes
+    nothing."""
+    nb = cache.shape[0]
+    bs = cache.shape[1] if layout == "NHD" else cache.shape[2]
+    slots = slot_mapping.long()
+    valid = (slots >= 0) & (slots < nb * bs)
+    s = slots[valid]
+    blk, off = s // bs, s % bs
+    elems = cache.view(data.dtype)                         # same element size: bytes, not values
+    if layout == "NHD":
+        elems[blk, off] = data[valid]
+    else:
+        elems[blk, :, off] = data[valid]                   # advanced indices around a slice: [m, H, D]
+
+
+def qk_norm_rope(x: torch.Tensor, weight=None, eps: float = 1e-6, positions=None, cos_sin=None, rotary_dim: int = 0,
+                 rope_offset: int = 0, is_neox: bool = True, conjugate: bool = False) -> torch.Tensor:
+    """The Q / K transform of SPEC §11 on bf16 [n, H, D]: per-head :func:`rmsnorm` (weight [D] shared by
+    the heads; skipped when ``weight`` is None), then :func:`rope` (skipped when ``positions`` is None)."""
+    y = x if weight is None else rmsnorm(x, weight, eps)
+    if positions is not None:
+        y = rope(y, positions, cos_sin, rotary_dim, is_neox, rope_offset, conjugate)
+    return y
+
+
+def qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_out, q_weight=None, q_eps=1e-6, k_weight=None,
+                          k_eps=1e-6, positions=None, cos_sin=None, rotary_dim=0, rope_offset=0, is_neox=True,
+                          conjugate=False, k_scale=None, v_scale=None, layout="NHD") -> None:
+    """The unfused chain of :func:`kvfuse.fused_qk_norm_rope_store_kv` (validated arguments): q -> norm ->
+    RoPE -> q_out (bf16); k -> norm -> RoPE -> (e4m3 by k_scale) -> k_cache; v -> (e4m3 by v_scale) ->
+    v_cache. fp8 caches when the scales are given, else bf16 caches."""
+    qy = qk_norm_rope(q, q_weight, q_eps, positions, cos_sin, rotary_dim, rope_offset, is_neox, conjugate)
+    ky = qk_norm_rope(k, k_weight, k_eps, positions, cos_sin, rotary_dim, rope_offset, is_neox, conjugate)
+    if k_scale is None:
+        kb, vb = ky.view(torch.int16), v.view(torch.int16)
+    else:
+        kb, vb = quantize_per_tensor(ky, k_scale), quantize_per_tensor(v, v_scale)
+    store_paged(k_cache, slot_mapping, kb, layout)
+    store_paged(v_cache, slot_mapping, vb, layout)
+    q_out.copy_(qy)
+
+
+def run_gqa_plan(plan) -> None:
+    """Execute a validated :class:`kvfuse.gqa.GQAPlan` with the unfused chain (the "reference" backend)."""
+    if plan.n == 0:
+        return
+    qk_norm_rope_store_kv(plan.q, plan.k, plan.v, plan.k_cache, plan.v_cache, plan.slot_mapping, plan.q_out,
+                          plan.q_weight, plan.q_eps, plan.k_weight, plan.k_eps, plan.positions, plan.cos_sin,
+                          plan.rotary_dim, plan.rope_offset, plan.is_neox, plan.conjugate, plan.k_scale,
+                          plan.v_scale, plan.layout)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the GPU matrix (tests/gpu/test_gpu_matrix.py), the read side and engine allocations
-# (tests/gpu/test_gpu_read_and_alloc.py), then benchmark points of BENCH_WL (fused peer).
+# (tests/gpu/test_gpu_read_and_alloc.py), the GQA entry point (tests/gpu/test_gpu_gqa.py), then benchmark
+# points of BENCH_WL (fused peer).
 #   bash scripts/device_run.sh [MATRIX_SECONDS] [BENCH_SECONDS]
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -10,13 +11,13 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 t0=$(date +%s)
 KVFUSE_TEST_GPU=1 timeout -s INT "${1:-400}" python3 -m pytest -q -rf -p no:cacheprovider tests/gpu/test_gpu_matrix.py \
-  tests/gpu/test_gpu_read_and_alloc.py \
+  tests/gpu/test_gpu_read_and_alloc.py tests/gpu/test_gpu_gqa.py \
   > "$OUT/gpu_matrix.log" 2>&1
 echo "gpu matrix rc=$? in $(( $(date +%s) - t0 )) s"
-grep -E "GPU matrix summary|passed|failed" "$OUT/gpu_matrix.log" | cut -c1-400 | tail -n 8
+grep -E "GPU matrix summary|GQA GPU summary|passed|failed" "$OUT/gpu_matrix.log" | cut -c1-400 | tail -n 8
 grep -E "^FAILED" "$OUT/gpu_matrix.log" | cut -c1-300 | head -n 20
 if [ "${2:-0}" -gt 0 ]; then
   timeout $(( ${2} + 60 )) python3 -m kvfuse.cli bench --out "$OUT" --budget-s "$2" --peers fused --no-plot --no-progress \
     --workloads ${BENCH_WL:-main_fp8,main_fp8_gptj} --n ${BENCH_N:-1,256,4096,65536} > "$OUT/bench.log" 2>&1
-  echo "bench rc=$?"; grep -E "^\s*(main|flash|index|q_)" "$OUT/bench.log" | head -n 60
+  echo "bench rc=$?"; grep -E "^\s*(main|flash|index|q_|llama|qwen|gemma)" "$OUT/bench.log" | head -n 60
 fi

@@ -18,17 +18,26 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kvfuse.kernels import fused as F  # noqa: E402
+from kvfuse.kernels import qkv as Q  # noqa: E402
 
 BAD = re.compile(r"\bfma\.|\.approx|div\.full")
 PTR_TYPES = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32", "out_ptr": "*bf16",
              "q_ptr": "*u8", "sf_ptr": "*u8", "slot_ptr": "*i64", "cache_ptr": "*u8", "data_ptr": "*u8",
-             "tail_ptr": "*u8", "sf_out_ptr": "*u8"}
-FLOATS = ("eps", "had_scale")
-DIVISIBLE_BY_16 = ("sx_n", "sx_h", "s_cs", "so_n", "so_h", "sq_n", "sq_h", "s_blk")   # as in the benchmark's calls
+             "tail_ptr": "*u8", "sf_out_ptr": "*u8",
+             # the GQA kernel (kvfuse/kernels/qkv.py)
+             "k_ptr": "*bf16", "v_ptr": "*bf16", "qo_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
+             "kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
+FLOATS = ("eps", "had_scale", "q_eps", "k_eps")
+DIVISIBLE_BY_16 = ("sx_n", "sx_h", "s_cs", "so_n", "so_h", "sq_n", "sq_h", "s_blk",   # as in the benchmark's calls
+                   "sk_n", "sk_h", "sv_n", "sv_h", "kc_blk", "kc_tok", "kc_head", "vc_blk", "vc_tok", "vc_head")
 STORE = re.compile(r"\b(st\.global(?:\.[a-z0-9]+)+)")
 # variant -> (the store that must be there, at least how many, at most how many byte stores)
 WIDE_STORES = {"main_fp8": ("st.global.b32", 8, 4), "main_fp8_decode": ("st.global.b32", 4, 5), "main_fp4+cast_back": ("st.global.v4.b32", 4, 8),
-               "bf16_out_rope_only": ("st.global.v4.b32", 4, 0)}
+               "bf16_out_rope_only": ("st.global.v4.b32", 4, 0),
+               # GQA: q_out and bf16 records in 16-byte stores, e4m3 records in 8-byte ones (4 at one row per warp)
+               "gqa_fp8_neox_decode": ("st.global.v2.b32", 1, 0),
+               "gqa_bf16_gptj_conj_multirow_slot64": ("st.global.v4.b32", 8, 0),
+               "gqa_fp8_d256_partial_rotary": ("st.global.v2.b32", 4, 0)}
 
 
 def compile_ptx(fn, consts, num_warps=4, ptr_types=None):
@@ -79,6 +88,21 @@ def fused_variants():
     yield "bf16_out_rope_only", {**base, "HAS_NORM": False, "CAST": 0, "DEST": 0, "OUT_STAGE": 2, "VEC": 8}
 
 
+def gqa_variants():
+    """The GQA kernel: (name, constexprs, pointer types); the packed-QKV strides and cache strides divisible
+    by 16 as in an engine's calls."""
+    base = dict(D=128, BLOCK_D=128, LOG2_BLOCK_D=7, DV=128, BLOCK_DV=128, VEC=8, BLOCK_M=1, Q_NORM=True, QW_BF16=True,
+                K_NORM=True, KW_BF16=True, ROPE=True, R=128, ROPE_OFF=0, NEOX=True, CONJ=False, CS_BF16=False,
+                FP8=True, SLOT32=True, NATIVE=2)
+    ptrs = {"q_ptr": "*bf16"}
+    yield "gqa_fp8_neox_decode", base, ptrs
+    yield "gqa_bf16_gptj_conj_multirow_slot64", {**base, "BLOCK_M": 8, "FP8": False, "NEOX": False, "CONJ": True,
+                                                 "KW_BF16": False, "CS_BF16": True, "SLOT32": False}, \
+        {**ptrs, "kc_ptr": "*bf16", "vc_ptr": "*bf16", "kw_ptr": "*fp32", "cs_ptr": "*bf16"}
+    yield "gqa_fp8_d256_partial_rotary", {**base, "D": 256, "BLOCK_D": 256, "LOG2_BLOCK_D": 8, "DV": 256,
+                                          "BLOCK_DV": 256, "BLOCK_M": 4, "R": 64, "ROPE_OFF": 32}, ptrs
+
+
 def load_variants():
     base = dict(D=512, BLOCK_D=512, DQ=512, CAST=1, G=32, SF=0, QB=512, DATA_B=512, BLOCK_DATA_B=512, SFB=20,
                 BLOCK_SFB=32, DEQUANT=True, BLOCK_M=4, NATIVE=True)
@@ -112,6 +136,7 @@ def main() -> int:
     findings = 0
     jobs = [(name, F.fused_kernel, c, {}) for name, c in fused_variants()]
     jobs += [(name, F.load_kernel, c, {"out_ptr": "*bf16"}) for name, c in load_variants()]
+    jobs += [(name, Q.qkv_kernel, c, ptrs) for name, c, ptrs in gqa_variants()]
     for name, fn, consts, ptrs in jobs:
         ptx = compile_ptx(fn, consts, num_warps=1, ptr_types=ptrs)
         bad = sorted(set(BAD.findall(ptx)))

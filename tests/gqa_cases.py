@@ -1,0 +1,201 @@
+"""Cases of kvfuse.fused_qk_norm_rope_store_kv (SPEC §11) shared by the CPU tests (the interpreter) and
+tests/gpu/test_gpu_gqa.py (not a test module itself).
+
+:func:`run_gqa_case` builds one case's inputs from its seed on the CPU, moves them to the device, calls
+the public function on a backend and returns every byte the call could have touched, as CPU uint8
+tensors: the whole storages of the two caches (random bytes, with guards before and after the cache
+views and padding between blocks), the whole q_out buffer (NaN-poisoned, with padding between rows)
+and the whole packed QKV buffer (unchanged, or q rewritten in place). Two runs of the same case on
+two backends or devices must return equal bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+import kvfuse
+from helpers import cos_sin_cache, random_bf16
+
+GUARD = 48        # elements before and after a cache view in its storage
+MAX_POS = 40      # rows of the cos/sin table
+_DATA = {}
+
+
+def _random_bf16(shape, seed):
+    """helpers.random_bf16, made once per (shape, seed) in this process: its tiny values go in through an
+    index_put whose duplicate indices make the bytes depend on the CPU's thread scheduling, so two calls
+    with one seed may differ in a few elements; the two runs of a case must read the same inputs."""
+    key = (tuple(shape), seed)
+    if key not in _DATA:
+        if len(_DATA) > 64:
+            _DATA.clear()
+        _DATA[key] = random_bf16(shape, seed)
+    return _DATA[key].clone()
+
+
+@dataclasses.dataclass(frozen=True)
+class GQACase:
+    n: int = 5
+    hq: int = 4
+    hkv: int = 2
+    d: int = 128
+    dv: Optional[int] = None             # None: d
+    layout: str = "NHD"
+    fp8: bool = False
+    q_norm: Optional[str] = "bf16"       # the weight's dtype ("bf16" / "fp32"), None: no q norm
+    k_norm: Optional[str] = "fp32"
+    rotary_dim: Optional[int] = None     # None: d (full rotary); 0: no RoPE
+    rope_offset: Optional[int] = None    # None: the default (0)
+    neox: bool = True
+    conjugate: bool = False
+    cs_bf16: bool = False
+    inplace: bool = False                # q_out is q
+    q_out_none: bool = False             # q_out=None: allocated by the call
+    packed: bool = True                  # q, k, v views of one packed QKV buffer
+    cache: str = "guarded"               # "guarded": each cache a view into random bytes with guards and block
+                                         # padding; "vllm": kv[:, 0] / kv[:, 1] of one [NB, 2, ...] allocation
+    block_size: int = 4
+    extra_blocks: int = 1
+    slots: str = "invalid"               # "invalid": shuffled, with invalid slots; "contiguous": 0..n-1
+    idx32: bool = False                  # int32 slots and positions
+    seed: int = 0
+
+    @property
+    def v_dim(self) -> int:
+        return self.d if self.dv is None else self.dv
+
+    @property
+    def rdim(self) -> int:
+        return self.d if self.rotary_dim is None else self.rotary_dim
+
+    def describe(self) -> str:
+        fields = dataclasses.asdict(self)
+        default = dataclasses.asdict(GQACase())
+        return "GQACase(" + ", ".join(f"{k}={v!r}" for k, v in fields.items() if v != default[k] or k in (
+            "n", "hq", "hkv", "d", "layout", "fp8")) + ")"
+
+
+def _cache_views(case: GQACase, g: torch.Generator, device):
+    """(k_cache, v_cache, [storages]) for the case: bf16 or fp8 views into random bytes."""
+    nb = -(-case.n // case.block_size) + case.extra_blocks
+    bs, h, d, dv = case.block_size, case.hkv, case.d, case.v_dim
+    dt = torch.float8_e4m3fn if case.fp8 else torch.bfloat16
+    raw = torch.uint8 if case.fp8 else torch.int16
+
+    def rand(count):
+        lim = 256 if case.fp8 else 1 << 15
+        return torch.randint(-lim if not case.fp8 else 0, lim, (count,), generator=g, dtype=torch.int64).to(raw)
+
+    def inner(dim):     # the shape and strides of one block in elements, dense
+        if case.layout == "NHD":
+            return (bs, h, dim), (h * dim, dim, 1)
+        return (h, bs, dim), (bs * dim, dim, 1)
+
+    if case.cache == "vllm":
+        assert d == dv
+        shape, strides = inner(d)
+        block = bs * h * d
+        storage = rand(nb * 2 * block + 2 * GUARD).to(device)
+        view = storage.view(dt)
+        k = torch.as_strided(view, (nb,) + shape, (2 * block,) + strides, GUARD)
+        v = torch.as_strided(view, (nb,) + shape, (2 * block,) + strides, GUARD + block)
+        return k, v, [storage]
+    caches, storages = [], []
+    for dim, pad in ((d, 16), (dv, 48)):
+        shape, strides = inner(dim)
+        block = bs * h * dim + pad                  # padding after every block
+        storage = rand(nb * block + 2 * GUARD).to(device)
+        caches.append(torch.as_strided(storage.view(dt), (nb,) + shape, (block,) + strides, GUARD))
+        storages.append(storage)
+    return caches[0], caches[1], storages
+
+
+def build(case: GQACase, device="cpu"):
+    """The call's keyword arguments and the buffers whose bytes are compared."""
+    g = torch.Generator().manual_seed(case.seed)
+    n, hq, hkv, d, dv = case.n, case.hq, case.hkv, case.d, case.v_dim
+    width = hq * d + hkv * d + hkv * dv
+    if case.packed:
+        qkv = _random_bf16((n, width + 8), case.seed).to(device)     # 8 spare columns: a row stride != width
+        q = qkv[:, :hq * d].view(n, hq, d)
+        k = qkv[:, hq * d:(hq + hkv) * d].view(n, hkv, d)
+        v = qkv[:, (hq + hkv) * d:width].view(n, hkv, dv)
+        inputs = [qkv]
+    else:
+        q = _random_bf16((n, hq, d), case.seed).to(device)
+        k = _random_bf16((n, hkv, d), case.seed + 1).to(device)
+        v = _random_bf16((n, hkv, dv), case.seed + 2).to(device)
+        inputs = [q, k, v]
+    k_cache, v_cache, storages = _cache_views(case, g, device)
+    cap = k_cache.shape[0] * case.block_size
+    idx = torch.int32 if case.idx32 else torch.int64
+    if case.slots == "contiguous":
+        slots = torch.arange(n)
+    else:
+        slots = torch.randperm(cap, generator=g)[:n]
+        bad = torch.tensor([-1, cap, -5, cap + 7, -(2 ** 31) if case.idx32 else -(2 ** 40)])
+        slots[1::3] = bad.repeat(n)[: slots[1::3].numel()]
+    kw = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots.to(idx).to(device),
+              layout=case.layout)
+
+    def weight(kind):
+        if kind is None:
+            return None
+        w = 1.0 + 0.2 * torch.randn(d, generator=g)
+        return kvfuse.NormArgs(w.to(torch.bfloat16 if kind == "bf16" else torch.float32).to(device),
+                               eps=1e-6 if kind == "bf16" else 1e-5)
+
+    kw["q_norm_args"], kw["k_norm_args"] = weight(case.q_norm), weight(case.k_norm)
+    if case.rdim:
+        pos = torch.randint(0, MAX_POS, (n,), generator=g)
+        pos[2::4] = torch.tensor([-1, MAX_POS, MAX_POS + 9]).repeat(n)[: pos[2::4].numel()]   # identity rotations
+        cs = cos_sin_cache(MAX_POS, case.rdim, torch.bfloat16 if case.cs_bf16 else torch.float32)
+        kw["rope_args"] = kvfuse.RopeArgs(pos.to(idx).to(device), cs.to(device), case.rdim, case.neox,
+                                          case.rope_offset, case.conjugate)
+    if case.fp8:
+        kw["k_scale"] = torch.tensor([0.37], device=device)
+        kw["v_scale"] = torch.tensor(0.11, device=device)
+    if case.inplace:
+        kw["q_out"] = q
+        q_buf = None
+    elif case.q_out_none:
+        q_buf = None
+    else:
+        q_buf = torch.full((n, hq * d + 24), float("nan"), dtype=torch.bfloat16, device=device)
+        kw["q_out"] = q_buf[:, :hq * d].view(n, hq, d)
+    return kw, storages, inputs, q_buf
+
+
+def _bytes(t):
+    return t.detach().cpu().contiguous().view(-1).view(torch.uint8).clone()
+
+
+def run_gqa_case(case: GQACase, backend: str, device="cpu", fn=None) -> dict:
+    """Run the case on ``backend``; every byte it could have touched (CPU uint8 tensors by name)."""
+    kw, storages, inputs, q_buf = build(case, device)
+    call = kvfuse.fused_qk_norm_rope_store_kv if fn is None else fn
+    with kvfuse.use_backend(backend):
+        result = call(**kw)
+    if case.inplace:
+        assert result is kw["q"]
+    elif not case.q_out_none:
+        assert result is kw["q_out"]
+    out = {f"cache_storage{i}": _bytes(s) for i, s in enumerate(storages)}
+    out.update({f"input{i}": _bytes(t) for i, t in enumerate(inputs)})
+    out["q_out"] = _bytes(result) if q_buf is None else _bytes(q_buf)
+    return out
+
+
+def diff_report(a: dict, b: dict) -> str:
+    """'' when every buffer is byte-equal, else which differ and where first."""
+    bad = []
+    for name in a:
+        x, y = a[name], b[name]
+        if x.shape != y.shape:
+            bad.append(f"{name}: {x.numel()} vs {y.numel()} bytes")
+        elif not torch.equal(x, y):
+            idx = (x != y).nonzero().flatten()
+            bad.append(f"{name}: {idx.numel()} bytes differ, first at {int(idx[0])}")
+    return "; ".join(bad)

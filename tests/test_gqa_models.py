@@ -1,0 +1,121 @@
+"""kvfuse.models' GQA / MHA configurations (GQAConfig, SPEC §11): the facts of each model, its source,
+frozen, reachable by name; split_qkv gives views; Gemma's (1 + w) maps exactly onto an fp32 weight;
+store_kv is one call of the public function. The MLA configurations are unchanged (tests/test_models.py)."""
+import dataclasses
+
+import pytest
+import torch
+
+import kvfuse
+from kvfuse import models as M
+from gqa_cases import GQACase, build
+
+FACTS = {  # name: (Q heads, KV heads, head_dim, QK-norm, eps, norm weight offset, rope_theta)
+    "llama-3-8b": (32, 8, 128, False, 1e-5, 0.0, 500000.0),
+    "llama-3-70b": (64, 8, 128, False, 1e-5, 0.0, 500000.0),
+    "qwen3-8b": (32, 8, 128, True, 1e-6, 0.0, 1e6),
+    "qwen3-32b": (64, 8, 128, True, 1e-6, 0.0, 1e6),
+    "gemma-3-12b": (16, 8, 256, True, 1e-6, 1.0, 1e6),
+}
+
+
+@pytest.mark.parametrize("name", list(FACTS))
+def test_facts_and_source(name):
+    cfg = M.get_gqa(name)
+    hq, hkv, d, qk, eps, off, theta = FACTS[name]
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.qk_norm, cfg.norm_eps, cfg.norm_weight_offset,
+            cfg.rope_theta) == (hq, hkv, d, qk, eps, off, theta)
+    assert cfg.rope_is_neox and cfg.rotary_dim == d          # HF rotate_half: NEOX over the whole head
+    assert "modeling_" in cfg.source and "config" in cfg.source
+    assert cfg.qkv_width == (hq + 2 * hkv) * d and cfg.kv_bytes_per_token(1) * 2 == cfg.kv_bytes_per_token(2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.num_heads = 1
+
+
+def test_lookup():
+    assert M.gqa_names() == list(FACTS) and M.get_gqa(" Qwen3-8B ") is M.QWEN3_8B
+    with pytest.raises(ValueError, match="unknown GQA model configuration 'llama-2'"):
+        M.get_gqa("llama-2")
+    with pytest.raises(TypeError, match="name must be a str"):
+        M.get_gqa(3)
+    assert not set(M.GQA_MODELS) & set(M.MODELS)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        dataclasses.replace(M.LLAMA3_8B, num_heads=12, num_kv_heads=8)
+
+
+def test_split_qkv_views():
+    cfg = M.QWEN3_8B
+    qkv = torch.zeros(3, cfg.qkv_width, dtype=torch.bfloat16)
+    q, k, v = cfg.split_qkv(qkv)
+    assert q.shape == (3, 32, 128) and k.shape == v.shape == (3, 8, 128)
+    assert q.data_ptr() == qkv.data_ptr() and v.data_ptr() == qkv.data_ptr() + 2 * 40 * 128
+    assert q.stride() == (cfg.qkv_width, 128, 1)
+
+
+def test_norm_args():
+    w = (0.3 * torch.randn(256, generator=torch.Generator().manual_seed(0))).to(torch.bfloat16)
+    gemma = M.GEMMA3_12B.norm_args(w)
+    assert gemma.weight.dtype == torch.float32 and torch.equal(gemma.weight, 1.0 + w.float())   # Gemma3RMSNorm's sum
+    assert gemma.eps == 1e-6 and gemma.kind == "rms"
+    assert M.QWEN3_8B.norm_args(w[:128]).weight is not None and M.LLAMA3_8B.norm_args(None) is None
+    with pytest.raises(ValueError, match="weight is needed"):
+        M.QWEN3_8B.norm_args(None)
+    rope = M.QWEN3_8B.rope_args(torch.arange(2), M.QWEN3_8B.cos_sin_cache(4))
+    assert (rope.rotary_dim, rope.is_neox, rope.offset) == (128, True, 0)
+
+
+def test_gemma_weight_is_applied_as_the_model_does():
+    """kvfuse's RMSNorm with the fp32 weight 1 + w equals bf16((x * rstd) * (1 + w)) with the same rstd:
+    the product by Gemma's fp32 (1 + w), rounded once (Gemma3RMSNorm's order)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 2, 256, generator=g).to(torch.bfloat16)
+    w = (0.3 * torch.randn(256, generator=g)).to(torch.bfloat16)
+    args = M.GEMMA3_12B.norm_args(w)
+    got = kvfuse.reference.rmsnorm(x, args.weight, args.eps)
+    xf = x.float()
+    ss = kvfuse.reference.pairwise_sum(xf * xf)
+    den = torch.sqrt((ss / 256 + torch.tensor(1e-6, dtype=torch.float32)).double()).float()
+    rstd = (1.0 / den)[..., None]
+    assert torch.equal(got, ((xf * rstd) * (1.0 + w.float())).to(torch.bfloat16))
+
+
+def test_store_kv_is_one_call():
+    """GQAConfig.store_kv on a packed projection equals the public function on its views (a small
+    config with Qwen3's per-head norm and RoPE, so that the CPU test stays fast)."""
+    cfg = dataclasses.replace(M.QWEN3_8B, num_heads=4, num_kv_heads=2)
+    case = GQACase(fp8=True, layout="HND", seed=50)
+    kw1, storages1, inputs1, _ = build(case)
+    kw2, storages2, inputs2, _ = build(case)
+    qkv = inputs2[0][:, :cfg.qkv_width]
+    rope = kw1["rope_args"]
+    q_out = cfg.store_kv(qkv, kw2["k_cache"], kw2["v_cache"], kw2["slot_mapping"], rope.positions,
+                         rope.cos_sin_cache, kw1["q_norm_args"].weight, kw1["k_norm_args"].weight,
+                         kw2["k_scale"], kw2["v_scale"], layout="HND")
+    kw1["q_norm_args"] = kvfuse.NormArgs(kw1["q_norm_args"].weight, 1e-6)
+    kw1["k_norm_args"] = kvfuse.NormArgs(kw1["k_norm_args"].weight, 1e-6)
+    want = kvfuse.fused_qk_norm_rope_store_kv(**kw1)
+    assert torch.equal(q_out.view(torch.int16), want.view(torch.int16))
+    for a, b in zip(storages1, storages2):
+        assert torch.equal(a, b)
+
+
+def test_readme_gqa_snippet_runs():
+    """README's GQA snippet runs with the names it leaves to the caller defined, and writes what it says."""
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.search(r"GQA / MHA models \(Llama.*?```python\n(.*?)```", text, re.S).group(1)
+    cfg = M.QWEN3_8B
+    n, num_blocks = 3, 2
+    g = torch.Generator().manual_seed(5)
+    ns = dict(torch=torch, kvfuse=kvfuse, device="cpu", num_blocks=num_blocks,
+              qkv=torch.randn(n, cfg.qkv_width, generator=g).to(torch.bfloat16),
+              slot_mapping=torch.tensor([5, -1, 30]), positions=torch.tensor([0, 7, 9]),
+              q_norm_weight=torch.ones(128, dtype=torch.bfloat16), k_norm_weight=torch.ones(128, dtype=torch.bfloat16),
+              cos_sin_cache=cfg.cos_sin_cache(16), k_scale=torch.tensor([0.05]), v_scale=torch.tensor([0.05]))
+    q_before = ns["qkv"][:, :32 * 128].clone()
+    exec(compile(block, "README.md (GQA)", "exec"), ns)
+    assert ns["q"].shape == (n, 32, 128) and ns["q"].data_ptr() == ns["qkv"].data_ptr()      # in place
+    assert not torch.equal(ns["qkv"][:, :32 * 128], q_before)
+    kc = ns["k_cache"].view(torch.uint8)
+    assert kc[0, 5].any() and kc[1, 14].any() and not kc[0, :5].any()                      # slots 5 and 30
