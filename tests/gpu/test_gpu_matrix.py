@@ -6,6 +6,8 @@ through the direct launcher) and both results are compared byte for byte with th
 GPU over whole poisoned storages. Run with KVFUSE_TEST_GPU=1 on a CUDA machine:
 
     KVFUSE_TEST_GPU=1 python3 -m pytest -q tests/gpu/test_gpu_matrix.py
+
+KVFUSE_MATRIX_SLICE="a:b" runs cases a..b-1 only (Python slice syntax), to split the matrix over calls.
 """
 import json
 import os
@@ -20,6 +22,8 @@ from kernel_cases import diff_bytes, diff_report, run_case
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or kvfuse.backend.interpreter_enabled(),
                                 reason="needs CUDA and compiled kernels (KVFUSE_TEST_GPU=1)")
 MATRIX = matrix() if torch.cuda.is_available() else []
+if os.environ.get("KVFUSE_MATRIX_SLICE"):
+    MATRIX = MATRIX[slice(*(int(v) if v else None for v in os.environ["KVFUSE_MATRIX_SLICE"].split(":")))]
 SUMMARY = {"cases": 0, "runs": 0, "byte_diffs": 0, "failed": []}
 
 

@@ -103,24 +103,39 @@ def _pdl_call(case, graph: bool):
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("side_stream", [False, True], ids=["current stream", "side stream"])
 @pytest.mark.parametrize("label,case", CASES, ids=[label for label, _ in CASES])
-def test_pdl_call_waits_for_the_producer(label, case, graph):
+def test_pdl_call_waits_for_the_producer(label, case, graph, side_stream):
     ref = run_case(case, "reference", "cuda")
-    got = _pdl_call(case, graph)
+    if side_stream:
+        with torch.cuda.stream(torch.cuda.Stream()):
+            got = _pdl_call(case, graph)
+    else:
+        got = _pdl_call(case, graph)
     assert diff_bytes(ref, got) == 0, label + " :: " + diff_report(ref, got)
+
+
+def _stale_reads(side_stream: bool, producer_pdl: bool) -> bool:
+    """Whether a copy of x launched with PDL but without griddepcontrol.wait, right after the late
+    writer, still sees the NaN."""
+    src = torch.randn(1 << 16, device="cuda")
+    x = torch.full_like(src, float("nan"))
+    seen = torch.empty_like(src)
+    stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    with torch.cuda.stream(stream):
+        _late_writer[(PRODUCER_CTAS,)](src, x, src.numel(), SPIN_NS, BLOCK=1024, launch_pdl=producer_pdl)
+        _copy_without_wait[(64,)](x, seen, x.numel(), BLOCK=1024, launch_pdl=True)
+    torch.cuda.synchronize()
+    assert torch.equal(x, src)                              # the producer did write x
+    return bool(torch.isnan(seen).any())
 
 
 def test_negative_control_a_consumer_without_the_wait_reads_stale_x():
     """The setup can fail: launched with PDL but without griddepcontrol.wait, a copy of x made during
-    the producer's spin still holds the NaN."""
-    src = torch.randn(1 << 16, device="cuda")
-    x = torch.full_like(src, float("nan"))
-    seen = torch.empty_like(src)
-    _late_write(src, x)
-    _copy_without_wait[(64,)](x, seen, x.numel(), BLOCK=1024, launch_pdl=True)
-    torch.cuda.synchronize()
-    assert torch.equal(x, src)                              # the producer did write x
-    assert torch.isnan(seen).any(), "the consumer never overlapped the producer: this test proves nothing"
+    the producer's spin still holds the NaN (on a side stream; the settings that overlap are printed)."""
+    overlapped = {(side, pdl): _stale_reads(side, pdl) for side in (False, True) for pdl in (False, True)}
+    print("stale reads (side stream, producer launched with PDL):", overlapped)
+    assert any(overlapped.values()), f"the consumer never overlapped the producer: {overlapped}"
 
 
 def test_cases_cover_every_fast_path_and_both_portable_programs():
