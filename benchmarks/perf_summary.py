@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LATEST = ROOT / "benchmarks" / "results" / "2026-12-01_h200_models_bench.json"
+LATEST = ROOT / "benchmarks" / "results" / "2026-12-01_h200_models_paged_bench.json"
 BEGIN, END = "<!-- perf-summary:begin (benchmarks/perf_summary.py) -->", "<!-- perf-summary:end -->"
 # (model call, its workload, the NEOX-on-the-tail preset it is compared with)
 ROWS = (
