@@ -10,8 +10,8 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 t0=$(date +%s)
-KVFUSE_TEST_GPU=1 timeout -s INT "${1:-400}" python3 -m pytest -q -rf -p no:cacheprovider tests/gpu/test_gpu_matrix.py \
-  tests/gpu/test_gpu_read_and_alloc.py tests/gpu/test_gpu_gqa.py \
+KVFUSE_TEST_GPU=1 timeout -s INT "${1:-560}" python3 -m pytest -q -rf -p no:cacheprovider tests/gpu/test_gpu_matrix.py \
+  tests/gpu/test_gpu_read_and_alloc.py tests/gpu/test_gpu_gqa.py tests/gpu/test_gpu_pdl.py \
   > "$OUT/gpu_matrix.log" 2>&1
 echo "gpu matrix rc=$? in $(( $(date +%s) - t0 )) s"
 grep -E "GPU matrix summary|GQA GPU summary|passed|failed" "$OUT/gpu_matrix.log" | cut -c1-400 | tail -n 8

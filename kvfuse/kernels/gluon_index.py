@@ -107,9 +107,9 @@ switch existed (40 variants, offline). Checked on the H200 by benchmarks/gluon_c
 
 The module imports without a GPU and under any Triton; ``available()`` says whether this path can
 run (Triton 3.6's Gluon API and a CUDA device); ``enabled()``: on there unless KVFUSE_GLUON=0 or
-KVFUSE_GLUON_SKIP names "index". Proven byte-equal on the H200 (27 of 27 whole-storage comparisons
-for FP8_FP32 / MXFP4 / NVFP4, plus MXFP8 in the memcheck cases, 0 memcheck errors; see
-docs/performance.md).
+KVFUSE_GLUON_SKIP names "index". Proven byte-equal on the H200: every launch-table entry with each chain it serves
+(the NEOX preset, DeepSeek V3.2's and V4's indexer K and Q) in tests/gpu/test_gpu_matrix.py; see
+docs/performance.md.
 """
 from __future__ import annotations
 
