@@ -55,8 +55,10 @@ def test_summary_renders_old_and_new_result_files():
     """Files written before the input regimes render as before ("random slots"); new files say which
     slots and regime they measured."""
     ps = _module()
-    old = ps.render(json.loads(ps.LATEST.read_text()))
-    assert "median, random slots)" in old
+    old_file = ps.ROOT / "benchmarks" / "results" / "2026-12-01_h200_models_bench.json"   # before the regimes
+    assert "median, random slots)" in ps.render(json.loads(old_file.read_text()))
+    latest = ps.render(json.loads(ps.LATEST.read_text()))
+    assert "median, paged slots, decode inputs for n <= 256 and prefill inputs above)" in latest
     new = ps.render(_new_style_report())
     assert "median, paged slots, decode inputs for n <= 256 and prefill inputs above)" in new
     assert f"| DeepSeek V4 main cache (MAIN_FP8, GPT-J) | {1.5 + 1e-3:.2f} / {1.5 + 4.096:.2f} |" in new
