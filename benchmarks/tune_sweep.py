@@ -8,6 +8,7 @@ import json
 import torch
 
 from kvfuse import bench
+from kvfuse.kernels import qkv
 from kvfuse.kernels.fused import force_config, launch_config, next_pow2
 
 WORKLOADS = ("main_fp8", "main_fp4", "flashmla_v32", "flashmla_model1", "index_mxfp4", "index_fp8_fp32",
@@ -17,7 +18,11 @@ SIZES = (1, 256, 65536, 262144)
 
 def configs(name, n, sweep_vec=False):
     """Small n: few rows, several warps; large n: one warp, more rows (earlier sweeps). BLOCK_M 1
-    also switches the kernel to its EARLY load order (kvfuse.kernels.fused.fused_args)."""
+    also switches the kernel to its EARLY load order (kvfuse.kernels.fused.fused_args). GQA
+    workloads (kvfuse.kernels.qkv; BLOCK_M = tokens of one head a program): every BLOCK_M up to 32
+    with 1-8 warps."""
+    if bench.WORKLOADS[name].kind == "gqa":
+        return [(bm, nw, None) for bm in (1, 2, 4, 8, 16, 32) for nw in (1, 2, 4, 8)]
     vecs = (4, 8) if name == "main_fp8" and sweep_vec else (None,)
     if n <= 512:
         grid = [(bm, nw) for bm in (1, 2) for nw in (1, 2, 4)]
@@ -74,7 +79,11 @@ def main():
             mine = [r for r in rows if r["workload"] == name and r["n"] == n]
             print(f"{name:16s} n={n:7d} " + "  ".join(f"({r['bm']},{r['nw']}) {r['us']:.2f}" for r in mine), flush=True)
             best = min(mine, key=lambda r: r["us"])
-            dflt = launch_config(rows_n, wl.head_dim, block_d, False, wl.cast_args.cast_fmt if wl.cast_args else None)
+            if wl.kind == "gqa":
+                dflt = qkv.launch_config(n, block_d, False)
+            else:
+                dflt = launch_config(rows_n, wl.head_dim, block_d, False,
+                                     wl.cast_args.cast_fmt if wl.cast_args else None)
             cur = [r["us"] for r in mine if (r["bm"], r["nw"]) == dflt and r["vec"] in (None, 4)]
             print(f"{name:16s} n={n:7d} best bm={best['bm']} nw={best['nw']} vec={best['vec']} {best['us']:8.2f} us "
                   f"{best['pct']:5.1f}% copy | default {dflt}: {cur[0] if cur else float('nan'):8.2f} us", flush=True)

@@ -91,9 +91,10 @@ def _plan(case):
 
 def test_launch_table_shapes():
     """The GPU launch table (tests/gpu/test_gpu_gqa.py runs every entry): one token per one-warp program
-    at decode sizes, then ~1K-element programs."""
-    for block_d, multi in ((64, 16), (128, 8), (256, 4)):
+    at n = 1, then ~256-element one-warp programs."""
+    for block_d, multi in ((64, 4), (128, 2), (256, 1)):
         table = qkv.launch_table(block_d)
-        assert table == ((1, (1, 1)), (65, (multi, 1)))
-        assert qkv.launch_config(64, block_d, interpret=False) == (1, 1)
-        assert qkv.launch_config(65, block_d, interpret=False) == (multi, 1)
+        assert table == ((1, (1, 1)), (2, (multi, 1)))
+        assert qkv.launch_config(1, block_d, interpret=False) == (1, 1)
+        assert qkv.launch_config(2, block_d, interpret=False) == (multi, 1)
+        assert qkv.launch_config(65536, block_d, interpret=False) == (multi, 1)
