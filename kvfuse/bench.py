@@ -114,6 +114,7 @@ class Workload:
     norm_kind: str = "rms"               # "rms" | "layer" (LayerNorm, with a bias when norm_bias)
     norm_bias: bool = False
     hadamard: bool = False               # the orthonormal Hadamard (scale head_dim ** -0.5) after RoPE
+    rope: bool = True                    # False: no RoPE (with norm=False: the cast alone)
     gqa: Optional[GQAConfig] = None      # kind "gqa": the model
     cache_fp8: bool = False              # kind "gqa": float8_e4m3fn caches with per-tensor scales (else bf16)
 
@@ -151,6 +152,8 @@ WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
     _write("index_mxfp4", INDEX_MXFP4, "indexer K 128"),
     _write("index_nvfp4", INDEX_NVFP4, "indexer K 128"),
     _write("index_fp8_fp32", INDEX_FP8_FP32, "indexer K 128"),
+    Workload("main_fp8_cast", "write", 512, MAIN_FP8, norm=False, rope=False,
+             description="the MAIN_FP8 cast alone (no norm, no RoPE: the CP second pass, store_gathered)"),
     _write("main_fp8_gptj", MAIN_FP8, "main KV 512", is_neox=False),
     _write("main_fp4_gptj", MAIN_FP4, "main KV 512", is_neox=False),
     _write("flashmla_v32_gptj", FLASHMLA_V32, "FlashMLA V3.2 KV 576", is_neox=False),
@@ -222,8 +225,9 @@ def moved_bytes(wl: Workload, n: int, index_bytes: int = 4, cos_sin_bytes: int =
     b = {"x": rows * wl.head_dim * 2}
     if wl.norm:
         b["norm_weight"] = wl.head_dim * weight_bytes * (2 if wl.norm_bias else 1)
-    b["cos_sin"] = cos_sin_rows * wl.rotary_dim * cos_sin_bytes
-    b["positions"] = tokens * index_bytes
+    if wl.rope:
+        b["cos_sin"] = cos_sin_rows * wl.rotary_dim * cos_sin_bytes
+        b["positions"] = tokens * index_bytes
     if wl.kind == "write":
         b["slots"] = n * (index_bytes if slot_bytes is None else slot_bytes)
         b["cache_data"] = rows * wl.fmt.quant_bytes
@@ -540,7 +544,7 @@ def fused_call(wl: Workload, inp: Inputs) -> Callable[[], None]:
     if wl.kind == "gqa":
         return _gqa_call(wl, inp)
     norm = NormArgs(inp.weight, EPS, inp.bias, wl.norm_kind) if wl.norm else None
-    rope = RopeArgs(inp.positions, inp.cos_sin, wl.rotary_dim, wl.is_neox, wl.rope_offset)
+    rope = RopeArgs(inp.positions, inp.cos_sin, wl.rotary_dim, wl.is_neox, wl.rope_offset) if wl.rope else None
     had = wl.hadamard_args
     if wl.kind == "write":
         out = KVCacheOutArgs(inp.cache, inp.slots, layout=wl.fmt)
@@ -607,9 +611,12 @@ def _stage_chain(wl: Workload, inp: Inputs) -> Callable[[], None]:
                                           out_args=ContiguousOutArgs(out=inp.norm_buf))))
         src = inp.norm_buf
     roped = inp.out if wl.kind == "q_pre" else inp.rope_buf
-    steps.append((fused, (src,), dict(rope_args=RopeArgs(inp.positions, inp.cos_sin, wl.rotary_dim, wl.is_neox,
-                                                         wl.rope_offset),
-                                      out_args=ContiguousOutArgs(out=roped))))
+    if wl.rope:
+        steps.append((fused, (src,), dict(rope_args=RopeArgs(inp.positions, inp.cos_sin, wl.rotary_dim, wl.is_neox,
+                                                             wl.rope_offset),
+                                          out_args=ContiguousOutArgs(out=roped))))
+    else:
+        roped = src                      # the cast reads the norm's output, or x itself
     if wl.hadamard:
         steps.append((fused, (roped,), dict(hadamard_args=wl.hadamard_args, out_args=ContiguousOutArgs(out=roped))))
     if wl.kind != "q_pre":
@@ -655,7 +662,9 @@ def make_chain(wl: Workload) -> Callable:
         return gqa_chain
 
     def transform(x, weight, bias, positions, cos_sin):
-        y = reference.rope(reference.norm(x, weight, EPS, wl.norm_kind, bias), positions, cos_sin, rd, neox, off)
+        y = reference.norm(x, weight, EPS, wl.norm_kind, bias) if wl.norm else x
+        if wl.rope:
+            y = reference.rope(y, positions, cos_sin, rd, neox, off)
         return y if had is None else reference.hadamard(y, had)
     if wl.kind == "write":
         qd = fmt.quant_dim

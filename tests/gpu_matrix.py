@@ -126,6 +126,8 @@ def fast_cases() -> list:
                                                formats.INDEX_NVFP4, INDEX_FP8_UE8M0_FP32], FAST_INDEX_WRITE)):
         table = module.LAUNCH_TABLE
         variants = INDEX_CHAINS if module is gluon_index else [dict(neox=neox) for neox in styles]
+        if module in (gluon_main_fp8, gluon_main_fp4):
+            variants = variants + [dict(norm=False, rope=False)]           # the cast alone (CAST_ONLY)
         for i, variant in itertools.product(range(len(table)), variants):
             for k, fmt in enumerate(fmts):
                 seed += 1

@@ -33,6 +33,25 @@ def test_the_main_fp8_chain_is_eligible():
     assert G.eligible(plan_of(main_case(neox=False)))                    # GPT-J on the tail (DeepSeek)
 
 
+def test_the_cast_alone_is_eligible():
+    """No norm and no RoPE (kvfuse.mla.store_gathered, the CP second pass): the kernel's CAST_ONLY
+    variant, whose stand-in pointers (x) are never read; MAIN_FP4 the same."""
+    from kvfuse.kernels import gluon_main_fp4
+    from kvfuse.kernels.launcher import tensor_arg
+    plan = plan_of(main_case(norm=False, rope=False))
+    assert G.eligible(plan)
+    x = plan.x[:, 0, :]
+    _, args, constexprs, _ = G.launch_parts_records(G.RECORDS, tensor_arg, 5, plan.eps, x, None, None, None,
+                                                    plan.slot_mapping, plan.kv_cache, 1, 1, False, ctas_per_sm=1,
+                                                    sm_count=1)
+    assert constexprs["CAST_ONLY"] and not constexprs["FP4"]
+    numbers = [a for a in args if not hasattr(a, "field")]
+    assert numbers[2:5] == [0, 0, 0]          # s_pos, s_cs, P: nothing about positions or cos/sin is read
+    assert gluon_main_fp4.eligible(plan_of(main_case(norm=False, rope=False, fmt=kvfuse.formats.MAIN_FP4)))
+    for change in (dict(hadamard=True), dict(out_stage="transform"), dict(heads=2)):
+        assert not G.eligible(plan_of(main_case(norm=False, rope=False, **change))), change
+
+
 @pytest.mark.parametrize("change", [
     dict(out_stage="transform"), dict(out_stage="cast_back"), dict(out_stage="norm"),   # a stage copy
     dict(conjugate=True), dict(rotary_dim=32), dict(rope=False), dict(norm=False), dict(norm_kind="layer"),

@@ -24,8 +24,9 @@ def test_every_launch_table_entry_has_a_case(built):
 
 
 def test_every_fast_path_entry_runs_each_chain_it_serves(built):
-    """Every entry of every fast path runs both RoPE styles; the indexer's also RoPE at offset 0 and on
-    the tail, LayerNorm (with a bias) and RMSNorm, with and without the Hadamard, and every format."""
+    """Every entry of every fast path runs both RoPE styles; the MAIN paths' also the cast alone; the
+    indexer's also RoPE at offset 0 and on the tail, LayerNorm (with a bias) and RMSNorm, with and
+    without the Hadamard, and every format."""
     fast, _, _ = built
     seen = collections.defaultdict(lambda: collections.defaultdict(set))
     for c in fast:
@@ -36,11 +37,14 @@ def test_every_fast_path_entry_runs_each_chain_it_serves(built):
             got["norm"].add((c.norm_kind, c.bias))
             got["hadamard"].add(c.hadamard)
             got["format"].add(c.fmt.name)
+            got["cast_only"].add(not c.norm and not c.rope)
     for module in fused.FAST_PATH_MODULES:
         name = module.__name__.rsplit(".", 1)[1]
         for i in range(len(module.LAUNCH_TABLE)):
             got = seen[f"{name} entry {i}"]
             assert got["neox"] == {True, False}, (name, i, got["neox"])
+            if name in ("gluon_main_fp8", "gluon_main_fp4"):
+                assert got["cast_only"] == {False, True}, (name, i)
             if name == "gluon_index":
                 assert got["offset"] == {None, 0} and got["hadamard"] == {False, True}, (i, got)
                 assert got["norm"] == {("rms", False), ("layer", True), ("layer", False)}, (i, got["norm"])

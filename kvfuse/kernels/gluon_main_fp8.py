@@ -96,6 +96,27 @@ if gluon is not None:
         return cs.to(gl.float32)
 
     @gluon.jit
+    def _indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32: gl.constexpr, CAST_ONLY: gl.constexpr):
+        """(positions, slots) of the rows [R]; CAST_ONLY: the slots only (pos_ptr is a stand-in, never
+        read; the returned positions are the slots, a placeholder)."""
+        if CAST_ONLY:
+            slot = gl.load(slot_ptr + as_offset(rows, OFFSETS32) * s_slot, mask=rows < n_rows, other=-1)
+            pos = slot
+        else:
+            pos, slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
+        return pos, slot
+
+    @gluon.jit
+    def _tile_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, cs_col, xp, LPLANE: gl.constexpr, OFFSETS32: gl.constexpr,
+                      CAST_ONLY: gl.constexpr):
+        """``_load_cos_sin``; CAST_ONLY: nothing loaded (xp, of the same shape, is the placeholder)."""
+        if CAST_ONLY:
+            cs = xp
+        else:
+            cs = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, cs_col, LPLANE, OFFSETS32)
+        return cs
+
+    @gluon.jit
     def norm_rope(xw, xp, cs, pok, w_lo, w_hi, w_pair, eps, tail_buf, tail_lane, merge_sel,
                   R: gl.constexpr, LLANE: gl.constexpr, LPLANE: gl.constexpr, LW: gl.constexpr, NEOX: gl.constexpr):
         """RMSNorm -> RoPE of one tile of R rows whose loads are done: y as bf16 pairs [R, 8, 4, 8] in LW
@@ -174,13 +195,16 @@ if gluon is not None:
                     cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel, qword,
                     R: gl.constexpr, LLANE: gl.constexpr, LPLANE: gl.constexpr, LQ: gl.constexpr,
                     LW: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, OFFSETS32: gl.constexpr,
-                    FP4: gl.constexpr, NEOX: gl.constexpr):
+                    FP4: gl.constexpr, NEOX: gl.constexpr, CAST_ONLY: gl.constexpr):
         """RMSNorm -> RoPE -> the cast -> the records of one tile of R rows whose loads are done: MAIN_FP8's
-        (UE8M0/e4m3), or with FP4 MAIN_FP4's (gluon_main_fp4: NVFP4)."""
+        (UE8M0/e4m3), or with FP4 MAIN_FP4's (gluon_main_fp4: NVFP4). CAST_ONLY: the cast of x itself."""
         rmask = rows < n_rows
-        pok = rmask & (pos >= 0) & (pos < P)
-        yw = norm_rope(xw, xp, cs, pok, w_lo, w_hi, w_pair, eps, tail_buf, tail_lane, merge_sel, R, LLANE, LPLANE, LW,
-                       NEOX)
+        if CAST_ONLY:
+            yw = xw
+        else:
+            pok = rmask & (pos >= 0) & (pos < P)
+            yw = norm_rope(xw, xp, cs, pok, w_lo, w_hi, w_pair, eps, tail_buf, tail_lane, merge_sel, R, LLANE, LPLANE,
+                           LW, NEOX)
         if FP4:
             gluon_main_fp4._quantize_store(yw, rmask, slot, capacity, cache_ptr, s_blk, tok_stride, block_size, lane,
                                            R, LLANE, SLOT32, LOG2_BLOCK, OFFSETS32)
@@ -198,7 +222,7 @@ if gluon is not None:
         n_rows,
         W_BF16: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, ROWS_PER_WARP: gl.constexpr,
         PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr, FP4: gl.constexpr, NEOX: gl.constexpr,
-        PDL: gl.constexpr,
+        CAST_ONLY: gl.constexpr, PDL: gl.constexpr,
     ):
         """A program walks over the tiles pid, pid + num_programs, ... (R = ROWS_PER_WARP * num_warps
         rows each; warp w owns rows w * ROWS_PER_WARP ..). LOG2_BLOCK: log2(block_size) when it is a
@@ -206,7 +230,9 @@ if gluon is not None:
         tile t's stores) while tile t computes, instead of loading each tile at its start.
         OFFSETS32: every x, index, cos/sin and cache offset of the launch is below 2**31 (host).
         FP4: write MAIN_FP4 records instead (gluon_main_fp4 launches this kernel so). NEOX: the RoPE
-        pairs (448 + j, 480 + j), else GPT-J's (448 + 2 j, 449 + 2 j)."""
+        pairs (448 + j, 480 + j), else GPT-J's (448 + 2 j, 449 + 2 j). CAST_ONLY: no norm and no RoPE (the
+        cast of x: kvfuse.mla.store_gathered, the CP second pass); w_ptr, pos_ptr and cs_ptr are stand-ins
+        (x), never read."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = ROWS_PER_WARP * NW
         # words [R, 8, 4, 8]: lane l = 4 * d1 + d2 owns the 8 int32 words (bf16 columns 16 l .. 16 l + 15)
@@ -240,14 +266,20 @@ if gluon is not None:
             pair_col = 2 * gl.expand_dims(lane_p, 3) + half4            # x columns 448 + 2 j, 449 + 2 j
         merge_sel = gl.where((lane_p & 1) == 0, 0x5410, 0x3276)        # prmt: (own.lo, other.lo) / (other.hi, own.hi)
 
-        if W_BF16:
+        if CAST_ONLY:
+            w_lo = gl.zeros([1, 8, 4, 8], gl.float32, LW)             # not used
+            w_hi = w_lo
+        elif W_BF16:
             w_words = gl.load(w_ptr.to(gl.pointer_type(gl.int32)) + word)
             w_lo = lo_f32(w_words)
             w_hi = hi_f32(w_words)
         else:
             w_lo = gl.load(w_ptr + 2 * word)
             w_hi = gl.load(w_ptr + 2 * word + 1)
-        w_pair = gl.load(w_ptr + 448 + pair_col).to(gl.float32)         # [1, 8, 4, 2]
+        if CAST_ONLY:
+            w_pair = gl.zeros([1, 8, 4, 2], gl.float32, LP)
+        else:
+            w_pair = gl.load(w_ptr + 448 + pair_col).to(gl.float32)     # [1, 8, 4, 2]
         tail_buf = gl.allocate_shared_memory(gl.int32, [R, 32], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
         pdl_wait(PDL)                                                   # after the weight loads
@@ -256,19 +288,21 @@ if gluon is not None:
         num_tiles = gl.cdiv(n_rows, R)
         if PIPELINE:
             rows = pid * R + r_idx                                      # [R] int32 (n_rows < 2**31 - R: host)
-            pos, slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
+            pos, slot = _indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32, CAST_ONLY)
             xw, xp = _load_x(x_ptr, sx_w, rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
-            cs = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, cs_col, LPLANE, OFFSETS32)
+            cs = _tile_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, cs_col, xp, LPLANE, OFFSETS32, CAST_ONLY)
             for tile in range(pid, num_tiles, num_programs):
                 rows = tile * R + r_idx
                 next_rows = rows + num_programs * R
-                next_pos, next_slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, next_rows, n_rows, OFFSETS32)
+                next_pos, next_slot = _indices(pos_ptr, s_pos, slot_ptr, s_slot, next_rows, n_rows, OFFSETS32,
+                                               CAST_ONLY)
                 next_xw, next_xp = _load_x(x_ptr, sx_w, next_rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
                 _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
                             cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
-                            qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4, NEOX)
+                            qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4, NEOX, CAST_ONLY)
                 # the next positions arrived while this tile computed
-                cs = _load_cos_sin(cs_ptr, s_cs, P, next_pos, next_rows, n_rows, cs_col, LPLANE, OFFSETS32)
+                cs = _tile_cos_sin(cs_ptr, s_cs, P, next_pos, next_rows, n_rows, cs_col, next_xp, LPLANE, OFFSETS32,
+                                   CAST_ONLY)
                 pos = next_pos
                 slot = next_slot
                 xw = next_xw
@@ -276,12 +310,12 @@ if gluon is not None:
         else:
             for tile in range(pid, num_tiles, num_programs):
                 rows = tile * R + r_idx
-                pos, slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
+                pos, slot = _indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32, CAST_ONLY)
                 xw, xp = _load_x(x_ptr, sx_w, rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
-                cs = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, cs_col, LPLANE, OFFSETS32)
+                cs = _tile_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, cs_col, xp, LPLANE, OFFSETS32, CAST_ONLY)
                 _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
                             cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
-                            qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4, NEOX)
+                            qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4, NEOX, CAST_ONLY)
 
 
 # --------------------------------------------------------------------------- host side
@@ -363,15 +397,18 @@ def launch_parts_records(rec: MainRecords, tensor, n: int, eps: float, x, weight
     block_size = kv_cache.shape[1]
     capacity = kv_cache.shape[0] * block_size
     T = tensor
-    args = (T("x"), x.stride(0) // 2, T("weight"), float(eps), T("positions"), positions.stride(0), T("cos_sin"),
-            cos_sin.stride(0), cos_sin.shape[0], T("slot_mapping"), slot_mapping.stride(0),
+    cast_only = weight is None           # no norm, no RoPE (``eligible_records``): x stands in for them
+    s_pos, s_cs, table_rows = (0, 0, 0) if cast_only else (positions.stride(0), cos_sin.stride(0), cos_sin.shape[0])
+    args = (T("x"), x.stride(0) // 2, T("weight"), float(eps), T("positions"), s_pos, T("cos_sin"),
+            s_cs, table_rows, T("slot_mapping"), slot_mapping.stride(0),
             T("kv_cache"), kv_cache.stride(0), kv_cache.stride(1), block_size, capacity, n)
     # the largest offset each pointer is indexed with (rows up to one tile per program past n included)
-    spans = ((n + 2 ** 20) * x.stride(0), (n + 2 ** 20) * max(positions.stride(0), slot_mapping.stride(0)),
-             cos_sin.shape[0] * cos_sin.stride(0), kv_cache.shape[0] * kv_cache.stride(0) + rec.record_bytes)
-    constexprs = dict(W_BF16=weight.dtype == torch.bfloat16, SLOT32=capacity <= INT32_LIMIT,
+    spans = ((n + 2 ** 20) * x.stride(0), (n + 2 ** 20) * max(s_pos, slot_mapping.stride(0)),
+             table_rows * s_cs, kv_cache.shape[0] * kv_cache.stride(0) + rec.record_bytes)
+    constexprs = dict(W_BF16=cast_only or weight.dtype == torch.bfloat16, SLOT32=capacity <= INT32_LIMIT,
                       LOG2_BLOCK=log2_block(block_size), ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline),
-                      OFFSETS32=max(spans) < INT32_LIMIT, FP4=rec.fp4, NEOX=bool(neox), PDL=False)
+                      OFFSETS32=max(spans) < INT32_LIMIT, FP4=rec.fp4, NEOX=bool(neox), CAST_ONLY=cast_only,
+                      PDL=False)
     options = compile_options(num_warps)
     tiles = -(-n // (rows_per_warp * num_warps))
     tensors = dict(x=x, weight=weight, positions=positions, cos_sin=cos_sin, slot_mapping=slot_mapping,
@@ -390,16 +427,17 @@ def _launch_parts(tensor, n: int, eps: float, x, weight, positions, cos_sin, slo
 
 def eligible_records(rec: MainRecords, plan) -> bool:
     """Whether a validated kvfuse.plan.Plan is exactly the kernel's chain for ``rec``: RMSNorm, NEOX or
-    GPT-J RoPE on columns 448..511 (not conjugate), no Hadamard, ``rec.chain`` over all 512 columns, one
+    GPT-J RoPE on columns 448..511 (not conjugate), or neither (CAST_ONLY: x's own cast), no Hadamard, ``rec.chain`` over all 512 columns, one
     head, records laid out as ``rec``'s (token-interleaved, the codes then the scales at
     ``rec.sf_offset``), no stage copy, and the alignments the kernel reads and writes with (x rows
     and weight as 4-byte words; the cache pointer and strides multiples of ``rec.align``: the
     pointer's alignment is part of the plan-cache key; x's and the weight's are checked per call,
     ``call_guard``)."""
     x, cache, c, f, a = plan.x, plan.kv_cache, plan.cast, plan.fmt, plan.addressing
-    if cache is None or c is None or plan.weight is None or plan.positions is None or f is None or a is None:
+    if cache is None or c is None or f is None or a is None:
         return False
-    if plan.norm_kind != "rms":
+    cast_only = plan.weight is None and plan.positions is None       # the CAST_ONLY kernel: x's own cast
+    if not cast_only and (plan.weight is None or plan.positions is None or plan.norm_kind != "rms"):
         return False
     if plan.slot_mapping is None or plan.hadamard_scale is not None:
         return False
@@ -408,7 +446,7 @@ def eligible_records(rec: MainRecords, plan) -> bool:
     if x.dim() != 3 or x.shape[1:] != (1, HEAD_DIM) or x.stride(2) != 1 or x.stride(0) % 2 \
             or x.shape[0] >= INT32_LIMIT // 2:
         return False
-    if (plan.rotary_dim, plan.rope_offset, plan.conjugate) != (ROTARY_DIM, 448, False):
+    if not cast_only and (plan.rotary_dim, plan.rope_offset, plan.conjugate) != (ROTARY_DIM, 448, False):
         return False
     if (c.cast_fmt, c.group, c.sf_format) != rec.chain or c.floor_exp is not None or plan.quant_dim != HEAD_DIM:
         return False
@@ -422,6 +460,8 @@ def eligible_records(rec: MainRecords, plan) -> bool:
     k = rec.align
     if cache.stride(1) % k or cache.stride(0) % k or cache.data_ptr() % k:
         return False
+    if cast_only:
+        return True
     w, cs = plan.weight, plan.cos_sin
     return w.shape == (HEAD_DIM,) and w.stride(0) == 1 and cs.dim() == 2 and cs.shape[1] == ROTARY_DIM \
         and cs.shape[0] >= 1 and cs.stride(1) == 1
