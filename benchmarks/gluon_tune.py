@@ -26,7 +26,7 @@ import gluon_check_common as common  # noqa: E402
 from kvfuse import bench  # noqa: E402
 from kvfuse.kernels import gluon_index, gluon_main_fp4, gluon_main_fp8, gluon_mla_tail  # noqa: E402
 
-MODULES = {"main_fp8": gluon_main_fp8, "main_fp4": gluon_main_fp4, "flashmla_v32": gluon_mla_tail,
+MODULES = {"main_fp8": gluon_main_fp8, "main_fp8_cast": gluon_main_fp8, "main_fp4": gluon_main_fp4, "flashmla_v32": gluon_mla_tail,
            "flashmla_model1": gluon_mla_tail, "index_fp8_fp32": gluon_index, "index_mxfp4": gluon_index,
            "index_nvfp4": gluon_index, "index_q": gluon_index}
 SIZES = (1, 256, 4096, 65536, 262144)
