@@ -21,9 +21,8 @@ def configs(name, n, sweep_vec=False):
     also switches the kernel to its EARLY load order (kvfuse.kernels.fused.fused_args). GQA
     workloads (kvfuse.kernels.qkv; BLOCK_M = tokens of one head a program): every BLOCK_M up to 32
     with 1-8 warps."""
-    if bench.WORKLOADS[name].kind == "gqa":       # vec slot: "rows" = the HEAD_ROWS mode
-        per_head = [(bm, nw, None) for bm in (1, 2, 4, 8) for nw in (1, 2, 4)]
-        return per_head + [(bm, nw, "rows") for bm in (1, 2, 4) for nw in (1, 2, 4, 8)]
+    if bench.WORKLOADS[name].kind == "gqa":
+        return [(bm, nw, None) for bm in (1, 2, 4, 8, 16, 32) for nw in (1, 2, 4, 8)]
     vecs = (4, 8) if name == "main_fp8" and sweep_vec else (None,)
     if n <= 512:
         grid = [(bm, nw) for bm in (1, 2) for nw in (1, 2, 4)]
@@ -49,8 +48,8 @@ def main():
         wl = bench.WORKLOADS[name]
         block_d = next_pow2(wl.head_dim)
         for n in map(int, args.n.split(",")):
-            if n * wl.num_heads * wl.head_dim > 1 << 30:
-                continue                                   # x over 2 GiB
+            if n * wl.num_heads * wl.head_dim > 1 << 28:
+                continue                                   # x over 512 MiB
             inp = bench.build_inputs(wl, n, "cuda")
             call = bench.fused_call(wl, inp)
             want = None
@@ -64,8 +63,7 @@ def main():
             for bm, nw, vec in configs(name, rows_n, args.vec):
                 if bm * block_d > 16384:
                     continue
-                rows_mode = vec == "rows"
-                with force_config(bm, nw, None if rows_mode else vec), qkv.force_head_rows(rows_mode):
+                with force_config(bm, nw, vec):
                     us = timer.measure([call]).gpu_us
                     diff = None
                     if want is not None:
@@ -82,15 +80,11 @@ def main():
             print(f"{name:16s} n={n:7d} " + "  ".join(f"({r['bm']},{r['nw']}) {r['us']:.2f}" for r in mine), flush=True)
             best = min(mine, key=lambda r: r["us"])
             if wl.kind == "gqa":
-                bm_, nw_, rows_ = qkv.launch_config(n, block_d, False, heads=next_pow2(wl.gqa.num_heads))
-                dflt = (bm_, nw_, "rows" if rows_ else None)
+                dflt = qkv.launch_config(n, block_d, False)
             else:
                 dflt = launch_config(rows_n, wl.head_dim, block_d, False,
                                      wl.cast_args.cast_fmt if wl.cast_args else None)
-            if wl.kind == "gqa":
-                cur = [r["us"] for r in mine if (r["bm"], r["nw"], r["vec"]) == dflt]
-            else:
-                cur = [r["us"] for r in mine if (r["bm"], r["nw"]) == dflt and r["vec"] in (None, 4)]
+            cur = [r["us"] for r in mine if (r["bm"], r["nw"]) == dflt and r["vec"] in (None, 4)]
             print(f"{name:16s} n={n:7d} best bm={best['bm']} nw={best['nw']} vec={best['vec']} {best['us']:8.2f} us "
                   f"{best['pct']:5.1f}% copy | default {dflt}: {cur[0] if cur else float('nan'):8.2f} us", flush=True)
             torch.cuda.empty_cache()

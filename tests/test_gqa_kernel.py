@@ -91,33 +91,10 @@ def _plan(case):
 
 def test_launch_table_shapes():
     """The GPU launch table (tests/gpu/test_gpu_gqa.py runs every entry): one token per one-warp program
-    at n = 1, ~256-element one-warp programs of one head, then programs over every head of a kind
-    (HEAD_ROWS), their tokens capped so that a tile holds at most MAX_TILE elements."""
+    at n = 1, then ~256-element one-warp programs."""
     for block_d, multi in ((64, 4), (128, 2), (256, 1)):
         table = qkv.launch_table(block_d)
-        assert table == ((1, (1, 1, False)), (2, (multi, 1, False)), (qkv.HEAD_ROWS_FROM, qkv.HEAD_ROWS_CONFIG))
-        assert qkv.launch_config(1, block_d, interpret=False) == (1, 1, False)
-        assert qkv.launch_config(2, block_d, interpret=False) == (multi, 1, False)
-        bm, nw, rows = qkv.launch_config(65536, block_d, interpret=False, heads=32)
-        assert rows and (bm, nw) == (min(qkv.HEAD_ROWS_CONFIG[0], qkv.MAX_TILE // (32 * block_d)),
-                                     qkv.HEAD_ROWS_CONFIG[1])
-
-
-HEAD_ROWS_CASES = {
-    "nhd_fp8_inplace_gptj": GQACase(n=5, fp8=True, neox=False, inplace=True, seed=40),
-    "hnd_bf16_qk_norm": GQACase(n=3, layout="HND", seed=41),
-    "heads_3_1_d80": GQACase(n=4, d=80, hq=3, hkv=1, rotary_dim=40, fp8=True, seed=42),
-    "vllm_views_partial_rotary": GQACase(n=5, cache="vllm", rotary_dim=64, rope_offset=32, idx32=True, seed=43),
-}
-
-
-@pytest.mark.parametrize("block_m", [1, 2])
-@pytest.mark.parametrize("name", list(HEAD_ROWS_CASES))
-def test_head_rows_mode_writes_the_same_bytes(name, block_m):
-    """HEAD_ROWS programs (every head of a kind as rows of one tile; the GPU's launch table takes them
-    for large n) write the reference's bytes: forced here, with a partial last token block."""
-    case = HEAD_ROWS_CASES[name]
-    ref = run_gqa_case(case, "reference")
-    with fused.force_config(block_m=block_m), qkv.force_head_rows(True):
-        tri = run_gqa_case(case, "triton")
-    assert not diff_report(ref, tri), case.describe()
+        assert table == ((1, (1, 1)), (2, (multi, 1)))
+        assert qkv.launch_config(1, block_d, interpret=False) == (1, 1)
+        assert qkv.launch_config(2, block_d, interpret=False) == (multi, 1)
+        assert qkv.launch_config(65536, block_d, interpret=False) == (multi, 1)

@@ -18,9 +18,6 @@ so a row's bytes are those of SPEC §2 whatever BLOCK_M or the head. Addresses a
 """
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import torch
 import triton
 import triton.language as tl
@@ -31,7 +28,7 @@ from .fused import (INTERPRET, _force, _native, _normed, _positions, _rope1_load
 from .gluon_common import table_entry
 from .numerics import encode_e4m3, load_f32, round_bf16
 
-__all__ = ["qkv_kernel", "launch_table", "launch_config", "launch_args", "run", "force_head_rows", "INTERPRET"]
+__all__ = ["qkv_kernel", "launch_table", "launch_config", "launch_args", "run", "INTERPRET"]
 
 
 @triton.jit
@@ -101,60 +98,6 @@ def _store_record(c_ptr, addr, y, mask, scale_ptr, FP8: tl.constexpr, NATIVE: tl
         _store_bf16(c_ptr, addr, y, mask)
 
 
-@triton.jit
-def _q_part(q_ptr, sq_n, sq_h, qo_ptr, so_n, so_h, qw_ptr, q_eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, hq, rmask,
-            col, cmask, D: tl.constexpr, BLOCK_D: tl.constexpr, LOG2_BLOCK_D: tl.constexpr, VEC: tl.constexpr,
-            M: tl.constexpr, Q_NORM: tl.constexpr, QW_BF16: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
-            ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, CONJ: tl.constexpr, CS_BF16: tl.constexpr,
-            NATIVE: tl.constexpr):
-    """M rows (token tok, q head hq) [M]: norm -> RoPE -> bf16 into q_out."""
-    y = _qk_rows(q_ptr, tok * sq_n + hq * sq_h, qw_ptr, q_eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, rmask, col,
-                 cmask, D, BLOCK_D, LOG2_BLOCK_D, VEC, M, Q_NORM, QW_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ,
-                 CS_BF16, NATIVE)
-    if ROPE:
-        tl.debug_barrier()     # q_out may be q: every read of these rows (RoPE reloads them) comes first
-    _store_bf16(qo_ptr, (tok * so_n + hq * so_h)[:, None, None] + col[None, :, :], y,
-                rmask[:, None, None] & cmask[None, :, :])
-
-
-@triton.jit
-def _k_part(k_ptr, sk_n, sk_h, kw_ptr, k_eps, pos_ptr, s_pos, cs_ptr, s_cs, P, slot_ptr, s_slot,
-            kc_ptr, kc_blk, kc_tok, kc_head, ks_ptr, block_size, capacity, tok, hk, rmask, col, cmask,
-            D: tl.constexpr, BLOCK_D: tl.constexpr, LOG2_BLOCK_D: tl.constexpr, VEC: tl.constexpr,
-            M: tl.constexpr, K_NORM: tl.constexpr, KW_BF16: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
-            ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, CONJ: tl.constexpr, CS_BF16: tl.constexpr,
-            FP8: tl.constexpr, SLOT32: tl.constexpr, NATIVE: tl.constexpr):
-    """M rows (token tok, kv head hk) [M]: norm -> RoPE -> the K cache records of the tokens' slots."""
-    y = _qk_rows(k_ptr, tok * sk_n + hk * sk_h, kw_ptr, k_eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, rmask, col,
-                 cmask, D, BLOCK_D, LOG2_BLOCK_D, VEC, M, K_NORM, KW_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ,
-                 CS_BF16, NATIVE)
-    ok, base = _record_rows(slot_ptr, s_slot, tok, rmask, hk, kc_blk, kc_tok, kc_head, block_size, capacity,
-                            SLOT32)
-    _store_record(kc_ptr, base[:, None, None] + col[None, :, :], y, ok[:, None, None] & cmask[None, :, :], ks_ptr,
-                  FP8, NATIVE)
-
-
-@triton.jit
-def _v_part(v_ptr, sv_n, sv_h, slot_ptr, s_slot, vc_ptr, vc_blk, vc_tok, vc_head, vs_ptr, block_size, capacity,
-            tok, hv, rmask, DV: tl.constexpr, BLOCK_DV: tl.constexpr, VEC: tl.constexpr, FP8: tl.constexpr,
-            SLOT32: tl.constexpr, NATIVE: tl.constexpr):
-    """Rows (token tok, kv head hv): v copied (bf16 cache: its bits) or quantized into the V records."""
-    NVV: tl.constexpr = BLOCK_DV // VEC
-    colv = tl.arange(0, NVV)[:, None] * VEC + tl.arange(0, VEC)[None, :]       # [NVV, VEC]
-    vmask = colv < DV
-    src = (tok * sv_n + hv * sv_h)[:, None, None] + colv[None, :, :]
-    ok, base = _record_rows(slot_ptr, s_slot, tok, rmask, hv, vc_blk, vc_tok, vc_head, block_size, capacity,
-                            SLOT32)
-    dst = base[:, None, None] + colv[None, :, :]
-    okm = ok[:, None, None] & vmask[None, :, :]
-    if FP8:
-        vv = load_f32(v_ptr, src, okm, True)
-        _store_record(vc_ptr, dst, vv, okm, vs_ptr, FP8, NATIVE)
-    else:
-        bits = tl.load(v_ptr.to(tl.pointer_type(tl.uint16)) + src, mask=okm, other=0)
-        tl.store(vc_ptr.to(tl.pointer_type(tl.uint16)) + dst, bits, mask=okm)
-
-
 @triton.jit(do_not_specialize=["n", "P", "capacity"])
 def qkv_kernel(
     q_ptr, sq_n, sq_h,                      # q bf16 [n, HQ, D], stride(-1) == 1
@@ -173,117 +116,78 @@ def qkv_kernel(
     Q_NORM: tl.constexpr, QW_BF16: tl.constexpr, K_NORM: tl.constexpr, KW_BF16: tl.constexpr,
     ROPE: tl.constexpr, R: tl.constexpr, ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, CONJ: tl.constexpr,
     CS_BF16: tl.constexpr, FP8: tl.constexpr, SLOT32: tl.constexpr, NATIVE: tl.constexpr,
-    HEAD_ROWS: tl.constexpr, BHQ: tl.constexpr, BHKV: tl.constexpr,
 ):
-    """One program: BLOCK_M tokens of head h of [q heads | k heads | v heads] (see the module docstring).
-    HEAD_ROWS: instead, BLOCK_M tokens x every head of one kind (program_id(1): 0 q, 1 k, 2 v), the heads
-    as rows of one tile (BHQ / BHKV: HQ / HKV rounded up to a power of two); one program per token block
-    and kind."""
+    """One program: BLOCK_M tokens of head h of [q heads | k heads | v heads] (see the module docstring)."""
+    pid = tl.program_id(0)
+    heads = HQ + 2 * HKV
+    h = pid % heads
+    tok = (pid // heads).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = tok < n
     NV: tl.constexpr = BLOCK_D // VEC
     col = tl.arange(0, NV)[:, None] * VEC + tl.arange(0, VEC)[None, :]              # [NV, VEC]
     cmask = col < D
-    if HEAD_ROWS:
-        kind = tl.program_id(1)
-        t0 = tl.program_id(0).to(tl.int64) * BLOCK_M
-        # (each branch names its own row vectors: the q and kv tiles differ in shape)
-        if kind == 0:
-            rq = tl.arange(0, BLOCK_M * BHQ)
-            tokq = t0 + rq // BHQ
-            hq = (rq % BHQ).to(tl.int64)
-            _q_part(q_ptr, sq_n, sq_h, qo_ptr, so_n, so_h, qw_ptr, q_eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tokq, hq,
-                    (tokq < n) & (hq < HQ), col, cmask, D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M * BHQ, Q_NORM,
-                    QW_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16, NATIVE)
-        else:
-            rk = tl.arange(0, BLOCK_M * BHKV)
-            tokk = t0 + rk // BHKV
-            hk = (rk % BHKV).to(tl.int64)
-            kmask = (tokk < n) & (hk < HKV)
-            if kind == 1:
-                _k_part(k_ptr, sk_n, sk_h, kw_ptr, k_eps, pos_ptr, s_pos, cs_ptr, s_cs, P, slot_ptr, s_slot,
-                        kc_ptr, kc_blk, kc_tok, kc_head, ks_ptr, block_size, capacity, tokk, hk, kmask, col, cmask,
-                        D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M * BHKV, K_NORM, KW_BF16, ROPE, R, ROPE_OFF, NEOX,
-                        CONJ, CS_BF16, FP8, SLOT32, NATIVE)
-            else:
-                _v_part(v_ptr, sv_n, sv_h, slot_ptr, s_slot, vc_ptr, vc_blk, vc_tok, vc_head, vs_ptr, block_size,
-                        capacity, tokk, hk, kmask, DV, BLOCK_DV, VEC, FP8, SLOT32, NATIVE)
+    if h < HQ:
+        hq = h.to(tl.int64)
+        y = _qk_rows(q_ptr, tok * sq_n + hq * sq_h, qw_ptr, q_eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, rmask, col,
+                     cmask, D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, Q_NORM, QW_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ,
+                     CS_BF16, NATIVE)
+        if ROPE:
+            tl.debug_barrier()     # q_out may be q: every read of these rows (RoPE reloads them) comes first
+        _store_bf16(qo_ptr, (tok * so_n + hq * so_h)[:, None, None] + col[None, :, :], y,
+                    rmask[:, None, None] & cmask[None, :, :])
+    elif h < HQ + HKV:
+        hk = (h - HQ).to(tl.int64)
+        y = _qk_rows(k_ptr, tok * sk_n + hk * sk_h, kw_ptr, k_eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, rmask, col,
+                     cmask, D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, K_NORM, KW_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ,
+                     CS_BF16, NATIVE)
+        ok, base = _record_rows(slot_ptr, s_slot, tok, rmask, hk, kc_blk, kc_tok, kc_head, block_size, capacity,
+                                SLOT32)
+        _store_record(kc_ptr, base[:, None, None] + col[None, :, :], y, ok[:, None, None] & cmask[None, :, :], ks_ptr,
+                      FP8, NATIVE)
     else:
-        pid = tl.program_id(0)
-        heads = HQ + 2 * HKV
-        h = pid % heads
-        tok = (pid // heads).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rmask = tok < n
-        if h < HQ:
-            hq = tok * 0 + h
-            _q_part(q_ptr, sq_n, sq_h, qo_ptr, so_n, so_h, qw_ptr, q_eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, hq,
-                    rmask, col, cmask, D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, Q_NORM, QW_BF16, ROPE, R, ROPE_OFF,
-                    NEOX, CONJ, CS_BF16, NATIVE)
-        elif h < HQ + HKV:
-            hk = tok * 0 + (h - HQ)
-            _k_part(k_ptr, sk_n, sk_h, kw_ptr, k_eps, pos_ptr, s_pos, cs_ptr, s_cs, P, slot_ptr, s_slot,
-                    kc_ptr, kc_blk, kc_tok, kc_head, ks_ptr, block_size, capacity, tok, hk, rmask, col, cmask,
-                    D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, K_NORM, KW_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ,
-                    CS_BF16, FP8, SLOT32, NATIVE)
+        hv = (h - HQ - HKV).to(tl.int64)
+        NVV: tl.constexpr = BLOCK_DV // VEC
+        colv = tl.arange(0, NVV)[:, None] * VEC + tl.arange(0, VEC)[None, :]       # [NVV, VEC]
+        vmask = colv < DV
+        src = (tok * sv_n + hv * sv_h)[:, None, None] + colv[None, :, :]
+        ok, base = _record_rows(slot_ptr, s_slot, tok, rmask, hv, vc_blk, vc_tok, vc_head, block_size, capacity,
+                                SLOT32)
+        dst = base[:, None, None] + colv[None, :, :]
+        okm = ok[:, None, None] & vmask[None, :, :]
+        if FP8:
+            vv = load_f32(v_ptr, src, okm, True)
+            _store_record(vc_ptr, dst, vv, okm, vs_ptr, FP8, NATIVE)
         else:
-            hv = tok * 0 + (h - HQ - HKV)
-            _v_part(v_ptr, sv_n, sv_h, slot_ptr, s_slot, vc_ptr, vc_blk, vc_tok, vc_head, vs_ptr, block_size,
-                    capacity, tok, hv, rmask, DV, BLOCK_DV, VEC, FP8, SLOT32, NATIVE)
+            bits = tl.load(v_ptr.to(tl.pointer_type(tl.uint16)) + src, mask=okm, other=0)
+            tl.store(vc_ptr.to(tl.pointer_type(tl.uint16)) + dst, bits, mask=okm)
 
 
 # --------------------------------------------------------------------------- launch configuration
 def launch_table(block_d: int) -> tuple:
-    """The compiled kernel's launch table for a tile width: ((first n, (BLOCK_M, num_warps, HEAD_ROWS)),
-    ...), read by gluon_common.table_entry. One token per one-warp program at n = 1; from two tokens,
-    one-warp programs of ~256 elements of one head (2 tokens of 128, 1 of 256, 4 of 64); from
-    HEAD_ROWS_FROM tokens, programs over every head of one kind of ~4 tokens (HEAD_ROWS). H200 sweeps
-    of head_dim 128 (Llama 3 8B / Qwen3 8B, bf16 and fp8 caches; benchmarks/tune_sweep.py --check,
-    benchmarks/results/2026-12-01_h200_gqa_sweep*.json); the 64 and 256 widths follow the same element
-    counts, unmeasured."""
+    """The compiled kernel's launch table for a tile width: ((first n, (BLOCK_M, num_warps)), ...),
+    read by gluon_common.table_entry. One token per one-warp program at n = 1; from two tokens,
+    one-warp programs of ~256 elements (2 tokens of 128, 1 of 256, 4 of 64). H200 sweep of head_dim
+    128 (Llama 3 8B / Qwen3 8B, bf16 and fp8 caches; benchmarks/tune_sweep.py --check,
+    benchmarks/results/2026-12-01_h200_gqa_sweep.json): 2 tokens a one-warp program is the fastest of
+    BLOCK_M 1-32 x 1-8 warps at n = 64, 256 and 4096 (61.8 us at 4096 against 96.7 with 8 tokens);
+    the 64 and 256 widths follow the same element count, unmeasured."""
     multi = max(1, 256 // block_d)
-    return ((1, (1, 1, False)), (2, (multi, 1, False)), (HEAD_ROWS_FROM, HEAD_ROWS_CONFIG))
+    return ((1, (1, 1)), (2, (multi, 1)))
 
 
-HEAD_ROWS_FROM = 1024                 # see launch_table
-HEAD_ROWS_CONFIG = (2, 4, True)       # (tokens a program, num_warps, HEAD_ROWS)
-MAX_TILE = 16384                      # elements of one HEAD_ROWS tile (tokens x heads x BLOCK_D), at most
-
-
-class _HeadRowsForce(threading.local):
-    value = None
-
-
-_head_rows_force = _HeadRowsForce()
-
-
-@contextlib.contextmanager
-def force_head_rows(enabled: bool):
-    """Force the HEAD_ROWS mode on or off (tests of launch invariance, sweeps); with
-    kvfuse.kernels.fused.force_config for the tokens a program and the warps."""
-    prev = _head_rows_force.value
-    _head_rows_force.value = bool(enabled)
-    try:
-        yield
-    finally:
-        _head_rows_force.value = prev
-
-
-def launch_config(n: int, block_d: int, interpret: bool = INTERPRET, heads: int = 1):
-    """(BLOCK_M, num_warps, HEAD_ROWS): the launch table on the GPU; in the interpreter (which pays per
-    program) as many tokens of one head per program as a 16K-element tile holds. ``force_config`` /
-    ``force_head_rows`` override (tests of launch invariance); a HEAD_ROWS tile larger than MAX_TILE
-    elements takes fewer tokens (``heads``: the widest kind's head count, a power of two)."""
+def launch_config(n: int, block_d: int, interpret: bool = INTERPRET):
+    """(BLOCK_M, num_warps): the launch table on the GPU; in the interpreter (which pays per program)
+    as many tokens per program as a 16K-element tile holds. ``kvfuse.kernels.fused.force_config``
+    overrides either (tests of launch invariance)."""
     if interpret:
-        bm, nw, rows = min(next_pow2(max(n, 1)), max(1, 16384 // block_d)), 4, False
+        bm, nw = min(next_pow2(max(n, 1)), max(1, 16384 // block_d)), 4
     else:
-        bm, nw, rows = table_entry(launch_table(block_d), n)
+        bm, nw = table_entry(launch_table(block_d), n)
     forced = _force.cfg
     if forced is not None:
         bm = forced[0] or bm
         nw = forced[1] or nw
-    if _head_rows_force.value is not None:
-        rows = _head_rows_force.value
-    if rows:
-        bm = max(1, min(bm, MAX_TILE // (heads * block_d)))
-    return bm, nw, rows
+    return bm, nw
 
 
 def launch_args(plan):
@@ -292,8 +196,7 @@ def launch_args(plan):
     n, hq, d = q.shape
     hkv, dv = k.shape[1], v.shape[2]
     block_d, block_dv = next_pow2(d), next_pow2(dv)
-    bhq, bhkv = next_pow2(hq), next_pow2(hkv)
-    bm, nw, head_rows = launch_config(n, block_d, heads=max(bhq, bhkv))
+    bm, nw = launch_config(n, block_d)
     fp8 = plan.fp8
     kc = plan.k_cache.view(torch.uint8) if fp8 else plan.k_cache   # e4m3 codes written as bytes
     vc = plan.v_cache.view(torch.uint8) if fp8 else plan.v_cache
@@ -321,11 +224,9 @@ def launch_args(plan):
         ROPE=rope, R=plan.rotary_dim if rope else 2, ROPE_OFF=plan.rope_offset if rope else 0,
         NEOX=plan.is_neox, CONJ=plan.conjugate, CS_BF16=rope and plan.cos_sin.dtype == torch.bfloat16,
         FP8=fp8, SLOT32=cap < _fused._INT32_LIMIT, NATIVE=_native(INTERPRET),
-        HEAD_ROWS=head_rows, BHQ=bhq, BHKV=bhkv,
         num_warps=nw, num_stages=1, enable_fp_fusion=False,
     )
-    grid = (cdiv(n, bm), 3) if head_rows else (cdiv(n, bm) * (hq + 2 * hkv),)
-    return grid, args, options
+    return (cdiv(n, bm) * (hq + 2 * hkv),), args, options
 
 
 def run(plan) -> None:
