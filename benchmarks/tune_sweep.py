@@ -48,8 +48,8 @@ def main():
         wl = bench.WORKLOADS[name]
         block_d = next_pow2(wl.head_dim)
         for n in map(int, args.n.split(",")):
-            if n * wl.num_heads * wl.head_dim > 1 << 28:
-                continue                                   # x over 512 MiB
+            if n * wl.num_heads * wl.head_dim > 1 << 30:
+                continue                                   # x over 2 GiB
             inp = bench.build_inputs(wl, n, "cuda")
             call = bench.fused_call(wl, inp)
             want = None
