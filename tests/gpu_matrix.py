@@ -14,8 +14,12 @@ of a signature, the direct launcher instead of Triton's. The matrix holds
    takes (every plain-kernel table entry of every tile width and cast), chosen greedily from
    random valid cases (``pairwise_cases``).
 
-Every case is run on the GPU twice (Triton's launch, then the direct launcher) and compared byte
-for byte with the reference on whole poisoned storages (kernel_cases.run_case).
+3. the GQA / MHA entry point's section (``gqa_cases``): every entry of its kernel's launch table
+   (kvfuse.kernels.qkv) for every tile width, crossed with the features that change its code.
+
+Every case is run on the GPU twice (Triton's launch, then the direct launcher; GQA: two launches) and
+compared byte for byte with the reference on whole poisoned storages (kernel_cases.run_case; GQA: the
+CPU reference, gqa_cases.run_gqa_case).
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ import random
 from kvfuse import CastArgs, formats
 from kvfuse.models import INDEX_FP8_UE8M0_FP32
 from kvfuse.kernels import fused
-from kvfuse.kernels.gluon_common import table_index
+from kvfuse.kernels.gluon_common import table_entry, table_index
 
 from kernel_cases import ALL_FORMATS, Case, plan_of
 
@@ -237,4 +241,50 @@ def matrix():
     out = [(f"fast {dispatch_of(c)} {c.describe()}", c) for c in fast_cases()]
     cases, _ = pairwise_cases()
     out += [(f"pairs {r['launch']} {c.describe()}", c) for c, r in cases]
+    return out
+
+
+# ------------------------------------------------------------------------------ GQA / MHA
+# features crossed with the launch configurations (one variant per case, in turn)
+GQA_VARIANTS = [
+    dict(),                                                                     # NHD bf16 NEOX, both norms
+    dict(layout="HND", fp8=True, neox=False),
+    dict(fp8=True, inplace=True, q_norm="fp32", k_norm="bf16", cs_bf16=True),
+    dict(layout="HND", conjugate=True, q_norm=None, packed=False, idx32=True),
+    dict(cache="vllm", fp8=True, rotary_dim=32, rope_offset=16, k_norm=None),
+    dict(cache="vllm", layout="HND", neox=False, rotary_dim=0, inplace=True, idx32=True),
+    dict(q_out_none=True, fp8=True, slots="contiguous", block_size=16),
+    dict(dv=64, fp8=True, layout="HND", q_norm=None, k_norm=None),
+]
+GQA_HEADS = {64: (4, 2), 128: (8, 2), 256: (4, 4)}
+
+
+def gqa_cases():
+    """The matrix's GQA section (kvfuse.fused_qk_norm_rope_store_kv, kvfuse/kernels/qkv.py): (label,
+    GQACase) for every entry of qkv.launch_table of every tile width (head_dim 64, 128, 256), at its
+    first and last n (a larger n with a partial last program for the open-ended entry), crossed in turn
+    with the features that change the generated code (``GQA_VARIANTS``)."""
+    from gqa_cases import GQACase
+    from kvfuse.kernels import qkv
+    out = []
+    variant = itertools.cycle(GQA_VARIANTS)
+    for d in (64, 128, 256):
+        table = qkv.launch_table(d)
+        for i, (first, cfg) in enumerate(table):
+            last = table[i + 1][0] - 1 if i + 1 < len(table) else None
+            sizes = [first, last] if last is not None else [first, first + 3 * cfg[0] + 1, 4097]
+            for n in sizes:
+                if n is None:
+                    continue
+                assert table_entry(table, n) == cfg
+                v = dict(next(variant))
+                if "dv" in v:
+                    v["dv"] = 64 if d != 64 else 128
+                if v.get("cache") == "vllm" and v.get("dv"):
+                    v.pop("cache")
+                if v.get("rotary_dim") == 32 and d == 64:
+                    v["rope_offset"] = 0
+                hq, hkv = GQA_HEADS[d]
+                case = GQACase(n=n, hq=hq, hkv=hkv, d=d, seed=n * 7 + d, **v)
+                out.append((f"gqa d{d}_n{n}_bm{cfg[0]}_w{cfg[1]}_" + "_".join(f"{k}={v[k]}" for k in v), case))
     return out

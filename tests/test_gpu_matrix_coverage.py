@@ -66,3 +66,14 @@ def test_all_pairs_of_features_and_launches_are_covered(built):
         got = {str(r[factor]) for r in realized}
         assert {str(v) for v in levels} <= got, (factor, {str(v) for v in levels} - got)
     assert len(pairs) < 400     # the whole matrix must run on one H200 in one 10-minute call
+
+
+def test_every_gqa_launch_table_entry_has_a_case():
+    """The GQA section reaches every entry of qkv.launch_table for each tile width."""
+    from kvfuse.kernels import qkv
+    from kvfuse.kernels.gluon_common import table_entry
+    cases = [c for _, c in M.gqa_cases()]
+    for d in (64, 128, 256):
+        table = qkv.launch_table(d)
+        picked = {table_entry(table, c.n) for c in cases if c.d == d}
+        assert picked == {cfg for _, cfg in table}, d

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import fused as _fused
 from .fused import (INTERPRET, _force, _native, _normed, _positions, _rope1_loads, _rotate, _store_bf16,
@@ -115,9 +116,13 @@ def qkv_kernel(
     BLOCK_DV: tl.constexpr, VEC: tl.constexpr, BLOCK_M: tl.constexpr,
     Q_NORM: tl.constexpr, QW_BF16: tl.constexpr, K_NORM: tl.constexpr, KW_BF16: tl.constexpr,
     ROPE: tl.constexpr, R: tl.constexpr, ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, CONJ: tl.constexpr,
-    CS_BF16: tl.constexpr, FP8: tl.constexpr, SLOT32: tl.constexpr, NATIVE: tl.constexpr,
+    CS_BF16: tl.constexpr, FP8: tl.constexpr, SLOT32: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program: BLOCK_M tokens of head h of [q heads | k heads | v heads] (see the module docstring)."""
+    """One program: BLOCK_M tokens of head h of [q heads | k heads | v heads] (see the module docstring).
+    PDL (programmatic dependent launch): wait for the previous kernel before the first read."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     heads = HQ + 2 * HKV
     h = pid % heads
@@ -223,7 +228,7 @@ def launch_args(plan):
         K_NORM=plan.k_weight is not None, KW_BF16=plan.k_weight is not None and plan.k_weight.dtype == torch.bfloat16,
         ROPE=rope, R=plan.rotary_dim if rope else 2, ROPE_OFF=plan.rope_offset if rope else 0,
         NEOX=plan.is_neox, CONJ=plan.conjugate, CS_BF16=rope and plan.cos_sin.dtype == torch.bfloat16,
-        FP8=fp8, SLOT32=cap < _fused._INT32_LIMIT, NATIVE=_native(INTERPRET),
+        FP8=fp8, SLOT32=cap < _fused._INT32_LIMIT, NATIVE=_native(INTERPRET), PDL=False,
         num_warps=nw, num_stages=1, enable_fp_fusion=False,
     )
     return (cdiv(n, bm) * (hq + 2 * hkv),), args, options
@@ -232,4 +237,4 @@ def launch_args(plan):
 def run(plan) -> None:
     """Launch qkv_kernel for a validated plan with n >= 1 (q_out set)."""
     grid, args, options = launch_args(plan)
-    qkv_kernel[grid](*args, **options)
+    qkv_kernel[grid](*args, **_fused.with_pdl(options, _fused.pdl_launch(plan.q)))

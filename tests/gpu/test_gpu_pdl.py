@@ -112,6 +112,31 @@ def test_pdl_call_waits_for_the_producer(label, case, graph, side_stream):
     assert diff_bytes(ref, got) == 0, label + " :: " + diff_report(ref, got)
 
 
+@pytest.mark.parametrize("n", [1, 300])
+def test_pdl_gqa_call_waits_for_the_producer(n):
+    """fused_qk_norm_rope_store_kv with PDL on, right after a producer that writes the packed QKV late:
+    the reference's bytes (per-head programs at n = 1 and the multi-token ones)."""
+    import gqa_cases as G
+    case = G.GQACase(n=n, fp8=True, neox=False, seed=50 + n)
+    ref = G.run_gqa_case(case, "reference", "cpu")
+    kw, storages, inputs, q_buf = G.build(case, "cuda")
+    qkv_buf = inputs[0]
+    src = qkv_buf.clone()
+    kvfuse.set_pdl(True)
+    try:
+        kvfuse.fused_qk_norm_rope_store_kv(**kw)          # compile first (q_out is not q: inputs unchanged)
+        qkv_buf.fill_(float("nan"))
+        _late_write(src, qkv_buf)
+        result = kvfuse.fused_qk_norm_rope_store_kv(**kw)
+    finally:
+        kvfuse.set_pdl(False)
+    torch.cuda.synchronize()
+    got = {f"cache_storage{i}": G._bytes(t) for i, t in enumerate(storages)}
+    got.update({f"input{i}": G._bytes(t) for i, t in enumerate(inputs)})
+    got["q_out"] = G._bytes(result) if q_buf is None else G._bytes(q_buf)
+    assert not G.diff_report(ref, got), G.diff_report(ref, got)
+
+
 def test_cases_cover_every_fast_path_and_both_portable_programs():
     labels = {label for label, _ in CASES}
     for module in fused.FAST_PATH_MODULES:
