@@ -18,7 +18,7 @@ import threading
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
 from .. import backend as _backend
 from ..formats import FMAX
@@ -343,10 +343,10 @@ def fused_kernel(
     LayerNorm (HAS_BIAS: with a bias), else RMSNorm. A stage copy of the norm (OUT_STAGE 1) with
     RoPE is stored last, after a barrier, because the RoPE reloads x and `out` may be x (in place).
     PDL (launched with programmatic dependent launch): wait for the previous kernel on the stream
-    before the first read, then let the next one start its launch."""
+    before the first read. No early launch_dependents (a grid of many programs would hand SMs to the
+    next kernel before its own later waves run; see kvfuse/kernels/qkv.py); the trigger at exit remains."""
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
     LOG2_VEC: tl.constexpr = 3 if VEC == 8 else 2
     NV: tl.constexpr = BLOCK_D // VEC
     pid = tl.program_id(0)

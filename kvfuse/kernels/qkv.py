@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
 from . import fused as _fused
 from .fused import (INTERPRET, _force, _native, _normed, _positions, _rope1_loads, _rotate, _store_bf16,
@@ -119,10 +119,11 @@ def qkv_kernel(
     CS_BF16: tl.constexpr, FP8: tl.constexpr, SLOT32: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: BLOCK_M tokens of head h of [q heads | k heads | v heads] (see the module docstring).
-    PDL (programmatic dependent launch): wait for the previous kernel before the first read."""
+    PDL (programmatic dependent launch): wait for the previous kernel before the first read. No early
+    launch_dependents: with thousands of small programs, dependents scheduled early take SMs from this
+    kernel's later waves (measured: 5.3 -> 7.7 us at n = 256); the implicit trigger at exit remains."""
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
     pid = tl.program_id(0)
     heads = HQ + 2 * HKV
     h = pid % heads
