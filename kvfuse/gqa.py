@@ -21,9 +21,9 @@ from typing import Optional
 import torch
 
 from . import backend as _backend
-from .args import NormArgs, RopeArgs
+from .args import NormArgs
 from .overlap import row_limit, same_elements, tensors_overlap
-from .plan import check_index_vector, check_tensor
+from .plan import check_index_vector, check_rope_args, check_tensor
 
 __all__ = ["fused_qk_norm_rope_store_kv", "GQAPlan", "validate", "execute", "LAYOUTS", "CACHE_DTYPES"]
 
@@ -184,24 +184,8 @@ def validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_a
     plan.q_weight, plan.q_eps = _check_norm(q_norm_args, "q_norm_args", d, dev)
     plan.k_weight, plan.k_eps = _check_norm(k_norm_args, "k_norm_args", d, dev)
     if rope_args is not None:
-        if not isinstance(rope_args, RopeArgs):
-            raise TypeError(f"rope_args must be a RopeArgs or None, got {type(rope_args).__name__}")
-        r = rope_args.rotary_dim
-        if not isinstance(r, int) or isinstance(r, bool) or r <= 0 or r % 2 or r > d:
-            raise ValueError(f"rope_args.rotary_dim must be an even int in (0, head_dim={d}], got {r!r}")
-        off = 0 if rope_args.offset is None else rope_args.offset
-        if not isinstance(off, int) or isinstance(off, bool) or off < 0 or off + r > d:
-            raise ValueError(f"rope_args.offset must be an int with 0 <= offset and offset + rotary_dim <= "
-                             f"head_dim ({d}), got offset={off!r}, rotary_dim={r}")
-        for flag in ("is_neox", "conjugate"):
-            if not isinstance(getattr(rope_args, flag), bool):
-                raise TypeError(f"rope_args.{flag} must be a bool, got {type(getattr(rope_args, flag)).__name__}")
-        check_index_vector(rope_args.positions, "rope_args.positions", n, dev)
+        r, off = check_rope_args(rope_args, d, n, dev, offset_default_tail=False)
         cs = rope_args.cos_sin_cache
-        check_tensor(cs, "rope_args.cos_sin_cache", (torch.float32, torch.bfloat16), dev)
-        if cs.dim() != 2 or cs.shape[1] != r:
-            raise ValueError(f"rope_args.cos_sin_cache: expected shape [max_position, rotary_dim={r}], "
-                             f"got {tuple(cs.shape)}")
         plan.positions, plan.cos_sin, plan.rotary_dim, plan.rope_offset = rope_args.positions, cs, r, off
         plan.is_neox, plan.conjugate = rope_args.is_neox, rope_args.conjugate
     if q_out is not None:

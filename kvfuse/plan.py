@@ -98,6 +98,32 @@ def check_tensor(t, name, dtypes, device, shape=None, last_contiguous=True):
         raise ValueError(f"{name}: expected stride(-1) == 1, got {t.stride(-1)}")
 
 
+def check_rope_args(rope_args, head_dim: int, n: int, dev, offset_default_tail: bool = True) -> tuple:
+    """(rotary_dim, offset) of a valid RopeArgs for rows of ``head_dim`` (offset None: the tail, or 0
+    when not ``offset_default_tail``); TypeError / ValueError naming the field otherwise. Shared by the
+    fused entry point and fused_qk_norm_rope_store_kv."""
+    if not isinstance(rope_args, RopeArgs):
+        raise TypeError(f"rope_args must be a RopeArgs or None, got {type(rope_args).__name__}")
+    D = head_dim
+    r = rope_args.rotary_dim
+    if not _is_int(r) or r <= 0 or r % 2 or r > D:
+        raise ValueError(f"rope_args.rotary_dim must be an even int in (0, head_dim={D}], got {r!r}")
+    off = rope_args.offset if rope_args.offset is not None else (D - r if offset_default_tail else 0)
+    if not _is_int(off) or off < 0 or off + r > D:
+        raise ValueError(f"rope_args.offset must be an int with 0 <= offset and offset + rotary_dim <= "
+                         f"head_dim ({D}), got offset={off!r}, rotary_dim={r}")
+    for flag in ("is_neox", "conjugate"):
+        if not isinstance(getattr(rope_args, flag), bool):
+            raise TypeError(f"rope_args.{flag} must be a bool, got {type(getattr(rope_args, flag)).__name__}")
+    check_index_vector(rope_args.positions, "rope_args.positions", n, dev)
+    cs = rope_args.cos_sin_cache
+    check_tensor(cs, "rope_args.cos_sin_cache", (torch.float32, torch.bfloat16), dev)
+    if cs.dim() != 2 or cs.shape[1] != r:
+        raise ValueError(f"rope_args.cos_sin_cache: expected shape [max_position, rotary_dim={r}], "
+                         f"got {tuple(cs.shape)}")
+    return r, off
+
+
 def check_index_vector(t, name, n, device):
     check_tensor(t, name, INDEX_DTYPES, device, last_contiguous=False)
     if t.dim() != 1 or t.shape[0] != n:
@@ -269,24 +295,7 @@ def validate(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=No
 
     # ---- rope
     if rope_args is not None:
-        if not isinstance(rope_args, RopeArgs):
-            raise TypeError(f"rope_args must be a RopeArgs or None, got {type(rope_args).__name__}")
-        r = rope_args.rotary_dim
-        if not _is_int(r) or r <= 0 or r % 2 or r > D:
-            raise ValueError(f"rope_args.rotary_dim must be an even int in (0, head_dim={D}], got {r!r}")
-        off = D - r if rope_args.offset is None else rope_args.offset
-        if not _is_int(off) or off < 0 or off + r > D:
-            raise ValueError(f"rope_args.offset must be an int with 0 <= offset and offset + rotary_dim <= "
-                             f"head_dim ({D}), got offset={off!r}, rotary_dim={r}")
-        for flag in ("is_neox", "conjugate"):
-            if not isinstance(getattr(rope_args, flag), bool):
-                raise TypeError(f"rope_args.{flag} must be a bool, got {type(getattr(rope_args, flag)).__name__}")
-        check_index_vector(rope_args.positions, "rope_args.positions", n, dev)
-        cs = rope_args.cos_sin_cache
-        check_tensor(cs, "rope_args.cos_sin_cache", (torch.float32, torch.bfloat16), dev)
-        if cs.dim() != 2 or cs.shape[1] != r:
-            raise ValueError(f"rope_args.cos_sin_cache: expected shape [max_position, rotary_dim={r}], "
-                             f"got {tuple(cs.shape)}")
+        r, off = check_rope_args(rope_args, D, n, dev, offset_default_tail=True)
         plan.rotary_dim, plan.rope_offset = r, off
         plan.is_neox, plan.conjugate = rope_args.is_neox, rope_args.conjugate
         sources += [("positions", POSITIONS, False), ("cos_sin", COS_SIN, False)]
