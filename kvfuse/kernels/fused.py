@@ -211,6 +211,25 @@ def _positions(pos_ptr, s_pos, tok, rmask, P, s_cs):
 
 
 @triton.jit
+def slot_block_offset(slot_ptr, s_slot, tok, rmask, block_size, capacity, SLOT32: tl.constexpr):
+    """(ok, block, offset in block) [M] of the tokens' slots: ok where the row is live and its slot in
+    [0, capacity), block and offset int64 (0 where not ok); the division in int32 while capacity <= 2**31
+    (SLOT32, checked on the host)."""
+    slot = tl.load(slot_ptr + tok * s_slot, mask=rmask, other=-1)
+    ok = rmask & (slot >= 0) & (slot < capacity)
+    if SLOT32:
+        s32 = tl.where(ok, slot, 0).to(tl.int32)
+        blk32 = s32 // block_size
+        blk = blk32.to(tl.int64)
+        off = (s32 - blk32 * block_size).to(tl.int64)
+    else:
+        s64 = tl.where(ok, slot, 0).to(tl.int64)
+        blk = s64 // block_size
+        off = s64 - blk * block_size
+    return ok, blk, off
+
+
+@triton.jit
 def _record_addresses(slot_ptr, s_slot, tok, head, rows, rmask, s_blk, data_tok, sf_tok, head_stride, data_off,
                       sf_off, tail_off, block_size, capacity, DEST: tl.constexpr, SLOT32: tl.constexpr,
                       QALIGN: tl.constexpr, SFALIGN: tl.constexpr, TALIGN: tl.constexpr):
@@ -221,17 +240,7 @@ def _record_addresses(slot_ptr, s_slot, tok, head, rows, rmask, s_blk, data_tok,
     sfbase = rows
     tailbase = rows
     if DEST == 2:
-        slot = tl.load(slot_ptr + tok * s_slot, mask=rmask, other=-1)
-        ok = rmask & (slot >= 0) & (slot < capacity)
-        if SLOT32:
-            s32 = tl.where(ok, slot, 0).to(tl.int32)       # capacity <= 2**31 (checked on the host)
-            blk32 = s32 // block_size
-            blk = blk32.to(tl.int64)
-            off = (s32 - blk32 * block_size).to(tl.int64)
-        else:
-            s64 = tl.where(ok, slot, 0).to(tl.int64)
-            blk = s64 // block_size
-            off = s64 - blk * block_size
+        ok, blk, off = slot_block_offset(slot_ptr, s_slot, tok, rmask, block_size, capacity, SLOT32)
         base = blk * s_blk + head * head_stride
         qbase = tl.multiple_of(base + off * data_tok + data_off, QALIGN)
         sfbase = tl.multiple_of(base + off * sf_tok + sf_off, SFALIGN)

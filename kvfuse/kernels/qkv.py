@@ -25,7 +25,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from . import fused as _fused
 from .fused import (INTERPRET, _force, _native, _normed, _positions, _rope1_loads, _rotate, _store_bf16,
-                    _tree_sum, cdiv, next_pow2)
+                    _tree_sum, cdiv, next_pow2, slot_block_offset)
 from .gluon_common import table_entry
 from .numerics import encode_e4m3, load_f32, round_bf16
 
@@ -72,17 +72,7 @@ def _qk_rows(x_ptr, xrow, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, rmas
 def _record_rows(slot_ptr, s_slot, tok, rmask, head, c_blk, c_tok, c_head, block_size, capacity,
                  SLOT32: tl.constexpr):
     """(ok [M]: the token's slot is valid, base [M]: its record's element offset in the cache, int64)."""
-    slot = tl.load(slot_ptr + tok * s_slot, mask=rmask, other=-1)
-    ok = rmask & (slot >= 0) & (slot < capacity)
-    if SLOT32:
-        s32 = tl.where(ok, slot, 0).to(tl.int32)             # capacity <= 2**31 (chosen on the host)
-        blk32 = s32 // block_size
-        blk = blk32.to(tl.int64)
-        off = (s32 - blk32 * block_size).to(tl.int64)
-    else:
-        s64 = tl.where(ok, slot, 0).to(tl.int64)
-        blk = s64 // block_size
-        off = s64 - blk * block_size
+    ok, blk, off = slot_block_offset(slot_ptr, s_slot, tok, rmask, block_size, capacity, SLOT32)
     return ok, blk * c_blk + off * c_tok + head * c_head
 
 
