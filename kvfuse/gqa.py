@@ -273,7 +273,7 @@ def check_overlap(plan: GQAPlan) -> None:
 # =============================================================================== execution
 def run_data_checks(plan: GQAPlan) -> None:
     """KVFUSE_CHECKS: positions in range, no duplicate valid slots, finite positive scales (synchronizes)."""
-    from .api import run_data_checks as checks
+    from .dispatch import run_data_checks as checks
     checks(plan.positions, None if plan.cos_sin is None else plan.cos_sin.shape[0], plan.slot_mapping,
            plan.capacity)
     for name in ("k_scale", "v_scale"):
@@ -285,21 +285,36 @@ def run_data_checks(plan: GQAPlan) -> None:
 
 
 def _launch(plan: GQAPlan) -> None:
-    from .api import _InterpreterLaunches
+    from .dispatch import _InterpreterLaunches
     from .kernels import qkv
     if qkv.INTERPRET:
-        with _InterpreterLaunches._lock:   # Triton's interpreter is not thread-safe (kvfuse.api)
+        with _InterpreterLaunches._lock:   # Triton's interpreter is not thread-safe (kvfuse.dispatch)
             qkv.run(plan)
     else:
         qkv.run(plan)
 
 
+def plan_to_op_args(plan: GQAPlan) -> tuple:
+    """The positional arguments of the ``kvfuse::fused_qk_norm_rope_store_kv`` op (kvfuse.ops) for a plan
+    (q_out set)."""
+    return (plan.q, plan.k, plan.v, plan.k_cache, plan.v_cache, plan.slot_mapping, plan.q_out, plan.q_weight,
+            float(plan.q_eps), plan.k_weight, float(plan.k_eps), plan.positions, plan.cos_sin, int(plan.rotary_dim),
+            int(plan.rope_offset), bool(plan.is_neox), bool(plan.conjugate), plan.k_scale, plan.v_scale, plan.layout)
+
+
 def execute(plan: GQAPlan) -> None:
-    """Run a validated plan (q_out set) on the backend chosen for its device. The reference backend
-    writes under torch.inference_mode(), as the fused entry point's does (kvfuse.api.execute)."""
+    """Run a validated plan (q_out set): through the custom op while torch.compile traces (registered by
+    kvfuse.ops, imported with kvfuse), else :func:`run`."""
     if torch.compiler.is_compiling():
-        from . import ops
-        return ops.execute_gqa_op(plan)
+        torch.ops.kvfuse.fused_qk_norm_rope_store_kv(*plan_to_op_args(plan))
+        return
+    run(plan)
+
+
+def run(plan: GQAPlan) -> None:
+    """Run a validated plan on the backend chosen for its device (the custom op's implementation ends
+    here too). The reference backend writes under torch.inference_mode(), as the fused entry point's
+    does (kvfuse.dispatch.run)."""
     if _backend.checks_enabled():
         run_data_checks(plan)
     if plan.n == 0 or plan.q.device.type == "meta":

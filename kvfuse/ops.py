@@ -9,8 +9,9 @@ holds exactly one opaque call that writes into buffers it was given.
   flattened into tensors and scalars: ``x`` [n, H, D], ``weight``, ``positions``, ``cos_sin``,
   the outputs ``out`` / ``q_out`` / ``sf_out`` / ``kv_cache`` (mutated), ``slot_mapping``, the
   stage scalars and the fields of the cache's :class:`~kvfuse.formats.KVCacheFormat`. Its
-  implementation rebuilds the Plan and calls :func:`kvfuse.api.execute` (the backend choice, the
-  ``KVFUSE_CHECKS`` data checks and the kernel launch all happen there, at run time).
+  implementation rebuilds the Plan and calls :func:`kvfuse.dispatch.run` (the backend choice, the
+  ``KVFUSE_CHECKS`` data checks and the kernel launch all happen there, at run time; never back
+  through :mod:`kvfuse.api`).
 * ``kvfuse::store_kv_cache`` -- mutates ``kv_cache``.
 * ``kvfuse::load_paged_kv_cache`` -- mutates ``out`` (dequantized bf16) or ``data_out`` /
   ``sf_out`` (raw bytes).
@@ -33,6 +34,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import dispatch
 from .formats import PRESETS, KVCacheFormat
 from .plan import CastSpec, Plan, build_plan
 
@@ -113,8 +115,6 @@ def fused_op(x, weight, positions, cos_sin, out, q_out, sf_out, kv_cache, slot_m
              quant_dim, out_stage, *fmt_fields) -> None:
     """One validated Plan, flattened (see :func:`execute_op`). Norm is on iff ``weight`` is given,
     RoPE iff ``positions`` is, Hadamard iff ``hadamard_scale`` is, the cast iff ``cast_fmt`` is."""
-    from . import api
-
     fmt = format_from_fields(*fmt_fields)
     plan = Plan(x=x, weight=weight, eps=eps, norm_kind=norm_kind, bias=bias, positions=positions, cos_sin=cos_sin,
                 rotary_dim=rotary_dim, rope_offset=rope_offset, is_neox=is_neox, conjugate=conjugate,
@@ -123,7 +123,7 @@ def fused_op(x, weight, positions, cos_sin, out, q_out, sf_out, kv_cache, slot_m
                 out=out, out_stage=out_stage, q_out=q_out, sf_out=sf_out, kv_cache=kv_cache,
                 slot_mapping=slot_mapping, fmt=fmt,
                 addressing=None if kv_cache is None else fmt.addressing_for(kv_cache))
-    api.execute(plan)
+    dispatch.run(plan)
 
 
 def plan_to_op_args(plan: Plan) -> tuple:
@@ -155,9 +155,9 @@ def fused_norm_rope_hadamard_cast_store_kvcache(x, norm_args=None, rope_args=Non
 @_impl("store_kv_cache")
 def store_op(data, sf, kv_cache, slot_mapping, tail, *fmt_fields) -> None:
     """:func:`kvfuse.store_kv_cache` (validates again, eagerly, then writes)."""
-    from . import api
-
-    api.store_kv_cache(data, sf, kv_cache, slot_mapping, format_from_fields(*fmt_fields), tail)
+    fmt = format_from_fields(*fmt_fields)
+    entry = dispatch.validate_store(data, sf, kv_cache, slot_mapping, fmt, tail)
+    dispatch.store(entry, data, sf, kv_cache, slot_mapping, fmt, tail)
 
 
 def store_kv_cache(data: Tensor, sf: Optional[Tensor], kv_cache: Tensor, slot_mapping: Tensor,
@@ -173,13 +173,14 @@ def store_kv_cache(data: Tensor, sf: Optional[Tensor], kv_cache: Tensor, slot_ma
 def load_op(kv_cache, slot_mapping, out, data_out, sf_out, *fmt_fields) -> None:
     """:func:`kvfuse.load_paged_kv_cache` into preallocated outputs: ``out`` bf16 [n, H, head_dim]
     (dequantize) or ``data_out`` uint8 [n, H, data_bytes] and ``sf_out`` uint8 [n, H, sf_bytes]."""
-    from . import api
-
     fmt = format_from_fields(*fmt_fields)
-    if out is not None:
-        out.copy_(api.load_paged_kv_cache(kv_cache, slot_mapping, fmt, True))
+    dequantize = out is not None
+    got = dispatch.load(dispatch.validate_load(kv_cache, slot_mapping, fmt, dequantize), kv_cache, slot_mapping, fmt,
+                        dequantize)
+    if dequantize:
+        out.copy_(got)
     else:
-        data, sf = api.load_paged_kv_cache(kv_cache, slot_mapping, fmt, False)
+        data, sf = got
         data_out.copy_(data)
         sf_out.copy_(sf)
 
@@ -213,17 +214,17 @@ def gqa_op(q, k, v, k_cache, v_cache, slot_mapping, q_out, q_weight, q_eps, k_we
     iff their weights are given, RoPE iff ``positions`` is, fp8 caches take the scales."""
     from . import gqa
 
-    gqa.execute(gqa.GQAPlan(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, q_out=q_out,
-                            q_weight=q_weight, q_eps=q_eps, k_weight=k_weight, k_eps=k_eps, positions=positions,
-                            cos_sin=cos_sin, rotary_dim=rotary_dim, rope_offset=rope_offset, is_neox=is_neox,
-                            conjugate=conjugate, k_scale=k_scale, v_scale=v_scale, layout=layout))
+    gqa.run(gqa.GQAPlan(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, q_out=q_out,
+                        q_weight=q_weight, q_eps=q_eps, k_weight=k_weight, k_eps=k_eps, positions=positions,
+                        cos_sin=cos_sin, rotary_dim=rotary_dim, rope_offset=rope_offset, is_neox=is_neox,
+                        conjugate=conjugate, k_scale=k_scale, v_scale=v_scale, layout=layout))
 
 
 def gqa_plan_to_op_args(plan) -> tuple:
-    """The positional arguments of :data:`gqa_op` for a GQAPlan (q_out set)."""
-    return (plan.q, plan.k, plan.v, plan.k_cache, plan.v_cache, plan.slot_mapping, plan.q_out, plan.q_weight,
-            float(plan.q_eps), plan.k_weight, float(plan.k_eps), plan.positions, plan.cos_sin, int(plan.rotary_dim),
-            int(plan.rope_offset), bool(plan.is_neox), bool(plan.conjugate), plan.k_scale, plan.v_scale, plan.layout)
+    """The positional arguments of :data:`gqa_op` for a GQAPlan (q_out set): kvfuse.gqa.plan_to_op_args."""
+    from . import gqa
+
+    return gqa.plan_to_op_args(plan)
 
 
 def execute_gqa_op(plan) -> None:

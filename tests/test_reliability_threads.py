@@ -114,12 +114,12 @@ def run_threads(backend, device="cpu", streams=None):
 def test_lock_only_in_the_interpreter(monkeypatch):
     """Compiled kernels get kvfuse.kernels.fused itself (no lock on their path); interpreted ones a
     wrapper whose launches share one process-wide lock."""
-    from kvfuse import api
+    from kvfuse import dispatch
     from kvfuse.kernels import fused as kernels
-    monkeypatch.setattr(api, "_fused_module", None)
+    monkeypatch.setattr(dispatch, "_fused_module", None)
     monkeypatch.setattr(kernels, "INTERPRET", False)
-    assert api._kernels() is kernels
-    monkeypatch.setattr(api, "_fused_module", None)
+    assert dispatch.kernels() is kernels
+    monkeypatch.setattr(dispatch, "_fused_module", None)
     monkeypatch.setattr(kernels, "INTERPRET", True)
-    wrapped = api._kernels()
-    assert wrapped is not kernels and wrapped._lock is api._InterpreterLaunches(kernels)._lock
+    wrapped = dispatch.kernels()
+    assert wrapped is not kernels and wrapped._lock is dispatch._InterpreterLaunches(kernels)._lock
