@@ -69,46 +69,8 @@ CACHE_ALIGN = 8              # the codes leave as 64-bit stores
 
 
 if gluon is not None:
-    from .gluon_common import block_and_token, e2m1_nibble as _e2m1_nibble, expand_rows, hi_f32, lo_f32
-    from .gluon_index import _b64, _scales
-    # the kernel: gluon_main_fp8's, launched with FP4=True (its FP4 branch calls _quantize_store below)
+    # the kernel: gluon_main_fp8's, launched with FP4=True (its FP4 branch: gluon_main_fp8._quantize_store_fp4)
     from .gluon_main_fp8 import main_fp8_kernel as main_fp4_kernel
-
-    @gluon.jit
-    def _codes(y_lo, y_hi, m, R: gl.constexpr, LLANE: gl.constexpr):
-        """A lane's 16 values (words [R, 8, 4, 8]: y_lo columns 2k, y_hi columns 2k + 1) times its
-        multiplier m [R, 8, 4] -> the 16 e2m1 codes as one int64 [R, 8, 4] (byte k: column 2k in the
-        low nibble, 2k + 1 in the high one)."""
-        m4 = gl.expand_dims(m, 3)
-        # the fields never overlap: + is |, and shift-and-add is one instruction (LEA)
-        b = _e2m1_nibble(y_lo * m4) + (_e2m1_nibble(y_hi * m4) << 4)                 # byte k
-        b_even, b_odd = gl.split(gl.reshape(b, [R, 8, 4, 4, 2]))                    # bytes 2h, 2h + 1
-        h = b_even + (b_odd << 8)                                                   # halves h = 0..3
-        h_even, h_odd = gl.split(gl.reshape(h, [R, 8, 4, 2, 2]))
-        w = h_even + (h_odd << 16)                                                  # words 0, 1
-        w0, w1 = gl.split(w)
-        return _b64(gl.convert_layout(w0, LLANE, assert_trivial=True),
-                    gl.convert_layout(w1, LLANE, assert_trivial=True))
-
-    @gluon.jit
-    def _quantize_store(yw, rmask, slot, capacity, cache_ptr, s_blk, tok_stride, block_size, lane,
-                        R: gl.constexpr, LLANE: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr,
-                        OFFSETS32: gl.constexpr):
-        """y (bf16 pairs [R, 8, 4, 8]) of one tile -> NVFP4 (e4m3 scale per 16, e2m1) -> the MAIN_FP4 records."""
-        # ---- the lane's group: amax in-lane, numerics.group_scales(SF=2, FMAX=6), 16 e2m1 codes
-        y_lo = lo_f32(yw)
-        y_hi = hi_f32(yw)
-        amax = gl.maximum(gl.max(gl.maximum(gl.abs(y_lo), gl.abs(y_hi)), axis=3), 1e-4)   # NaN-ignoring, like tl.max
-        m, stored = _scales(amax, 2, 6.0)
-        codes = _codes(y_lo, y_hi, m, R, LLANE)                                    # [R, 8, 4] int64
-
-        # ---- the records; an invalid slot (or a row past n_rows) writes nothing
-        ok = rmask & (slot >= 0) & (slot < capacity)
-        blk, tok = block_and_token(slot, ok, block_size, SLOT32, LOG2_BLOCK, OFFSETS32)
-        rec = expand_rows(blk * s_blk + tok * tok_stride)                          # [R, 1, 1] bytes, 8-aligned
-        ok3 = expand_rows(ok)
-        gl.store(cache_ptr.to(gl.pointer_type(gl.int64)) + (rec >> 3) + lane, codes, mask=ok3)
-        gl.store(cache_ptr + rec + 256 + lane, stored.to(gl.uint8), mask=ok3)     # scale l at byte 256 + l
 
 
 # --------------------------------------------------------------------------- host side

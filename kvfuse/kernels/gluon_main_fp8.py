@@ -40,7 +40,8 @@ exponent without division (``group_scales`` SF=0), the unguarded native e4m3 enc
 (cvt.rn.satfinite.e4m3x2.f32; NATIVE=2 in fused.py) and NaN-ignoring max (max.f32) for amax.
 
 The kernel also writes gluon_main_fp4's MAIN_FP4 records (FP4=True): the same loads, norm, RoPE and
-persistent loop, that module's cast and store (``gluon_main_fp4._quantize_store``).
+persistent loop, MAIN_FP4's cast and store (``_quantize_store_fp4``, kept here so that the kernel needs
+no import of gluon_main_fp4, which imports this module).
 
 The module imports without a GPU and under any Triton; ``available()`` says whether this path
 can run (Triton 3.6's Gluon API and a CUDA device).
@@ -61,8 +62,9 @@ ROTARY_DIM = 64
 
 
 if gluon is not None:
-    from .gluon_common import (as_offset, bf16x2, e4m3x4, expand_rows, hi_f32, lane_tree, lo_f32, load_indices,
-                               shfl_xor, slot_block, ue8m0_scale, pdl_wait)
+    from .gluon_common import (as_offset, bf16x2, block_and_token, e2m1_nibble, e4m3x4, expand_rows, hi_f32, lane_tree,
+                               lo_f32, load_indices, shfl_xor, slot_block, ue8m0_scale, pdl_wait)
+    from .gluon_index import _b64, _scales
 
     @gluon.jit
     def _prmt(a, b, sel):
@@ -190,6 +192,43 @@ if gluon is not None:
         gl.store(cache_ptr.to(gl.pointer_type(gl.int32)) + rec_q + qword, codes, mask=ok_q)
         gl.store(cache_ptr + rec3 + 512 + (lane >> 1), (e + 127).to(gl.uint8), mask=ok3 & ((lane & 1) == 0))
 
+    # ---- MAIN_FP4 records (the FP4 branch; gluon_main_fp4 holds their host side)
+    @gluon.jit
+    def _fp4_codes(y_lo, y_hi, m, R: gl.constexpr, LLANE: gl.constexpr):
+        """A lane's 16 values (words [R, 8, 4, 8]: y_lo columns 2k, y_hi columns 2k + 1) times its
+        multiplier m [R, 8, 4] -> the 16 e2m1 codes as one int64 [R, 8, 4] (byte k: column 2k in the
+        low nibble, 2k + 1 in the high one)."""
+        m4 = gl.expand_dims(m, 3)
+        # the fields never overlap: + is |, and shift-and-add is one instruction (LEA)
+        b = e2m1_nibble(y_lo * m4) + (e2m1_nibble(y_hi * m4) << 4)                 # byte k
+        b_even, b_odd = gl.split(gl.reshape(b, [R, 8, 4, 4, 2]))                    # bytes 2h, 2h + 1
+        h = b_even + (b_odd << 8)                                                   # halves h = 0..3
+        h_even, h_odd = gl.split(gl.reshape(h, [R, 8, 4, 2, 2]))
+        w = h_even + (h_odd << 16)                                                  # words 0, 1
+        w0, w1 = gl.split(w)
+        return _b64(gl.convert_layout(w0, LLANE, assert_trivial=True),
+                    gl.convert_layout(w1, LLANE, assert_trivial=True))
+
+    @gluon.jit
+    def _quantize_store_fp4(yw, rmask, slot, capacity, cache_ptr, s_blk, tok_stride, block_size, lane,
+                            R: gl.constexpr, LLANE: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr,
+                            OFFSETS32: gl.constexpr):
+        """y (bf16 pairs [R, 8, 4, 8]) of one tile -> NVFP4 (e4m3 scale per 16, e2m1) -> the MAIN_FP4 records."""
+        # ---- the lane's group: amax in-lane, numerics.group_scales(SF=2, FMAX=6), 16 e2m1 codes
+        y_lo = lo_f32(yw)
+        y_hi = hi_f32(yw)
+        amax = gl.maximum(gl.max(gl.maximum(gl.abs(y_lo), gl.abs(y_hi)), axis=3), 1e-4)   # NaN-ignoring, like tl.max
+        m, stored = _scales(amax, 2, 6.0)
+        codes = _fp4_codes(y_lo, y_hi, m, R, LLANE)                                    # [R, 8, 4] int64
+
+        # ---- the records; an invalid slot (or a row past n_rows) writes nothing
+        ok = rmask & (slot >= 0) & (slot < capacity)
+        blk, tok = block_and_token(slot, ok, block_size, SLOT32, LOG2_BLOCK, OFFSETS32)
+        rec = expand_rows(blk * s_blk + tok * tok_stride)                          # [R, 1, 1] bytes, 8-aligned
+        ok3 = expand_rows(ok)
+        gl.store(cache_ptr.to(gl.pointer_type(gl.int64)) + (rec >> 3) + lane, codes, mask=ok3)
+        gl.store(cache_ptr + rec + 256 + lane, stored.to(gl.uint8), mask=ok3)     # scale l at byte 256 + l
+
     @gluon.jit
     def _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
                     cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel, qword,
@@ -206,8 +245,8 @@ if gluon is not None:
             yw = norm_rope(xw, xp, cs, pok, w_lo, w_hi, w_pair, eps, tail_buf, tail_lane, merge_sel, R, LLANE, LPLANE,
                            LW, NEOX)
         if FP4:
-            gluon_main_fp4._quantize_store(yw, rmask, slot, capacity, cache_ptr, s_blk, tok_stride, block_size, lane,
-                                           R, LLANE, SLOT32, LOG2_BLOCK, OFFSETS32)
+            _quantize_store_fp4(yw, rmask, slot, capacity, cache_ptr, s_blk, tok_stride, block_size, lane,
+                                R, LLANE, SLOT32, LOG2_BLOCK, OFFSETS32)
         else:
             _quantize_store(yw, rmask, slot, capacity, cache_ptr, s_blk, tok_stride, block_size, lane, qword,
                             R, LQ, SLOT32, LOG2_BLOCK, OFFSETS32)
@@ -550,7 +589,3 @@ def gluon_main_fp8_write(x, weight, eps, positions, cos_sin, slot_mapping, kv_ca
         grid, args, kwargs = parts
         main_fp8_kernel[grid](*args, **kwargs)
 
-
-# the kernel's FP4 branch (``_write_rows``) and MAIN_FP4's host side; imported last because
-# gluon_main_fp4 uses this module's kernel and host code
-from . import gluon_main_fp4  # noqa: E402
