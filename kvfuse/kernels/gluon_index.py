@@ -1,115 +1,26 @@
-"""A Gluon fast path for the 128-d INDEXER cache writes (and the indexer Q, below): RMSNorm -> NEOX
-RoPE on columns 64..127 -> per-group quantization -> a BLOCK-WIDE cache (inside a block: every
-token's data, then every token's scales), byte for byte what ``kvfuse.kernels.fused.fused_kernel`` writes (SPEC §2, §4) for
+"""A Gluon fast path for the 128-d INDEXER writes: norm -> RoPE -> (Hadamard) -> per-group quantization
+-> a block-wide cache (every token's codes, then every token's scales), byte for byte what the
+portable kernel writes (SPEC §2, §4), for INDEX_FP8_FP32, INDEX_MXFP8, INDEX_MXFP4, INDEX_NVFP4 and
+ue8m0_fp32 scales of 128 (one kernel, constexprs CAST, G, SF per format); with CONTIG, the same rows
+into contiguous (q, sf) outputs (the indexer Q). Chains: RMSNorm or LayerNorm (bias optional) or
+none (Q), RoPE NEOX or GPT-J on columns 64..127 or 0..63 (DeepSeek V4's / V3.2's indexer), the
+128-point Hadamard or none; no stage copy, one head for a cache (``eligible`` says exactly which).
 
-| format          | values | group | scale | data + scale bytes per token  |
-|-----------------|--------|-------|-------|-------------------------------|
-| INDEX_FP8_FP32  | e4m3   | 128   | fp32  | 128 + 4                       |
-| INDEX_MXFP8     | e4m3   | 32    | ue8m0 | 128 + 4                       |
-| INDEX_MXFP4     | e2m1   | 32    | ue8m0 | 64 + 4 (two codes per byte)   |
-| INDEX_NVFP4     | e2m1   | 16    | e4m3  | 64 + 8                        |
-
-(and user formats with the same fields, reserved scale bytes allowed: never written). One kernel,
-constexpr switches per format (CAST, G, SF).
-
-Assumptions (``eligible`` checks them on the validated plan; anything else keeps the plain kernel):
-x bf16 [n, 1, 128] with unit column stride and an even row stride, 4-byte aligned (read as int32
-words: ``word_aligned``, per call); RMSNorm or LayerNorm (bias optional) weight [128] bf16 (4-byte
-aligned) or fp32; RoPE NEOX or GPT-J, rotary_dim 64 at offset 64 (the tail: DeepSeek V4's indexer)
-or 0 (DeepSeek V3.2's), not conjugate, positions int32/int64 [n], cos_sin [P, 64] fp32/bf16;
-Hadamard (any scale) or none; no stage copy; one head; the cache's data records at block * stride(0) + offset *
-data_bytes and its scales at block * stride(0) + block_size * data_bytes + offset * sf_bytes; the
-cache pointer 8-byte aligned for e4m3 (codes leave as 64-bit stores), 4-byte aligned for e2m1
-(32-bit stores) -- kvfuse keys its plan cache by data_ptr() % 16, so this holds for the key.
-
-Layout (explicit Gluon layouts):
-- a row (one token) is held by 8 lanes, 4 rows per warp (lane = 8 * row_in_warp + l). Lane l owns
-  TWO chunks of 8 contiguous columns: chunk A = columns 8l .. 8l + 7 (the part RoPE leaves alone)
-  and chunk B = columns 64 + 8l .. 64 + 8l + 7 (rotated), each loaded as 4 int32 words (two bf16
-  a word, one 16-byte load a chunk) into [R, 8, 4] tensors (BlockedLayout size_per_thread
-  [RPT, 1, 4], threads_per_warp [4, 8, 1]). A word's two bf16 become fp32 with one shift / one
-  mask each.
-- RMSNorm's adjacent-pairs tree (SPEC §2): levels 1-3 inside each chunk (one chunk = 8 columns),
-  levels 4-6 are butterfly shuffles xor 1, 2, 4 (inline PTX shfl.sync.bfly) on the two chunk sums
-  (chunk c and c + 1 sit on lanes l and l ^ 1 ...), level 7 adds the lane's two 64-column sums.
-  Both lanes of every pair hold the same bits (fp32 addition is commutative), so all 8 lanes of a
-  row compute the same rstd.
-- RoPE: every lane rotates its chunk B. The pair (64 + j, 96 + j) is (lane l, lane l ^ 4) with
-  j = 8 (l & 3) + column: one xor-4 shuffle of the 4 packed bf16 words brings the partner's y;
-  a first-half lane flips the partner's sign bits (a*c - b*s == a*c + (-b)*s exactly), so every
-  lane computes own*c + partner*s (two rounded products, then the rounded sum, as SPEC §2), packs
-  the results (cvt.rn.bf16x2.f32) and keeps them where the position is inside [0, P). Half the
-  rotation work of a layout where lanes 4..7 hold all 64 rotated columns.
-- the other model chains: RoPE at offset 0 rotates chunk A instead (the same lanes and cos/sin
-  columns). GPT-J pairs (2i, 2i + 1) are the two halves of one word: the partner is the word with
-  its halves swapped, the new low half negated; cos/sin column 4 l + w for word w of lane l.
-  LayerNorm: the same adjacent-pairs tree on x (the mean), then on d = x - mean (the variance).
-- Hadamard (128 points, SPEC §2 order: distance 1, 2, 4, ..., 64): a chunk's 4 words become 8 fp32
-  values per lane; distances 1, 2, 4 inside the lane, 8, 16, 32 one shuffle each (xor 1, 2, 4: the
-  lane whose bit is set computes partner - own as partner + (-own), the other own + partner), 64
-  between the lane's chunks A and B; then * scale, rounded to bf16 words, and quantized from the
-  separate words (``_fp8_words`` / ``_fp4_words``).
-- groups: 16 columns = two lanes' chunks (xor 1), 32 = four lanes (xor 1, 2), 128 = both chunks of
-  all 8 lanes (xor 1, 2, 4). The lanes of a pair (l, l ^ 1) split the scale work: the even one
-  computes its chunk A group's scale, the odd one its chunk B group's, one xor-1 shuffle swaps the
-  multipliers (half the IEEE divisions of NVFP4; INDEX_FP8_FP32: even lanes m = 448 / amax, odd
-  lanes s = amax / 448). Each scale leaves from the lane that computed it (byte stores; lane 0
-  stores the fp32 scale of INDEX_FP8_FP32 as one 32-bit store).
-- e4m3 codes: packed cvt.rn.satfinite.e4m3x2.f32, a chunk's 8 codes = one 64-bit store. e2m1 (no
-  native conversion on sm_90): ``_e2m1x2_bf16`` for UE8M0 groups (INDEX_MXFP4): the multiplier is a
-  power of two, so y * m is exact in bf16 and two codes come out of each packed-bf16 instruction
-  sequence (mul/min/add.rn.bf16x2, set.ge.u32.bf16x2 as the select mask); gluon_common.e2m1_nibble
-  (fp32, MAIN_FP4's encoder: one fp32 addition rounds) where the multiplier is 1 / d (INDEX_NVFP4). A chunk's 8 codes = one 32-bit store.
-- a persistent grid (at most what is resident at once) walks over the tiles of R = 4 * RPT *
-  num_warps rows; the weight is loaded once per CTA. Loads are unmasked (rows past n read row n - 1,
-  positions outside [0, P) read cos/sin row 0; neither is stored or used): no zero fill, no
-  predicates. PIPELINE loads the next tile (x, positions, slots; its cos/sin after this tile's
-  stores) while this one computes.
-
-Numerics mirror the plain kernel exactly: fp32 ops one by one (enable_fp_fusion=False: no contracted
-FMA; the PTX's only fma is the Hadamard's cross-lane level, whose multiplier is +-1: exact; no .approx /
-div.full), div_rn/sqrt_rn, native bf16 rounding (cvt.rn), the UE8M0
-exponent without division (``group_scales`` SF=0), the e4m3 scale of NVFP4 by the plain kernel's
-native conversion (cvt.rn.satfinite.e4m3x2.f32) and decoded exactly (cvt.rn.f16x2.e4m3x2; the
-signed-zero guard of its NATIVE=1 encode cannot fire: s >= 2^-9 after the clamp, and amax is never
-NaN), the unguarded native e4m3 encode for stored codes (NATIVE=2), NaN-ignoring max (max.f32 /
-max.bf16x2) for amax, the plain kernel's rotation a*c - b*s as a*c + (-b)*s (the same IEEE
-result). The e2m1 encoders are not the plain kernel's instructions but give its codes for every
-input: ``gluon_common.e2m1_nibble_mirror`` / ``e2m1_bf16_mirror`` restate them on the host, and
-benchmarks/gluon_check_index.py --prove-encoders checks them against kvfuse.reference.encode_e2m1 on
-all 2^32 fp32 patterns and on every bf16 value times every UE8M0 multiplier (NaN inputs aside: SPEC
-§2 leaves their group free; the plain kernel's and these codes for NaN differ at most in the sign).
-
-SASS per row, offline (sm_90, Triton 3.6, enable_fp_fusion=False, 32-bit indices, bf16 weight, fp32
-cos/sin, 16-byte-aligned pointers): this kernel's persistent-loop body at 1 warp (4 rows, IEEE
-div/sqrt slow paths not counted) against the plain fused_kernel's whole program per row at its
-launch table's BLOCK_M (4 rows; e2m1 8 rows from n = 16384), warp-instructions per row:
-
-| format          | this kernel                          | plain kernel            |
-|-----------------|--------------------------------------|-------------------------|
-| INDEX_FP8_FP32  | 77                                   | 230                     |
-| INDEX_MXFP8     | 77                                   | 224                     |
-| INDEX_MXFP4     | 99 (108 with the fp32 e2m1 encoder)  | 302 (8 rows: 229)       |
-| INDEX_NVFP4     | 110.5 (125 with the fp32 encoder)    | 334 (8 rows: 228)       |
-
-(72-76 registers; 88 with PIPELINE.) gluon_common.e2m1_nibble (8 instructions a value, against 12 for
-an fp32 encoder) took INDEX_NVFP4 at n = 262144 from 47.7 to 41.4-41.7 us (76.9% -> 87.8% of copy,
-H200). Time: the report of benchmarks/gluon_check_index.py.
-
-The same kernel writes CONTIGUOUS outputs too (CONTIG): kvfuse's (q, sf) of these casts
-without a cache, e.g. the indexer's Q (x [n, H, 128], H a power of two, RoPE, no norm: NORM off). Its
-rows are the (token, head) pairs, r = token * H + head (a head's position is its token's), row r's
-codes go to q + r * q_row and its scales to sf + r * sf_row (bytes; ``_eligible_contig``: evenly
-spaced rows, q rows a multiple of the code stores' width apart; the pointers' alignments per call,
-``call_guard``); there are no slots. The cache-write variants compile to the same SASS as before the
-switch existed (40 variants, offline). Checked on the H200 by benchmarks/gluon_check_index_q.py (24 of
-24 whole-buffer comparisons byte-equal; index_q 770 -> 452 us at n = 65536).
+Layout: 8 lanes a row, 4 rows a warp; lane l owns chunk A = columns 8l..8l+7 and chunk B = 64 + 8l..
+as 4 int32 words each (two bf16 a word). Norm trees: 3 levels in-lane, 3 butterfly shuffles, 1 across
+the chunks. RoPE NEOX: the partner is lane l ^ 4 (one shuffle); GPT-J: the word's other half. The
+Hadamard keeps SPEC §2's order: distances 1, 2, 4 in-lane, 8, 16, 32 one shuffle and one exact fma
+(multiplier +-1) each, 64 between the chunks. Groups of 16 / 32 / 128 columns span 2 / 4 / 8 lanes;
+the lanes of a pair split the scale work. e4m3 codes by cvt.rn.satfinite (64-bit stores a chunk),
+e2m1 by ``_e2m1x2_bf16`` (UE8M0 groups, two codes an instruction) or ``gluon_common.e2m1_nibble``;
+their host mirrors are proven against kvfuse.reference.encode_e2m1 on every input. A persistent grid
+walks the row tiles (PIPELINE: the next tile's loads during this one). Numerics: fp32 ops one by one
+(enable_fp_fusion=False; the only fma is the Hadamard's exact one), div_rn / sqrt_rn, cvt.rn bf16.
+Design notes, instruction counts and measurements: docs/design.md, docs/performance.md.
 
 The module imports without a GPU and under any Triton; ``available()`` says whether this path can
 run (Triton 3.6's Gluon API and a CUDA device); ``enabled()``: on there unless KVFUSE_GLUON=0 or
-KVFUSE_GLUON_SKIP names "index". Proven byte-equal on the H200: every launch-table entry with each chain it serves
-(the NEOX preset, DeepSeek V3.2's and V4's indexer K and Q) in tests/gpu/test_gpu_matrix.py; see
-docs/performance.md.
+KVFUSE_GLUON_SKIP names "index". Proven byte-equal on the H200 by tests/gpu/test_gpu_matrix.py.
 """
 from __future__ import annotations
 
