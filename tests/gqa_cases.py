@@ -199,3 +199,18 @@ def diff_report(a: dict, b: dict) -> str:
             idx = (x != y).nonzero().flatten()
             bad.append(f"{name}: {idx.numel()} bytes differ, first at {int(idx[0])}")
     return "; ".join(bad)
+
+
+def gpu_against_cpu_reference(case: GQACase, launches: int = 2):
+    """The case on the CPU reference, then ``launches`` times on the GPU (the first launch compiles, the
+    next reuse the kernel): (reports of the launches that differ, their differing bytes)."""
+    ref = run_gqa_case(case, "reference", "cpu")
+    reports, differing = [], 0
+    for i in range(launches):
+        got = run_gqa_case(case, "triton", "cuda")
+        report = diff_report(ref, got)
+        if report:
+            reports.append(f"launch {i + 1}: {report}")
+            differing += sum(int((ref[k] != got[k]).sum()) if ref[k].shape == got[k].shape else ref[k].numel()
+                             for k in ref)
+    return reports, differing

@@ -13,7 +13,7 @@ import torch
 
 import kvfuse
 from kvfuse.kernels import fused
-from gqa_cases import GQACase, diff_report, run_gqa_case
+from gqa_cases import GQACase, gpu_against_cpu_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or kvfuse.backend.interpreter_enabled(),
                                 reason="needs CUDA and compiled kernels (KVFUSE_TEST_GPU=1)")
@@ -22,14 +22,8 @@ SUMMARY = {"cases": 0, "runs": 0, "byte_diffs": 0}
 
 
 def check(case: GQACase):
-    ref = run_gqa_case(case, "reference", "cpu")
-    reports = []
-    for attempt in ("first launch", "second launch"):
-        tri = run_gqa_case(case, "triton", "cuda")
-        SUMMARY["runs"] += 1
-        r = diff_report(ref, tri)
-        if r:
-            reports.append(f"{attempt}: {r}")
+    reports, _ = gpu_against_cpu_reference(case)
+    SUMMARY["runs"] += 2
     SUMMARY["cases"] += 1
     SUMMARY["byte_diffs"] += len(reports)
     assert not reports, case.describe() + " :: " + " | ".join(reports)

@@ -17,7 +17,7 @@ import torch
 
 import kvfuse
 from gpu_matrix import gqa_cases, matrix
-from gqa_cases import diff_report as gqa_diff_report, run_gqa_case
+from gqa_cases import gpu_against_cpu_reference
 from kernel_cases import diff_bytes, diff_report, run_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or kvfuse.backend.interpreter_enabled(),
@@ -52,17 +52,10 @@ GQA = gqa_cases() if torch.cuda.is_available() else []
 @pytest.mark.parametrize("label,case", GQA, ids=[label for label, _ in GQA])
 def test_gqa_matrix_case(label, case):
     """The GQA section: the CPU reference against two GPU launches, every byte it could touch."""
-    ref = run_gqa_case(case, "reference", "cpu")
-    reports = []
-    for launch in ("first launch", "second launch"):
-        got = run_gqa_case(case, "triton", "cuda")
-        SUMMARY["runs"] += 1
-        report = gqa_diff_report(ref, got)
-        if report:
-            reports.append(f"{launch}: {report}")
-            SUMMARY["byte_diffs"] += sum(int((ref[k] != got[k]).sum()) if ref[k].shape == got[k].shape
-                                         else ref[k].numel() for k in ref)
+    reports, differing = gpu_against_cpu_reference(case)
+    SUMMARY["runs"] += 2
     SUMMARY["cases"] += 1
+    SUMMARY["byte_diffs"] += differing
     if reports:
         SUMMARY["failed"].append(label)
     assert not reports, label + " :: " + " | ".join(reports)
