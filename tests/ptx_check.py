@@ -3,9 +3,12 @@ non-IEEE arithmetic: contracted multiply-adds (fma), approximate ops (.approx) a
 and, for the hot cache writes, that the record stores stay vectorized (Triton 3.6 once turned
 them all into byte stores: docs/performance.md). Variants compile as a launch specializes
 them: 16-divisible pointers and row strides, 32-bit integers. Run as a script (it must not run
-under TRITON_INTERPRET): prints one line per variant, exits 1 on any finding."""
+under TRITON_INTERPRET): prints one line per variant, exits 1 on any finding. ``--fingerprint``
+prints a hash of each variant's code instead: a refactor that must not change the kernels prints
+the same hashes before and after."""
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import sys
@@ -130,15 +133,32 @@ def negative_control() -> int:
     return 0 if found else 1
 
 
+def code_fingerprint(ptx: str) -> str:
+    """A hash of the PTX without its debug and line information: equal before and after a change
+    that moves or renames code but compiles to the same instructions."""
+    keep = [ln for ln in ptx.splitlines()
+            if not ln.lstrip().startswith((".loc", ".file", "//", ".b8", ".b32", ".b64", ".section", "$L__"))
+            and "debug" not in ln]
+    return hashlib.sha256("\n".join(keep).encode()).hexdigest()[:16]
+
+
+def jobs():
+    found = [(name, F.fused_kernel, c, {}) for name, c in fused_variants()]
+    found += [(name, F.load_kernel, c, {"out_ptr": "*bf16"}) for name, c in load_variants()]
+    found += [(name, Q.qkv_kernel, c, ptrs) for name, c, ptrs in gqa_variants()]
+    return found
+
+
 def main() -> int:
     if "--negative-control" in sys.argv:
         return negative_control()
+    fingerprint = "--fingerprint" in sys.argv   # one hash per variant (refactors: same code before and after)
     findings = 0
-    jobs = [(name, F.fused_kernel, c, {}) for name, c in fused_variants()]
-    jobs += [(name, F.load_kernel, c, {"out_ptr": "*bf16"}) for name, c in load_variants()]
-    jobs += [(name, Q.qkv_kernel, c, ptrs) for name, c, ptrs in gqa_variants()]
-    for name, fn, consts, ptrs in jobs:
+    for name, fn, consts, ptrs in jobs():
         ptx = compile_ptx(fn, consts, num_warps=1, ptr_types=ptrs)
+        if fingerprint:
+            print(f"{name:36s} {code_fingerprint(ptx)}")
+            continue
         bad = sorted(set(BAD.findall(ptx)))
         stores = {}
         for st in STORE.findall(ptx):

@@ -322,8 +322,9 @@ def _rope2_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, rmask, HALF: tl.
 
 
 # --------------------------------------------------------------------------- the fused kernel
-@triton.jit(do_not_specialize=["n_rows", "P", "capacity"])
-def fused_kernel(
+@triton.jit
+def fused_rows(
+    pid,                                      # the program's index among this call's programs
     x_ptr, sx_n, sx_h,                        # x bf16 [n, H, D], stride(-1) == 1
     w_ptr, b_ptr, eps,                        # norm weight, LayerNorm bias [D] (bf16 or fp32)
     pos_ptr, s_pos, cs_ptr, s_cs, P,          # positions [n]; cos_sin [P, R]
@@ -343,7 +344,7 @@ def fused_kernel(
     CAST: tl.constexpr, G: tl.constexpr, SF: tl.constexpr, FMAX: tl.constexpr, DQ: tl.constexpr,
     OUT_STAGE: tl.constexpr, DEST: tl.constexpr, NATIVE: tl.constexpr,
     SLOT32: tl.constexpr, QALIGN: tl.constexpr, SFALIGN: tl.constexpr, TALIGN: tl.constexpr,
-    EARLY: tl.constexpr, FLOOR_E: tl.constexpr, PDL: tl.constexpr,
+    EARLY: tl.constexpr, FLOOR_E: tl.constexpr,
 ):
     """ROPE: 0 off; 1 on the whole tile (each rotated element computed from itself and its
     partner, reloaded and renormalized: the same arithmetic gives the same bits); 2 on a separate
@@ -351,14 +352,10 @@ def fused_kernel(
     whole quantization groups, or outside the quantized part, and no Hadamard). LAYER: the norm is
     LayerNorm (HAS_BIAS: with a bias), else RMSNorm. A stage copy of the norm (OUT_STAGE 1) with
     RoPE is stored last, after a barrier, because the RoPE reloads x and `out` may be x (in place).
-    PDL (launched with programmatic dependent launch): wait for the previous kernel on the stream
-    before the first read. No early launch_dependents (a grid of many programs would hand SMs to the
-    next kernel before its own later waves run; see kvfuse/kernels/qkv.py); the trigger at exit remains."""
-    if PDL:
-        gdc_wait()
+    The rows of program ``pid``: rows [pid * BLOCK_M, (pid + 1) * BLOCK_M) of the n * H rows (fused_kernel,
+    and each member of kvfuse/kernels/grouped.py)."""
     LOG2_VEC: tl.constexpr = 3 if VEC == 8 else 2
     NV: tl.constexpr = BLOCK_D // VEC
-    pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < n_rows
     if ONE_HEAD:
@@ -524,6 +521,44 @@ def fused_kernel(
     if OUT_STAGE == 1 and ROPE != 0:
         tl.debug_barrier()
         _store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None, None] + col[None, :, :], ynorm, m3)
+
+
+
+@triton.jit(do_not_specialize=["n_rows", "P", "capacity"])
+def fused_kernel(
+    x_ptr, sx_n, sx_h,                        # x bf16 [n, H, D], stride(-1) == 1
+    w_ptr, b_ptr, eps,                        # norm weight, LayerNorm bias [D] (bf16 or fp32)
+    pos_ptr, s_pos, cs_ptr, s_cs, P,          # positions [n]; cos_sin [P, R]
+    had_scale,
+    out_ptr, so_n, so_h,                      # bf16 [n, H, D] (stage copy / result)
+    q_ptr, sq_n, sq_h, sf_ptr, ss_n, ss_h,    # contiguous q [n, H, qbytes], sf [n, H, DQ / G]
+    slot_ptr, s_slot,                         # slot_mapping [n]
+    cache_ptr, s_blk, data_tok, sf_tok, head_stride, data_off, sf_off, tail_off, block_size, capacity,
+    n_rows, H,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, LOG2_BLOCK_D: tl.constexpr, VEC: tl.constexpr, BLOCK_M: tl.constexpr,
+    ONE_HEAD: tl.constexpr, ROWS32: tl.constexpr,
+    HAS_NORM: tl.constexpr, W_BF16: tl.constexpr, LAYER: tl.constexpr, HAS_BIAS: tl.constexpr,
+    B_BF16: tl.constexpr,
+    ROPE: tl.constexpr, R: tl.constexpr, ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, CONJ: tl.constexpr,
+    CS_BF16: tl.constexpr,
+    HAS_HAD: tl.constexpr,
+    CAST: tl.constexpr, G: tl.constexpr, SF: tl.constexpr, FMAX: tl.constexpr, DQ: tl.constexpr,
+    OUT_STAGE: tl.constexpr, DEST: tl.constexpr, NATIVE: tl.constexpr,
+    SLOT32: tl.constexpr, QALIGN: tl.constexpr, SFALIGN: tl.constexpr, TALIGN: tl.constexpr,
+    EARLY: tl.constexpr, FLOOR_E: tl.constexpr, PDL: tl.constexpr,
+):
+    """One program per BLOCK_M rows of x's n * H (token, head) rows (fused_rows). PDL (launched with
+    programmatic dependent launch): wait for the previous kernel on the stream before the first
+    read. No early launch_dependents (a grid of many programs would hand SMs to the next kernel
+    before its own later waves run; see kvfuse/kernels/qkv.py); the trigger at exit remains."""
+    if PDL:
+        gdc_wait()
+    fused_rows(tl.program_id(0), x_ptr, sx_n, sx_h, w_ptr, b_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, P,
+               had_scale, out_ptr, so_n, so_h, q_ptr, sq_n, sq_h, sf_ptr, ss_n, ss_h, slot_ptr, s_slot,
+               cache_ptr, s_blk, data_tok, sf_tok, head_stride, data_off, sf_off, tail_off, block_size,
+               capacity, n_rows, H, D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, ONE_HEAD, ROWS32, HAS_NORM, W_BF16,
+               LAYER, HAS_BIAS, B_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16, HAS_HAD, CAST, G, SF, FMAX, DQ,
+               OUT_STAGE, DEST, NATIVE, SLOT32, QALIGN, SFALIGN, TALIGN, EARLY, FLOOR_E)
 
 
 # --------------------------------------------------------------------------- launch configuration
