@@ -2,16 +2,17 @@
 Triton launch, byte-equal to the unfused PyTorch chain (:mod:`kvfuse.reference`)."""
 from . import formats, reference
 from .api import fused_norm_rope_hadamard_cast_store_kvcache, load_paged_kv_cache, store_kv_cache
-from .args import CastArgs, ContiguousOutArgs, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
+from .args import CastArgs, ContiguousOutArgs, FusedCall, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
 from .backend import checks_enabled, current_backend, pdl_enabled, set_checks, set_pdl, use_backend
 from .formats import KVCacheFormat, allocate_kv_cache
 from .gqa import fused_qk_norm_rope_store_kv
+from .group import fused_group
 from . import mla, models  # noqa: E402  (after the api: mla builds on it; models on mla)
 
 __version__ = "0.1.0"
 __all__ = [
     "fused_norm_rope_hadamard_cast_store_kvcache", "store_kv_cache", "load_paged_kv_cache", "fused_qk_norm_rope_store_kv",
-    "NormArgs", "RopeArgs", "HadamardArgs", "CastArgs", "ContiguousOutArgs", "KVCacheOutArgs",
+    "fused_group", "FusedCall", "NormArgs", "RopeArgs", "HadamardArgs", "CastArgs", "ContiguousOutArgs", "KVCacheOutArgs",
     "KVCacheFormat", "allocate_kv_cache", "formats", "reference", "use_backend", "set_checks",
     "current_backend", "checks_enabled", "set_pdl", "pdl_enabled", "mla", "models",
 ]

@@ -105,3 +105,15 @@ class KVCacheOutArgs:
     out: Optional[torch.Tensor] = None
     out_stage: Optional[str] = None
     layout: Optional["KVCacheFormat"] = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FusedCall:
+    """The arguments of one :func:`kvfuse.fused_norm_rope_hadamard_cast_store_kvcache` call, for
+    :func:`kvfuse.fused_group` (several calls, one launch). Same fields, same meaning."""
+    x: torch.Tensor
+    norm_args: Optional[NormArgs] = None
+    rope_args: Optional[RopeArgs] = None
+    hadamard_args: Optional[HadamardArgs] = None
+    cast_args: Optional[CastArgs] = None
+    out_args: object = None

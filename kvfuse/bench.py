@@ -44,15 +44,16 @@ import platform
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import api as _api
 from . import reference
-from .args import CastArgs, ContiguousOutArgs, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
+from .args import CastArgs, ContiguousOutArgs, FusedCall, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
 from .backend import use_backend
 from .gqa import fused_qk_norm_rope_store_kv
+from .group import fused_group
 from .models import GQA_MODELS, GQAConfig
 from .formats import (FLASHMLA_MODEL1, FLASHMLA_V32, INDEX_FP8_FP32, INDEX_MXFP4, INDEX_MXFP8, INDEX_NVFP4, MAIN_FP4,
                       MAIN_FP8, KVCacheFormat)
@@ -80,7 +81,7 @@ except Exception:  # pragma: no cover
 
 NEEDS_CUDA = "kvfuse bench needs a CUDA device (torch.cuda.is_available() is False): nothing measured."
 
-PEERS = ("reference", "compile", "stages", "fused")
+PEERS = ("reference", "compile", "stages", "calls", "fused")
 DEFAULT_SIZES = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 QUICK_SIZES = (1, 256, 4096, 65536, 262144)
 QUICK_WORKLOADS = ("main_fp8", "index_mxfp4", "q_pre")
@@ -100,7 +101,9 @@ class Workload:
     rope into a preallocated bf16 out; "index_q": rope + cast of ``fmt`` into preallocated (q, sf);
     "gqa": :func:`kvfuse.fused_qk_norm_rope_store_kv` of the model ``gqa`` (packed QKV [n, (Hq + 2 Hkv) D],
     QK-norm if the model has one, RoPE, q_out, K and V into NHD caches, fp8 with per-tensor scales when
-    ``cache_fp8``); num_heads is then Hq + 2 Hkv (the rows a call reads)."""
+    ``cache_fp8``); num_heads is then Hq + 2 Hkv (the rows a call reads); "group": the ``members``
+    workloads (same n, positions and cos/sin table) in one :func:`kvfuse.fused_group` launch, head_dim
+    and num_heads those of its largest member."""
     name: str
     kind: str
     head_dim: int
@@ -117,6 +120,7 @@ class Workload:
     rope: bool = True                    # False: no RoPE (with norm=False: the cast alone)
     gqa: Optional[GQAConfig] = None      # kind "gqa": the model
     cache_fp8: bool = False              # kind "gqa": float8_e4m3fn caches with per-tensor scales (else bf16)
+    members: Tuple[str, ...] = ()        # kind "group": the workloads run as one kvfuse.fused_group launch
 
     @property
     def hadamard_args(self) -> Optional[HadamardArgs]:
@@ -176,6 +180,16 @@ WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
              description="Q preprocessing: x [n, 64, 512], norm + NEOX rope (last 64) -> bf16 out"),
     Workload("index_q", "index_q", 128, INDEX_MXFP4, num_heads=64, norm=False,
              description="indexer Q: x [n, 64, 128], NEOX rope (last 64) + INDEX_MXFP4 cast -> (q, sf)"),
+    # the models' Q calls (q_preprocess, quantize_indexer_q), members of the layer groups below
+    Workload("dsv4_q", "q_pre", 512, None, num_heads=64, is_neox=False,
+             description="DeepSeek V4 Q: x [n, 64, 512], RMSNorm + GPT-J rope (last 64) -> bf16 out"),
+    Workload("dsv4_index_q", "index_q", 128, INDEX_MXFP8, num_heads=64, norm=False, is_neox=False, hadamard=True,
+             description="DeepSeek V4 indexer Q: x [n, 64, 128], GPT-J rope (last 64), Hadamard -> INDEX_MXFP8 (q, sf)"),
+    Workload("dsv32_q", "q_pre", 192, None, num_heads=128, norm=False, is_neox=False,
+             description="DeepSeek V3.2 Q: x [n, 128, 192], GPT-J rope (last 64) -> bf16 out"),
+    Workload("dsv32_index_q", "index_q", 128, INDEX_FP8_FP32, num_heads=64, norm=False, rope_offset=0,
+             hadamard=True, description="DeepSeek V3.2 indexer Q: x [n, 64, 128], NEOX rope (first 64), Hadamard "
+                                        "-> INDEX_FP8_FP32 (q, sf)"),
     # GQA / MHA models (kvfuse.models.GQA_MODELS): one fused_qk_norm_rope_store_kv call per layer
     _gqa("llama3_8b_bf16", "llama-3-8b", False),
     _gqa("llama3_8b_fp8", "llama-3-8b", True),
@@ -186,6 +200,22 @@ WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
     _gqa("gemma3_12b_bf16", "gemma-3-12b", False),
     _gqa("gemma3_12b_fp8", "gemma-3-12b", True),
 )}
+
+
+def _group(name, members, description):
+    widest = max((WORKLOADS[m] for m in members), key=lambda w: w.num_heads * w.head_dim)
+    return Workload(name, "group", widest.head_dim, None, num_heads=widest.num_heads, members=tuple(members),
+                    description=description)
+
+
+# an MLA layer's calls in one launch (kvfuse.fused_group / kvfuse.mla.write_layer)
+WORKLOADS.update({w.name: w for w in (
+    _group("group_dsv4_q_kv", ("dsv4_q", "dsv4_main_fp8"), "DeepSeek V4 Q (64 heads) + main KV MAIN_FP8, one launch"),
+    _group("group_dsv4_layer", ("dsv4_q", "dsv4_main_fp8", "dsv4_index_k", "dsv4_index_q"),
+           "DeepSeek V4 layer: Q, main KV, indexer K, indexer Q, one launch"),
+    _group("group_dsv32_layer", ("dsv32_q", "dsv3_main_v32", "dsv32_index_k", "dsv32_index_q"),
+           "DeepSeek V3.2 layer: Q (128 heads), FlashMLA KV, indexer K, indexer Q, one launch"),
+)})
 
 
 ACCOUNTING = ("compulsory DRAM bytes per call, computed from the inputs: x, positions and slots read once, "
@@ -253,6 +283,8 @@ def cos_sin_rows(positions: torch.Tensor, table_rows: int) -> int:
 def input_bytes(wl: Workload, inp: "Inputs") -> Dict[str, int]:
     """:func:`moved_bytes` of one call on these inputs: the distinct positions, the valid slots and
     the element sizes of the actual tensors."""
+    if wl.kind == "group":
+        return _group_bytes(wl, inp)
     positions, written = inp.positions, None
     if wl.kind == "write":
         capacity = inp.cache.shape[0] * inp.cache.shape[1]
@@ -264,6 +296,18 @@ def input_bytes(wl: Workload, inp: "Inputs") -> Dict[str, int]:
                        weight_bytes=inp.weight.element_size() if inp.weight is not None else 2,
                        cos_sin_rows=cos_sin_rows(positions, inp.cos_sin.shape[0]), written=written,
                        slot_bytes=inp.slots.element_size() if inp.slots is not None else None)
+
+
+def _group_bytes(wl: Workload, inp: "Inputs") -> Dict[str, int]:
+    """The members' bytes, by member, with the positions and cos/sin rows they share counted once."""
+    b = {}
+    for i, (name, m) in enumerate(zip(wl.members, inp.members)):
+        for k, v in input_bytes(WORKLOADS[name], m).items():
+            if k == "total" or (i and k in ("positions", "cos_sin")):
+                continue
+            b[f"{name}.{k}"] = v
+    b["total"] = sum(b.values())
+    return b
 
 
 def mean_bytes(details: Sequence[Dict[str, int]]) -> Dict[str, int]:
@@ -320,8 +364,11 @@ class Inputs:
     v_cache: Optional[torch.Tensor] = None
     k_scale: Optional[torch.Tensor] = None
     v_scale: Optional[torch.Tensor] = None
+    members: Optional[list] = None       # kind "group": each member workload's Inputs
 
     def nbytes(self) -> int:
+        if self.members:
+            return sum(m.nbytes() for m in self.members)
         total = 0
         for f in dataclasses.fields(self):
             t = getattr(self, f.name)
@@ -459,6 +506,12 @@ def build_inputs(wl: Workload, n: int, device, seed: int = 0, slots: str = "page
     g.manual_seed(seed * 1_000_003 + n * 7 + len(wl.name))
     if wl.kind == "gqa":
         return _gqa_inputs(wl, n, device, g, positions, slot_map, blocks, regime, slots)
+    if wl.kind == "group":
+        members = [build_inputs(WORKLOADS[m], n, device, seed, slots, regime) for m in wl.members]
+        for m in members[1:]:               # one positions tensor and one cos/sin table for the layer
+            m.positions, m.cos_sin = members[0].positions, members[0].cos_sin
+        return Inputs(n=n, x=members[0].x, positions=members[0].positions, cos_sin=members[0].cos_sin,
+                      regime=regime, slot_pattern=slots, members=members)
     H, D = wl.num_heads, wl.head_dim
     shape = (n, D) if H == 1 else (n, H, D)
     x = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
@@ -531,6 +584,8 @@ def result_tensors(wl: Workload, inp: Inputs) -> List[torch.Tensor]:
     "gqa" q_out and the two caches."""
     if wl.kind == "gqa":
         return [inp.out, inp.k_cache, inp.v_cache]
+    if wl.kind == "group":
+        return [t for name, m in zip(wl.members, inp.members) for t in result_tensors(WORKLOADS[name], m)]
     if wl.kind == "write":
         return [inp.cache]
     if wl.kind == "q_pre":
@@ -540,9 +595,32 @@ def result_tensors(wl: Workload, inp: Inputs) -> List[torch.Tensor]:
 
 # =============================================================================== peers
 def fused_call(wl: Workload, inp: Inputs) -> Callable[[], None]:
-    """One public call of the fused operator for this workload (the fused and reference peers)."""
+    """One public call of the fused operator for this workload (the fused and reference peers); a group:
+    one kvfuse.fused_group call of its members."""
     if wl.kind == "gqa":
         return _gqa_call(wl, inp)
+    if wl.kind == "group":
+        calls = [FusedCall(*_call_args(WORKLOADS[name], m)) for name, m in zip(wl.members, inp.members)]
+        return lambda: fused_group(calls)
+    x, norm, rope, had, cast, out = _call_args(wl, inp)
+
+    def call():
+        _api.fused_norm_rope_hadamard_cast_store_kvcache(x, norm, rope, had, cast, out)
+    return call
+
+
+def _calls_one_by_one(wl: Workload, inp: Inputs) -> Callable[[], None]:
+    """A group's member calls one after the other, each on its own kernel (the "calls" peer)."""
+    calls = [fused_call(WORKLOADS[name], m) for name, m in zip(wl.members, inp.members)]
+
+    def call():
+        for c in calls:
+            c()
+    return call
+
+
+def _call_args(wl: Workload, inp: Inputs) -> tuple:
+    """(x, norm_args, rope_args, hadamard_args, cast_args, out_args) of the workload's call."""
     norm = NormArgs(inp.weight, EPS, inp.bias, wl.norm_kind) if wl.norm else None
     rope = RopeArgs(inp.positions, inp.cos_sin, wl.rotary_dim, wl.is_neox, wl.rope_offset) if wl.rope else None
     had = wl.hadamard_args
@@ -552,11 +630,7 @@ def fused_call(wl: Workload, inp: Inputs) -> Callable[[], None]:
         out = ContiguousOutArgs(out=inp.out)
     else:
         out = ContiguousOutArgs(out=inp.q, sf=inp.sf)
-    cast, x = wl.cast_args, inp.x
-
-    def call():
-        _api.fused_norm_rope_hadamard_cast_store_kvcache(x, norm, rope, had, cast, out)
-    return call
+    return inp.x, norm, rope, had, wl.cast_args, out
 
 
 def _gqa_args(wl: Workload, inp: Inputs):
@@ -603,6 +677,13 @@ def _stage_chain(wl: Workload, inp: Inputs) -> Callable[[], None]:
     """kvfuse's kernels one stage per launch: norm, rope, cast, then store_kv_cache (writes)."""
     if wl.kind == "gqa":
         return _gqa_stage_chain(wl, inp)
+    if wl.kind == "group":
+        chains = [_stage_chain(WORKLOADS[name], m) for name, m in zip(wl.members, inp.members)]
+
+        def chain():
+            for c in chains:
+                c()
+        return chain
     fused = _api.fused_norm_rope_hadamard_cast_store_kvcache
     steps = []
     src = inp.x
@@ -680,11 +761,11 @@ def make_chain(wl: Workload) -> Callable:
         return write_chain
     if wl.kind == "q_pre":
         def q_chain(x, weight, positions, cos_sin, out):
-            out.copy_(reference.rope(reference.rmsnorm(x, weight, EPS), positions, cos_sin, rd, neox, off))
+            out.copy_(transform(x, weight, None, positions, cos_sin))
         return q_chain
 
     def index_q_chain(x, positions, cos_sin, q_out, sf_out):
-        q, sf = reference.quantize(reference.rope(x, positions, cos_sin, rd, neox, off), fmt.cast_fmt,
+        q, sf = reference.quantize(transform(x, None, None, positions, cos_sin), fmt.cast_fmt,
                                    fmt.elements_per_sf, fmt.sf_format, fmt.scale_floor)
         q_out.copy_(q)
         sf_out.copy_(sf)
@@ -716,6 +797,8 @@ def make_peer(peer: str, wl: Workload, inp: Inputs, compiled: Optional[Callable]
         return fused_call(wl, inp)
     if peer == "stages":
         return _stage_chain(wl, inp)
+    if peer == "calls":
+        return _calls_one_by_one(wl, inp)
     if peer == "reference":
         call = fused_call(wl, inp)
 
@@ -999,8 +1082,20 @@ def _reset_dynamo() -> None:
         pass
 
 
+def peer_not_applicable(peer: str, wl: Workload) -> str:
+    """Why ``peer`` has no meaning for ``wl`` ("" when it has)."""
+    if peer == "calls" and wl.kind != "group":
+        return "the member calls one by one: group workloads only"
+    if peer == "compile" and wl.kind == "group":
+        return "no torch.compile chain of a group (its members' chains are measured on their own)"
+    return ""
+
+
 def _skip_reason(peer: str, wl: Workload, n: int, cfg: Config, cstate: _CompileState) -> str:
     rows = n * wl.num_heads
+    reason = peer_not_applicable(peer, wl)
+    if reason:
+        return reason
     if peer in ("reference", "compile") and rows > cfg.peer_max_n:
         return f"rows n*heads={rows} > --peer-max-n {cfg.peer_max_n}"
     if peer == "compile":
@@ -1013,7 +1108,7 @@ def measure_point(wl: Workload, n: int, cfg: Config, device, timer, cstate: _Com
     """All peers of one (workload, n): build the inputs once, time each peer on them."""
     rows = n * wl.num_heads
     base = dict(workload=wl.name, n=n, rows=rows, regime=input_regime(n, cfg.regime),
-                slots=cfg.slots if wl.kind == "write" else "")
+                slots=cfg.slots if wl.kind in ("write", "group") else "")
     skip = ""
     if rows * wl.head_dim > cfg.max_x_elems:
         skip = f"x would hold {rows * wl.head_dim} elements > {cfg.max_x_elems} (--max-x-elems)"

@@ -20,7 +20,7 @@ from .overlap import OverlapCheck, span_terms
 from .plan import (INDEX_DTYPES, CacheEntry, Plan, check_tensor, optional_tensor_key, q_dtype, sf_dtype, tensor_key,
                    validated)
 
-__all__ = ["run", "kernels", "run_data_checks", "validate_store", "store", "validate_load", "load"]
+__all__ = ["run", "run_group", "kernels", "run_data_checks", "validate_store", "store", "validate_load", "load"]
 
 _fused_module = None
 
@@ -44,6 +44,11 @@ class _InterpreterLaunches:
         with self._lock:
             return self._module.run_plan(plan)
 
+    def run_group(self, plans):
+        from .kernels import grouped
+        with self._lock:
+            return grouped.run_group(plans)
+
     def store(self, *args):
         with self._lock:
             return self._module.store(*args)
@@ -59,6 +64,15 @@ def kernels():
         from .kernels import fused  # imported lazily: triton is only needed by the triton backend
         _fused_module = _InterpreterLaunches(fused) if fused.INTERPRET else fused
     return _fused_module
+
+
+def _run_group_kernel(plans) -> None:
+    k = kernels()
+    if isinstance(k, _InterpreterLaunches):
+        k.run_group(plans)
+    else:
+        from .kernels import grouped
+        grouped.run_group(plans)
 
 
 def run_data_checks(positions=None, max_position=None, slot_mapping=None, capacity=None) -> None:
@@ -98,6 +112,28 @@ def run(plan: Plan) -> None:
     else:
         with torch.inference_mode():  # see the docstring
             reference.run_plan(plan)
+
+
+def run_group(plans) -> None:
+    """Run validated plans that touch no common output (kvfuse.group checked) as one launch on the
+    Triton backend (kvfuse/kernels/grouped.py; a single plan with n > 0 takes :func:`run`'s kernel,
+    fast paths included), or one after the other on the reference backend."""
+    if _backend.checks_enabled():
+        for plan in plans:
+            cap = None if plan.kv_cache is None else plan.kv_cache.shape[0] * plan.kv_cache.shape[1]
+            run_data_checks(plan.positions, None if plan.cos_sin is None else plan.cos_sin.shape[0],
+                            plan.slot_mapping, cap)
+    live = [plan for plan in plans if plan.n and plan.x.device.type != "meta"]
+    if not live:
+        return
+    if _backend.resolve_backend(live[0].x.device) != "triton":
+        with torch.inference_mode():  # see run
+            for plan in live:
+                reference.run_plan(plan)
+    elif len(live) == 1:
+        kernels().run_plan(live[0])
+    else:
+        _run_group_kernel(live)
 
 
 # --------------------------------------------------------------------------- store_kv_cache

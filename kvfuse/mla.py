@@ -15,6 +15,7 @@ models (DeepSeek V3 / V3.1, V3.2, V4).
 | :func:`write_compressed_kv` | RMSNorm | index RoPE | - | from_cache_format | index cache + pre-RoPE latent (out_stage="norm") | n x 128 |
 | :func:`write_indexer_k` | cfg.index_norm_kind (V3.2: LayerNorm with bias) | index RoPE (V3.2: first 64) | cfg.index_hadamard | from_cache_format | index cache | n x 128 |
 | :func:`quantize_indexer_q` | - | index RoPE | same as K | from_cache_format (same format as K) | (q, sf) | n x heads x 128 |
+| :func:`write_layer` | the calls above that are given: Q, main cache, indexer K, indexer Q | | | | | one launch (:func:`kvfuse.fused_group`) |
 | :func:`write_flashmla_v32` | optional (latent only) | tail 64 | - | FLASHMLA_V32 | 576 = 512 e4m3 + 64 bf16 | n x 576 |
 
 Context parallelism. Each rank computes K for its shard of tokens, then every rank writes the
@@ -38,14 +39,16 @@ import torch
 
 from .api import fused_norm_rope_hadamard_cast_store_kvcache as _fused
 from .api import store_kv_cache
-from .args import CastArgs, ContiguousOutArgs, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
+from .args import CastArgs, ContiguousOutArgs, FusedCall, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
+from .group import fused_group
 from .formats import FLASHMLA_MODEL1, FLASHMLA_V32, INDEX_MXFP8, MAIN_FP8, KVCacheFormat
 
 __all__ = [
     "MLAConfig", "make_cos_sin_cache", "q_preprocess", "write_main_cache", "cp_local_kv",
     "write_main_cache_gathered", "cp_local_kv_quantized", "store_gathered", "write_draft_kv",
     "write_compressed_kv", "write_indexer_k", "quantize_indexer_q", "write_flashmla_v32",
-    "write_flashmla_model1",
+    "write_flashmla_model1", "write_layer", "q_preprocess_call", "main_cache_call", "indexer_k_call",
+    "indexer_q_call",
 ]
 
 NORM_KINDS = ("rms", "layer")
@@ -211,6 +214,11 @@ def make_cos_sin_cache(max_position: int, rotary_dim: int, base: float = 10000.0
     return torch.cat([ang.cos(), ang.sin()], dim=-1).to(torch.float32)
 
 
+def _run(call: FusedCall):
+    """One call of the fused operator with a FusedCall's arguments."""
+    return _fused(call.x, call.norm_args, call.rope_args, call.hadamard_args, call.cast_args, call.out_args)
+
+
 def _fmt(fmt: Optional[KVCacheFormat], default: KVCacheFormat) -> KVCacheFormat:
     return default if fmt is None else fmt
 
@@ -222,10 +230,17 @@ def q_preprocess(cfg: MLAConfig, q: torch.Tensor, positions: torch.Tensor, cos_s
     then RoPE on the last qk_rope_head_dim dims of every head (offset cfg.rope_offset, pairing
     cfg.rope_is_neox); q bf16 [n, num_heads, qk_head_dim] -> bf16 of the same shape (into ``out``
     if given)."""
+    return _run(q_preprocess_call(cfg, q, positions, cos_sin, q_norm_weight, out))
+
+
+def q_preprocess_call(cfg: MLAConfig, q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                      q_norm_weight: Optional[torch.Tensor] = None,
+                      out: Optional[torch.Tensor] = None) -> FusedCall:
+    """The call of :func:`q_preprocess` (for :func:`write_layer` / :func:`kvfuse.fused_group`)."""
     w = q_norm_weight
     if w is None and cfg.q_norm:
         w = _ones(q.shape[-1], q.device)
-    return _fused(q, norm_args=cfg.norm_args(w), rope_args=cfg.rope_args(positions, cos_sin), out_args=out)
+    return FusedCall(q, norm_args=cfg.norm_args(w), rope_args=cfg.rope_args(positions, cos_sin), out_args=out)
 
 
 # --------------------------------------------------------------------------- main cache
@@ -243,22 +258,39 @@ def write_main_cache(cfg: MLAConfig, kv: torch.Tensor, positions: torch.Tensor, 
     ``kv_a_layernorm``): a norm-only call on the latent, then RoPE + cast + store in a second one.
     Returns ``out`` (the bf16 of ``out_stage``) or None."""
     fmt = _fmt(fmt, cfg.main_format)
-    rope = cfg.main_rope_args(positions, cos_sin, fmt)
-    cast = CastArgs.from_cache_format(fmt)
-    x, norm = kv, cfg.norm_args(norm_weight)
-    if cfg.splits_k_pe(fmt):
-        if out_stage == "norm":
-            raise ValueError(f"out_stage='norm' is not available for a [latent | k_pe] record ({fmt.name}): the "
-                             "norm covers the latent only; use 'transform' or 'cast_back'")
-        if kv.shape[-1] != fmt.head_dim:
-            raise ValueError(f"kv must have {fmt.head_dim} = kv_lora_rank + qk_rope_head_dim dims for {fmt.name}, "
-                             f"got {kv.shape[-1]}")
-        latent = kv[..., :cfg.kv_lora_rank]
-        if norm is not None:
-            latent = _fused(latent, norm_args=norm)
-        x, norm = torch.cat([latent, kv[..., cfg.kv_lora_rank:]], dim=-1), None
-    return _fused(x, norm_args=norm, rope_args=rope, cast_args=cast,
+    if not cfg.splits_k_pe(fmt):
+        return _run(main_cache_call(cfg, kv, positions, cos_sin, norm_weight, kv_cache, slot_mapping, fmt, out,
+                                    out_stage))
+    if out_stage == "norm":
+        raise ValueError(f"out_stage='norm' is not available for a [latent | k_pe] record ({fmt.name}): the "
+                         "norm covers the latent only; use 'transform' or 'cast_back'")
+    if kv.shape[-1] != fmt.head_dim:
+        raise ValueError(f"kv must have {fmt.head_dim} = kv_lora_rank + qk_rope_head_dim dims for {fmt.name}, "
+                         f"got {kv.shape[-1]}")
+    latent = kv[..., :cfg.kv_lora_rank]
+    norm = cfg.norm_args(norm_weight)
+    if norm is not None:
+        latent = _fused(latent, norm_args=norm)
+    x = torch.cat([latent, kv[..., cfg.kv_lora_rank:]], dim=-1)
+    return _fused(x, rope_args=cfg.main_rope_args(positions, cos_sin, fmt), cast_args=CastArgs.from_cache_format(fmt),
                   out_args=KVCacheOutArgs(kv_cache, slot_mapping, out=out, out_stage=out_stage, layout=fmt))
+
+
+def main_cache_call(cfg: MLAConfig, kv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                    norm_weight: Optional[torch.Tensor], kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    fmt: Optional[KVCacheFormat] = None, out: Optional[torch.Tensor] = None,
+                    out_stage: Optional[str] = None) -> FusedCall:
+    """The call of :func:`write_main_cache`. A [latent | k_pe] record (:meth:`MLAConfig.splits_k_pe`)
+    is one call only without ``norm_weight`` (kv's latent already normalized, as engines hand it to
+    the FlashMLA write); with one it takes two calls (the norm covers the latent only): ValueError."""
+    fmt = _fmt(fmt, cfg.main_format)
+    if cfg.splits_k_pe(fmt) and norm_weight is not None:
+        raise ValueError(f"a [latent | k_pe] record ({fmt.name}) with norm_weight is written by two calls (the norm "
+                         "covers the latent only): use write_main_cache, or pass the normalized latent without "
+                         "norm_weight")
+    return FusedCall(kv, norm_args=cfg.norm_args(norm_weight), rope_args=cfg.main_rope_args(positions, cos_sin, fmt),
+                     cast_args=CastArgs.from_cache_format(fmt),
+                     out_args=KVCacheOutArgs(kv_cache, slot_mapping, out=out, out_stage=out_stage, layout=fmt))
 
 
 def _check_cp(cfg: MLAConfig, fmt: KVCacheFormat, what: str) -> None:
@@ -340,11 +372,20 @@ def write_indexer_k(cfg: MLAConfig, k: torch.Tensor, positions: torch.Tensor, co
     (cfg.index_hadamard) -> the cast of cfg.index_format -> the index cache. k bf16
     [n, index_head_dim]; ``out`` / ``out_stage`` as in :class:`kvfuse.KVCacheOutArgs`. ValueError
     when the model has no indexer (index_format None)."""
+    return _run(indexer_k_call(cfg, k, positions, cos_sin, norm_weight, kv_cache, slot_mapping, norm_bias, out,
+                               out_stage))
+
+
+def indexer_k_call(cfg: MLAConfig, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                   norm_weight: Optional[torch.Tensor], kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   norm_bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                   out_stage: Optional[str] = None) -> FusedCall:
+    """The call of :func:`write_indexer_k`."""
     fmt = cfg._need("index_format")
-    return _fused(k, norm_args=cfg.index_norm_args(norm_weight, norm_bias),
-                  rope_args=cfg.index_rope_args(positions, cos_sin), hadamard_args=cfg.index_hadamard_args,
-                  cast_args=CastArgs.from_cache_format(fmt),
-                  out_args=KVCacheOutArgs(kv_cache, slot_mapping, out=out, out_stage=out_stage, layout=fmt))
+    return FusedCall(k, norm_args=cfg.index_norm_args(norm_weight, norm_bias),
+                     rope_args=cfg.index_rope_args(positions, cos_sin), hadamard_args=cfg.index_hadamard_args,
+                     cast_args=CastArgs.from_cache_format(fmt),
+                     out_args=KVCacheOutArgs(kv_cache, slot_mapping, out=out, out_stage=out_stage, layout=fmt))
 
 
 def quantize_indexer_q(cfg: MLAConfig, q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
@@ -355,12 +396,65 @@ def quantize_indexer_q(cfg: MLAConfig, q: torch.Tensor, positions: torch.Tensor,
     very objects the K side uses, so Q and K share grid, scales and basis (a bf16 index format
     returns (bf16 q, None)).
     q bf16 [n, index_num_heads, index_head_dim]; ``out``/``sf`` optional preallocated outputs."""
+    call = indexer_q_call(cfg, q, positions, cos_sin, out, sf)
+    return _indexer_q_result(call, _run(call))
+
+
+def indexer_q_call(cfg: MLAConfig, q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                   out: Optional[torch.Tensor] = None, sf: Optional[torch.Tensor] = None) -> FusedCall:
+    """The call of :func:`quantize_indexer_q`."""
     cast = CastArgs.from_cache_format(cfg._need("index_format"))
-    res = _fused(q, rope_args=cfg.index_rope_args(positions, cos_sin), hadamard_args=cfg.index_hadamard_args,
-                 cast_args=cast, out_args=None if out is None and sf is None else ContiguousOutArgs(out, sf))
-    if cast is None:   # a bf16 index cache: Q stays bf16
-        return res, None
-    return res
+    return FusedCall(q, rope_args=cfg.index_rope_args(positions, cos_sin), hadamard_args=cfg.index_hadamard_args,
+                     cast_args=cast, out_args=None if out is None and sf is None else ContiguousOutArgs(out, sf))
+
+
+def _indexer_q_result(call: FusedCall, res):
+    return (res, None) if call.cast_args is None else res   # a bf16 index cache: Q stays bf16
+
+
+# --------------------------------------------------------------------------- a layer's calls, one launch
+def write_layer(cfg: MLAConfig, positions: torch.Tensor, cos_sin: torch.Tensor, *,
+                q: Optional[torch.Tensor] = None, q_norm_weight: Optional[torch.Tensor] = None,
+                q_out: Optional[torch.Tensor] = None,
+                kv: Optional[torch.Tensor] = None, kv_norm_weight: Optional[torch.Tensor] = None,
+                kv_cache: Optional[torch.Tensor] = None, slot_mapping: Optional[torch.Tensor] = None,
+                index_k: Optional[torch.Tensor] = None, index_norm_weight: Optional[torch.Tensor] = None,
+                index_norm_bias: Optional[torch.Tensor] = None, index_cache: Optional[torch.Tensor] = None,
+                index_slot_mapping: Optional[torch.Tensor] = None,
+                index_q: Optional[torch.Tensor] = None, index_q_out: Optional[torch.Tensor] = None,
+                index_sf_out: Optional[torch.Tensor] = None) -> dict:
+    """The layer's calls that are given, in ONE launch (:func:`kvfuse.fused_group`): Q preprocessing
+    (``q``: :func:`q_preprocess`), the main cache write (``kv``: :func:`write_main_cache`, a record
+    normalized whole), the indexer K write (``index_k``: :func:`write_indexer_k`) and the indexer Q
+    quantization (``index_q``: :func:`quantize_indexer_q`); same arguments as those functions, all
+    at the same ``positions`` (``index_slot_mapping`` defaults to ``slot_mapping``). Returns
+    {"q": bf16, "index_q": (q, sf)} for the calls made (the cache writes return nothing), each
+    byte-equal to its own function's result. At least one call; q_out may be q (in place)."""
+    calls, keys = [], []
+    if q is not None:
+        calls.append(q_preprocess_call(cfg, q, positions, cos_sin, q_norm_weight, q_out))
+        keys.append("q")
+    if kv is not None:
+        calls.append(main_cache_call(cfg, kv, positions, cos_sin, kv_norm_weight, kv_cache, slot_mapping))
+        keys.append("kv")
+    if index_k is not None:
+        slots = slot_mapping if index_slot_mapping is None else index_slot_mapping
+        calls.append(indexer_k_call(cfg, index_k, positions, cos_sin, index_norm_weight, index_cache, slots,
+                                    index_norm_bias))
+        keys.append("index_k")
+    if index_q is not None:
+        calls.append(indexer_q_call(cfg, index_q, positions, cos_sin, index_q_out, index_sf_out))
+        keys.append("index_q")
+    if not calls:
+        raise ValueError("write_layer: expected at least one of q, kv, index_k, index_q")
+    results = fused_group(calls)
+    found = {}
+    for key, call, res in zip(keys, calls, results):
+        if key == "q":
+            found["q"] = res
+        elif key == "index_q":
+            found["index_q"] = _indexer_q_result(call, res)
+    return found
 
 
 # --------------------------------------------------------------------------- FlashMLA formats

@@ -1,6 +1,6 @@
 """kvfuse's entry points as ``torch.library`` custom ops (namespace ``kvfuse``), SPEC §9.
 
-Three ops, each with a fake (meta) implementation and ``mutates_args`` naming what it writes.
+Five ops, each with a fake (meta) implementation and ``mutates_args`` naming what it writes.
 None of them allocates or returns a tensor: every output is preallocated by the caller (the
 Python wrappers below allocate in Python *before* the op), so a compiled graph or a CUDA graph
 holds exactly one opaque call that writes into buffers it was given.
@@ -17,6 +17,9 @@ holds exactly one opaque call that writes into buffers it was given.
   ``sf_out`` (raw bytes).
 * ``kvfuse::fused_qk_norm_rope_store_kv`` -- a validated :class:`kvfuse.gqa.GQAPlan` (SPEC §11):
   mutates ``k_cache``, ``v_cache`` and ``q_out``.
+* ``kvfuse::fused_group`` -- validated plans of :func:`kvfuse.fused_group`, flattened: every
+  member's inputs (``Tensor?[]``), the outputs it was given (``Tensor(a!)[]``, mutated) and one
+  string per member with its scalars; one launch (:func:`kvfuse.dispatch.run_group`).
 
 Wrappers: :func:`execute_op` (a Plan -> the op), :func:`fused_norm_rope_hadamard_cast_store_kvcache`
 (validate + allocate + op: the public function's traceable twin), :func:`store_kv_cache`,
@@ -41,7 +44,8 @@ from .plan import CastSpec, Plan, build_plan
 __all__ = [
     "execute_op", "fused_norm_rope_hadamard_cast_store_kvcache", "store_kv_cache", "load_paged_kv_cache",
     "fused_op", "store_op", "load_op", "format_fields", "format_from_fields", "gqa_op", "gqa_plan_to_op_args",
-    "execute_gqa_op", "fused_qk_norm_rope_store_kv",
+    "execute_gqa_op", "fused_qk_norm_rope_store_kv", "op_args_to_plan", "group_op", "execute_group_op",
+    "group_plans_to_op_args", "group_op_args_to_plans",
 ]
 
 
@@ -97,7 +101,9 @@ GQA_SCHEMA = ("fused_qk_norm_rope_store_kv(Tensor q, Tensor k, Tensor v, Tensor(
 _lib.define(FUSED_SCHEMA)
 _lib.define(STORE_SCHEMA)
 _lib.define(LOAD_SCHEMA)
+GROUP_SCHEMA = "fused_group(Tensor?[] inputs, Tensor(a!)[] outputs, str[] members) -> ()"
 _lib.define(GQA_SCHEMA)
+_lib.define(GROUP_SCHEMA)
 
 
 def _impl(name):
@@ -110,20 +116,25 @@ def _impl(name):
 
 # --------------------------------------------------------------------------- the fused op
 @_impl("fused_norm_rope_hadamard_cast_store")
-def fused_op(x, weight, positions, cos_sin, out, q_out, sf_out, kv_cache, slot_mapping, bias, eps, norm_kind,
-             rotary_dim, rope_offset, is_neox, conjugate, hadamard_scale, cast_fmt, group, sf_format, floor_exp,
-             quant_dim, out_stage, *fmt_fields) -> None:
-    """One validated Plan, flattened (see :func:`execute_op`). Norm is on iff ``weight`` is given,
-    RoPE iff ``positions`` is, Hadamard iff ``hadamard_scale`` is, the cast iff ``cast_fmt`` is."""
+def fused_op(*args) -> None:
+    """One validated Plan, flattened (see :func:`execute_op`)."""
+    dispatch.run(op_args_to_plan(*args))
+
+
+def op_args_to_plan(x, weight, positions, cos_sin, out, q_out, sf_out, kv_cache, slot_mapping, bias, eps, norm_kind,
+                    rotary_dim, rope_offset, is_neox, conjugate, hadamard_scale, cast_fmt, group, sf_format,
+                    floor_exp, quant_dim, out_stage, *fmt_fields) -> Plan:
+    """The Plan of :data:`fused_op`'s arguments (inverse of :func:`plan_to_op_args`). Norm is on iff
+    ``weight`` is given, RoPE iff ``positions`` is, Hadamard iff ``hadamard_scale`` is, the cast iff
+    ``cast_fmt`` is."""
     fmt = format_from_fields(*fmt_fields)
-    plan = Plan(x=x, weight=weight, eps=eps, norm_kind=norm_kind, bias=bias, positions=positions, cos_sin=cos_sin,
+    return Plan(x=x, weight=weight, eps=eps, norm_kind=norm_kind, bias=bias, positions=positions, cos_sin=cos_sin,
                 rotary_dim=rotary_dim, rope_offset=rope_offset, is_neox=is_neox, conjugate=conjugate,
                 hadamard_scale=hadamard_scale,
                 cast=None if cast_fmt is None else CastSpec(cast_fmt, group, sf_format, floor_exp), quant_dim=quant_dim,
                 out=out, out_stage=out_stage, q_out=q_out, sf_out=sf_out, kv_cache=kv_cache,
                 slot_mapping=slot_mapping, fmt=fmt,
                 addressing=None if kv_cache is None else fmt.addressing_for(kv_cache))
-    dispatch.run(plan)
 
 
 def plan_to_op_args(plan: Plan) -> tuple:
@@ -149,6 +160,94 @@ def fused_norm_rope_hadamard_cast_store_kvcache(x, norm_args=None, rope_args=Non
     plan, result = build_plan(x, norm_args, rope_args, hadamard_args, cast_args, out_args)
     execute_op(plan)
     return result
+
+
+# --------------------------------------------------------------------------- a group of calls, one launch
+# A member's plan_to_op_args: tensors at INPUT_AT (read) and OUTPUT_AT (written), scalars from SCALARS_FROM on.
+# In the op, a member's inputs are its INPUT_AT tensors (None where absent), its outputs only the present
+# ones, and its string member record says which are present and holds the scalars (see _encode_member).
+INPUT_AT = (0, 1, 2, 3, 8, 9)
+OUTPUT_AT = (4, 5, 6, 7)
+SCALARS_FROM = 10
+
+
+_SEP = "\x1f"   # between the tokens of a member record (no format name or option holds it)
+
+
+def _token(v) -> str:
+    """One scalar as text that torch.compile can build while tracing: N (None), T / F (bools), i<int>,
+    f<repr(float)> (repr round-trips every float exactly), s<str>."""
+    if v is None:
+        return "N"
+    if isinstance(v, bool):
+        return "T" if v else "F"
+    if isinstance(v, int):
+        return "i" + str(v)
+    if isinstance(v, float):
+        return "f" + repr(v)
+    if _SEP in v:
+        raise ValueError(f"a format name or option of a grouped call may not contain \\x1f, got {v!r}")
+    return "s" + v
+
+
+def _value(token: str):
+    kind, text = token[0], token[1:]
+    if kind == "N":
+        return None
+    if kind in "TF":
+        return kind == "T"
+    if kind == "i":
+        return int(text)
+    if kind == "f":
+        return float(text)
+    return text
+
+
+def _encode_member(present, scalars) -> str:
+    return _SEP.join(["".join("1" if p else "0" for p in present)] + [_token(v) for v in scalars])
+
+
+def _decode_member(record: str):
+    head, *tokens = record.split(_SEP)
+    return [c == "1" for c in head], [_value(t) for t in tokens]
+
+
+@_impl("fused_group")
+def group_op(inputs, outputs, members) -> None:
+    """Validated plans, flattened (see :func:`execute_group_op`), run as one group (kvfuse.dispatch.run_group)."""
+    dispatch.run_group(group_op_args_to_plans(inputs, outputs, members))
+
+
+def group_op_args_to_plans(inputs, outputs, members) -> list:
+    plans, at_out = [], 0
+    for m, record in enumerate(members):
+        present, scalars = _decode_member(record)
+        args = [None] * SCALARS_FROM
+        for k, pos in enumerate(INPUT_AT):
+            args[pos] = inputs[m * len(INPUT_AT) + k]
+        for has, pos in zip(present, OUTPUT_AT):
+            if has:
+                args[pos] = outputs[at_out]
+                at_out += 1
+        plans.append(op_args_to_plan(*args, *scalars))
+    return plans
+
+
+def group_plans_to_op_args(plans) -> tuple:
+    """(inputs, outputs, members) of :data:`group_op` for validated plans."""
+    inputs, outputs, members = [], [], []
+    for plan in plans:
+        args = plan_to_op_args(plan)
+        inputs += [args[pos] for pos in INPUT_AT]
+        present = [args[pos] is not None for pos in OUTPUT_AT]
+        outputs += [args[pos] for pos in OUTPUT_AT if args[pos] is not None]
+        members.append(_encode_member(present, args[SCALARS_FROM:]))
+    return inputs, outputs, members
+
+
+def execute_group_op(plans) -> None:
+    """Run validated plans through the ``kvfuse::fused_group`` op (one launch on the Triton backend)."""
+    torch.ops.kvfuse.fused_group(*group_plans_to_op_args(plans))
 
 
 # --------------------------------------------------------------------------- store

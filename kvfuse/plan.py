@@ -169,6 +169,7 @@ def infer_layout(kv_cache: torch.Tensor, cast_args) -> KVCacheFormat:
 # out), then the norm bias; None where absent. The outputs a call allocates follow them.
 X, WEIGHT, POSITIONS, COS_SIN, OUT_ARG0, OUT_ARG1, OUT_ARG2, BIAS = range(8)
 NUM_CALL_TENSORS = 8
+MAX_GROUP_CALLS = 4   # calls of one kvfuse.fused_group launch (kvfuse/kernels/grouped.py holds four members)
 
 
 def call_tensors(x, norm_args, rope_args, out_args) -> tuple:

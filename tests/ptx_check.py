@@ -21,6 +21,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kvfuse.kernels import fused as F  # noqa: E402
+from kvfuse.kernels import grouped as G  # noqa: E402
 from kvfuse.kernels import qkv as Q  # noqa: E402
 
 BAD = re.compile(r"\bfma\.|\.approx|div\.full")
@@ -106,6 +107,47 @@ def gqa_variants():
                                           "BLOCK_DV": 256, "BLOCK_M": 4, "R": 64, "ROPE_OFF": 32}, ptrs
 
 
+def grouped_variants():
+    """kvfuse.fused_group's kernel: (name, the members' fused_rows constexprs, PDL)."""
+    fused = dict(fused_variants())
+    yield "grouped_q_main_index_decode", [fused["bf16_out_rope_only"], fused["main_fp8_decode"],
+                                          fused["contiguous_fp32_sf"]], False
+    yield "grouped_main_index_q_pdl", [fused["main_fp8"], fused["index_layernorm_offset0_had_fp32"],
+                                       fused["bf16_out_rope_only"], fused["contiguous_nvfp4_interleaved_subtile"]], True
+
+
+def compile_grouped_ptx(members, pdl):
+    """grouped_kernel with one tuple of runtime arguments (types as in compile_ptx) and one of constexprs per
+    member; unused member slots None."""
+    sig, attrs, consts = {}, {}, {}
+    names = G.grouped_kernel.arg_names
+    for m in range(G.MAX_CALLS):
+        a_at, c_at = names.index(f"A{m}"), names.index(f"C{m}")
+        if m < len(members):
+            types = []
+            for k, name in enumerate(G.TUPLE_NAMES):
+                types.append(PTR_TYPES.get(name, "fp32" if name in FLOATS else "i32"))
+                if name in PTR_TYPES or name in DIVISIBLE_BY_16:
+                    attrs[(a_at, k)] = [["tt.divisibility", 16]]
+            sig[f"A{m}"] = tuple(types)
+            sig[f"C{m}"] = "constexpr"
+            consts[(c_at,)] = tuple(members[m][k] for k in G.CONSTEXPR_NAMES)
+        else:
+            sig[f"A{m}"] = sig[f"C{m}"] = "constexpr"
+            consts[(a_at,)] = consts[(c_at,)] = None
+        for k in ("N", "P", "CAP"):
+            sig[f"{k}{m}"] = "i32"
+    for k in ("E0", "E1", "E2"):
+        sig[k] = "i32"
+    sig["NUM"] = sig["PDL"] = "constexpr"
+    consts[(names.index("NUM"),)] = len(members)
+    consts[(names.index("PDL"),)] = pdl
+    src = ASTSource(fn=G.grouped_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"enable_fp_fusion": False, "num_warps": 1, "num_stages": 1})
+    return kernel.asm["ptx"]
+
+
 def load_variants():
     base = dict(D=512, BLOCK_D=512, DQ=512, CAST=1, G=32, SF=0, QB=512, DATA_B=512, BLOCK_DATA_B=512, SFB=20,
                 BLOCK_SFB=32, DEQUANT=True, BLOCK_M=4, NATIVE=True)
@@ -146,6 +188,7 @@ def jobs():
     found = [(name, F.fused_kernel, c, {}) for name, c in fused_variants()]
     found += [(name, F.load_kernel, c, {"out_ptr": "*bf16"}) for name, c in load_variants()]
     found += [(name, Q.qkv_kernel, c, ptrs) for name, c, ptrs in gqa_variants()]
+    found += [(name, G.grouped_kernel, (members, pdl), None) for name, members, pdl in grouped_variants()]
     return found
 
 
@@ -155,7 +198,10 @@ def main() -> int:
     fingerprint = "--fingerprint" in sys.argv   # one hash per variant (refactors: same code before and after)
     findings = 0
     for name, fn, consts, ptrs in jobs():
-        ptx = compile_ptx(fn, consts, num_warps=1, ptr_types=ptrs)
+        if fn is G.grouped_kernel:
+            ptx = compile_grouped_ptx(*consts)
+        else:
+            ptx = compile_ptx(fn, consts, num_warps=1, ptr_types=ptrs)
         if fingerprint:
             print(f"{name:36s} {code_fingerprint(ptx)}")
             continue

@@ -12,7 +12,7 @@ from kvfuse.bench import Record
 
 class FakeTimer:
     """Returns made-up timings per peer without running anything (fused 10 us, stages 30 us...)."""
-    GPU = {"reference": 400.0, "compile": 120.0, "stages": 30.0, "fused": 10.0}
+    GPU = {"reference": 400.0, "compile": 120.0, "stages": 30.0, "calls": 20.0, "fused": 10.0}
 
     def __init__(self):
         self.labels = []
@@ -254,6 +254,27 @@ def _poison(wl, inp):
         t.view(torch.uint8).fill_(0xAB)
 
 
+def test_group_workload_inputs_and_bytes():
+    """A group's members share one positions tensor and cos/sin table, counted once in its bytes; the
+    grouped call (the interpreter's grouped kernel) writes what its calls write one by one."""
+    wl = bench.WORKLOADS["group_dsv4_layer"]
+    inp = bench.build_inputs(wl, 3, "cpu", seed=2)
+    assert [m.x.shape for m in inp.members] == [(3, 64, 512), (3, 512), (3, 128), (3, 64, 128)]
+    assert all(m.positions is inp.positions and m.cos_sin is inp.cos_sin for m in inp.members)
+    detail = bench.input_bytes(wl, inp)
+    parts = [bench.input_bytes(bench.WORKLOADS[m], mi) for m, mi in zip(wl.members, inp.members)]
+    shared = parts[0]["positions"] + parts[0]["cos_sin"]
+    assert detail["total"] == sum(p["total"] for p in parts) - (len(parts) - 1) * shared
+    with use_backend("triton"):
+        _poison(wl, inp)
+        bench.make_peer("calls", wl, inp)()
+        want = _snapshot(wl, inp)
+        _poison(wl, inp)
+        bench.make_peer("fused", wl, inp)()
+        got = _snapshot(wl, inp)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == 5
+
+
 @pytest.mark.parametrize("name", list(bench.WORKLOADS))
 def test_peers_produce_the_reference_output(name):
     """Every peer (the stage chain and the compile chain run eagerly, all through the reference
@@ -261,12 +282,14 @@ def test_peers_produce_the_reference_output(name):
     wl = bench.WORKLOADS[name]
     inp = bench.build_inputs(wl, 5, "cpu", seed=1)
     outs = {}
+    peers = [p for p in bench.PEERS if not bench.peer_not_applicable(p, wl)]
+    assert ("calls" in peers) == (wl.kind == "group") and ("compile" in peers) == (wl.kind != "group")
     with use_backend("reference"):
-        for peer in bench.PEERS:
+        for peer in peers:
             _poison(wl, inp)
             bench.make_peer(peer, wl, inp)()
             outs[peer] = _snapshot(wl, inp)
-    for peer in bench.PEERS:
+    for peer in peers:
         assert all(torch.equal(a, b) for a, b in zip(outs[peer], outs["reference"])), peer
     if wl.kind == "write":   # the records were written (each slot is valid)
         assert int((outs["reference"][0] != 0xAB).sum()) > 4 * wl.fmt.quant_bytes
