@@ -45,9 +45,9 @@ class LayerCase:
 
 
 def _slots(n: int, capacity: int, g: torch.Generator) -> torch.Tensor:
-    """Distinct valid slots with every fifth token skipped (-1), as a padded decode batch."""
+    """Distinct valid slots with every fifth token skipped (-1, from the fifth on), as a padded decode batch."""
     slots = torch.randperm(capacity, generator=g)[:n]
-    slots[::5] = -1
+    slots[4::5] = -1
     return slots
 
 
