@@ -14,6 +14,7 @@ import triton.language as tl
 
 from kvfuse import reference as R
 from kvfuse.kernels import numerics as NUM
+from kvfuse.kernels.codes import CAST_E2M1, CAST_E4M3, NATIVE_INTEGER, SF_UE8M0
 
 BLOCK = 1 << 14
 
@@ -23,8 +24,8 @@ def _encode_kernel(t_ptr, out_ptr, n, CAST: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     t = tl.load(t_ptr + i, mask=m, other=0.0)
-    if CAST == 1:
-        c = NUM.encode_e4m3(t, 0).to(tl.int32)
+    if CAST == CAST_E4M3:
+        c = NUM.encode_e4m3(t, NATIVE_INTEGER).to(tl.int32)
     else:
         c = NUM.encode_e2m1(t)
     tl.store(out_ptr + i, c, mask=m)
@@ -35,7 +36,7 @@ def _ue8m0_kernel(a_ptr, out_ptr, n, FMAX: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     amax = tl.load(a_ptr + i, mask=m, other=1.0)
-    mult, d, stored = NUM.group_scales(amax, FMAX, 0, 0)
+    mult, d, stored = NUM.group_scales(amax, FMAX, SF_UE8M0, NATIVE_INTEGER)
     tl.store(out_ptr + i, stored.to(tl.int32), mask=m)
 
 
@@ -76,7 +77,7 @@ def test_encoders_equal_the_reference(cast):
         rng.uniform(-fmax, fmax, 1 << 18).astype(np.float32),
         _f32(rng.integers(0, 1 << 23, 4096)), -_f32(rng.integers(0, 1 << 23, 4096)),      # fp32 subnormals
         np.array([0.0, -0.0, fmax, -fmax], dtype=np.float32)])
-    got = _run(_encode_kernel, values, CAST=1 if cast == "e4m3" else 2)
+    got = _run(_encode_kernel, values, CAST=(CAST_E4M3 if cast == "e4m3" else CAST_E2M1).value)
     enc = R.encode_e4m3 if cast == "e4m3" else R.encode_e2m1
     want = enc(torch.from_numpy(values)).numpy().astype(np.int32)
     bad = np.nonzero(got != want)[0]
@@ -85,7 +86,7 @@ def test_encoders_equal_the_reference(cast):
 
 def test_e2m1_saturates_above_six():
     values = np.array([6.0, 6.5, 7.0, 7.5, 100.0, 3e38, -6.5, -448.0], dtype=np.float32)
-    got = _run(_encode_kernel, values, CAST=2)
+    got = _run(_encode_kernel, values, CAST=CAST_E2M1.value)
     assert got.tolist() == [7, 7, 7, 7, 7, 7, 15, 15]
 
 

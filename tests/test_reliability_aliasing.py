@@ -367,7 +367,7 @@ def _inplace_cases(n=4):
         D = fmt.head_dim
         x = random_bf16((n, D), seed=D + 2)
         kw = stages(D, n)
-        if not had:                       # RoPE on its own sub-tile (the kernel's ROPE == 2)
+        if not had:                       # RoPE on its own sub-tile (the kernel's ROPE_SUBTILE)
             kw.pop("hadamard_args")
         for who, seed in (("in place", 3), ("separate", 3)):
             cache, storage = guarded_cache(fmt, 2, 4, seed=seed)

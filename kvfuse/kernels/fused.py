@@ -4,9 +4,9 @@ store and load kernels of the paged cache.
 
 A program owns BLOCK_M rows of the flattened [n * num_heads] rows (row = (token, head)) and
 the whole head (BLOCK_D = next power of two >= head_dim, masked), held as [BLOCK_M, BLOCK_D / VEC,
-VEC]; the RoPE columns can live in a sub-tile of their own (ROPE == 2). Stages and destinations
-are constexpr flags of one body. Memory addresses are int64; row and slot index arithmetic is
-int32 whenever it fits. Numerics follow SPEC §2 exactly (see kvfuse/kernels/numerics.py); a row's
+VEC]; the RoPE columns can live in a sub-tile of their own (ROPE_SUBTILE). Stages and destinations
+are constexpr switches of one body (named in kvfuse/kernels/codes.py). Memory addresses are int64;
+row and slot index arithmetic is int32 whenever it fits. Numerics follow SPEC §2 exactly (see kvfuse/kernels/numerics.py); a row's
 bytes never depend on BLOCK_M, VEC, num_warps, the RoPE mode or other rows.
 """
 from __future__ import annotations
@@ -24,16 +24,13 @@ from .. import backend as _backend
 from ..formats import FMAX
 from ..plan import LAUNCHES_PER_TEMPLATE, X, Plan
 from . import gluon_index, gluon_main_fp4, gluon_main_fp8, gluon_mla_tail
+from .codes import (CAST_CODES, CAST_E4M3, CAST_NONE, DEST_CACHE, DEST_CONTIGUOUS, DEST_NONE, NATIVE_GUARDED,
+                    NATIVE_INTEGER, NATIVE_UNGUARDED, NO_FLOOR, ROPE_NONE, ROPE_SUBTILE, ROPE_TILE, SF_CODES, SF_E4M3,
+                    SF_UE8M0, STAGE_CAST_BACK, STAGE_CODES, STAGE_NORM, STAGE_TRANSFORM)
 from .gluon_common import table_entry
 from .launcher import Launch, direct_launch_supported, tensor_arg
 from .numerics import (bf16_bits, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3, group_scales, load_f32,
                        round_bf16)
-
-SF_CODES = {"ue8m0": 0, "ue8m0_fp32": 1, "e4m3": 2, "fp32": 3}
-CAST_CODES = {None: 0, "e4m3": 1, "e2m1": 2}
-STAGE_CODES = {None: 0, "norm": 1, "transform": 2, "cast_back": 3}
-DEST_NONE, DEST_CONTIGUOUS, DEST_CACHE = 0, 1, 2
-NO_FLOOR = -999           # FLOOR_E without a scale_floor (numerics.group_scales)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -141,33 +138,34 @@ def _emit(y, tok, head, rmask, ok, qbase, sfbase, tailbase,
     gown = (gidx * G < SKIP0) | (gidx * G >= SKIP1)
     cm = own[None, :, :, :]
     r4 = rmask[:, None, None, None]
-    if OUT_STAGE == 2:
+    if OUT_STAGE == STAGE_TRANSFORM:
         _store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None, None, None] + col[None, :, :, :], y, r4 & cm)
-    if CAST != 0:
+    if CAST != CAST_NONE:
         amax = tl.maximum(tl.max(tl.max(tl.abs(y), axis=3), axis=2), 1e-4)     # [M, NGR]
         m, d, stored = group_scales(amax, FMAX, SF, NATIVE, FLOOR_E)
         # SPEC §2 clamps t to [-FMAX, FMAX]; both encoders saturate, so the clamp changes no byte for
         # finite inputs (non-finite inputs may give any values in their own group) and is left out
         t = y * m[:, :, None, None]
-        if CAST == 1:
-            # the unguarded native encode (NATIVE 2) only where the codes are just stored: decoded again
-            # for cast_back it gave wrong bf16 values on the H200 (Triton 3.6; docs/design.md)
-            ENC: tl.constexpr = 1 if (NATIVE == 2 and OUT_STAGE == 3) else NATIVE
+        if CAST == CAST_E4M3:
+            # the unguarded native encode only where the codes are just stored: decoded again for
+            # cast_back it gave wrong bf16 values on the H200 (Triton 3.6; docs/design.md)
+            ENC: tl.constexpr = (NATIVE_GUARDED if (NATIVE == NATIVE_UNGUARDED and OUT_STAGE == STAGE_CAST_BACK)
+                                 else NATIVE)
             code = encode_e4m3(t, ENC)
-            if OUT_STAGE == 3:
+            if OUT_STAGE == STAGE_CAST_BACK:
                 qf = decode_e4m3(code)
         else:
             code = encode_e2m1(t)
-            if OUT_STAGE == 3:
+            if OUT_STAGE == STAGE_CAST_BACK:
                 qf = decode_e2m1(code)
-        if OUT_STAGE == 3:
+        if OUT_STAGE == STAGE_CAST_BACK:
             back = round_bf16(qf * d[:, :, None, None], NATIVE)
             _store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None, None, None] + col[None, :, :, :],
                         tl.where((col < DQ)[None, :, :, :], back, y), r4 & cm)
         qown = own & (col < DQ)                                      # [NGR, GV, VEC]
         g1 = gidx
         sm = (gown & (g1 < DQ // G))[None, :]
-        if CAST == 1:
+        if CAST == CAST_E4M3:
             qb = code
             qcol = col
             qm = qown[None, :, :, :]
@@ -178,18 +176,18 @@ def _emit(y, tok, head, rmask, ok, qbase, sfbase, tailbase,
             qcol = C0 // 2 + _grid3(NGR, GV, VEC // 2)
             # the pair's first column 2 * qcol tested as qcol against halved (even) bounds
             qm = ((qcol < D // 2) & (qcol < DQ // 2) & ((qcol < SKIP0 // 2) | (qcol >= SKIP1 // 2)))[None, :, :, :]
-        if DEST == 1:
+        if DEST == DEST_CONTIGUOUS:
             tl.store(q_ptr.to(tl.pointer_type(tl.uint8)) + (tok * sq_n + head * sq_h)[:, None, None, None]
                      + qcol[None, :, :, :], qb.to(tl.uint8), mask=r4 & qm)
             srow = (tok * ss_n + head * ss_h)[:, None] + g1[None, :]
-            if SF == 0 or SF == 2:
+            if SF == SF_UE8M0 or SF == SF_E4M3:
                 tl.store(sf_ptr.to(tl.pointer_type(tl.uint8)) + srow, stored.to(tl.uint8), mask=rmask[:, None] & sm)
             else:
                 tl.store(sf_ptr.to(tl.pointer_type(tl.uint32)) + srow, stored, mask=rmask[:, None] & sm)
-        if DEST == 2:
+        if DEST == DEST_CACHE:
             tl.store(cache_ptr + qbase[:, None, None, None] + qcol[None, :, :, :], qb.to(tl.uint8),
                      mask=ok[:, None, None, None] & qm)
-            if SF == 0 or SF == 2:
+            if SF == SF_UE8M0 or SF == SF_E4M3:
                 tl.store(cache_ptr + sfbase[:, None] + g1[None, :], stored.to(tl.uint8), mask=ok[:, None] & sm)
             else:
                 _store_u32_bytes(cache_ptr, sfbase[:, None] + 4 * g1[None, :], stored, ok[:, None] & sm, SFALIGN)
@@ -197,7 +195,7 @@ def _emit(y, tok, head, rmask, ok, qbase, sfbase, tailbase,
                 tm = ok[:, None, None, None] & cm & (col >= DQ)[None, :, :, :]
                 _store_bf16_bytes(cache_ptr, tailbase[:, None, None, None], tl.maximum(col - DQ, 0)[None, :, :, :],
                                   y, tm, TALIGN)
-    elif DEST == 2:
+    elif DEST == DEST_CACHE:
         _store_bf16_bytes(cache_ptr, qbase[:, None, None, None], col[None, :, :, :], y,
                           ok[:, None, None, None] & cm, QALIGN)
 
@@ -234,12 +232,12 @@ def _record_addresses(slot_ptr, s_slot, tok, head, rows, rmask, s_blk, data_tok,
                       sf_off, tail_off, block_size, capacity, DEST: tl.constexpr, SLOT32: tl.constexpr,
                       QALIGN: tl.constexpr, SFALIGN: tl.constexpr, TALIGN: tl.constexpr):
     """(ok [M]: the row writes its record, and the byte offsets in the cache of its data, scales and
-    bf16 tail); without a cache (DEST != 2): (rmask, rows, rows, rows), never dereferenced."""
+    bf16 tail); without a cache (DEST != DEST_CACHE): (rmask, rows, rows, rows), never dereferenced."""
     ok = rmask
     qbase = rows
     sfbase = rows
     tailbase = rows
-    if DEST == 2:
+    if DEST == DEST_CACHE:
         ok, blk, off = slot_block_offset(slot_ptr, s_slot, tok, rmask, block_size, capacity, SLOT32)
         base = blk * s_blk + head * head_stride
         qbase = tl.multiple_of(base + off * data_tok + data_off, QALIGN)
@@ -285,14 +283,14 @@ def _rope2_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, rmask, HALF: tl.
                  NEOX: tl.constexpr, HAS_NORM: tl.constexpr, W_BF16: tl.constexpr, HAS_BIAS: tl.constexpr,
                  B_BF16: tl.constexpr, CS_BF16: tl.constexpr, CAST: tl.constexpr, G: tl.constexpr, DQ: tl.constexpr,
                  VEC: tl.constexpr):
-    """ROPE 2, the sub-tile [M, NS, GS / VEC, VEC]: x, weight and bias (x again where there is none)
-    of the columns c0 and of their partners c1, and the cos, sin of each c0's rotation index j.
+    """ROPE_SUBTILE, the sub-tile [M, NS, GS / VEC, VEC]: x, weight and bias (x again where there is
+    none) of the columns c0 and of their partners c1, and the cos, sin of each c0's rotation index j.
     NEOX: c0 = the first-half columns (j = c0 - ROPE_OFF), c1 = c0 + HALF (NS = HALF / GS groups).
     Interleaved: c0 = ALL R rotated columns in column order (NS = R / GS groups), c1 = c0 ^ 1, j =
     (c0 - ROPE_OFF) >> 1: every column is rotated where it lies, with no join or reshape of the
     pairs (interleaving the two halves by tl.join + reshape gave wrong bytes in multi-row programs
     on the H200, Triton 3.6)."""
-    GS: tl.constexpr = G if (CAST != 0 and ROPE_OFF < DQ) else 8
+    GS: tl.constexpr = G if (CAST != CAST_NONE and ROPE_OFF < DQ) else 8
     if NEOX:
         jj = _grid3(HALF // GS, GS // VEC, VEC)                     # rotation index j
         c0 = ROPE_OFF + jj                                          # first-half columns
@@ -346,11 +344,11 @@ def fused_rows(
     SLOT32: tl.constexpr, QALIGN: tl.constexpr, SFALIGN: tl.constexpr, TALIGN: tl.constexpr,
     EARLY: tl.constexpr, FLOOR_E: tl.constexpr,
 ):
-    """ROPE: 0 off; 1 on the whole tile (each rotated element computed from itself and its
-    partner, reloaded and renormalized: the same arithmetic gives the same bits); 2 on a separate
-    sub-tile of the R rotated columns (the main tile skips them; needs the rotated columns to be
-    whole quantization groups, or outside the quantized part, and no Hadamard). LAYER: the norm is
-    LayerNorm (HAS_BIAS: with a bias), else RMSNorm. A stage copy of the norm (OUT_STAGE 1) with
+    """ROPE: ROPE_NONE off; ROPE_TILE on the whole tile (each rotated element computed from itself
+    and its partner, reloaded and renormalized: the same arithmetic gives the same bits); ROPE_SUBTILE
+    on a separate sub-tile of the R rotated columns (the main tile skips them; needs the rotated columns
+    to be whole quantization groups, or outside the quantized part, and no Hadamard). LAYER: the norm
+    is LayerNorm (HAS_BIAS: with a bias), else RMSNorm. A stage copy of the norm (STAGE_NORM) with
     RoPE is stored last, after a barrier, because the RoPE reloads x and `out` may be x (in place).
     The rows of program ``pid``: rows [pid * BLOCK_M, (pid + 1) * BLOCK_M) of the n * H rows (fused_kernel,
     and each member of kvfuse/kernels/grouped.py)."""
@@ -388,16 +386,16 @@ def fused_rows(
             bias = w
             if HAS_BIAS:
                 bias = load_f32(b_ptr, col, cmask, B_BF16)
-        if ROPE != 0:
+        if ROPE != ROPE_NONE:
             pok, csrow = _positions(pos_ptr, s_pos, tok, rmask, P, s_cs)
         ok, qbase, sfbase, tailbase = _record_addresses(
             slot_ptr, s_slot, tok, head, rows, rmask, s_blk, data_tok, sf_tok, head_stride, data_off, sf_off,
             tail_off, block_size, capacity, DEST, SLOT32, QALIGN, SFALIGN, TALIGN)
-        if ROPE == 1:
+        if ROPE == ROPE_TILE:
             first, rot_mask, c, s, yp, wp, bp = _rope1_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, col, HALF,
                                                              R, ROPE_OFF, NEOX, HAS_NORM, W_BF16, HAS_BIAS, B_BF16,
                                                              CS_BF16)
-        if ROPE == 2:
+        if ROPE == ROPE_SUBTILE:
             xa, xb, wa, wb, ba, bb, c, s = _rope2_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, rmask, HALF,
                                                         ROPE_OFF, NEOX, HAS_NORM, W_BF16, HAS_BIAS, B_BF16, CS_BF16,
                                                         CAST, G, DQ, VEC)
@@ -405,15 +403,15 @@ def fused_rows(
     # ---- RMSNorm / LayerNorm (mu: the LayerNorm mean; RMSNorm leaves it unused)
     if HAS_NORM:
         if LAYER:
-            mu = _tree_sum(x, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC, NATIVE == 0)
+            mu = _tree_sum(x, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC, NATIVE == NATIVE_INTEGER)
             if (D & (D - 1)) == 0:
                 mu = mu * (1.0 / D)           # exact: the same bits as mu / D for a power of two
             else:
                 mu = tl.div_rn(mu, D * 1.0)
             dev = tl.where(m3, x - mu[:, None, None], 0.0)   # the tree's zero padding stays zero
-            ss = _tree_sum(dev * dev, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC, NATIVE == 0)
+            ss = _tree_sum(dev * dev, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC, NATIVE == NATIVE_INTEGER)
         else:
-            ss = _tree_sum(x * x, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC, NATIVE == 0)
+            ss = _tree_sum(x * x, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC, NATIVE == NATIVE_INTEGER)
             mu = ss
         if (D & (D - 1)) == 0:
             mean = ss * (1.0 / D)             # exact: the same bits as ss / D for a power of two
@@ -427,20 +425,20 @@ def fused_rows(
                 bias = load_f32(b_ptr, col, cmask, B_BF16)
         y = _normed(x, mu[:, None, None], rstd[:, None, None], w[None, :, :], bias[None, :, :], LAYER, HAS_BIAS,
                     NATIVE)
-        if OUT_STAGE == 1:
-            if ROPE == 0:
+        if OUT_STAGE == STAGE_NORM:
+            if ROPE == ROPE_NONE:
                 _store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None, None] + col[None, :, :], y, m3)
             else:
                 ynorm = y                     # stored last: RoPE reads x again, and out may be x
 
     if not EARLY:
-        if ROPE != 0:
+        if ROPE != ROPE_NONE:
             pok, csrow = _positions(pos_ptr, s_pos, tok, rmask, P, s_cs)
-        if ROPE == 1:
+        if ROPE == ROPE_TILE:
             first, rot_mask, c, s, yp, wp, bp = _rope1_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, col, HALF,
                                                              R, ROPE_OFF, NEOX, HAS_NORM, W_BF16, HAS_BIAS, B_BF16,
                                                              CS_BF16)
-    if ROPE == 1:
+    if ROPE == ROPE_TILE:
         if HAS_NORM:
             yp = _normed(yp, mu[:, None, None], rstd[:, None, None], wp[None, :, :], bp[None, :, :], LAYER, HAS_BIAS,
                          NATIVE)
@@ -455,7 +453,7 @@ def fused_rows(
         first2 = (tl.arange(0, 2) == 0)[None, None, :, None]
         for lvl in tl.static_range(LOG2_BLOCK_D):
             v4 = tl.reshape(h, [BLOCK_M, BLOCK_D >> (lvl + 1), 2, 1 << lvl])
-            if NATIVE == 0:      # the interpreter: exact signed zeros (see _pair_sum)
+            if NATIVE == NATIVE_INTEGER:      # the interpreter: exact signed zeros (see _pair_sum)
                 a, b = tl.split(tl.permute(v4, (0, 1, 3, 2)))
                 plus = a + b
                 minus = a - b
@@ -470,18 +468,18 @@ def fused_rows(
             slot_ptr, s_slot, tok, head, rows, rmask, s_blk, data_tok, sf_tok, head_stride, data_off, sf_off,
             tail_off, block_size, capacity, DEST, SLOT32, QALIGN, SFALIGN, TALIGN)
 
-    # ---- outputs: the main tile (without the sub-tile's columns under ROPE 2)
+    # ---- outputs: the main tile (without the sub-tile's columns under ROPE_SUBTILE)
     NG: tl.constexpr = BLOCK_D // G
     GV: tl.constexpr = G // VEC
-    SKIP0: tl.constexpr = ROPE_OFF if ROPE == 2 else 0
-    SKIP1: tl.constexpr = ROPE_OFF + R if ROPE == 2 else 0
+    SKIP0: tl.constexpr = ROPE_OFF if ROPE == ROPE_SUBTILE else 0
+    SKIP1: tl.constexpr = ROPE_OFF + R if ROPE == ROPE_SUBTILE else 0
     _emit(tl.reshape(y, [BLOCK_M, NG, GV, VEC]), tok, head, rmask, ok, qbase,
           sfbase, tailbase, out_ptr, so_n, so_h, q_ptr, sq_n, sq_h, sf_ptr, ss_n, ss_h, cache_ptr,
           0, SKIP0, SKIP1, BLOCK_M, NG, GV, VEC, G, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN, FLOOR_E)
 
-    # ---- ROPE 2: the R rotated columns as their own tile [M, R / GS, GS / VEC, VEC] (two halves for NEOX)
-    if ROPE == 2:
-        GS: tl.constexpr = G if (CAST != 0 and ROPE_OFF < DQ) else 8
+    # ---- ROPE_SUBTILE: the R rotated columns as their own tile [M, R / GS, GS / VEC, VEC] (two halves for NEOX)
+    if ROPE == ROPE_SUBTILE:
+        GS: tl.constexpr = G if (CAST != CAST_NONE and ROPE_OFF < DQ) else 8
         NS: tl.constexpr = HALF // GS
         GSV: tl.constexpr = GS // VEC
         if not EARLY:
@@ -518,7 +516,7 @@ def fused_rows(
                   ROPE_OFF, 0, 0, BLOCK_M, NS2, GSV, VEC, GS, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN, FLOOR_E)
 
     # ---- the norm's stage copy under RoPE: after every read of x (out may be x), all threads past them
-    if OUT_STAGE == 1 and ROPE != 0:
+    if OUT_STAGE == STAGE_NORM and ROPE != ROPE_NONE:
         tl.debug_barrier()
         _store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None, None] + col[None, :, :], ynorm, m3)
 
@@ -639,7 +637,7 @@ def launch_config(n_rows: int, head_dim: int, block_d: int, interpret: bool, cas
 
 def _native(interpret: bool) -> int:
     """Native conversions on the GPU (exact there); never in the interpreter (wrong there)."""
-    return 0 if interpret else _NATIVE_CASTS
+    return NATIVE_INTEGER.value if interpret else _NATIVE_CASTS
 
 
 def _pow2(v: int) -> bool:
@@ -647,20 +645,20 @@ def _pow2(v: int) -> bool:
 
 
 def rope_mode(plan: Plan) -> int:
-    """0 no RoPE; 2 the rotated columns as a separate sub-tile when they are whole quantization
-    groups (or outside the quantized part, or there is no cast) and no Hadamard follows; else 1
-    (rotation on the whole tile)."""
+    """ROPE_NONE without RoPE; ROPE_SUBTILE (the rotated columns as a separate sub-tile) when they are
+    whole quantization groups (or outside the quantized part, or there is no cast) and no Hadamard
+    follows; else ROPE_TILE (rotation on the whole tile). As the int the launch passes."""
     if plan.positions is None:
-        return 0
+        return ROPE_NONE.value
     if plan.hadamard_scale is not None:
-        return 1
+        return ROPE_TILE.value
     off, half = plan.rope_offset, plan.rotary_dim // 2
     quantized = plan.cast is not None and off < plan.quant_dim
     gs = plan.cast.group if quantized else 8
     fits = half % gs == 0 and _pow2(half // gs) and off % gs == 0
     if quantized and off + plan.rotary_dim > plan.quant_dim:
         fits = False
-    return 2 if fits else 1
+    return ROPE_SUBTILE.value if fits else ROPE_TILE.value
 
 
 def vec_width(plan: Plan, data_align: int) -> int:
@@ -715,11 +713,11 @@ def fused_args(plan: Plan, tensor) -> tuple:
     vec = (forced[2] if forced is not None else None) or vec_width(plan, qal)
     cap = cache.shape[0] * cache.shape[1] if cache is not None else 0
     if cache is not None:
-        dest = DEST_CACHE
+        dest = DEST_CACHE.value
     elif plan.q_out is not None:
-        dest = DEST_CONTIGUOUS
+        dest = DEST_CONTIGUOUS.value
     else:
-        dest = DEST_NONE
+        dest = DEST_NONE.value
     T = tensor
     args = (
         T("x"), x.stride(0), x.stride(1),
@@ -751,7 +749,7 @@ def fused_args(plan: Plan, tensor) -> tuple:
         DQ=plan.quant_dim if cast else D,
         OUT_STAGE=STAGE_CODES[plan.out_stage], DEST=dest, NATIVE=_native(interpret),
         SLOT32=cap < _INT32_LIMIT, QALIGN=qal, SFALIGN=sfal, TALIGN=tal, EARLY=bm == 1,
-        FLOOR_E=NO_FLOOR if cast is None or cast.floor_exp is None else cast.floor_exp, PDL=False,
+        FLOOR_E=NO_FLOOR.value if cast is None or cast.floor_exp is None else cast.floor_exp, PDL=False,
         num_warps=nw, num_stages=1, enable_fp_fusion=False,
     )
     return (cdiv(n * H, bm),), args, options
@@ -912,7 +910,7 @@ def load_kernel(slot_ptr, s_slot, cache_ptr, s_blk, data_tok, sf_tok, head_strid
     okm = ok[:, None]
     if DEQUANT:
         cols = tl.arange(0, BLOCK_D)
-        if CAST == 0:
+        if CAST == CAST_NONE:
             lo = tl.load(cache_ptr + qb[:, None] + 2 * cols[None, :], mask=okm & (cols < D)[None, :], other=0)
             hi = tl.load(cache_ptr + qb[:, None] + 2 * cols[None, :] + 1, mask=okm & (cols < D)[None, :], other=0)
             val = ((lo.to(tl.uint32) | (hi.to(tl.uint32) << 8)) << 16).to(tl.float32, bitcast=True)
@@ -921,7 +919,7 @@ def load_kernel(slot_ptr, s_slot, cache_ptr, s_blk, data_tok, sf_tok, head_strid
             # NaN codes decode as NaN (SPEC §4); numerics.decode_e4m3 (shared with the write kernels)
             # maps 0x7F / 0xFF to +-480, so the NaN is selected here
             nan = tl.full([BLOCK_M, BLOCK_D], 0x7FC00000, tl.uint32).to(tl.float32, bitcast=True)
-            if CAST == 1:
+            if CAST == CAST_E4M3:
                 code = tl.load(cache_ptr + qb[:, None] + cols[None, :], mask=qmask, other=0)
                 qf = tl.where((code & 0x7F) == 0x7F, nan, decode_e4m3(code))
             else:
@@ -929,11 +927,11 @@ def load_kernel(slot_ptr, s_slot, cache_ptr, s_blk, data_tok, sf_tok, head_strid
                 qf = decode_e2m1(tl.where((cols & 1)[None, :] == 0, byte & 0xF, byte >> 4))
             gi = tl.arange(0, BLOCK_D // G)
             gm = okm & (gi < DQ // G)[None, :]
-            if SF == 0:
+            if SF == SF_UE8M0:
                 e = tl.load(cache_ptr + sb[:, None] + gi[None, :], mask=gm, other=127).to(tl.int32)
                 # byte 0: 2^-127; byte 0xFF: NaN (OCP MX), not 2^128
                 d = tl.where(e == 0, 0x400000, tl.where(e == 0xFF, 0x7FC00000, e << 23)).to(tl.float32, bitcast=True)
-            elif SF == 2:
+            elif SF == SF_E4M3:
                 sc = tl.load(cache_ptr + sb[:, None] + gi[None, :], mask=gm, other=0x38)
                 d = tl.where((sc & 0x7F) == 0x7F, 0x7FC00000, decode_e4m3(sc).to(tl.uint32, bitcast=True))
                 d = d.to(tl.float32, bitcast=True)

@@ -11,6 +11,7 @@ import os
 import torch
 
 from ..backend import env_flag
+from .codes import NO_FLOOR
 from .launcher import PlanTensor
 
 try:
@@ -200,7 +201,7 @@ if gluon is not None:
     def e4m3x4(v0, v1, v2, v3):
         """Four fp32 -> one int32 word of e4m3 codes, v0 in the low byte (cvt.rn.satfinite: RTNE,
         saturating to +-448, NaN -> an e4m3 NaN): what .to(float8e4nv) emits on sm_90, the plain
-        kernel's NATIVE=2 encode."""
+        kernel's NATIVE_UNGUARDED encode."""
         return gl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
             "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [v0, v1, v2, v3], dtype=gl.int32, is_pure=True, pack=1)
@@ -266,16 +267,16 @@ if gluon is not None:
         return blk_at, tok
 
     @gluon.jit
-    def ue8m0_scale(amax, FMAX: gl.constexpr, FLOOR_E: gl.constexpr = -999):
-        """numerics.group_scales SF=0 for FMAX 448 (e4m3) or 6 (e2m1): the exponent e = ceil(log2(RN(amax /
-        FMAX))) without the division, at least FLOOR_E (a scale_floor's exponent; -999: none), and the
+    def ue8m0_scale(amax, FMAX: gl.constexpr, FLOOR_E: gl.constexpr = NO_FLOOR):
+        """numerics.group_scales SF_UE8M0 for FMAX 448 (e4m3) or 6 (e2m1): the exponent e = ceil(log2(RN(amax
+        / FMAX))) without the division, at least FLOOR_E (a scale_floor's exponent; NO_FLOOR: none), and the
         multiplier 2^-e as fp32 (amax > 0)."""
         P2: gl.constexpr = 8 if FMAX == 448.0 else 2
         FRAC: gl.constexpr = 0x600000 if FMAX == 448.0 else 0x400000
         bits = amax.to(gl.int32, bitcast=True)
         e = ((bits >> 23) - (127 + P2)) + ((bits & 0x7FFFFF) > FRAC).to(gl.int32)
         e = gl.where((bits >> 23) == 255, 128, e)
-        if FLOOR_E != -999:
+        if FLOOR_E != NO_FLOOR:
             e = gl.maximum(e, FLOOR_E)
         m = gl.where(e >= 127, 0x400000 >> gl.maximum(e - 127, 0), (127 - e) << 23).to(gl.float32, bitcast=True)
         return e, m

@@ -29,17 +29,19 @@ import functools
 import torch
 
 from . import gluon_common
+from .codes import CAST_CODES, CAST_E2M1, CAST_E4M3, SF_CODES, SF_FP32, SF_UE8M0, SF_UE8M0_FP32
 from .gluon_common import (INT32_LIMIT, allowed_by_env, available, compile_options, gl, gluon, log2_block,
                            occupancy_grid, plan_tensors)
 
 HEAD_DIM = 128
 ROTARY_DIM = 64
 ROPE_OFFSETS = (64, 0)           # the tail (DeepSeek V4's indexer, the presets) or the head (V3.2's)
-# (cast_fmt, group, sf_format) -> (CAST, SF) constexprs; CAST 1 e4m3 (128 data bytes), 2 e2m1 (64)
-CHAINS = {("e4m3", 128, "fp32"): (1, 3), ("e4m3", 128, "ue8m0_fp32"): (1, 1), ("e4m3", 32, "ue8m0"): (1, 0),
-          ("e2m1", 32, "ue8m0"): (2, 0), ("e2m1", 16, "e4m3"): (2, 2)}
-# the cache pointer's alignment the code stores need (64-bit stores of e4m3 codes, 32-bit of e2m1)
-CACHE_ALIGN = {1: 8, 2: 4}
+# (cast_fmt, group, sf_format) -> (CAST, SF) constexprs; e4m3 records hold 128 data bytes, e2m1 64
+CHAINS = {chain: (CAST_CODES[chain[0]], SF_CODES[chain[2]]) for chain in (
+    ("e4m3", 128, "fp32"), ("e4m3", 128, "ue8m0_fp32"), ("e4m3", 32, "ue8m0"), ("e2m1", 32, "ue8m0"),
+    ("e2m1", 16, "e4m3"))}
+# CAST -> the cache pointer's alignment the code stores need (64-bit stores of e4m3 codes, 32-bit of e2m1)
+CACHE_ALIGN = {CAST_E4M3.value: 8, CAST_E2M1.value: 4}
 
 
 if gluon is not None:
@@ -294,12 +296,12 @@ if gluon is not None:
 
     @gluon.jit
     def _scales(amax, SF: gl.constexpr, FMAX: gl.constexpr):
-        """numerics.group_scales for SF 0 (ue8m0), 1 (ue8m0_fp32) and 2 (e4m3): (multiplier m, the stored scale
+        """numerics.group_scales for SF_UE8M0, SF_UE8M0_FP32 and SF_E4M3: (multiplier m, the stored scale
         byte, or the fp32 bits of 2^e, as int32)."""
-        if SF == 0:
+        if SF == SF_UE8M0:
             e, m = ue8m0_scale(amax, FMAX)
             stored = e + 127
-        elif SF == 1:
+        elif SF == SF_UE8M0_FP32:
             e, m = ue8m0_scale(amax, FMAX)
             stored = (e + 127) << 23                                    # 2^e as fp32 bits (amax >= 1e-4: normal)
         else:
@@ -316,9 +318,9 @@ if gluon is not None:
         group; the even lanes compute m = FMAX / amax, the odd ones s = amax / FMAX, the same two
         IEEE divisions as group_scales. Returns (m of chunk A, m of chunk B, the stored scale of the
         lane's own group: byte or fp32 bits; for G 128, lane 0's is s)."""
-        FMAX: gl.constexpr = 448.0 if CAST == 1 else 6.0
+        FMAX: gl.constexpr = 448.0 if CAST == CAST_E4M3 else 6.0
         odd = (lane & 1) == 1
-        if SF == 3:
+        if SF == SF_FP32:
             amax = amax_a
             fmax = gl.full_like(amax, FMAX)
             q = gl.div_rn(gl.where(odd, amax, fmax), gl.where(odd, fmax, amax))     # even: m, odd: s
@@ -460,7 +462,7 @@ if gluon is not None:
             ha0, ha1, ha2, ha3, hb0, hb1, hb2, hb3 = _hadamard128(ya, yb, sgn1, sgn2, sgn4, had_scale, R, LL)
             amax_a = _words_amax(ha0, ha1, ha2, ha3)
             amax_b = _words_amax(hb0, hb1, hb2, hb3)
-        elif PACKED_E2M1 and CAST == 2 and SF == 0:
+        elif PACKED_E2M1 and CAST == CAST_E2M1 and SF == SF_UE8M0:
             amax_a = gl.convert_layout(_chunk_amax_bf16x2(ya, R), LL, assert_trivial=True)
             amax_b = gl.convert_layout(_chunk_amax_bf16x2(yb, R), LL, assert_trivial=True)
         else:
@@ -469,18 +471,18 @@ if gluon is not None:
         amax_a, amax_b = _group_amax(amax_a, amax_b, G)
         m_a, m_b, stored = _split_scales(amax_a, amax_b, lane, CAST, SF)
         if HAD:
-            if CAST == 1:
+            if CAST == CAST_E4M3:
                 qa = _fp8_words(ha0, ha1, ha2, ha3, m_a)
                 qb = _fp8_words(hb0, hb1, hb2, hb3, m_b)
             else:
-                qa = _fp4_words(ha0, ha1, ha2, ha3, m_a, PACKED_E2M1 and SF == 0)
-                qb = _fp4_words(hb0, hb1, hb2, hb3, m_b, PACKED_E2M1 and SF == 0)
-        elif CAST == 1:
+                qa = _fp4_words(ha0, ha1, ha2, ha3, m_a, PACKED_E2M1 and SF == SF_UE8M0)
+                qb = _fp4_words(hb0, hb1, hb2, hb3, m_b, PACKED_E2M1 and SF == SF_UE8M0)
+        elif CAST == CAST_E4M3:
             qa = _fp8_chunk(ya, m_a, R, LL)
             qb = _fp8_chunk(yb, m_b, R, LL)
         else:
-            qa = _fp4_chunk(ya, m_a, PACKED_E2M1 and SF == 0, R, LL)
-            qb = _fp4_chunk(yb, m_b, PACKED_E2M1 and SF == 0, R, LL)
+            qa = _fp4_chunk(ya, m_a, PACKED_E2M1 and SF == SF_UE8M0, R, LL)
+            qb = _fp4_chunk(yb, m_b, PACKED_E2M1 and SF == SF_UE8M0, R, LL)
 
         if CONTIG:
             # ---- the rows of q [rows, q_row bytes] and sf [rows, sf_row bytes]; rows past n_rows write nothing
@@ -493,13 +495,13 @@ if gluon is not None:
             # ---- the records; an invalid slot (or a row past n_rows) writes nothing
             ok = rmask & (slot >= 0) & (slot < capacity)
             blk, off = block_and_token(slot, ok, block_size, SLOT32, LOG2_BLOCK, OFFSETS32)
-            DATA_BYTES: gl.constexpr = 128 if CAST == 1 else 64
+            DATA_BYTES: gl.constexpr = 128 if CAST == CAST_E4M3 else 64
             base = blk * s_blk
             data = gl.expand_dims(base + off * DATA_BYTES, 1)          # [R, 1] bytes (8-aligned: host)
             sf = gl.expand_dims(base + sf_off + off * sf_tok, 1)
             sf_base = cache_ptr
         ok2 = gl.expand_dims(ok, 1)
-        if CAST == 1:
+        if CAST == CAST_E4M3:
             q_ptr = cache_ptr.to(gl.pointer_type(gl.int64)) + (data >> 3) + lane      # [R, 8]: 8 codes a lane
             gl.store(q_ptr, qa, mask=ok2)
             gl.store(q_ptr + 8, qb, mask=ok2)
@@ -533,7 +535,7 @@ if gluon is not None:
         HAD: gl.constexpr, PDL: gl.constexpr,
     ):
         """A program walks over the tiles pid, pid + num_programs, ... of R = 4 * ROWS_PER_THREAD *
-        num_warps rows. CAST 1 e4m3 / 2 e2m1; G the group; SF 0 ue8m0 / 2 e4m3 / 3 fp32 (group_scales).
+        num_warps rows. CAST: CAST_E4M3 / CAST_E2M1; G the group; SF: one of codes.SF_* (group_scales).
         sf_off: block_size * data bytes (a block's scales); sf_tok: scale bytes per token. LOG2_BLOCK:
         log2(block_size) when it is a power of two, else -1 (a division). PIPELINE: load tile t + 1
         (x, indices; its cos/sin after tile t's stores) while tile t computes. OFFSETS32: every x,
@@ -806,7 +808,7 @@ def _eligible_write(plan, chain) -> bool:
     if f is None or a is None or plan.weight is None or plan.slot_mapping is None or x.shape[1] != 1:
         return False
     cast, _, sf = chain
-    data_bytes = 128 if cast == 1 else 64
+    data_bytes = 128 if cast == CAST_E4M3.value else 64
     if f.token_interleaved or f.bf16_tail or f.head_dim != HEAD_DIM or f.data_bytes != data_bytes:
         return False
     if cache.dim() != 4 or cache.shape[2] != 1 or cache.stride(3) != 1:
@@ -815,7 +817,8 @@ def _eligible_write(plan, chain) -> bool:
     if (a.data_offset, a.data_token_stride, a.sf_offset, a.sf_token_stride) != (
             0, data_bytes, block_size * data_bytes, f.sf_bytes):
         return False
-    if sf in (1, 3) and a.sf_token_stride % 4:     # an fp32 scale leaves as one 32-bit store
+    # an fp32 scale leaves as one 32-bit store
+    if sf in (SF_UE8M0_FP32.value, SF_FP32.value) and a.sf_token_stride % 4:
         return False
     return not (cache.data_ptr() % CACHE_ALIGN[cast] or cache.stride(0) % 8)
 

@@ -6,7 +6,7 @@ bytes, two codes a byte, then 32 scale bytes), byte for byte what the portable k
 The kernel is gluon_main_fp8's (``main_fp4_kernel`` is ``main_fp8_kernel`` launched with FP4=True):
 its layout, loads, norm, RoPE and persistent loop, with MAIN_FP4's cast and store
 (``gluon_main_fp8._quantize_store_fp4``). A lane's 16 columns are exactly one NVFP4 group: amax
-in-lane, the lane's own e4m3 scale (numerics.group_scales SF=2), 16 e2m1 codes by
+in-lane, the lane's own e4m3 scale (numerics.group_scales SF_E4M3), 16 e2m1 codes by
 ``gluon_common.e2m1_nibble`` (one fp32 addition of a per-binade magic number rounds; its host mirror
 equals kvfuse.reference.encode_e2m1 on all 2^32 fp32 inputs), one 64-bit code store and one scale
 byte per lane. This module holds the host side: ``supports`` / ``eligible`` (head_dim 512, one head,

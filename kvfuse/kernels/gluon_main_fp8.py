@@ -36,8 +36,8 @@ benchmarks/gluon_check.py for time):
 
 Numerics mirror the plain kernel exactly: fp32 ops rounded one by one (compile with
 enable_fp_fusion=False: no FMA), div_rn/sqrt_rn, native bf16 rounding (cvt.rn), the UE8M0
-exponent without division (``group_scales`` SF=0), the unguarded native e4m3 encode
-(cvt.rn.satfinite.e4m3x2.f32; NATIVE=2 in fused.py) and NaN-ignoring max (max.f32) for amax.
+exponent without division (``group_scales`` SF_UE8M0), the unguarded native e4m3 encode
+(cvt.rn.satfinite.e4m3x2.f32; NATIVE_UNGUARDED in fused.py) and NaN-ignoring max (max.f32) for amax.
 
 The kernel also writes gluon_main_fp4's MAIN_FP4 records (FP4=True): the same loads, norm, RoPE and
 persistent loop, MAIN_FP4's cast and store (``_quantize_store_fp4``, kept here so that the kernel needs
@@ -53,6 +53,7 @@ import dataclasses
 import torch
 
 from . import gluon_common
+from .codes import SF_E4M3
 from .gluon_common import (INT32_LIMIT, allowed_by_env, available, compile_options, gl, gluon, log2_block,
                            occupancy_grid, table_entry)
 
@@ -165,7 +166,7 @@ if gluon is not None:
                         R: gl.constexpr, LQ: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr,
                         OFFSETS32: gl.constexpr):
         """y (bf16 pairs [R, 8, 4, 8]) of one tile -> UE8M0/e4m3 -> the MAIN_FP8 records."""
-        # ---- UE8M0 scale per 32 columns (two lanes): group_scales(SF=0, FMAX=448) of numerics.py
+        # ---- UE8M0 scale per 32 columns (two lanes): group_scales(SF_UE8M0, FMAX=448) of numerics.py
         y_lo = lo_f32(yw)
         y_hi = hi_f32(yw)
         amax = gl.max(gl.maximum(gl.abs(y_lo), gl.abs(y_hi)), axis=3)   # NaN-ignoring max, like tl.max
@@ -214,11 +215,11 @@ if gluon is not None:
                             R: gl.constexpr, LLANE: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr,
                             OFFSETS32: gl.constexpr):
         """y (bf16 pairs [R, 8, 4, 8]) of one tile -> NVFP4 (e4m3 scale per 16, e2m1) -> the MAIN_FP4 records."""
-        # ---- the lane's group: amax in-lane, numerics.group_scales(SF=2, FMAX=6), 16 e2m1 codes
+        # ---- the lane's group: amax in-lane, numerics.group_scales(SF_E4M3, FMAX=6), 16 e2m1 codes
         y_lo = lo_f32(yw)
         y_hi = hi_f32(yw)
         amax = gl.maximum(gl.max(gl.maximum(gl.abs(y_lo), gl.abs(y_hi)), axis=3), 1e-4)   # NaN-ignoring, like tl.max
-        m, stored = _scales(amax, 2, 6.0)
+        m, stored = _scales(amax, SF_E4M3, 6.0)
         codes = _fp4_codes(y_lo, y_hi, m, R, LLANE)                                    # [R, 8, 4] int64
 
         # ---- the records; an invalid slot (or a row past n_rows) writes nothing

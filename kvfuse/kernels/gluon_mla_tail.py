@@ -35,8 +35,8 @@ Layout (one kernel; the format is a constexpr: QUANT_DIM 512 / 448, GROUP 128 / 
   mean = ss * (1 / 512) (exact).
 - quantization: y = bf16((x * rstd) * w) packed two per word (cvt.rn.bf16x2.f32); a group is 8
   (V32) or 4 (MODEL1) neighbouring lanes: in-lane max of 16, then shuffles xor 1, 2 (, 4); the UE8M0
-  exponent without a division (``group_scales`` SF 0/1 of numerics.py); codes packed four per word
-  (cvt.rn.satfinite.e4m3x2.f32: the plain kernel's NATIVE=2 encode, its codes are only stored), four
+  exponent without a division (``group_scales`` SF_UE8M0 / SF_UE8M0_FP32 of numerics.py); codes packed four per word
+  (cvt.rn.satfinite.e4m3x2.f32: the plain kernel's NATIVE_UNGUARDED encode, its codes are only stored), four
   words per lane; the first lane of each group stores its scale (V32: the fp32 2^e as one 32-bit
   word; MODEL1: the byte e + 127; lanes 28..31 own no group).
 - RoPE on the tail words, no shared memory: lane l < 16 holds (y_i0 of j = 2 l, 2 l + 1), lane
@@ -73,6 +73,7 @@ from __future__ import annotations
 import torch
 
 from . import gluon_common
+from .codes import NO_FLOOR
 from .gluon_common import (INT32_LIMIT, allowed_by_env, available, compile_options, gl, gluon, log2_block,
                            occupancy_grid, plan_tensors)
 
@@ -186,7 +187,7 @@ if gluon is not None:
             rot = bf16x2((a * c) - (b * s), (a * s) + (b * c))
         tail = gl.where(gl.expand_dims(pok, 1), rot, yt)
 
-        # ---- UE8M0 scale per group of GROUP_LANES lanes: group_scales(SF=0/1, FMAX=448) of numerics.py
+        # ---- UE8M0 scale per group of GROUP_LANES lanes: numerics.group_scales(SF_UE8M0(_FP32), FMAX=448)
         y_lo = lo_f32(yw)
         y_hi = hi_f32(yw)
         amax = gl.max(gl.maximum(gl.abs(y_lo), gl.abs(y_hi)), axis=2)   # NaN-ignoring max, like tl.max
@@ -250,7 +251,7 @@ if gluon is not None:
         log2(block_size) when it is a power of two, else -1 (a division). PIPELINE: load tile t + 1
         (x, indices; its cos/sin after tile t's stores) while tile t computes. OFFSETS32: every x,
         index, cos/sin and cache offset of the launch is below 2**31 (host). NEOX: NEOX RoPE pairs on the
-        tail, else GPT-J's. FLOOR_E: the scale_floor's exponent (FlashMLA's presets: -13), -999 without."""
+        tail, else GPT-J's. FLOOR_E: the scale_floor's exponent (FlashMLA's presets: -13), NO_FLOOR without."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = ROWS_PER_WARP * NW
         TAIL_WORD0: gl.constexpr = QUANT_DIM // 2                       # the tail's first word in x's row
@@ -380,7 +381,8 @@ def launch_parts(plan, tensor, num_warps: int, rows_per_warp: int, pipeline: boo
     constexprs = dict(format_constexprs(plan.fmt), W_BF16=plan.weight.dtype == torch.bfloat16,
                       SLOT32=capacity <= INT32_LIMIT, LOG2_BLOCK=log2_block(block_size),
                       ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline), OFFSETS32=max(spans) < INT32_LIMIT,
-                      NEOX=bool(plan.is_neox), FLOOR_E=-999 if plan.cast.floor_exp is None else plan.cast.floor_exp,
+                      NEOX=bool(plan.is_neox),
+                      FLOOR_E=NO_FLOOR.value if plan.cast.floor_exp is None else plan.cast.floor_exp,
                       PDL=False)
     options = compile_options(num_warps)
     tiles = -(-n // (rows_per_warp * num_warps))

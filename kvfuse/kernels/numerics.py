@@ -1,13 +1,16 @@
 """Triton helpers that give SPEC §2's bits on the GPU and in the interpreter alike.
 
-NATIVE (constexpr; 0 integer helpers, 1 native, 2 native e4m3 without the signed-zero guard) selects the GPU's native conversions (exact there: cvt.rn for bf16,
+NATIVE (constexpr, kvfuse/kernels/codes.py: NATIVE_INTEGER, NATIVE_GUARDED, NATIVE_UNGUARDED; a
+bool in the load kernel) selects the GPU's native conversions (exact there: cvt.rn for bf16,
 cvt.rn.satfinite for e4m3); the interpreter's native conversions are wrong (truncation, ties
-away from zero, bad subnormals), so there NATIVE=False narrows with integer round-to-nearest-even
+away from zero, bad subnormals), so there NATIVE_INTEGER narrows with integer round-to-nearest-even
 on the bit patterns. All arithmetic is fp32 with explicit IEEE division/sqrt; kernels launch with
 enable_fp_fusion=False so no multiply-add is contracted.
 """
 import triton
 import triton.language as tl
+
+from .codes import NATIVE_GUARDED, NATIVE_INTEGER, NO_FLOOR, SF_E4M3, SF_UE8M0, SF_UE8M0_FP32
 
 
 @triton.jit
@@ -44,9 +47,9 @@ def encode_e4m3(t, NATIVE: tl.constexpr):
     """fp32 with |t| <= 448 -> e4m3fn code (uint8), RTNE, sign kept (-0 -> 0x80)."""
     if NATIVE:
         c = t.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        if NATIVE == 1:
+        if NATIVE == NATIVE_GUARDED:
             # |t| <= 2^-10 rounds to a signed zero; said explicitly in case the conversion flushes fp32
-            # subnormals without their sign (NATIVE == 2 trusts the conversion: tests/gpu/test_gpu_numerics.py)
+            # subnormals without their sign (NATIVE_UNGUARDED trusts the conversion: tests/gpu/test_gpu_numerics.py)
             neg_zero = ((t.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
             c = tl.where(tl.abs(t) <= 0.0009765625, neg_zero, c)
     else:
@@ -106,11 +109,12 @@ def pow2(e):
 
 
 @triton.jit
-def group_scales(amax, FMAX: tl.constexpr, SF: tl.constexpr, NATIVE: tl.constexpr, FLOOR_E: tl.constexpr = -999):
+def group_scales(amax, FMAX: tl.constexpr, SF: tl.constexpr, NATIVE: tl.constexpr,
+                 FLOOR_E: tl.constexpr = NO_FLOOR):
     """amax (floored) -> (multiplier m, dequant scale d, stored: the scale byte or the fp32 bits, uint32).
-    FMAX 448 (e4m3) or 6 (e2m1); SF 0 ue8m0, 1 ue8m0_fp32, 2 e4m3, 3 fp32. FLOOR_E (SF 0 / 1): the
-    scale_floor's exponent, e = max(e, FLOOR_E) (SPEC §2); -999 (NO_FLOOR): none."""
-    if SF == 0 or SF == 1:
+    FMAX 448 (e4m3) or 6 (e2m1); SF one of codes.SF_*. FLOOR_E (SF_UE8M0 / SF_UE8M0_FP32): the
+    scale_floor's exponent, e = max(e, FLOOR_E) (SPEC §2); NO_FLOOR: none."""
+    if SF == SF_UE8M0 or SF == SF_UE8M0_FP32:
         # e = ceil(log2(RN(amax / FMAX))) without the division. FMAX = 1.f * 2^p (448 = 1.75 * 2^8,
         # 6 = 1.5 * 2^2): RN(amax / FMAX) <= 2^k exactly when amax <= FMAX * 2^k, because no fp32 lies
         # between FMAX * 2^k and FMAX * 2^k * (1 + 2^-24), the rounding midpoint above 2^k (the ulp of amax
@@ -122,17 +126,17 @@ def group_scales(amax, FMAX: tl.constexpr, SF: tl.constexpr, NATIVE: tl.constexp
         bits = amax.to(tl.int32, bitcast=True)
         e = ((bits >> 23) - (127 + P)) + ((bits & 0x7FFFFF) > FRAC).to(tl.int32)
         e = tl.where((bits >> 23) == 255, 128, e)
-        if FLOOR_E != -999:
+        if FLOOR_E != NO_FLOOR:
             e = tl.maximum(e, FLOOR_E)
         m = tl.where(e >= 127, 0x400000 >> tl.maximum(e - 127, 0), (127 - e) << 23).to(tl.float32, bitcast=True)
         d = pow2(e)
-        if SF == 0:
+        if SF == SF_UE8M0:
             stored = (e + 127).to(tl.uint32)
         else:
             stored = d.to(tl.uint32, bitcast=True)
-    elif SF == 2:
+    elif SF == SF_E4M3:
         s = tl.minimum(tl.maximum(tl.div_rn(amax, FMAX), 0.001953125), 448.0)
-        code = encode_e4m3(s, 1 if NATIVE else 0)            # decoded below: the guarded encode
+        code = encode_e4m3(s, NATIVE_GUARDED if NATIVE else NATIVE_INTEGER)   # decoded below: the guarded encode
         d = decode_e4m3(code)
         m = tl.div_rn(1.0, d)
         stored = code.to(tl.uint32)

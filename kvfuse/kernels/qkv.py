@@ -24,6 +24,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from . import fused as _fused
+from .codes import NATIVE_INTEGER
 from .fused import (INTERPRET, _force, _native, _normed, _positions, _rope1_loads, _rotate, _store_bf16,
                     _tree_sum, cdiv, next_pow2, slot_block_offset)
 from .gluon_common import table_entry
@@ -46,7 +47,7 @@ def _qk_rows(x_ptr, xrow, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, rmas
     x = load_f32(x_ptr, xrow[:, None, None] + col[None, :, :], m3, True)         # [M, NV, VEC]
     y = x
     if HAS_NORM:
-        ss = _tree_sum(x * x, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC, NATIVE == 0)
+        ss = _tree_sum(x * x, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC, NATIVE == NATIVE_INTEGER)
         if (D & (D - 1)) == 0:
             mean = ss * (1.0 / D)             # exact: the same bits as ss / D for a power of two
         else:

@@ -1,8 +1,8 @@
 """GPU module (KVFUSE_TEST_GPU=1): the compiled numerics helpers over EVERY fp32 bit pattern.
 
-- the native e4m3 encode without its signed-zero guard (NATIVE=2) equals the integer encoder
-  (NATIVE=0, the SPEC's rounding, checked against the reference in tests/test_kernel_numerics.py)
-  and the guarded native encode (NATIVE=1) on every finite fp32 (|t| > 448 saturates in all three);
+- the native e4m3 encode without its signed-zero guard (NATIVE_UNGUARDED) equals the integer encoder
+  (NATIVE_INTEGER, the SPEC's rounding, checked against the reference in tests/test_kernel_numerics.py)
+  and the guarded native encode (NATIVE_GUARDED) on every finite fp32 (|t| > 448 saturates in all three);
 - encode_e2m1 (bit-pattern rounding) equals the SPEC's midpoint thresholds on every finite fp32;
 - the UE8M0 exponent computed without a division equals ceil(log2(RN(amax / FMAX))) with an IEEE
   division (div_rn) for every amax >= 1e-4 (+inf included), FMAX 448 and 6.
@@ -14,6 +14,7 @@ import triton.language as tl
 
 import kvfuse
 from kvfuse.kernels import numerics as NUM
+from kvfuse.kernels.codes import NATIVE_GUARDED, NATIVE_INTEGER, NATIVE_UNGUARDED, SF_UE8M0
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or kvfuse.backend.interpreter_enabled(),
                                 reason="needs CUDA and compiled kernels (KVFUSE_TEST_GPU=1)")
@@ -44,9 +45,9 @@ def _sweep(start, count, bad_ptr, first_ptr, WHAT: tl.constexpr, FMAX: tl.conste
         t = bits.to(tl.float32, bitcast=True)
         finite = tl.abs(t) < float("inf")
         if WHAT == 0:
-            a = NUM.encode_e4m3(t, 2).to(tl.int32)
-            b = NUM.encode_e4m3(t, 0).to(tl.int32)
-            c = NUM.encode_e4m3(t, 1).to(tl.int32)
+            a = NUM.encode_e4m3(t, NATIVE_UNGUARDED).to(tl.int32)
+            b = NUM.encode_e4m3(t, NATIVE_INTEGER).to(tl.int32)
+            c = NUM.encode_e4m3(t, NATIVE_GUARDED).to(tl.int32)
             wrong = (a != b) | (a != c)
             check = live & finite
         elif WHAT == 1:
@@ -57,7 +58,7 @@ def _sweep(start, count, bad_ptr, first_ptr, WHAT: tl.constexpr, FMAX: tl.conste
             wrong = wrong | (t == -1.5)
             check = live & finite
         else:
-            m, d, stored = NUM.group_scales(t, FMAX, 0, 1)
+            m, d, stored = NUM.group_scales(t, FMAX, SF_UE8M0, NATIVE_GUARDED)
             s = tl.div_rn(t, FMAX)
             e = ((s.to(tl.int32, bitcast=True) - 1) >> 23) + 1 - 127
             wrong = stored.to(tl.int32) != e + 127
