@@ -265,8 +265,7 @@ def test_contiguous_call_guard():
     assert GI.call_guard(plan_of(index_case()))[1] == ("x", "weight")
 
 
-def test_contiguous_dispatch_counts_rows_of_every_head(monkeypatch):
-    monkeypatch.setattr(fused_kernels, "GLUON", True)
-    monkeypatch.setattr(fused_kernels, "FAST_PATHS", (GI,))
-    assert fused_kernels.fast_path(plan_of(q_case(n=1, heads=4))) is GI       # 4 rows >= MIN_ROWS
-    assert fused_kernels.fast_path(plan_of(q_case(n=1, heads=1, x2d=True))) is None
+def test_contiguous_dispatch_counts_rows_of_every_head():
+    with fused_kernels.fast_paths(only=GI):
+        assert fused_kernels.fast_path(plan_of(q_case(n=1, heads=4))) is GI       # 4 rows >= MIN_ROWS
+        assert fused_kernels.fast_path(plan_of(q_case(n=1, heads=1, x2d=True))) is None

@@ -872,10 +872,11 @@ def call_guard(plan):
     return check, ("x", "q_out", "sf_out") + (("weight",) if with_weight else ())
 
 
-def plan_launch(plan, tensor) -> tuple:
+def plan_launch(plan, tensor, table=None) -> tuple:
     """(kernel name, grid, positional args, keyword args, namespace) of this kernel for an eligible
     plan; ``tensor(field)`` goes where the plan's tensor ``field`` goes (the tensor, or a
-    launcher.PlanTensor for a Launch kept with the call signature)."""
-    nw, rpt, pipe = launch_table(plan.x.shape[0] * plan.x.shape[1])
+    launcher.PlanTensor for a Launch kept with the call signature); ``table`` replaces
+    ``launch_table`` (kvfuse.kernels.fused.fast_paths)."""
+    nw, rpt, pipe = (table or launch_table)(plan.x.shape[0] * plan.x.shape[1])
     args, constexprs, options = launch_args(plan, tensor, nw, rpt, pipe)
     return "index_write_kernel", _grid(plan, args, constexprs, options), args, {**constexprs, **options}, globals()

@@ -561,10 +561,10 @@ def plan_launch_parts(plan, tensor, table, launch_parts) -> tuple:
     return grid, args, {**constexprs, **options}
 
 
-def plan_launch(plan, tensor) -> tuple:
+def plan_launch(plan, tensor, table=None) -> tuple:
     """(kernel name, grid, positional args, keyword args, namespace) of this kernel for an eligible
-    plan (``plan_launch_parts``)."""
-    grid, args, kwargs = plan_launch_parts(plan, tensor, launch_table, _launch_parts)
+    plan (``plan_launch_parts``); ``table`` replaces ``launch_table`` (kvfuse.kernels.fused.fast_paths)."""
+    grid, args, kwargs = plan_launch_parts(plan, tensor, table or launch_table, _launch_parts)
     return "main_fp8_kernel", grid, args, kwargs, globals()
 
 

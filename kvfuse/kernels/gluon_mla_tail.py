@@ -447,11 +447,12 @@ word_aligned = gluon_common.word_aligned      # x and the weight are read as 4-b
 call_guard = gluon_common.x_weight_guard      # checked per call (the plan cache keys neither pointer)
 
 
-def plan_launch(plan, tensor) -> tuple:
+def plan_launch(plan, tensor, table=None) -> tuple:
     """(kernel name, grid, positional args, keyword args, namespace) of this kernel for an eligible
     plan; ``tensor(field)`` goes where the plan's tensor ``field`` goes (the tensor, or a
-    launcher.PlanTensor for a Launch kept with the call signature). Everything but the tensors is a
-    function of the plan's signature and n."""
-    num_warps, rows_per_warp, pipeline = launch_table(plan.x.shape[0])
+    launcher.PlanTensor for a Launch kept with the call signature); ``table`` replaces
+    ``launch_table`` (kvfuse.kernels.fused.fast_paths). Everything but the tensors is a function of
+    the plan's signature and n."""
+    num_warps, rows_per_warp, pipeline = (table or launch_table)(plan.x.shape[0])
     grid, args, constexprs, options = launch_parts(plan, tensor, num_warps, rows_per_warp, pipeline)
     return "mla_tail_kernel", grid, args, {**constexprs, **options}, globals()
