@@ -669,7 +669,7 @@ def plain_launch_table(block_d: int, cast_fmt=None) -> tuple:
 
 
 def launch_config(n_rows: int, head_dim: int, block_d: int, interpret: bool, cast_fmt=None):
-    """(BLOCK_M, num_warps) from a small table measured on the H200 (benchmarks/tune_sweep.py,
+    """(BLOCK_M, num_warps) from a small table measured on the H200 (benchmarks/tune.py --kernel portable,
     docs/performance.md): one row per one-warp program at decode sizes; above, one-warp programs of
     ~1K elements (2 rows of 512, 1 of 576), 4 rows of 128, 8 for e2m1 from 16384 rows (whose
     encode and nibble packing leave more room between memory accesses: 8 rows measured 15-20%

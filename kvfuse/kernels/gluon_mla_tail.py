@@ -345,7 +345,7 @@ def format_constexprs(fmt):
 
 def launch_table(n_rows: int):
     """(num_warps, rows_per_warp, pipeline) per batch size, measured on the H200 with
-    benchmarks/gluon_tune.py (``benchmarks/results/2026-11-29_h200_s*_gluon_tune*``):
+    benchmarks/tune.py --kernel fast (``benchmarks/results/2026-11-29_h200_s*_gluon_tune*``):
     two one-row warps per CTA up to n = 16384 (n = 1: 1.70 / 1.73 us for V32 / MODEL1 against 1.76 /
     1.84 with one warp; n = 8192: 5.12 / 4.90 us against 5.24 / 5.08 with four warps; n = 4096: within
     1% of four warps), two warps of two rows each, no pipeline, above (V32 at n = 262144: 145.1 us =
