@@ -3,7 +3,7 @@
 the per-call word alignment of x and the weight, force_config), its launch table and argument table
 (the kernel's parameter order: every non-constexpr first), that the module imports and stays off
 unless KVFUSE_GLUON / KVFUSE_GLUON_SKIP turn it off, and the host mirrors of its two e2m1 encoders against the
-reference encoder. The kernel itself runs only on the H200 (benchmarks/gluon_check_index.py; Gluon
+reference encoder. The kernel itself runs only on the H200 (tests/gpu/test_gpu_fast_paths.py; Gluon
 has no interpreter)."""
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 not their neighbours), the per-call word alignment, the launch table, the launch interface kvfuse's
 dispatch and direct launcher rely on, and that the module imports and stays off unless asked for
 with Triton 3.6 + CUDA (unless KVFUSE_GLUON=0 or KVFUSE_GLUON_SKIP names it). The kernel itself runs only on the H200
-(benchmarks/gluon_check_mla_tail.py; Gluon has no interpreter)."""
+(tests/gpu/test_gpu_fast_paths.py; Gluon has no interpreter)."""
 from __future__ import annotations
 
 import pytest
