@@ -154,6 +154,7 @@ def test_a_rejected_call_runs_the_plain_kernel(monkeypatch):
     def plan_launch(plan, tensor):
         taken.append(plan.x.data_ptr())
         return ("fused_kernel", *fused_kernels.fused_args(plan, tensor), {"fused_kernel": stand_in})
+    # the launch kept for the signature is under test, and fused.fast_paths keeps none: the default set
     monkeypatch.setattr(fused_kernels, "GLUON", True)
     monkeypatch.setattr(fused_kernels, "FAST_PATHS", (G,))
     monkeypatch.setattr(G, "plan_launch", plan_launch)
