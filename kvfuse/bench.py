@@ -855,7 +855,7 @@ class CudaTimer:
                 gpu, method = self._graph_us(fns, est), "graph"
             except Exception as e:
                 note = f"graph capture failed ({_short(e, 160)}); GPU time from events"
-                _recover_cuda()
+                recover_cuda()
         if gpu is None:
             gpu = self._events_us(fns, est)
         return Timing(gpu, method, self._eager_us(fns, est), note)
@@ -885,7 +885,7 @@ class CudaTimer:
             return _short(e, 120)
         finally:
             torch.cuda.set_sync_debug_mode(prev)
-            _recover_cuda()
+            recover_cuda()
 
     def _graph_us(self, fns, est) -> float:
         k = _clamp(int(0.02 / est), 1, self.graph_calls)
@@ -944,7 +944,9 @@ def _events_ms(fn, count: int) -> float:
     return a.elapsed_time(b)
 
 
-def _recover_cuda() -> None:
+def recover_cuda() -> None:
+    """After a failed GPU call: wait for the device so that the failure is not reported by the next
+    call; an error that ended the CUDA context is swallowed here (what follows will report it)."""
     try:
         torch.cuda.synchronize()
     except Exception:
@@ -1120,7 +1122,7 @@ def measure_point(wl: Workload, n: int, cfg: Config, device, timer, cstate: _Com
         sets = build_input_sets(wl, n, device, cfg.cold_l2, cfg.seed, cfg.slots, cfg.regime)
         detail = mean_bytes([input_bytes(wl, s) for s in sets])
     except Exception as e:
-        _recover_cuda()
+        recover_cuda()
         return [Record(peer=p, status="error", note=f"building inputs: {_short(e)}", **base) for p in cfg.peers]
     base.update(bytes=detail["total"], bytes_detail=detail)
     out = []
@@ -1142,7 +1144,7 @@ def measure_point(wl: Workload, n: int, cfg: Config, device, timer, cstate: _Com
             log(f"[{wl.name} n={n} {peer}] {msg}")
             if peer == "compile":
                 cstate.failed[wl.name] = msg
-            _recover_cuda()
+            recover_cuda()
         finally:
             if peer == "compile":
                 cstate.spent_s += time.perf_counter() - t0
@@ -1497,12 +1499,12 @@ def measure_device(quick: bool, log=print) -> dict:
         dev.update(measure_copy_bandwidth(reps=5 if quick else 10))
     except Exception as e:
         dev["copy_error"] = _short(e)
-        _recover_cuda()
+        recover_cuda()
     try:
         dev.update(measure_launch_floor(reps=20 if quick else 50))
     except Exception as e:
         dev["floor_error"] = _short(e)
-        _recover_cuda()
+        recover_cuda()
     log(f"copy bandwidth: {_f(dev.get('copy_GBps'), '.0f')} GB/s (2 GiB device-to-device copy, read + written); "
         f"launch floor: {_f(dev.get('floor_us'), '.2f')} us (tiny Triton kernel, "
         f"{dev.get('floor_launches_per_graph', '-')} launches per CUDA graph)")

@@ -520,8 +520,9 @@ def build_plan(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=
 # - the layout by identity (a KVCacheFormat is frozen), or with layout=None the identities of the
 #   formats.PRESETS values that infer_layout chooses from (monkeypatching a preset is a miss); the
 #   entry pins these objects, so no other object can take their ids while it exists.
-# Read on every call instead: the backend, KVFUSE_CHECKS (the data checks), force_config (the
-# launch parameters are recomputed while it is active) and the tensors' data pointers (the entry's
+# Read on every call instead: the backend, KVFUSE_CHECKS (the data checks), force_config and
+# fused.fast_paths (the launch parameters are recomputed while one is active) and the tensors' data
+# pointers (the entry's
 # OverlapCheck compares them on every call: whether outputs overlap inputs or each other depends
 # on addresses, which the key does not hold); the cache is bypassed while
 # torch.compiler.is_compiling(). The environment that kvfuse.kernels.fused reads at import

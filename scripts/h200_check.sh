@@ -4,7 +4,9 @@
 #   bash scripts/h200_check.sh bench [SECONDS]   host overhead + the full benchmark
 #   bash scripts/h200_check.sh quick [SECONDS]   launcher / streams / compile GPU tests, real eager host
 #                                                cost (direct launch on and off), the fused peer only
-#   bash scripts/h200_check.sh gluon             the Gluon fast-path checks (byte equality + timing; ~4 min)
+#   bash scripts/h200_check.sh gluon [SECONDS]   the Gluon fast paths against the portable kernel, byte for byte
+#                                                (tests/gpu/test_gpu_fast_paths.py, test_gpu_gluon.py); their
+#                                                timing is benchmarks/tune.py --kernel fast
 # (two calls: together they exceed one call's 10 minutes). Results and logs go under $OUT.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -25,10 +27,10 @@ if [ "$part" = tests ]; then
     python3 tests/gpu/sanitize_cases.py --quick --no-large > "$OUT/memcheck.log" 2>&1
   echo "memcheck rc=$?"; tail -n 2 "$OUT/memcheck.log"
 elif [ "$part" = gluon ]; then
-  for c in gluon_check gluon_check_main_fp4 gluon_check_mla_tail gluon_check_index gluon_check_index_q; do
-    timeout 150 python3 benchmarks/$c.py --out "$OUT" > "$OUT/$c.log" 2>&1
-    echo "$c rc=$?"; grep -E "summary|wrote" "$OUT/$c.log" | cut -c1-300
-  done
+  KVFUSE_TEST_GPU=1 timeout -s INT "${2:-540}" python3 -m pytest -q -rf -p no:cacheprovider \
+    tests/gpu/test_gpu_fast_paths.py tests/gpu/test_gpu_gluon.py > "$OUT/gpu_fast_paths.log" 2>&1
+  echo "gpu fast-path tests rc=$?"; grep -E "passed|failed" "$OUT/gpu_fast_paths.log" | cut -c1-400 | tail -n 4
+  grep -E "^FAILED" "$OUT/gpu_fast_paths.log" | cut -c1-300 | head -n 20
 elif [ "$part" = quick ]; then
   KVFUSE_TEST_GPU=1 timeout -s INT 200 python3 -m pytest -q -s -rf -p no:cacheprovider \
     tests/gpu/test_gpu_gluon.py tests/gpu/test_gpu_launcher.py tests/gpu/test_gpu_streams.py tests/gpu/test_gpu_compile_graphs.py \

@@ -16,6 +16,7 @@ from kvfuse.kernels import fused as fused_kernels
 from kvfuse.kernels import gluon_common, gluon_index, gluon_main_fp4, gluon_mla_tail
 from kvfuse.kernels import gluon_main_fp8 as G
 from helpers import CountingKernel
+from kvfuse.kernels.launcher import tensor_arg
 from kernel_cases import FAST_CASES, FAST_CHAIN, FAST_MAIN, Case, plan_of, recast
 
 MAIN = kvfuse.formats.MAIN_FP8
@@ -129,16 +130,15 @@ def test_on_where_available_unless_turned_off(module, monkeypatch):
     assert not module.enabled()
 
 
-def test_decode_sizes_follow_min_rows(monkeypatch):
-    """A module whose MIN_ROWS exceeds the call's rows leaves it to the plain kernel (one-row calls
-    of the index path, measured mixed there)."""
-    monkeypatch.setattr(fused_kernels, "GLUON", True)
-    monkeypatch.setattr(fused_kernels, "FAST_PATHS", (G,))
+def test_decode_sizes_follow_min_rows():
+    """A minimum above the call's rows leaves it to the plain kernel (one-row calls of the index path,
+    measured mixed there: its MIN_ROWS, tests/test_gluon_index_dispatch.py)."""
     plan = plan_of(main_case(n=5))
-    assert fused_kernels.fast_path(plan) is G
-    monkeypatch.setattr(G, "MIN_ROWS", 6)
-    assert fused_kernels.fast_path(plan) is None
-    assert fused_kernels.fast_path(plan_of(main_case(n=6))) is G
+    with fused_kernels.fast_paths(only=G):
+        assert fused_kernels.fast_path(plan) is G
+    with fused_kernels.fast_paths(only=G, min_rows=6):
+        assert fused_kernels.fast_path(plan) is None
+        assert fused_kernels.fast_path(plan_of(main_case(n=6))) is G
     from kvfuse.kernels import gluon_index, gluon_mla_tail
     assert (gluon_mla_tail.MIN_ROWS, gluon_index.MIN_ROWS) == (1, 2)
 
@@ -154,6 +154,7 @@ def test_a_rejected_call_runs_the_plain_kernel(monkeypatch):
     def plan_launch(plan, tensor):
         taken.append(plan.x.data_ptr())
         return ("fused_kernel", *fused_kernels.fused_args(plan, tensor), {"fused_kernel": stand_in})
+    # the launch kept for the signature is under test, and fused.fast_paths keeps none: the default set
     monkeypatch.setattr(fused_kernels, "GLUON", True)
     monkeypatch.setattr(fused_kernels, "FAST_PATHS", (G,))
     monkeypatch.setattr(G, "plan_launch", plan_launch)
@@ -195,16 +196,15 @@ def test_bind_tensors_replaces_plan_tensor_slots_only():
 
 
 @pytest.mark.parametrize("entry", FAST_CASES, ids=lambda e: f"{e[0]}-n{e[2].n}-h{e[2].heads}-s{e[2].seed}")
-def test_gpu_cases_reach_their_fast_path(entry, monkeypatch):
+def test_gpu_cases_reach_their_fast_path(entry):
     """Each case of the GPU module tests/gpu/test_gpu_gluon.py is the chain of the module it names
     (eligible, and no other registered module's), at a size the dispatch sends there: so the GPU
     test compares that fast path, not the plain kernel, against the reference."""
     module_name, kernel_name, case = entry
     module = importlib.import_module(f"kvfuse.kernels.{module_name}")
     assert hasattr(module, kernel_name) or module.gluon is None
-    monkeypatch.setattr(fused_kernels, "GLUON", True)
-    monkeypatch.setattr(fused_kernels, "FAST_PATHS", fused_kernels.FAST_PATH_MODULES)
-    assert fused_kernels.fast_path(plan_of(case)) is module
+    with fused_kernels.fast_paths(only=fused_kernels.FAST_PATH_MODULES):
+        assert fused_kernels.fast_path(plan_of(case)) is module
 
 
 def test_occupancy_grid_asks_the_device_only_for_what_is_missing(monkeypatch):
@@ -249,18 +249,16 @@ MODULES = {"gluon_main_fp8": G, "gluon_main_fp4": gluon_main_fp4, "gluon_mla_tai
 
 
 @pytest.mark.parametrize("name", sorted(BASE_CASES))
-def test_dispatch_follows_eligibility_and_force_config(name, monkeypatch):
+def test_dispatch_follows_eligibility_and_force_config(name):
     module, kw = MODULES[name], BASE_CASES[name]
     plan = plan_of(Case(n=5, **kw))
-    monkeypatch.setattr(fused_kernels, "GLUON", True)
-    monkeypatch.setattr(fused_kernels, "FAST_PATHS", (module,))
-    monkeypatch.setattr(module, "MIN_ROWS", 1)           # the case's few rows (decode sizes may stay plain)
-    assert fused_kernels.fast_path(plan) is module
-    with fused_kernels.force_config(block_m=1):
-        assert fused_kernels.fast_path(plan) is None   # forced configurations are the plain kernel's
-    assert fused_kernels.fast_path(plan_of(Case(n=5, **{**kw, "out_stage": "transform"}))) is None
-    monkeypatch.setattr(fused_kernels, "GLUON", False)
-    assert fused_kernels.fast_path(plan) is None
+    with fused_kernels.fast_paths(only=module, min_rows=1):    # the case's few rows (decode sizes may stay plain)
+        assert fused_kernels.fast_path(plan) is module
+        with fused_kernels.force_config(block_m=1):
+            assert fused_kernels.fast_path(plan) is None   # forced configurations are the plain kernel's
+        assert fused_kernels.fast_path(plan_of(Case(n=5, **{**kw, "out_stage": "transform"}))) is None
+    with fused_kernels.fast_paths(only=()):
+        assert fused_kernels.fast_path(plan) is None
 
 
 @pytest.mark.parametrize("name", sorted(BASE_CASES))
@@ -284,3 +282,85 @@ def test_word_alignment_is_per_call(head_dim):
     assert not G.word_aligned(x[1:], w)
     assert not G.word_aligned(x[:2 * head_dim], torch.zeros(head_dim + 1, dtype=torch.bfloat16)[1:])
     assert G.word_aligned(x[:2 * head_dim], torch.zeros(head_dim, dtype=torch.float32))
+
+
+# ---------------------------------------------------------------------------------- fast_paths (tools, tests)
+@pytest.mark.parametrize("bad", [dict(only="gluon_index"), dict(only=(object(),)), dict(only=[G, None]),
+                                 dict(min_rows=0), dict(min_rows=True), dict(min_rows=1.0),
+                                 dict(launch_table=(1, 1, False))])
+def test_fast_paths_rejects_bad_arguments(bad):
+    with pytest.raises(ValueError, match="fast_paths"):
+        with fused_kernels.fast_paths(**bad):
+            pass
+
+
+def test_fast_paths_is_per_thread_and_nests():
+    import threading
+    plan = plan_of(main_case(n=5))
+    default = fused_kernels.fast_path(plan)           # G on a GPU with Triton 3.6, else None
+    seen = []
+    with fused_kernels.fast_paths(only=[G], min_rows=1) as choice:
+        assert fused_kernels.fast_path(plan) is G and choice.only == (G,)
+        other = threading.Thread(target=lambda: seen.append(fused_kernels.fast_path(plan)))
+        other.start()
+        other.join()
+        with fused_kernels.fast_paths(only=()):
+            assert fused_kernels.fast_path(plan) is None
+        assert fused_kernels.fast_path(plan) is G
+    assert seen == [default] and fused_kernels.fast_path(plan) is default
+
+
+@pytest.mark.parametrize("name", sorted(BASE_CASES))
+def test_each_plan_launch_takes_its_launch_table_from_the_caller(name):
+    """fast_paths(launch_table=...) reaches the module: plan_launch asks the given table (first, before
+    any device work) for the plan's rows."""
+    class Asked(Exception):
+        pass
+
+    def table(n_rows):
+        raise Asked(n_rows)
+    with pytest.raises(Asked) as asked:
+        MODULES[name].plan_launch(plan_of(Case(n=5, **BASE_CASES[name])), tensor_arg, table)
+    assert asked.value.args == (5,)
+
+
+def test_calls_inside_fast_paths_are_routed_per_call_and_counted(monkeypatch):
+    """In the interpreter, a stand-in for MAIN_FP8's launch (the plain kernel's launch parts): inside the
+    block every call asks plan_launch (no launch is kept for the signature) with the block's table,
+    a call whose x fails the per-call guard runs the plain kernel uncounted, and the bytes are the
+    reference's; with only=() no call reaches it."""
+    asked = []
+
+    def plan_launch(plan, tensor, table=None):
+        asked.append(table)
+        return ("fused_kernel", *fused_kernels.fused_args(plan, tensor), vars(fused_kernels))
+    monkeypatch.setattr(G, "plan_launch", plan_launch)
+    kvfuse.plan.clear_plan_cache()
+    n, fmt = 3, MAIN
+    g = torch.Generator().manual_seed(5)
+    big = (torch.randn(n * 512 + 2, generator=g) * 3).to(torch.bfloat16)
+    w = (torch.rand(512, generator=g) * 2).to(torch.bfloat16)
+    ang = torch.rand(16, 32, generator=g) * 6
+    rope = kvfuse.RopeArgs(torch.tensor([1, 5, 9]), torch.cat([ang.cos(), ang.sin()], 1), 64, True)
+    slots = torch.tensor([4, 0, 7])
+
+    def write(backend, offset):
+        cache = fmt.allocate(2, 4)
+        storage = cache.as_strided((cache.untyped_storage().nbytes(),), (1,), 0)     # padding included
+        storage.copy_(torch.randint(0, 256, storage.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(6)))
+        with kvfuse.use_backend(backend):
+            kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(
+                big[offset:offset + n * 512].view(n, 512), kvfuse.NormArgs(w), rope, None,
+                CastArgs.from_cache_format(fmt), kvfuse.KVCacheOutArgs(cache, slots, layout=fmt))
+        return storage
+
+    def table(n_rows):
+        return (1, 1, False)
+    with fused_kernels.fast_paths(only=G, launch_table=table) as choice:
+        got = [write("triton", offset) for offset in (0, 0, 1)]      # 1: x 2 bytes off, the guard declines
+    assert asked == [table, table] and choice.fast_calls == 2
+    with fused_kernels.fast_paths(only=()) as portable:
+        got.append(write("triton", 0))
+    assert len(asked) == 2 and portable.fast_calls == 0
+    for storage, offset in zip(got, (0, 0, 1, 0)):
+        assert torch.equal(storage, write("reference", offset)), offset

@@ -3,7 +3,7 @@
 the per-call word alignment of x and the weight, force_config), its launch table and argument table
 (the kernel's parameter order: every non-constexpr first), that the module imports and stays off
 unless KVFUSE_GLUON / KVFUSE_GLUON_SKIP turn it off, and the host mirrors of its two e2m1 encoders against the
-reference encoder. The kernel itself runs only on the H200 (benchmarks/gluon_check_index.py; Gluon
+reference encoder. The kernel itself runs only on the H200 (tests/gpu/test_gpu_fast_paths.py; Gluon
 has no interpreter)."""
 from __future__ import annotations
 
@@ -265,8 +265,7 @@ def test_contiguous_call_guard():
     assert GI.call_guard(plan_of(index_case()))[1] == ("x", "weight")
 
 
-def test_contiguous_dispatch_counts_rows_of_every_head(monkeypatch):
-    monkeypatch.setattr(fused_kernels, "GLUON", True)
-    monkeypatch.setattr(fused_kernels, "FAST_PATHS", (GI,))
-    assert fused_kernels.fast_path(plan_of(q_case(n=1, heads=4))) is GI       # 4 rows >= MIN_ROWS
-    assert fused_kernels.fast_path(plan_of(q_case(n=1, heads=1, x2d=True))) is None
+def test_contiguous_dispatch_counts_rows_of_every_head():
+    with fused_kernels.fast_paths(only=GI):
+        assert fused_kernels.fast_path(plan_of(q_case(n=1, heads=4))) is GI       # 4 rows >= MIN_ROWS
+        assert fused_kernels.fast_path(plan_of(q_case(n=1, heads=1, x2d=True))) is None

@@ -5,7 +5,7 @@ the weight, force_config), its launch table and argument table (with a stand-in 
 device here), the registry entry in kvfuse.kernels.fused, that the module imports and stays off
 unless Triton 3.6 + CUDA and KVFUSE_GLUON / KVFUSE_GLUON_SKIP allow it, and the host mirror of its
 e2m1 encoder against the reference encoder. The kernel itself runs only on the H200
-(benchmarks/gluon_check_main_fp4.py; Gluon has no interpreter)."""
+(tests/gpu/test_gpu_fast_paths.py; Gluon has no interpreter)."""
 from __future__ import annotations
 
 import dataclasses
@@ -196,7 +196,7 @@ def test_direct_entry_checks_its_inputs():
 def test_e2m1_nibble_encoder_gives_the_reference_codes():
     """``_e2m1_nibble``'s host mirror on 2^21 random fp32 patterns, every fp32 within 3 ulps of every
     e2m1 rounding boundary, grid value and binade edge (and their negatives), and every bf16 pattern
-    (benchmarks/gluon_check_main_fp4.py --prove-encoder runs all 2^32). NaN inputs are left out
+    (tests/gpu/test_gpu_fast_paths.py runs all 2^32). NaN inputs are left out
     (SPEC §2 leaves their group free)."""
     g = torch.Generator().manual_seed(0)
     bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (1 << 21,), generator=g, dtype=torch.int64).to(torch.int32)

@@ -3,7 +3,7 @@
 not their neighbours), the per-call word alignment, the launch table, the launch interface kvfuse's
 dispatch and direct launcher rely on, and that the module imports and stays off unless asked for
 with Triton 3.6 + CUDA (unless KVFUSE_GLUON=0 or KVFUSE_GLUON_SKIP names it). The kernel itself runs only on the H200
-(benchmarks/gluon_check_mla_tail.py; Gluon has no interpreter)."""
+(tests/gpu/test_gpu_fast_paths.py; Gluon has no interpreter)."""
 from __future__ import annotations
 
 import pytest
@@ -159,12 +159,11 @@ def test_plan_launch_shape(fmt, monkeypatch):
     assert grid == (4,) and kwargs["num_warps"] == 2 and kwargs["PIPELINE"] is False   # 7 rows, tiles of 2
 
 
-def test_dispatch_takes_both_formats_but_not_a_conjugate_rope(monkeypatch):
+def test_dispatch_takes_both_formats_but_not_a_conjugate_rope():
     """(The dispatch rules every fast path shares: tests/test_gluon_dispatch.py.)"""
-    monkeypatch.setattr(fused_kernels, "GLUON", True)
-    monkeypatch.setattr(fused_kernels, "FAST_PATHS", (G,))
-    assert fused_kernels.fast_path(plan_of(mla_case(MODEL1))) is G
-    assert fused_kernels.fast_path(plan_of(mla_case(MODEL1, conjugate=True))) is None
+    with fused_kernels.fast_paths(only=G):
+        assert fused_kernels.fast_path(plan_of(mla_case(MODEL1))) is G
+        assert fused_kernels.fast_path(plan_of(mla_case(MODEL1, conjugate=True))) is None
 
 
 def test_main_fp8_is_not_taken_by_this_path_nor_the_mla_chains_by_main_fp8():

@@ -1,28 +1,21 @@
-"""README.md's performance summary is exactly what benchmarks/perf_summary.py renders from the latest
+"""README.md's performance summary is exactly what kvfuse.perf_summary renders from the latest
 benchmark JSON (regenerate with `python benchmarks/perf_summary.py --write` after a new run)."""
-import importlib.util
 import json
 from pathlib import Path
 
+from kvfuse import perf_summary as ps
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("perf_summary", ROOT / "benchmarks" / "perf_summary.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+LATEST = ROOT / ps.SOURCE
 
 
 def test_readme_quotes_the_latest_benchmark():
-    ps = _module()
-    report = json.loads(ps.LATEST.read_text())
+    report = json.loads(LATEST.read_text())
     assert ps.readme_block((ROOT / "README.md").read_text()) == ps.render(report)
 
 
 def test_every_row_of_the_summary_was_measured():
-    ps = _module()
-    report = json.loads(ps.LATEST.read_text())
+    report = json.loads(LATEST.read_text())
     measured = {(r["workload"], r["n"]) for r in report["results"] if r["status"] == "ok"}
     sizes = {n for _, n in measured}
     for _, wl, preset in ps.ROWS:
@@ -34,7 +27,6 @@ def _new_style_report(slots="paged", regime="auto"):
     """A report as kvfuse bench now writes it (input regime, slots, bytes from the inputs), with
     made-up timings for every workload the summary quotes, through JSON."""
     from kvfuse import bench
-    ps = _module()
     names = [w for _, wl, preset in ps.ROWS for w in (wl, preset) if w]
     cfg = bench.parse_config(["--workloads", ",".join(names), "--n", "1,4096", "--peers", "fused",
                               "--slots", slots, "--regime", regime])
@@ -54,10 +46,9 @@ def _new_style_report(slots="paged", regime="auto"):
 def test_summary_renders_old_and_new_result_files():
     """Files written before the input regimes render as before ("random slots"); new files say which
     slots and regime they measured."""
-    ps = _module()
-    old_file = ps.ROOT / "benchmarks" / "results" / "2026-12-01_h200_models_bench.json"   # before the regimes
+    old_file = ROOT / "benchmarks" / "results" / "2026-12-01_h200_models_bench.json"   # before the regimes
     assert "median, random slots)" in ps.render(json.loads(old_file.read_text()))
-    latest = ps.render(json.loads(ps.LATEST.read_text()))
+    latest = ps.render(json.loads(LATEST.read_text()))
     assert "median, paged slots, decode inputs for n <= 256 and prefill inputs above)" in latest
     new = ps.render(_new_style_report())
     assert "median, paged slots, decode inputs for n <= 256 and prefill inputs above)" in new

@@ -565,7 +565,8 @@ INTERPRET = _backend.interpreter_enabled()
 DIRECT_LAUNCH = direct_launch_supported(INTERPRET)   # see kvfuse/kernels/launcher.py
 # Gluon fast paths (Triton 3.6 on CUDA; KVFUSE_GLUON=0 turns them all off, KVFUSE_GLUON_SKIP=a,b
 # some). Each module gives enabled(), MIN_ROWS (fewer rows stay on the plain kernel), eligible(plan)
-# -> bool, plan_launch(plan, tensor) -> (kernel name, grid, args, keyword args, namespace) and
+# -> bool, plan_launch(plan, tensor, table=None) -> (kernel name, grid, args, keyword args, namespace;
+# table: n_rows -> (num_warps, rows, pipeline) in place of the module's launch_table, see fast_paths) and
 # call_guard(plan) -> (check, fields): its per-call check, on the call's tensors of those plan fields
 # (4-byte alignment of x and the weight, say); the first eligible one takes a plan. See
 # kvfuse/kernels/gluon_main_fp8.py.
@@ -605,6 +606,56 @@ def force_config(block_m: int = None, num_warps: int = None, vec: int = None):
         _force.cfg = prev
 
 
+class FastPathChoice:
+    """What ``fast_paths`` chose for this thread (None fields: the library's own choice), and
+    ``fast_calls``: how many calls inside the block a fast path ran (its per-call guard passed)."""
+
+    __slots__ = ("only", "min_rows", "launch_table", "fast_calls")
+
+    def __init__(self, only, min_rows, launch_table):
+        self.only, self.min_rows, self.launch_table, self.fast_calls = only, min_rows, launch_table, 0
+
+
+class _FastPathOverride(threading.local):
+    choice = None  # a class default, as _ForcedConfig.cfg
+
+
+_fast_override = _FastPathOverride()
+
+
+@contextlib.contextmanager
+def fast_paths(only=None, min_rows: int = None, launch_table=None):
+    """Route this thread's calls inside the block (tools and tests; other threads are unaffected):
+
+    - ``only``: a module of FAST_PATH_MODULES or a sequence of them: the fast paths that may take a
+      call, in that order, whether or not they are enabled (KVFUSE_GLUON, KVFUSE_GLUON_SKIP); ``()``:
+      the portable kernel only. None: the enabled ones, as outside the block.
+    - ``min_rows``: replaces every module's MIN_ROWS (1: decode sizes too).
+    - ``launch_table``: a function n_rows -> (num_warps, rows, pipeline) that replaces the modules'
+      ``launch_table`` (a launch variant under test or being timed).
+
+    Yields a FastPathChoice whose ``fast_calls`` counts the calls a fast path ran. Inside the block
+    every launch is computed per call and none is kept for the signature (so a choice never leaks
+    into later calls); such launches go through Triton's own launcher, which changes host time,
+    not GPU time. force_config still means the portable kernel."""
+    if only is not None:
+        only = (only,) if only in FAST_PATH_MODULES else only
+        if not isinstance(only, (tuple, list)) or any(m not in FAST_PATH_MODULES for m in only):
+            raise ValueError(f"fast_paths(only=...) takes modules of FAST_PATH_MODULES, got {only!r}")
+        only = tuple(only)
+    if min_rows is not None and (type(min_rows) is not int or min_rows < 1):
+        raise ValueError(f"fast_paths(min_rows=...) must be an int >= 1, got {min_rows!r}")
+    if launch_table is not None and not callable(launch_table):
+        raise ValueError(f"fast_paths(launch_table=...) must be a function n_rows -> (num_warps, rows, pipeline), "
+                         f"got {launch_table!r}")
+    prev = _fast_override.choice
+    choice = _fast_override.choice = FastPathChoice(only, min_rows, launch_table)
+    try:
+        yield choice
+    finally:
+        _fast_override.choice = prev
+
+
 def plain_launch_table(block_d: int, cast_fmt=None) -> tuple:
     """The compiled kernel's launch table for a tile width: ((first n_rows, (BLOCK_M, num_warps)), ...)
     (see launch_config; gluon_common.table_entry reads it)."""
@@ -616,7 +667,7 @@ def plain_launch_table(block_d: int, cast_fmt=None) -> tuple:
 
 
 def launch_config(n_rows: int, head_dim: int, block_d: int, interpret: bool, cast_fmt=None):
-    """(BLOCK_M, num_warps) from a small table measured on the H200 (benchmarks/tune_sweep.py,
+    """(BLOCK_M, num_warps) from a small table measured on the H200 (benchmarks/tune.py --kernel portable,
     docs/performance.md): one row per one-warp program at decode sizes; above, one-warp programs of
     ~1K elements (2 rows of 512, 1 of 576), 4 rows of 128, 8 for e2m1 from 16384 rows (whose
     encode and nibble packing leave more room between memory accesses: 8 rows measured 15-20%
@@ -756,14 +807,20 @@ def fused_args(plan: Plan, tensor) -> tuple:
 
 
 def fast_path(plan: Plan):
-    """The Gluon fast-path module that takes the plan, or None: the fast paths are on, one is
-    eligible, and no launch configuration of the plain kernel is being forced (tests of launch
-    invariance)."""
-    if not GLUON or _force.cfg is not None:
+    """The Gluon fast-path module that takes the plan, or None: the fast paths are on (or chosen by
+    ``fast_paths``), one is eligible, and no launch configuration of the plain kernel is being
+    forced (tests of launch invariance)."""
+    if _force.cfg is not None:
         return None
+    choice = _fast_override.choice
+    modules = FAST_PATHS if GLUON else ()
+    min_rows = None
+    if choice is not None:
+        modules = modules if choice.only is None else choice.only
+        min_rows = choice.min_rows
     rows = plan.x.shape[0] * plan.x.shape[1]
-    for module in FAST_PATHS:
-        if rows >= module.MIN_ROWS and module.eligible(plan):
+    for module in modules:
+        if rows >= (module.MIN_ROWS if min_rows is None else min_rows) and module.eligible(plan):
             return module
     return None
 
@@ -822,8 +879,14 @@ def run_plan(plan: Plan, plain: bool = False) -> None:
             module = None
     pdl = pdl_launch(x)
     if module is not None:
-        name, grid, args, options, namespace = module.plan_launch(plan, tensor)
+        choice = _fast_override.choice
+        if choice is None or choice.launch_table is None:
+            name, grid, args, options, namespace = module.plan_launch(plan, tensor)
+        else:
+            name, grid, args, options, namespace = module.plan_launch(plan, tensor, choice.launch_table)
         namespace[name][grid](*args, **with_pdl(options, pdl))
+        if choice is not None:
+            choice.fast_calls += 1
         return
     grid, args, options = fused_args(plan, tensor)
     fused_kernel[grid](*args, **with_pdl(options, pdl))
@@ -832,10 +895,14 @@ def run_plan(plan: Plan, plain: bool = False) -> None:
 def run_template(template, tensors: tuple) -> None:
     """Launch the fused kernel for one call of a validated signature (a kvfuse.plan.PlanTemplate):
     its launch parameters are computed on the first launch of each batch size n and kept with the
-    template (recomputed, not kept, while force_config is active). n = 0 launches nothing."""
+    template (recomputed, not kept, while force_config is active; inside ``fast_paths`` each call
+    is launched as run_plan launches it). n = 0 launches nothing."""
     x = tensors[X]
     n = x.shape[0]
     if n == 0:
+        return
+    if _fast_override.choice is not None:
+        run_plan(template.bind(tensors))
         return
     launches = template.launches
     pdl = pdl_launch(x)

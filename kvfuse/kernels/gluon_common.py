@@ -148,7 +148,7 @@ def occupancy_grid(kernel, known: dict, x, tiles: int, args: tuple, tensors: dic
 
 # ``e2m1_nibble`` restated with torch integer / fp32 ops, step for step (the proof that it gives
 # kvfuse.reference.encode_e2m1's codes runs on this: tests/test_gluon_main_fp4_dispatch.py on samples,
-# benchmarks/gluon_check_main_fp4.py --prove-encoder over every fp32 input).
+# tests/gpu/test_gpu_fast_paths.py over every fp32 input).
 def e2m1_nibble_mirror(t: torch.Tensor) -> torch.Tensor:
     """``e2m1_nibble`` on the host: fp32 t -> int32 codes 0..15."""
     a = torch.fmin(t.abs(), torch.tensor(6.0))                    # fmin ignores NaN, as min.f32

@@ -647,8 +647,8 @@ if gluon is not None:
 # --------------------------------------------------------------------------- host mirrors
 # The packed-bf16 e2m1 encoder restated with torch integer / fp32 ops, step for step (the proofs that it
 # gives kvfuse.reference.encode_e2m1's codes run on it: tests/test_gluon_index_dispatch.py on every
-# bf16 value x multiplier, benchmarks/gluon_check_index.py --prove-encoders too). The fp32 encoder's
-# mirror is gluon_common.e2m1_nibble_mirror.
+# bf16 value times every UE8M0 multiplier the kernel makes). The fp32 encoder's mirror is
+# gluon_common.e2m1_nibble_mirror.
 def e2m1_bf16_mirror(h: torch.Tensor) -> torch.Tensor:
     """One half of ``_e2m1x2_bf16`` after its multiply: int32 tensor of bf16 patterns (0..0xFFFF) ->
     codes 0..15."""
@@ -677,7 +677,7 @@ def chain_of(plan):
 
 def launch_table(n_rows: int):
     """(num_warps, rows_per_thread, pipeline) per batch size, from an H200 sweep
-    (benchmarks/gluon_tune.py; benchmarks/results/2026-11-29_h200_s4_gluon_tune.txt; a warp holds
+    (benchmarks/tune.py --kernel fast; benchmarks/results/2026-11-29_h200_s4_gluon_tune.txt; a warp holds
     4 * rows_per_thread rows): four one-row-per-thread warps up to n = 16384 (best or within 0.05 us
     at n = 256 and 4096 for all three formats), two warps, no pipeline, around n = 65536 (MXFP4
     11.3 us against 12.4 with the earlier table), four warps of two rows per thread loading their
@@ -875,10 +875,11 @@ def call_guard(plan):
     return check, ("x", "q_out", "sf_out") + (("weight",) if with_weight else ())
 
 
-def plan_launch(plan, tensor) -> tuple:
+def plan_launch(plan, tensor, table=None) -> tuple:
     """(kernel name, grid, positional args, keyword args, namespace) of this kernel for an eligible
     plan; ``tensor(field)`` goes where the plan's tensor ``field`` goes (the tensor, or a
-    launcher.PlanTensor for a Launch kept with the call signature)."""
-    nw, rpt, pipe = launch_table(plan.x.shape[0] * plan.x.shape[1])
+    launcher.PlanTensor for a Launch kept with the call signature); ``table`` replaces
+    ``launch_table`` (kvfuse.kernels.fused.fast_paths)."""
+    nw, rpt, pipe = (table or launch_table)(plan.x.shape[0] * plan.x.shape[1])
     args, constexprs, options = launch_args(plan, tensor, nw, rpt, pipe)
     return "index_write_kernel", _grid(plan, args, constexprs, options), args, {**constexprs, **options}, globals()

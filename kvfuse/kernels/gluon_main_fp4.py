@@ -48,7 +48,7 @@ def supports(x, weight, positions, cos_sin, slot_mapping, kv_cache) -> str:
 
 def launch_table(n_rows: int):
     """(num_warps, rows_per_warp, pipeline) per batch size, measured on the H200 with
-    benchmarks/gluon_tune.py (``benchmarks/results/2026-11-29_h200_s5_gluon_tune*``):
+    benchmarks/tune.py --kernel fast (``benchmarks/results/2026-11-29_h200_s5_gluon_tune*``):
     two one-row warps per CTA up to n = 8192 (n = 1: 1.76 us against 1.85 with one warp; n = 4096:
     4.03 us), then one warp without pipeline (n = 16384: 10.5-10.8 us against 10.7-10.9 with two warps;
     n = 262144: 149.9-151.4 us over six sweeps against 153.6-160.9 pipelined: the
@@ -90,11 +90,12 @@ word_aligned = gluon_common.word_aligned      # x and the weight are read as 4-b
 call_guard = gluon_common.x_weight_guard      # checked per call (the plan cache keys neither pointer)
 
 
-def plan_launch(plan, tensor) -> tuple:
+def plan_launch(plan, tensor, table=None) -> tuple:
     """(kernel name, grid, positional args, keyword args, namespace) of the kernel for an eligible plan
-    (gluon_main_fp8's ``plan_launch_parts`` with this module's table; the name resolves here, to the
-    kernel, so a stand-in put in its place sees the launches)."""
-    grid, args, kwargs = main.plan_launch_parts(plan, tensor, launch_table, _launch_parts)
+    (gluon_main_fp8's ``plan_launch_parts`` with this module's table, or ``table``: see
+    kvfuse.kernels.fused.fast_paths; the name resolves here, to the kernel, so a stand-in put in its
+    place sees the launches)."""
+    grid, args, kwargs = main.plan_launch_parts(plan, tensor, table or launch_table, _launch_parts)
     return "main_fp4_kernel", grid, args, kwargs, globals()
 
 
@@ -102,8 +103,8 @@ def gluon_main_fp4_write(x, weight, eps, positions, cos_sin, slot_mapping, kv_ca
                          rows_per_warp: int = 1, pipeline: bool = False, ctas_per_sm: int = None,
                          is_neox: bool = True) -> None:
     """Write MAIN_FP4 records for the rows of x: gluon_main_fp8_write's contract and launch, for
-    ``CastArgs.from_cache_format(MAIN_FP4)`` and MAIN_FP4 caches (the direct entry of
-    benchmarks/gluon_check_main_fp4.py). Raises ValueError outside this kernel's assumptions
+    ``CastArgs.from_cache_format(MAIN_FP4)`` and MAIN_FP4 caches (a direct entry for any launch
+    variant). Raises ValueError outside this kernel's assumptions
     (``supports``)."""
     parts = main.checked_write_parts(RECORDS, "gluon_main_fp4_write", _launch_parts, x, weight, eps, positions,
                                      cos_sin, slot_mapping, kv_cache, num_warps, rows_per_warp, pipeline, ctas_per_sm,

@@ -10,8 +10,8 @@ int32/int64 [n]; kv_cache uint8 [num_blocks, block_size, 1, 532] in the MAIN_FP8
 multiple of 4 (records are only 4-byte aligned: every cache store is at most 32 bits wide).
 
 Layout (explicit Gluon layouts: what makes it ~295 SASS warp-instructions per row in steady state
-against ~565 for the plain kernel, counted offline for sm_90 with Triton 3.6; see the report of
-benchmarks/gluon_check.py for time):
+against ~565 for the plain kernel, counted offline for sm_90 with Triton 3.6; benchmarks/tune.py
+--kernel fast times it):
 - a row (one token) is held by ONE warp: lane l = 4 * d1 + d2 owns the 16 contiguous columns
   16 l .. 16 l + 15, loaded as 8 int32 words (two bf16 each; two 16-byte loads). A CTA holds
   R = ROWS_PER_WARP * num_warps rows as [R, 8, 4, 8] words (BlockedLayout size_per_thread
@@ -414,7 +414,7 @@ def supports(x, weight, positions, cos_sin, slot_mapping, kv_cache) -> str:
 
 def launch_table(n_rows: int):
     """(num_warps, rows_per_warp, pipeline) per batch size, measured on the H200 with
-    benchmarks/gluon_tune.py (``benchmarks/results/2026-11-29_h200_s5_gluon_tune*``):
+    benchmarks/tune.py --kernel fast (``benchmarks/results/2026-11-29_h200_s5_gluon_tune*``):
     one one-warp row per CTA up to n = 1024 (n = 1024: 2.23 us against 2.41 with four warps), four
     warps per CTA up to 8192 (n = 4096: 3.44-3.49 us; two warps are within 1-3% either way at 2048 /
     4096 / 8192), one warp without pipeline up to 16384 (8.06 us against 8.45 with four warps), then
@@ -562,10 +562,10 @@ def plan_launch_parts(plan, tensor, table, launch_parts) -> tuple:
     return grid, args, {**constexprs, **options}
 
 
-def plan_launch(plan, tensor) -> tuple:
+def plan_launch(plan, tensor, table=None) -> tuple:
     """(kernel name, grid, positional args, keyword args, namespace) of this kernel for an eligible
-    plan (``plan_launch_parts``)."""
-    grid, args, kwargs = plan_launch_parts(plan, tensor, launch_table, _launch_parts)
+    plan (``plan_launch_parts``); ``table`` replaces ``launch_table`` (kvfuse.kernels.fused.fast_paths)."""
+    grid, args, kwargs = plan_launch_parts(plan, tensor, table or launch_table, _launch_parts)
     return "main_fp8_kernel", grid, args, kwargs, globals()
 
 
@@ -576,8 +576,8 @@ def gluon_main_fp8_write(x, weight, eps, positions, cos_sin, slot_mapping, kv_ca
     ``fused_norm_rope_hadamard_cast_store_kvcache(x, NormArgs(weight, eps), RopeArgs(positions,
     cos_sin, 64, is_neox), None, CastArgs.from_cache_format(MAIN_FP8), KVCacheOutArgs(kv_cache,
     slot_mapping, layout=MAIN_FP8))`` (block_size = kv_cache.shape[1]). kvfuse's fused entry point
-    calls this kernel itself for such calls (``eligible``); this direct entry is for the check
-    script (benchmarks/gluon_check.py) and its launch variants.
+    calls this kernel itself for such calls (``eligible``); this direct entry launches any variant
+    (fused.fast_paths(launch_table=...) does the same through the public call).
 
     Launch: tiles of rows_per_warp * num_warps rows; one CTA per tile up to what fits on the GPU at
     once (ctas_per_sm per SM: default, the compiled variant's occupancy), then each CTA loops over

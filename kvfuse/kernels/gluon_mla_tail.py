@@ -346,7 +346,7 @@ def format_constexprs(fmt):
 
 def launch_table(n_rows: int):
     """(num_warps, rows_per_warp, pipeline) per batch size, measured on the H200 with
-    benchmarks/gluon_tune.py (``benchmarks/results/2026-11-29_h200_s*_gluon_tune*``):
+    benchmarks/tune.py --kernel fast (``benchmarks/results/2026-11-29_h200_s*_gluon_tune*``):
     two one-row warps per CTA up to n = 16384 (n = 1: 1.70 / 1.73 us for V32 / MODEL1 against 1.76 /
     1.84 with one warp; n = 8192: 5.12 / 4.90 us against 5.24 / 5.08 with four warps; n = 4096: within
     1% of four warps), two warps of two rows each, no pipeline, above (V32 at n = 262144: 145.1 us =
@@ -449,11 +449,12 @@ word_aligned = gluon_common.word_aligned      # x and the weight are read as 4-b
 call_guard = gluon_common.x_weight_guard      # checked per call (the plan cache keys neither pointer)
 
 
-def plan_launch(plan, tensor) -> tuple:
+def plan_launch(plan, tensor, table=None) -> tuple:
     """(kernel name, grid, positional args, keyword args, namespace) of this kernel for an eligible
     plan; ``tensor(field)`` goes where the plan's tensor ``field`` goes (the tensor, or a
-    launcher.PlanTensor for a Launch kept with the call signature). Everything but the tensors is a
-    function of the plan's signature and n."""
-    num_warps, rows_per_warp, pipeline = launch_table(plan.x.shape[0])
+    launcher.PlanTensor for a Launch kept with the call signature); ``table`` replaces
+    ``launch_table`` (kvfuse.kernels.fused.fast_paths). Everything but the tensors is a function of
+    the plan's signature and n."""
+    num_warps, rows_per_warp, pipeline = (table or launch_table)(plan.x.shape[0])
     grid, args, constexprs, options = launch_parts(plan, tensor, num_warps, rows_per_warp, pipeline)
     return "mla_tail_kernel", grid, args, {**constexprs, **options}, globals()

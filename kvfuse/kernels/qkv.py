@@ -164,7 +164,7 @@ def launch_table(block_d: int) -> tuple:
     """The compiled kernel's launch table for a tile width: ((first n, (BLOCK_M, num_warps)), ...),
     read by gluon_common.table_entry. One token per one-warp program at n = 1; from two tokens,
     one-warp programs of ~256 elements (2 tokens of 128, 1 of 256, 4 of 64). H200 sweep of head_dim
-    128 (Llama 3 8B / Qwen3 8B, bf16 and fp8 caches; benchmarks/tune_sweep.py --check,
+    128 (Llama 3 8B / Qwen3 8B, bf16 and fp8 caches; benchmarks/tune.py --kernel portable,
     benchmarks/results/2026-12-01_h200_gqa_sweep.json): 2 tokens a one-warp program is the fastest of
     BLOCK_M 1-32 x 1-8 warps at n = 64, 256 and 4096 (61.8 us at 4096 against 96.7 with 8 tokens);
     the 64 and 256 widths follow the same element count, unmeasured."""
