@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the GPU matrix (tests/gpu/test_gpu_matrix.py), the read side and engine allocations
-# (tests/gpu/test_gpu_read_and_alloc.py), the GQA entry point (tests/gpu/test_gpu_gqa.py), then benchmark
+# (tests/gpu/test_gpu_read_and_alloc.py), the GQA entry point (tests/gpu/test_gpu_gqa.py), the bench's GQA peers
+# (tests/gpu/test_gpu_bench_peers.py), then benchmark
 # points of BENCH_WL (fused peer).
 #   bash scripts/device_run.sh [MATRIX_SECONDS] [BENCH_SECONDS]
 set -u
@@ -11,7 +12,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 t0=$(date +%s)
 KVFUSE_TEST_GPU=1 timeout -s INT "${1:-560}" python3 -m pytest -q -rf -p no:cacheprovider tests/gpu/test_gpu_matrix.py \
-  tests/gpu/test_gpu_read_and_alloc.py tests/gpu/test_gpu_gqa.py tests/gpu/test_gpu_pdl.py \
+  tests/gpu/test_gpu_read_and_alloc.py tests/gpu/test_gpu_gqa.py tests/gpu/test_gpu_pdl.py tests/gpu/test_gpu_bench_peers.py \
   > "$OUT/gpu_matrix.log" 2>&1
 echo "gpu matrix rc=$? in $(( $(date +%s) - t0 )) s"
 grep -E "GPU matrix summary|GQA GPU summary|passed|failed" "$OUT/gpu_matrix.log" | cut -c1-400 | tail -n 8
