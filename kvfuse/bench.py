@@ -252,6 +252,15 @@ def moved_bytes(wl: Workload, n: int, index_bytes: int = 4, cos_sin_bytes: int =
     """
     if wl.kind == "gqa":
         return _gqa_bytes(wl, n, index_bytes, cos_sin_bytes, weight_bytes, cos_sin_rows, slot_bytes)
+    if wl.kind == "group":      # as _group_bytes: the members', the positions and cos/sin rows they share once
+        b = {}
+        for i, name in enumerate(wl.members):
+            part = moved_bytes(WORKLOADS[name], n, index_bytes, cos_sin_bytes, weight_bytes, cos_sin_rows,
+                               slot_bytes=slot_bytes)
+            b.update((f"{name}.{k}", v) for k, v in part.items() if k != "total"
+                     and not (i and k in ("positions", "cos_sin")))
+        b["total"] = sum(b.values())
+        return b
     tokens = n if wl.kind != "write" or written is None else written
     rows = tokens * wl.num_heads
     if cos_sin_rows is None:

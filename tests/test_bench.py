@@ -266,6 +266,11 @@ def test_group_workload_inputs_and_bytes():
     parts = [bench.input_bytes(bench.WORKLOADS[m], mi) for m, mi in zip(wl.members, inp.members)]
     shared = parts[0]["positions"] + parts[0]["cos_sin"]
     assert detail["total"] == sum(p["total"] for p in parts) - (len(parts) - 1) * shared
+    # the byte model per token (the JSON's workloads section) follows the same rule
+    assert inp.positions.unique().numel() == 3                  # decode: 3 distinct positions, valid slots
+    assert bench.moved_bytes(wl, 3) == detail
+    report = bench.build_report(bench.parse_config(["--workloads", wl.name]), {}, {}, [], [], 0.0)
+    assert report["workloads"][wl.name]["bytes_per_token"] == bench.moved_bytes(wl, 1)
     with use_backend("triton"):
         _poison(wl, inp)
         bench.make_peer("calls", wl, inp)()
