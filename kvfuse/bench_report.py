@@ -88,8 +88,10 @@ ENGINE_FIGURES: Tuple[EngineFigure, ...] = (
     EngineFigure(_CAST_INDEX, "SGLang `fused_store_index_k_cache`", ((4096, "2.02"), (65536, "11.2")),
                  section="cast", match=_index_cast_only),
     EngineFigure("Q of 64 heads + the KV write, one launch (DeepSeek V4)", "vLLM DeepSeek V4 fused Q + KV kernel",
-                 ((1, "2.26"), (4096, "149")), section="group",
-                 note="No kvfuse workload writes Q and the KV record in one call"),
+                 ((1, "2.26"), (4096, "149")), section="group", workloads=("group_dsv4_q_kv",),
+                 note="kvfuse's group_dsv4_q_kv writes the KV as a MAIN_FP8 record (528 bytes) where vLLM's DeepSeek "
+                      "V4 cache holds FLASHMLA_MODEL1 records (584 bytes); Q (64 heads of 512, bf16 read and written: "
+                      "128 KiB per token) is most of the bytes either way"),
     EngineFigure("576-d RoPE + quantization", "FlashInfer `rope_quantize_fp8_append_paged_kv_cache`", ((256, "2.70"),),
                  note="The 576-d workloads of kvfuse (flashmla_v32, dsv3_main_v32) add an RMSNorm and write "
                       "FLASHMLA_V32 records (an fp32 scale per 128 dims and a bf16 RoPE tail); FlashInfer's kernel "
@@ -275,7 +277,7 @@ def _engine_rows(report: dict, figs: Sequence[EngineFigure], keep: Callable[[int
             if not keep(n):
                 continue
             if wl is None:
-                missing.append(names[0])
+                missing.append((names[0], fig, n, engine))
                 continue
             rec = fused.get((wl, n))
             if rec is None:
@@ -292,10 +294,13 @@ def _engine_rows(report: dict, figs: Sequence[EngineFigure], keep: Callable[[int
             row += [fig.label, engine, ratio, _mark(mark)]
             keyed.append(((calls.index(fig.call), n, rank), row))
     rows = [row for _, row in sorted(keyed, key=lambda kr: kr[0])]
-    return rows, list(dict.fromkeys(missing)), wins, total
+    return rows, missing, wins, total
 
 
-def _comparison(report: dict, section: str, keep: Callable[[int], bool], with_copy: bool) -> List[str]:
+def _comparison(report: dict, section: str, keep: Callable[[int], bool], with_copy: bool,
+                command: bool = True) -> List[str]:
+    """The engine figures of ``section`` at the sizes ``keep`` selects beside the run's figures; the figures
+    whose kvfuse workload the run lacks are listed with (``command``) the command that measures it."""
     figs = [f for f in ENGINE_FIGURES if f.section == section]
     rows, missing, wins, total = _engine_rows(report, figs, keep, with_copy)
     out = []
@@ -310,8 +315,14 @@ def _comparison(report: dict, section: str, keep: Callable[[int], bool], with_co
             out.append("- kvfuse ran without PDL here: the engines' \"(no PDL)\" rows compare like with like "
                        "(`kvfuse bench --pdl` times kvfuse with it).")
     if missing:
-        out += ["", "Not in this run: " + ", ".join(f"`{m}`" for m in missing) + f" ({_cmd(missing)} measures "
-                "them)."]
+        names = list(dict.fromkeys(m[0] for m in missing))
+        out += ["", "Engine figures whose kvfuse workload is not in this run" +
+                (f" ({_cmd(names)} measures " + ", ".join(f"`{w}`" for w in names) + "):" if command else ":"), ""]
+        waiting: Dict[Tuple[str, str], List[str]] = {}
+        for w, fig, n, engine in missing:
+            waiting.setdefault((w, f"{fig.call}: {fig.engine}"), []).append(
+                f"{engine} us at n = {n}" + {True: " (PDL)", False: " (no PDL)", None: ""}[fig.pdl])
+        out += [f"- `{w}` ({what}): {', '.join(figures)}" for (w, what), figures in waiting.items()]
     return out
 
 
@@ -350,13 +361,14 @@ def _size_section(report: dict, title: str, intro: str, keep, with_copy: bool) -
     return out
 
 
-def _peer_table(report: dict, names: Sequence[str]) -> List[str]:
-    """Per (workload, n): the fused figure and every other peer the run has for these workloads."""
+def _peer_table(report: dict, names: Sequence[str], versus: str) -> List[str]:
+    """Per (workload, n): the fused figure and every other peer the run has for these workloads; the last
+    column: the fused call's verdict against the ``versus`` peer (what runs without kvfuse's fusion)."""
     recs = {(r["workload"], r["n"], r["peer"]): r for r in report["results"] if r["workload"] in names}
-    order = [p for p in ("two_launch", "stages", "compile", "reference") if any(k[2] == p for k in recs)]
+    order = [p for p in ("two_launch", "calls", "stages", "compile", "reference") if any(k[2] == p for k in recs)]
     head = ["workload", "n", "fused us", "% of copy"] + [f"{p} us (x fused)" for p in order]
-    if "two_launch" in order:
-        head.append("fused vs two_launch")
+    if versus in order:
+        head.append(f"fused vs {versus}")
     rows, footnote = [], False
     for w in names:
         for n in sorted({k[1] for k in recs if k[0] == w}):
@@ -375,8 +387,8 @@ def _peer_table(report: dict, names: Sequence[str]) -> List[str]:
                 if ok_f:
                     cell += f" ({r['gpu_us'] / f['gpu_us']:.2f}x)"
                 row.append(cell)
-            if "two_launch" in order:
-                t = recs.get((w, n, "two_launch"))
+            if versus in order:
+                t = recs.get((w, n, versus))
                 ok_t = t is not None and t["status"] == "ok" and t.get("gpu_us")
                 row.append(_mark(verdict(f["gpu_us"], t["gpu_us"])) if ok_f and ok_t else "-")
             rows.append(row)
@@ -393,27 +405,30 @@ def _cast_section(report: dict) -> List[str]:
            "The quantization and store of already-transformed rows: no norm, no RoPE (kvfuse's "
            "`main_fp8_cast`: what `kvfuse.mla.store_gathered` runs; an index cast-only workload where the "
            "bench has one).", ""]
-    comp = _comparison(report, "cast", lambda n: True, True)
+    if not names:
+        out += ["This run has no cast-only workload."]
+    out += _comparison(report, "cast", lambda n: True, True)
     if names:
-        out += comp + ["", "GPU us (% of copy in parentheses):", ""] + _alone(report, names, lambda n: True, True)
-    else:
-        wanted = [c for f in ENGINE_FIGURES if f.section == "cast" for c in candidates(f)[:1]]
-        wanted = list(dict.fromkeys(wanted))
-        out += [f"This run has no cast-only workload. {_cmd(wanted)} measures "
-                f"{', '.join(f'`{w}`' for w in wanted)}."]
+        out += ["", "GPU us (% of copy in parentheses):", ""] + _alone(report, names, lambda n: True, True)
     return out
 
 
 def _group_section(report: dict) -> List[str]:
     names = [w for w in _run_workloads(report) if _category(report, w) == "group"]
-    out = ["## Grouped", "", f"The grouped workloads: those whose name starts with `{GROUP_PREFIX}`.", ""]
+    out = ["## Grouped", "", f"Workloads whose name starts with `{GROUP_PREFIX}`: calls of one layer (its members) "
+           "in one `kvfuse.fused_group` launch. Peers: `calls` runs the members one by one (a launch each), "
+           "`stages` each member's stage chain. The last column says whether the one grouped launch wins against "
+           "the calls one by one.", ""]
     if names:
+        descr = report.get("workloads", {})
+        out += [f"- `{w}`: {descr.get(w, {}).get('description', '')}" for w in names] + [""]
         out += _comparison(report, "group", lambda n: True, True)
-        out += ["", "GPU us per call and the other peers of the run:", ""] + _peer_table(report, names)
+        out += ["", "GPU us per call and the other peers of the run:", ""] + _peer_table(report, names, "calls")
         return out
     known = [w for w in WORKLOADS if w.startswith(GROUP_PREFIX)]
     if known:
-        out.append(f"This run has no grouped workload. {_cmd(known)} measures them.")
+        out.append(f"This run has no grouped workload. {_cmd(known, SIZES, 'fused,calls,stages')} measures them.")
+        out += _comparison(report, "group", lambda n: True, True, command=False)
     else:
         out.append(f"This run has no grouped workload, and `kvfuse.bench.WORKLOADS` has none yet: once it has "
                    f"`{GROUP_PREFIX}*` workloads, `python -m kvfuse.cli bench --workloads <their names> --n {SIZES} "
@@ -438,7 +453,7 @@ def _gqa_section(report: dict) -> List[str]:
         return out
     descr = report.get("workloads", {})
     out += [f"- `{w}`: {descr.get(w, {}).get('description', '')}" for w in names]
-    return out + [""] + _peer_table(report, names)
+    return out + [""] + _peer_table(report, names, "two_launch")
 
 
 def _not_measured() -> List[str]:
@@ -475,7 +490,7 @@ def full_run_workloads() -> List[str]:
 
 
 def _regenerate() -> List[str]:
-    peers = ",".join(["fused"] + list(GQA_PEERS) + ["stages"])
+    peers = ",".join(["fused"] + list(GQA_PEERS) + ["calls", "stages"])
     return ["## Regenerating", "",
             "One run that fills every table (add `compile` to `--peers` for the torch.compile peer; it is slow):",
             "", "```bash",

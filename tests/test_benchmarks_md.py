@@ -95,8 +95,11 @@ def test_decode_and_prefill_tables_hold_the_runs_numbers_beside_the_engines():
     alone = [r for r in prefill if r[0] == "`main_fp4`"]
     assert alone and alone[0][-2:] == ["-", f"45.60 ({fused[('main_fp4', 65536)]['pct_copy']:.0f}%)"]
     # the FLASHMLA_MODEL1 figures: no workload of this run does that write -> the command that measures it
-    assert "Not in this run: `flashmla_model1_gptj`" in section(text, "Decode")
-    assert "--workloads flashmla_model1_gptj" in section(text, "Decode")
+    waiting = section(text, "Decode")
+    assert "Engine figures whose kvfuse workload is not in this run" in waiting
+    assert "--workloads flashmla_model1_gptj" in waiting
+    assert ("- `flashmla_model1_gptj` (FLASHMLA_MODEL1 write, norm + GPT-J RoPE: vLLM DeepSeek V4 kernel): "
+            "2.12 us at n = 1") in waiting
     assert "kvfuse wins 1 of these 3 comparisons." in section(text, "Decode")
 
 
@@ -126,6 +129,8 @@ def test_cast_only_section():
     # not in the run: the command that measures it
     absent = section(bench_report.render(make_report(MLA)), "Cast only")
     assert "This run has no cast-only workload" in absent and "--workloads main_fp8_cast" in absent
+    assert "- `main_fp8_cast` (the cast alone, MAIN_FP8 record: FlashInfer DeepSeek Triton `quantize_cache`): " \
+           "1.52 us at n = 1, 2.64 us at n = 4096, 26.2 us at n = 65536" in absent
 
 
 def test_gqa_section_puts_the_peers_beside_the_fused_call():
@@ -137,6 +142,7 @@ def test_gqa_section_puts_the_peers_beside_the_fused_call():
     gqa = section(bench_report.render(report), "GQA")
     table = rows(gqa)
     pct = {(r["workload"], r["n"]): r["pct_copy"] for r in report["results"] if r["peer"] == "fused"}
+    assert "fused vs two_launch" in gqa
     assert ["`qwen3_8b_fp8`", "1", "2.00", f"{pct[('qwen3_8b_fp8', 1)]:.1f}%", "3.00 (1.50x)", "6.00 (3.00x)",
             "400.0 † (200.00x)", "**wins**"] in table
     assert ["`qwen3_8b_fp8`", "4096", "60.00", f"{pct[('qwen3_8b_fp8', 4096)]:.1f}%", "59.00 (0.98x)",
@@ -151,27 +157,38 @@ def test_gqa_section_puts_the_peers_beside_the_fused_call():
 
 def test_grouped_section_from_group_workloads_or_how_to_produce_them():
     absent = section(bench_report.render(make_report(MLA)), "Grouped")
-    assert "This run has no grouped workload" in absent and "--workloads" in absent and "group_" in absent
-    report = make_report(MLA)
-    # a group_ workload the bench of this checkout may not know: the generator reads it from the JSON
-    report["workloads"]["group_v4_layer"] = dict(kind="group", head_dim=512, num_heads=1, format=None,
-                                                 description="V4 layer: main + index writes", bytes_per_token={})
-    for n, us, peer in ((1, 3.21, "fused"), (1, 6.42, "stages"), (4096, 7.5, "fused")):
-        report["results"].append(dict(workload="group_v4_layer", n=n, peer=peer, rows=n, bytes=1000, status="ok",
-                                      gpu_us=us, gpu_method="graph", pct_copy=12.5, note=""))
+    assert "This run has no grouped workload" in absent and "--peers fused,calls,stages" in absent
+    assert all(w in absent for w in bench.WORKLOADS if w.startswith("group_"))
+    assert "- `group_dsv4_q_kv` (Q of 64 heads + the KV write, one launch (DeepSeek V4): vLLM DeepSeek V4 fused " \
+           "Q + KV kernel): 2.26 us at n = 1, 149 us at n = 4096" in absent
+    pts = [("group_dsv4_q_kv", 1, "fused", 2.0), ("group_dsv4_q_kv", 1, "calls", 3.1),
+           ("group_dsv4_q_kv", 1, "stages", 9.0), ("group_dsv4_q_kv", 4096, "fused", 160.0),
+           ("group_dsv4_q_kv", 4096, "calls", 161.0), ("group_dsv4_layer", 1, "fused", 3.21)]
+    report = make_report(pts)
     grouped = section(bench_report.render(report), "Grouped")
     table = rows(grouped)
-    assert ["`group_v4_layer`", "1", "3.21", "12.5%", "6.42 (2.00x)"] in table
-    assert ["`group_v4_layer`", "4096", "7.50", "12.5%", "-"] in table
-    assert "group_v4_layer" not in section(bench_report.render(report), "Decode")
+    pct = {(r["workload"], r["n"]): r["pct_copy"] for r in report["results"] if r["peer"] == "fused"}
+    assert ["Q of 64 heads + the KV write, one launch (DeepSeek V4)", "`group_dsv4_q_kv`", "4096", "160.0",
+            f"{pct[('group_dsv4_q_kv', 4096)]:.1f}%", "vLLM DeepSeek V4 fused Q + KV kernel", "149",
+            f"{160 / 149:.2f}", "loses"] in table
+    assert ["Q of 64 heads + the KV write, one launch (DeepSeek V4)", "`group_dsv4_q_kv`", "1", "2.00",
+            f"{pct[('group_dsv4_q_kv', 1)]:.1f}%", "vLLM DeepSeek V4 fused Q + KV kernel", "2.26",
+            f"{2 / 2.26:.2f}", "**wins**"] in table
+    assert ["`group_dsv4_q_kv`", "1", "2.00", f"{pct[('group_dsv4_q_kv', 1)]:.1f}%", "3.10 (1.55x)",
+            "9.00 (4.50x)", "**wins**"] in table
+    assert ["`group_dsv4_q_kv`", "4096", "160.0", f"{pct[('group_dsv4_q_kv', 4096)]:.1f}%", "161.0 (1.01x)", "-",
+            "even"] in table
+    assert ["`group_dsv4_layer`", "1", "3.21", f"{pct[('group_dsv4_layer', 1)]:.1f}%", "-", "-", "-"] in table
+    assert "fused vs calls" in grouped and "MAIN_FP8 record (528 bytes)" in grouped
+    assert report["workloads"]["group_dsv4_layer"]["description"] in grouped
+    assert "group_dsv4_q_kv" not in section(bench_report.render(report), "Decode")
 
 
 def test_figures_without_a_kvfuse_workload_are_listed_not_matched():
     text = bench_report.render(make_report(MLA + [("flashmla_v32", 256, "fused", 2.1)]))
     missing = section(text, "Not measured here")
     unmatched = [f for f in bench_report.ENGINE_FIGURES if not bench_report.candidates(f)]
-    assert {f.engine for f in unmatched} >= {"FlashInfer `rope_quantize_fp8_append_paged_kv_cache`",
-                                            "vLLM DeepSeek V4 fused Q + KV kernel"}
+    assert {f.engine for f in unmatched} >= {"FlashInfer `rope_quantize_fp8_append_paged_kv_cache`"}
     for fig in unmatched:
         assert fig.engine in missing
         assert fig.engine not in text.replace(missing, "")                # in no table
