@@ -15,7 +15,9 @@ What it does (see benchmarks/README.md for how to read the output):
    ``reference`` (the eager :mod:`kvfuse.reference` chain, through the public call),
    ``compile`` (torch.compile of the same reference stages plus a flat-index scatter store),
    ``stages`` (kvfuse's own kernels one stage per launch, as an unfused engine runs them) and
-   ``fused`` (one public call on the Triton backend);
+   ``fused`` (one public call on the Triton backend); for the GQA workloads also ``two_launch``, the
+   engines' structure for Qwen3 / Llama-style models (a QK-norm + RoPE launch, then the K/V scatter +
+   cast launch) run with kvfuse's kernels (:func:`_gqa_two_launch`);
 3. prints a table, PASS/MISS lines against the performance targets, and writes JSON + PNG.
 
 Byte accounting (:func:`moved_bytes`, applied to each point's inputs by :func:`input_bytes`):
@@ -52,6 +54,7 @@ from . import api as _api
 from . import reference
 from .args import CastArgs, ContiguousOutArgs, FusedCall, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
 from .backend import use_backend
+from . import gqa as _gqa_mod
 from .gqa import fused_qk_norm_rope_store_kv
 from .group import fused_group
 from .models import GQA_MODELS, GQAConfig
@@ -81,7 +84,8 @@ except Exception:  # pragma: no cover
 
 NEEDS_CUDA = "kvfuse bench needs a CUDA device (torch.cuda.is_available() is False): nothing measured."
 
-PEERS = ("reference", "compile", "stages", "calls", "fused")
+PEERS = ("reference", "compile", "stages", "two_launch", "calls", "fused")
+GQA_PEERS = ("two_launch",)  # peers of the kind "gqa" workloads only (others record them as skipped)
 DEFAULT_SIZES = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 QUICK_SIZES = (1, 256, 4096, 65536, 262144)
 QUICK_WORKLOADS = ("main_fp8", "index_mxfp4", "q_pre")
@@ -248,6 +252,15 @@ def moved_bytes(wl: Workload, n: int, index_bytes: int = 4, cos_sin_bytes: int =
     """
     if wl.kind == "gqa":
         return _gqa_bytes(wl, n, index_bytes, cos_sin_bytes, weight_bytes, cos_sin_rows, slot_bytes)
+    if wl.kind == "group":      # as _group_bytes: the members', the positions and cos/sin rows they share once
+        b = {}
+        for i, name in enumerate(wl.members):
+            part = moved_bytes(WORKLOADS[name], n, index_bytes, cos_sin_bytes, weight_bytes, cos_sin_rows,
+                               slot_bytes=slot_bytes)
+            b.update((f"{name}.{k}", v) for k, v in part.items() if k != "total"
+                     and not (i and k in ("positions", "cos_sin")))
+        b["total"] = sum(b.values())
+        return b
     tokens = n if wl.kind != "write" or written is None else written
     rows = tokens * wl.num_heads
     if cos_sin_rows is None:
@@ -652,24 +665,98 @@ def _gqa_call(wl: Workload, inp: Inputs) -> Callable[[], None]:
     return call
 
 
+_GQA_STORE_FORMATS: Dict[int, KVCacheFormat] = {}
+
+
+def _gqa_store_format(record_bytes: int) -> KVCacheFormat:
+    """A token-interleaved bf16 :class:`KVCacheFormat` of ``record_bytes`` bytes per (token, head), to
+    scatter a GQA cache's elements with :func:`kvfuse.store_kv_cache`: that store copies a record's bytes
+    as they are, so the e4m3 codes of an fp8 cache travel as bf16-sized pairs. One object per size (the
+    store's plan cache keys on it)."""
+    fmt = _GQA_STORE_FORMATS.get(record_bytes)
+    if fmt is None:
+        fmt = KVCacheFormat(f"GQA_NHD_{record_bytes}B", record_bytes // 2, None, None, None, True)
+        _GQA_STORE_FORMATS[record_bytes] = fmt
+    return fmt
+
+
 def _gqa_stage_chain(wl: Workload, inp: Inputs) -> Callable[[], None]:
-    """GQA unfused: kvfuse's kernel for the q transform (norm + rope -> q_out) and the k transform (-> a bf16
-    buffer), then the per-tensor cast and the paged scatter of K and V as torch ops (the reference's
-    quantize_per_tensor and store_paged): what an engine without a fused write runs."""
+    """GQA unfused, what an engine without a fused write runs, one stage per launch and no host
+    synchronization (CUDA-graph capturable):
+
+    1. kvfuse's fused operator on q (its QK-norm, if the model has one, + RoPE -> q_out);
+    2. the same on k (-> a bf16 buffer);
+    3. fp8 caches only: the per-tensor cast of K and of V, :func:`kvfuse.reference.quantize_per_tensor`
+       (torch elementwise ops: kvfuse has no per-tensor cast launch);
+    4. :func:`kvfuse.store_kv_cache` of K and of V into the NHD caches by slot (records of
+       :func:`_gqa_store_format`: the bytes as they are). The store copies dense bytes, so a bf16 V (a
+       strided view of the packed projection) is first made dense by one torch copy.
+
+    Byte-equal to the fused call (q_out and both caches). Every benchmark slot is valid."""
     q, k, v, qn, kn, rope = _gqa_args(wl, inp)
     fused = _api.fused_norm_rope_hadamard_cast_store_kvcache
-    kc, vc, ks, vs, slots = inp.k_cache, inp.v_cache, inp.k_scale, inp.v_scale, inp.slots
-    qo, kb = ContiguousOutArgs(out=inp.out), ContiguousOutArgs(out=inp.rope_buf)
+    store = _api.store_kv_cache
+    ks, vs, slots, kbuf = inp.k_scale, inp.v_scale, inp.slots, inp.rope_buf
+    qo, kb = ContiguousOutArgs(out=inp.out), ContiguousOutArgs(out=kbuf)
+    fmt = _gqa_store_format(wl.head_dim * inp.k_cache.element_size())
+    kc, vc = inp.k_cache.view(torch.uint8), inp.v_cache.view(torch.uint8)
 
     def call():
         fused(q, qn, rope, out_args=qo)
         fused(k, kn, rope, out_args=kb)
         if ks is None:
-            reference.store_paged(kc, slots, inp.rope_buf.view(torch.int16), "NHD")
-            reference.store_paged(vc, slots, v.view(torch.int16), "NHD")
+            kd, vd = kbuf, v
         else:
-            reference.store_paged(kc, slots, reference.quantize_per_tensor(inp.rope_buf, ks), "NHD")
-            reference.store_paged(vc, slots, reference.quantize_per_tensor(v, vs), "NHD")
+            kd = reference.quantize_per_tensor(kbuf, ks).view(torch.bfloat16)
+            vd = reference.quantize_per_tensor(v, vs).view(torch.bfloat16)
+        store(kd, None, kc, slots, fmt)
+        store(vd, None, vc, slots, fmt)
+    return call
+
+
+V_SINK_DIM = 16              # two_launch's first launch: the narrowest V the GQA entry point takes
+
+
+def _gqa_two_launch(wl: Workload, inp: Inputs) -> Callable[[], None]:
+    """The structure engines run today for Qwen3 / Llama-style models, with kvfuse's kernels: two launches.
+
+    vLLM runs a fused QK-norm + RoPE kernel over q and k in place (RoPE alone for a model without
+    QK-norm), then ``reshape_and_cache_flash``, which scatters K and V by slot (for an fp8 cache dividing
+    by the per-tensor scales). Here:
+
+    1. one :func:`kvfuse.fused_qk_norm_rope_store_kv` launch (the GQA kernel) does q and k: q (its norm +
+       RoPE) into q_out, k (its own norm weight + RoPE) into a bf16 buffer, passed as a bf16 NHD "cache"
+       of one token per block with slot i = token i. kvfuse has no launch that transforms q and k with
+       two norm weights and writes nothing else: the entry point also takes a V, so the first
+       V_SINK_DIM (16) dims of each V head go to a bf16 scratch. Against the engines' launch 1 this moves
+       (64 * Hkv + 4) bytes more per token (those V dims read and written, the int32 token slots: 516 of
+       ~20.5 KB per token for Qwen3 8B, 2.5%) and runs Hkv more small programs per token block; the
+       outputs are out of place (q_out, the buffer) rather than in place, the same bytes, and the
+       inputs stay unchanged for the other peers.
+    2. one launch of the same kernel over the K and V heads only: no norm, no RoPE, K from the buffer and
+       V from the projection scattered by slot into the real caches, e4m3 by the per-tensor scales for
+       fp8: exactly ``reshape_and_cache_flash``'s work, no other bytes. The public entry point needs at
+       least one q head, so the call is validated with q = K (:func:`kvfuse.gqa.validate`, every other
+       rule applies) and its plan run with q emptied to zero heads (:func:`kvfuse.gqa.run`).
+
+    Byte-equal to the fused call (q_out and both caches)."""
+    q, k, v, qn, kn, rope = _gqa_args(wl, inp)
+    n, hkv, d = k.shape
+    kbuf = inp.rope_buf                                              # bf16 [n, Hkv, D]
+    k_as_cache = kbuf.view(n, 1, hkv, d)                             # NHD: block i holds token i
+    token_slots = torch.arange(n, dtype=torch.int32, device=k.device)
+    v_part = v[..., :V_SINK_DIM]
+    v_sink = torch.empty((n, 1, hkv, V_SINK_DIM), dtype=torch.bfloat16, device=k.device)
+    plan = _gqa_mod.validate(kbuf, kbuf, v, inp.k_cache, inp.v_cache, inp.slots, None, None, None, inp.k_scale,
+                             inp.v_scale, "NHD")
+    no_q = kbuf[:, :0]
+    plan = dataclasses.replace(plan, q=no_q, q_out=no_q)
+    out, run = inp.out, _gqa_mod.run
+
+    def call():
+        fused_qk_norm_rope_store_kv(q, k, v_part, k_as_cache, v_sink, token_slots, qn, kn, rope, None, None, "NHD",
+                                    out)
+        run(plan)
     return call
 
 
@@ -799,6 +886,11 @@ def make_peer(peer: str, wl: Workload, inp: Inputs, compiled: Optional[Callable]
         return _stage_chain(wl, inp)
     if peer == "calls":
         return _calls_one_by_one(wl, inp)
+    if peer == "two_launch":
+        reason = peer_not_applicable(peer, wl)
+        if reason:
+            raise ValueError(f"two_launch for {wl.name}: {reason}")
+        return _gqa_two_launch(wl, inp)
     if peer == "reference":
         call = fused_call(wl, inp)
 
@@ -1088,6 +1180,8 @@ def peer_not_applicable(peer: str, wl: Workload) -> str:
     """Why ``peer`` has no meaning for ``wl`` ("" when it has)."""
     if peer == "calls" and wl.kind != "group":
         return "the member calls one by one: group workloads only"
+    if peer in GQA_PEERS and wl.kind != "gqa":
+        return "the engines' two launches of a GQA call (fused_qk_norm_rope_store_kv): GQA workloads only"
     if peer == "compile" and wl.kind == "group":
         return "no torch.compile chain of a group (its members' chains are measured on their own)"
     return ""
@@ -1398,7 +1492,8 @@ def parse_config(argv: Optional[Sequence[str]]) -> Config:
     p.add_argument("--workloads", default=None, help=f"comma list or 'all' (default all; --quick: "
                    f"{','.join(QUICK_WORKLOADS)}); names: {','.join(WORKLOADS)}")
     p.add_argument("--n", default=None, help=f"comma list of sizes (default {','.join(map(str, DEFAULT_SIZES))})")
-    p.add_argument("--peers", default=",".join(PEERS), help=f"comma list (default {','.join(PEERS)})")
+    p.add_argument("--peers", default=",".join(PEERS), help=f"comma list (default {','.join(PEERS)}; a peer "
+                   f"that has no meaning for a workload is recorded as skipped)")
     p.add_argument("--quick", action="store_true", help="fewer workloads, sizes and replays (~90 s)")
     p.add_argument("--out", default=None, help="directory for kvfuse_bench.{json,png,txt} (default $OUT or "
                    "./kvfuse-bench)")

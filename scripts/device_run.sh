@@ -2,7 +2,8 @@
 # One device call: the Gluon fast paths against the portable kernel (tests/gpu/test_gpu_fast_paths.py),
 # the GPU matrix (tests/gpu/test_gpu_matrix.py), the read side and engine allocations
 # (tests/gpu/test_gpu_read_and_alloc.py), the GQA entry point (tests/gpu/test_gpu_gqa.py), PDL
-# (tests/gpu/test_gpu_pdl.py), then benchmark points of BENCH_WL (fused peer).
+# (tests/gpu/test_gpu_pdl.py), the bench's GQA peers (tests/gpu/test_gpu_bench_peers.py), the grouped
+# launch (tests/gpu/test_gpu_group.py), then benchmark points of BENCH_WL (fused peer).
 #   bash scripts/device_run.sh [MATRIX_SECONDS] [BENCH_SECONDS] [FAST_PATH_SECONDS]
 # The budgets (default 320, 0, 240) add up: keep their sum inside one call's limit
 # (KVFUSE_MATRIX_SLICE splits the matrix over calls).
@@ -21,6 +22,7 @@ grep -E "^FAILED" "$OUT/gpu_fast_paths.log" | cut -c1-300 | head -n 20
 t0=$(date +%s)
 KVFUSE_TEST_GPU=1 timeout -s INT "${1:-320}" python3 -m pytest -q -rf -p no:cacheprovider tests/gpu/test_gpu_matrix.py \
   tests/gpu/test_gpu_read_and_alloc.py tests/gpu/test_gpu_gqa.py tests/gpu/test_gpu_pdl.py \
+  tests/gpu/test_gpu_bench_peers.py tests/gpu/test_gpu_group.py \
   > "$OUT/gpu_matrix.log" 2>&1
 echo "gpu matrix rc=$? in $(( $(date +%s) - t0 )) s"
 grep -E "GPU matrix summary|GQA GPU summary|passed|failed" "$OUT/gpu_matrix.log" | cut -c1-400 | tail -n 8

@@ -6,13 +6,14 @@ import json
 import pytest
 import torch
 
+import kvfuse
 from kvfuse import bench, use_backend
 from kvfuse.bench import Record
 
 
 class FakeTimer:
     """Returns made-up timings per peer without running anything (fused 10 us, stages 30 us...)."""
-    GPU = {"reference": 400.0, "compile": 120.0, "stages": 30.0, "calls": 20.0, "fused": 10.0}
+    GPU = {"reference": 400.0, "compile": 120.0, "stages": 30.0, "two_launch": 20.0, "calls": 20.0, "fused": 10.0}
 
     def __init__(self):
         self.labels = []
@@ -265,6 +266,11 @@ def test_group_workload_inputs_and_bytes():
     parts = [bench.input_bytes(bench.WORKLOADS[m], mi) for m, mi in zip(wl.members, inp.members)]
     shared = parts[0]["positions"] + parts[0]["cos_sin"]
     assert detail["total"] == sum(p["total"] for p in parts) - (len(parts) - 1) * shared
+    # the byte model per token (the JSON's workloads section) follows the same rule
+    assert inp.positions.unique().numel() == 3                  # decode: 3 distinct positions, valid slots
+    assert bench.moved_bytes(wl, 3) == detail
+    report = bench.build_report(bench.parse_config(["--workloads", wl.name]), {}, {}, [], [], 0.0)
+    assert report["workloads"][wl.name]["bytes_per_token"] == bench.moved_bytes(wl, 1)
     with use_backend("triton"):
         _poison(wl, inp)
         bench.make_peer("calls", wl, inp)()
@@ -284,6 +290,7 @@ def test_peers_produce_the_reference_output(name):
     outs = {}
     peers = [p for p in bench.PEERS if not bench.peer_not_applicable(p, wl)]
     assert ("calls" in peers) == (wl.kind == "group") and ("compile" in peers) == (wl.kind != "group")
+    assert ("two_launch" in peers) == (wl.kind == "gqa")
     with use_backend("reference"):
         for peer in peers:
             _poison(wl, inp)
@@ -293,6 +300,82 @@ def test_peers_produce_the_reference_output(name):
         assert all(torch.equal(a, b) for a, b in zip(outs[peer], outs["reference"])), peer
     if wl.kind == "write":   # the records were written (each slot is valid)
         assert int((outs["reference"][0] != 0xAB).sum()) > 4 * wl.fmt.quant_bytes
+
+
+def _small_gqa(name, num_heads=4, num_kv_heads=2):
+    """A GQA workload with the model's head width, norm and RoPE but few heads (the interpreter's size)."""
+    import dataclasses
+    wl = bench.WORKLOADS[name]
+    cfg = dataclasses.replace(wl.gqa, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    return dataclasses.replace(wl, gqa=cfg, num_heads=num_heads + 2 * num_kv_heads)
+
+
+@pytest.mark.skipif(not kvfuse.backend.interpreter_enabled(), reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("name", ["llama3_8b_fp8", "qwen3_8b_fp8", "qwen3_8b_bf16", "gemma3_12b_fp8"])
+def test_gqa_stages_and_two_launch_write_the_fused_bytes_on_the_interpreter(name):
+    """The GQA stage chain (fused operator on q, on k, the per-tensor cast, store_kv_cache) and the two-launch
+    peer (kvfuse's GQA kernel for q/k, then for the K/V scatter) run through Triton's interpreter and write
+    exactly the fused call's q_out and cache bytes (every byte of the poisoned outputs, the untouched cache
+    records included), without changing their inputs: no QK-norm (Llama), QK-norm (Qwen3), fp32 1 + w
+    weights and 256-wide heads (Gemma 3), fp8 and bf16 caches."""
+    wl = _small_gqa(name)
+    inp = bench.build_inputs(wl, 5, "cpu", seed=4)
+    before = [t.clone() for t in (inp.x, inp.positions, inp.slots)]
+    outs = {}
+    with use_backend("triton"):
+        for peer in ("fused", "stages", "two_launch"):
+            _poison(wl, inp)
+            bench.make_peer(peer, wl, inp)()
+            outs[peer] = _snapshot(wl, inp)
+    for peer in ("stages", "two_launch"):
+        assert all(torch.equal(a, b) for a, b in zip(outs[peer], outs["fused"])), peer
+    assert all(torch.equal(a, b) for a, b in zip(before, (inp.x, inp.positions, inp.slots)))
+    q_out, k_cache, v_cache = outs["fused"]
+    assert not torch.equal(q_out, torch.full_like(q_out, 0xAB))
+    record = wl.head_dim * (1 if wl.cache_fp8 else 2)
+    for cache in (k_cache, v_cache):                     # 5 tokens x 2 KV heads written, the rest untouched
+        assert int((cache != 0xAB).sum()) > 5 * 2 * record * 0.9
+        assert int((cache == 0xAB).sum()) >= cache.numel() - 5 * 2 * record
+
+
+def test_gqa_stage_chain_stores_through_store_kv_cache(monkeypatch):
+    """The GQA stage chain scatters K and V with kvfuse.store_kv_cache (no boolean-mask indexing, which
+    synchronizes the host): the reference's store_paged is never called."""
+    def no_store_paged(*a, **k):
+        raise AssertionError("store_paged (boolean-mask indexing) in the stage chain")
+
+    calls = []
+    real_store = kvfuse.api.store_kv_cache
+
+    def counting_store(*a, **k):
+        calls.append(a[4].name)
+        return real_store(*a, **k)
+
+    wl = bench.WORKLOADS["qwen3_8b_fp8"]
+    inp = bench.build_inputs(wl, 3, "cpu", seed=2)
+    monkeypatch.setattr(kvfuse.reference, "store_paged", no_store_paged)
+    monkeypatch.setattr(bench._api, "store_kv_cache", counting_store)
+    chain = bench.make_peer("stages", wl, inp)
+    with use_backend("reference"):
+        chain()
+    assert calls == ["GQA_NHD_128B", "GQA_NHD_128B"]          # K and V, 128 e4m3 bytes per (token, head)
+
+
+def test_two_launch_is_a_gqa_peer_skipped_elsewhere():
+    cfg = bench.parse_config(["--n", "1", "--workloads", "main_fp8,llama3_8b_fp8", "--peers", "two_launch,fused",
+                              "--no-progress"])
+    assert cfg.peers == ["two_launch", "fused"]
+    records = bench.run_suite(cfg, "cpu", FakeTimer(), kernel_backend="reference", compiler=lambda f: f,
+                              log=lambda *a: None)
+    by = {(r.workload, r.peer): r for r in records}
+    skipped = by[("main_fp8", "two_launch")]
+    assert skipped.status == "skipped" and "GQA workloads only" in skipped.note
+    assert by[("main_fp8", "fused")].status == "ok"
+    r = by[("llama3_8b_fp8", "two_launch")]
+    assert r.status == "ok" and r.fused_speedup == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="GQA workloads only"):
+        bench.make_peer("two_launch", bench.WORKLOADS["main_fp8"], bench.build_inputs(bench.WORKLOADS["main_fp8"], 1,
+                                                                                     "cpu"))
 
 
 def test_inputs_shapes_and_slots():
