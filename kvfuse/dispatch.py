@@ -114,10 +114,18 @@ def run(plan: Plan) -> None:
             reference.run_plan(plan)
 
 
+# a group runs as one launch while its largest call has at most this many tokens; above, call by call:
+# there the launches cost little beside the bytes, and a call's own kernel (a Gluon fast path) beats the
+# portable kernel that the grouped launch runs (H200, DeepSeek V4 layer: one launch 32.3 vs 34.9 us
+# call by call at 512 tokens, 62.8 vs 61.7 at 1024, 120.9 vs 106.7 at 2048; docs/performance.md)
+GROUP_ONE_LAUNCH_MAX_N = 1024
+
+
 def run_group(plans) -> None:
-    """Run validated plans that touch no common output (kvfuse.group checked) as one launch on the
-    Triton backend (kvfuse/kernels/grouped.py; a single plan with n > 0 takes :func:`run`'s kernel,
-    fast paths included), or one after the other on the reference backend."""
+    """Run validated plans that touch no common output (kvfuse.group checked) on the Triton backend as
+    one launch (kvfuse/kernels/grouped.py) while the largest has at most GROUP_ONE_LAUNCH_MAX_N tokens,
+    else (and for a single plan) each on its own kernel, fast paths included; one after the other on
+    the reference backend."""
     if _backend.checks_enabled():
         for plan in plans:
             cap = None if plan.kv_cache is None else plan.kv_cache.shape[0] * plan.kv_cache.shape[1]
@@ -130,8 +138,9 @@ def run_group(plans) -> None:
         with torch.inference_mode():  # see run
             for plan in live:
                 reference.run_plan(plan)
-    elif len(live) == 1:
-        kernels().run_plan(live[0])
+    elif len(live) == 1 or max(plan.n for plan in live) > GROUP_ONE_LAUNCH_MAX_N:
+        for plan in live:
+            kernels().run_plan(plan)
     else:
         _run_group_kernel(live)
 

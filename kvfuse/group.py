@@ -5,7 +5,9 @@ the indexer's K write and Q quantization), each a launch of a few microseconds a
 where the launches, not the bytes, set the time. ``fused_group`` validates every call as its own
 call would, checks that no call writes memory another call reads or writes (they run concurrently),
 and runs them in one launch of the portable kernel (kvfuse/kernels/grouped.py). Every call's
-outputs are byte-equal to its own call's.
+outputs are byte-equal to its own call's. Past ``kvfuse.dispatch.GROUP_ONE_LAUNCH_MAX_N`` tokens
+(1024) the calls run one by one on their own kernels: there the launches cost little beside the
+bytes, and a call's own kernel (a Gluon fast path) is faster than the portable one.
 """
 from __future__ import annotations
 
@@ -101,8 +103,9 @@ def fused_group(calls: Sequence[FusedCall]) -> List:
         a list with what each call would return on its own (allocated outputs included).
 
     Every call is validated first, as its own call would be (errors name ``calls[i]``), then the
-    group runs as one kernel launch on the Triton backend (one call alone takes its own call's
-    kernel), or call by call on the reference backend. Outputs are byte-equal to the calls made one
+    group runs as one kernel launch on the Triton backend while its largest call has at most
+    ``kvfuse.dispatch.GROUP_ONE_LAUNCH_MAX_N`` (1024) tokens, else call by call on each call's own
+    kernel (one call alone always takes its own kernel); call by call on the reference backend. Outputs are byte-equal to the calls made one
     by one. Under torch.compile the group is one custom op, ``kvfuse::fused_group``.
     """
     members = _prepared(calls)

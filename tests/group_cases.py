@@ -51,8 +51,31 @@ def _slots(n: int, capacity: int, g: torch.Generator) -> torch.Tensor:
     return slots
 
 
+_MADE = {}
+
+
 def inputs(case: LayerCase):
-    """The case's inputs on the CPU (caches as (view, storage) of random bytes)."""
+    """The case's inputs on the CPU (caches as (view, storage) of random bytes): made once per case in
+    this process and cloned, because helpers.random_bf16 sets its tiny values with an index_put whose
+    duplicate indices make the bytes depend on the CPU's threads (two builds of one seed may differ in
+    a few elements; the two runs of a case must read the same inputs)."""
+    if case not in _MADE:
+        _MADE.clear()
+        _MADE[case] = _build(case)
+    return {k: _clone(v) for k, v in _MADE[case].items()}
+
+
+def _clone(v):
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    if isinstance(v, tuple):          # a cache: (view, storage)
+        view, storage = v
+        storage = storage.clone()
+        return torch.as_strided(storage, view.shape, view.stride(), view.storage_offset()), storage
+    return v
+
+
+def _build(case: LayerCase):
     cfg, n, g = case.cfg, case.n, torch.Generator().manual_seed(case.seed)
     hq = case.q_heads or cfg.num_heads
     hi = case.index_heads or cfg.index_num_heads
@@ -160,20 +183,22 @@ def table_sizes(case: LayerCase, max_n: int) -> list:
     return sorted(sizes)
 
 
-def gpu_cases(max_n: int = 16384) -> list:
-    """(case, pdl) of the GPU test: every layer at every table size, Q in place and not, PDL on at the
-    decode sizes (a launch attribute: the bytes must not change)."""
+def gpu_cases() -> list:
+    """(case, pdl) of the GPU test: every layer at every table size the one-launch path can meet (up to
+    kvfuse.dispatch.GROUP_ONE_LAUNCH_MAX_N tokens), Q in place and not, PDL on at the decode sizes (a
+    launch attribute: the bytes must not change); one size past the limit (the calls one by one)."""
+    from kvfuse.dispatch import GROUP_ONE_LAUNCH_MAX_N as limit
+
     cases = []
     for model in LAYERS:
         base = LayerCase(model=model)
-        for n in table_sizes(base, max_n):
-            # past 2048 tokens Q takes 8 heads (its rows stay in the table's last entry; 64 would be 1 GiB)
-            heads = 8 if n > 2048 else 0
-            cases.append((dataclasses.replace(base, n=n, seed=n, q_heads=heads), False))
+        for n in table_sizes(base, limit) + [limit]:
+            cases.append((dataclasses.replace(base, n=n, seed=n), False))
             if n <= 256:
                 cases.append((dataclasses.replace(base, n=n, seed=n + 1, q_in_place=False), True))
     cfg = LAYERS["deepseek-v4"]
-    # two- and three-member groups (the slots past NUM unused)
+    # two- and three-member groups (the slots past NUM unused), and past the one-launch limit (Q: 8 heads)
     cases.append((LayerCase(model=cfg.name, n=7, members=("q", "kv")), False))
     cases.append((LayerCase(model=cfg.name, n=7, members=("kv", "index_k", "index_q")), True))
-    return cases
+    cases.append((LayerCase(model=cfg.name, n=limit + 1, q_heads=8, seed=5), False))
+    return sorted(set(cases), key=lambda c: (c[0].model, c[0].n, c[1]))

@@ -135,6 +135,23 @@ def test_calls_of_different_n(n_idx, triton_backend, counted):
     assert counted[0].launches == 1
 
 
+def test_past_the_one_launch_limit_the_calls_run_one_by_one(triton_backend, counted, monkeypatch):
+    from kvfuse import dispatch
+
+    monkeypatch.setattr(dispatch, "GROUP_ONE_LAUNCH_MAX_N", 4)     # n = 5 and 3: past it
+    calls, storage = _generic_calls(n_idx=2)
+    want = _flat([_call_one(c) for c in calls])
+    want_storage = storage.clone()
+    calls, storage = _generic_calls(n_idx=2)
+    g, f = counted
+    f.launches = 0
+    got = _flat(kvfuse.fused_group(calls))
+    assert (g.launches, f.launches) == (0, 3)
+    assert_bytes_equal(storage, want_storage, "cache storage")
+    for a, b in zip(got, want):
+        assert_bytes_equal(a, b, "result")
+
+
 def test_single_call_takes_its_own_kernel(triton_backend, counted):
     calls, storage = _generic_calls()
     want = _call_one(calls[1])
