@@ -15,6 +15,7 @@ import shlex
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .bench import GQA_PEERS, WORKLOADS, Workload
+from .dispatch import GROUP_ONE_LAUNCH_MAX_N
 from .formats import INDEX_FP8_FP32
 
 __all__ = ["ENGINE_SOURCE", "ENGINE_FIGURES", "EngineFigure", "TIE", "render", "candidates", "resolve",
@@ -418,7 +419,9 @@ def _group_section(report: dict) -> List[str]:
     out = ["## Grouped", "", f"Workloads whose name starts with `{GROUP_PREFIX}`: calls of one layer (its members) "
            "in one `kvfuse.fused_group` launch. Peers: `calls` runs the members one by one (a launch each), "
            "`stages` each member's stage chain. The last column says whether the one grouped launch wins against "
-           "the calls one by one.", ""]
+           f"the calls one by one. Past {GROUP_ONE_LAUNCH_MAX_N} tokens (`kvfuse.dispatch.GROUP_ONE_LAUNCH_MAX_N`) `fused_group` itself "
+           "runs the calls one by one, each on its own kernel (faster there than the portable kernel the grouped "
+           "launch runs), so above that size both peers time the same path.", ""]
     if names:
         descr = report.get("workloads", {})
         out += [f"- `{w}`: {descr.get(w, {}).get('description', '')}" for w in names] + [""]
