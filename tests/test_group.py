@@ -199,16 +199,16 @@ def test_a_call_may_not_write_what_another_reads(triton_backend):
     kvfuse.fused_group([calls[1], FusedCall(q, rope_args=calls[1].rope_args)])
 
 
-def test_data_checks_run_inside_a_group(triton_backend):
+def test_data_checks_run_inside_a_group(triton_backend, monkeypatch):
+    from kvfuse import backend
+
     calls, _ = _generic_calls()
     dup = dataclasses.replace(calls[0], out_args=dataclasses.replace(
         calls[0].out_args, slot_mapping=torch.tensor([1, 2, 1, 3, 4])))
+    monkeypatch.setattr(backend, "_checks_override", backend._checks_override)   # undone after the test
     kvfuse.set_checks(True)
-    try:
-        with pytest.raises(ValueError, match="duplicate valid slots"):
-            kvfuse.fused_group([dup, calls[1]])
-    finally:
-        kvfuse.set_checks(False)
+    with pytest.raises(ValueError, match="duplicate valid slots"):
+        kvfuse.fused_group([dup, calls[1]])
 
 
 # --------------------------------------------------------------------------- the custom op
