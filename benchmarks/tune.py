@@ -14,7 +14,7 @@ did not take) is reported and not timed.
 
 Usage (on the device, repo root):
   python benchmarks/tune.py [--kernel portable|fast|all] [--out DIR] [--workloads a,b] [--n 1,256,...]
-      [--budget-s S] [--vec] [--rows 1,2] [--set gluon_index.PACKED_E2M1=0 ...]
+      [--budget-s S] [--vec] [--rows 1,2] [--set indexer.PACKED_E2M1=0 ...]
 --workloads and --n default to each sweep's own lists; --set assigns a fast-path module's integer
 switch before anything runs (an A/B of a kernel variant in one run). Writes DIR/tune.json (the
 device, copy bandwidth, every timed configuration and the text) and DIR/tune.txt (the text).
@@ -34,14 +34,16 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvfuse import bench  # noqa: E402
-from kvfuse.kernels import fused, gluon_index, gluon_main_fp4, gluon_main_fp8, gluon_mla_tail, qkv  # noqa: E402
+from kvfuse.kernels import fused, qkv  # noqa: E402
+from kvfuse.kernels.gluon import FAST_PATH_MODULES  # noqa: E402
 
 PORTABLE_WORKLOADS = ("main_fp8", "main_fp4", "flashmla_v32", "flashmla_model1", "index_mxfp4", "index_fp8_fp32",
                       "q_pre", "index_q")
 PORTABLE_SIZES = (1, 256, 65536, 262144)
-FAST_WORKLOADS = {"main_fp8": gluon_main_fp8, "main_fp8_cast": gluon_main_fp8, "main_fp4": gluon_main_fp4,
-                  "flashmla_v32": gluon_mla_tail, "flashmla_model1": gluon_mla_tail, "index_fp8_fp32": gluon_index,
-                  "index_mxfp4": gluon_index, "index_nvfp4": gluon_index, "index_q": gluon_index}
+# the workloads swept with --kernel fast, each with the fast path that writes its format (its FORMATS)
+FAST_WORKLOADS = {name: next(m for m in FAST_PATH_MODULES if bench.WORKLOADS[name].fmt in m.FORMATS)
+                  for name in ("main_fp8", "main_fp8_cast", "main_fp4", "flashmla_v32", "flashmla_model1",
+                               "index_fp8_fp32", "index_mxfp4", "index_nvfp4", "index_q")}
 FAST_SIZES = (1, 256, 4096, 65536, 262144)
 MAX_X_ELEMENTS = 1 << 30                 # larger inputs (x over 2 GiB) are left out
 

@@ -5,7 +5,7 @@ that must not change the kernels or their launches prints the same lines before 
 same spirit as ``ptx_check.py --fingerprint`` for the portable kernels.
 
 Each variant is a validated plan (tests/kernel_cases.py) put through its module's launch code
-(gluon_main_fp8.launch_parts_records, gluon_mla_tail.launch_parts, gluon_index.launch_args, with
+(main_latent.launch_parts_records, flashmla.launch_parts, indexer.launch_args, with
 the grid given so that nothing queries a device), plus a few constexprs set by hand where no CPU
 plan reaches them (PDL, int64 slots or offsets, the fp32 e2m1 encoder). Compiled as a launch
 specializes them: pointer types from the plan's tensors, pointers and 16-divisible integers
@@ -25,9 +25,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from kvfuse import CastArgs, KVCacheFormat, formats as F  # noqa: E402
-from kvfuse.kernels import gluon_index as GI, gluon_main_fp4 as M4, gluon_main_fp8 as M8  # noqa: E402
-from kvfuse.kernels import gluon_mla_tail as MLA  # noqa: E402
-from kvfuse.kernels.gluon_common import gluon  # noqa: E402
+from kvfuse.kernels.gluon import indexer as GI, main_latent_fp4 as M4, main_latent as M8  # noqa: E402
+from kvfuse.kernels.gluon import flashmla as MLA  # noqa: E402
+from kvfuse.kernels.gluon.common import gluon  # noqa: E402
 from kvfuse.kernels.launcher import PlanTensor, tensor_arg  # noqa: E402
 from kernel_cases import FAST_CHAIN, FAST_MAIN, FAST_Q, Case, plan_of  # noqa: E402
 from ptx_check import code_fingerprint  # noqa: E402

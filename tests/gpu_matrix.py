@@ -30,7 +30,7 @@ import random
 from kvfuse import CastArgs, formats
 from kvfuse.models import INDEX_FP8_UE8M0_FP32
 from kvfuse.kernels import fused
-from kvfuse.kernels.gluon_common import table_entry, table_index
+from kvfuse.kernels.gluon.common import table_entry, table_index
 
 from kernel_cases import ALL_FORMATS, Case, plan_of
 
@@ -119,18 +119,19 @@ def _fast_n(table, i, min_rows, heads=1):
 def fast_cases() -> list:
     """Every fast path x every entry of its launch table x the RoPE styles it serves, with its
     formats and the dtypes it reads rotating over the entries."""
-    from kvfuse.kernels import gluon_index, gluon_main_fp4, gluon_main_fp8, gluon_mla_tail
+    from kvfuse.kernels.gluon import indexer, main_latent_fp4, main_latent, flashmla
     cases = []
     seed = 5000
     styles = (True, False)
-    for module, fmts, chain in ((gluon_main_fp8, [formats.MAIN_FP8], FAST_MAIN),
-                                (gluon_main_fp4, [formats.MAIN_FP4], FAST_MAIN),
-                                (gluon_mla_tail, [formats.FLASHMLA_V32, formats.FLASHMLA_MODEL1], None),
-                                (gluon_index, [formats.INDEX_FP8_FP32, formats.INDEX_MXFP8, formats.INDEX_MXFP4,
-                                               formats.INDEX_NVFP4, INDEX_FP8_UE8M0_FP32], FAST_INDEX_WRITE)):
+    from kvfuse.kernels.gluon import FAST_PATH_MODULES
+    chains = {main_latent: FAST_MAIN, main_latent_fp4: FAST_MAIN, indexer: FAST_INDEX_WRITE}
+    for module in FAST_PATH_MODULES:
+        chain = chains.get(module)
+        # its preset formats; the indexer also the models' UE8M0-as-fp32 one (DeepSeek V3.2 variant)
+        fmts = list(module.FORMATS) + ([INDEX_FP8_UE8M0_FP32] if module is indexer else [])
         table = module.LAUNCH_TABLE
-        variants = INDEX_CHAINS if module is gluon_index else [dict(neox=neox) for neox in styles]
-        if module in (gluon_main_fp8, gluon_main_fp4):
+        variants = INDEX_CHAINS if module is indexer else [dict(neox=neox) for neox in styles]
+        if module in (main_latent, main_latent_fp4):
             variants = variants + [dict(norm=False, rope=False)]           # the cast alone (CAST_ONLY)
         for i, variant in itertools.product(range(len(table)), variants):
             for k, fmt in enumerate(fmts):
@@ -142,7 +143,7 @@ def fast_cases() -> list:
                                   w_fp32=(seed // 2) % 2 == 1, cs_bf16=(seed // 4) % 2 == 1, block_size=bs,
                                   num_blocks=n // bs + 3, slot_kind=("random", "invalid", "cross_page")[seed % 3],
                                   x2d=seed % 5 == 0))
-        if module is gluon_index:     # the contiguous (q, sf) path: the indexer Q, rows = tokens x heads
+        if module is indexer:     # the contiguous (q, sf) path: the indexer Q, rows = tokens x heads
             for i, variant in itertools.product(range(len(table)), INDEX_Q_CHAINS):
                 for k, fmt in enumerate(fmts):
                     seed += 1

@@ -246,9 +246,9 @@ def _q_cast(fmt):
 
 
 # The Gluon fast paths' cases (tests/gpu/test_gpu_gluon.py runs them on the GPU; tests/test_gluon_dispatch.py
-# checks that each is eligible for its module): (module in kvfuse.kernels, its kernel's name there, case)
-_M8, _M4, _MLA, _IX = (("gluon_main_fp8", "main_fp8_kernel"), ("gluon_main_fp4", "main_fp4_kernel"),
-                       ("gluon_mla_tail", "mla_tail_kernel"), ("gluon_index", "index_write_kernel"))
+# checks that each is eligible for its module): (module in kvfuse.kernels.gluon, its kernel's name there, case)
+_M8, _M4, _MLA, _IX = (("main_latent", "main_fp8_kernel"), ("main_latent_fp4", "main_fp4_kernel"),
+                       ("flashmla", "mla_tail_kernel"), ("indexer", "index_write_kernel"))
 FAST_CASES = [(*where, case) for where, case in [
     (_M8, Case(n=1, **FAST_MAIN, fmt=formats.MAIN_FP8, seed=1)),
     (_M8, Case(n=3, **FAST_MAIN, fmt=formats.MAIN_FP8, seed=2, idx32=True, w_fp32=True)),

@@ -1,4 +1,4 @@
-"""kvfuse/kernels/gluon_main_fp8.py on the CPU: which calls the Gluon MAIN_FP8 fast path takes
+"""kvfuse/kernels/gluon/main_latent.py on the CPU: which calls the Gluon MAIN_FP8 fast path takes
 (``eligible``, the per-call word alignment, force_config), its launch table, and that the module
 imports and stays off without Triton 3.6 + CUDA. The kernel itself runs only on the H200
 (tests/gpu/test_gpu_gluon.py; Gluon has no interpreter)."""
@@ -13,8 +13,8 @@ import torch
 import kvfuse
 from kvfuse import CastArgs, KVCacheFormat
 from kvfuse.kernels import fused as fused_kernels
-from kvfuse.kernels import gluon_common, gluon_index, gluon_main_fp4, gluon_mla_tail
-from kvfuse.kernels import gluon_main_fp8 as G
+from kvfuse.kernels.gluon import common as gluon_common, indexer, main_latent_fp4, flashmla
+from kvfuse.kernels.gluon import main_latent as G
 from helpers import CountingKernel
 from kvfuse.kernels.launcher import tensor_arg
 from kernel_cases import FAST_CASES, FAST_CHAIN, FAST_MAIN, Case, plan_of, recast
@@ -37,7 +37,7 @@ def test_the_main_fp8_chain_is_eligible():
 def test_the_cast_alone_is_eligible():
     """No norm and no RoPE (kvfuse.mla.store_gathered, the CP second pass): the kernel's CAST_ONLY
     variant, whose stand-in pointers (x) are never read; MAIN_FP4 the same."""
-    from kvfuse.kernels import gluon_main_fp4
+    from kvfuse.kernels.gluon import main_latent_fp4
     from kvfuse.kernels.launcher import tensor_arg
     plan = plan_of(main_case(norm=False, rope=False))
     assert G.eligible(plan)
@@ -48,7 +48,7 @@ def test_the_cast_alone_is_eligible():
     assert constexprs["CAST_ONLY"] and not constexprs["FP4"]
     numbers = [a for a in args if not hasattr(a, "field")]
     assert numbers[2:5] == [0, 0, 0]          # s_pos, s_cs, P: nothing about positions or cos/sin is read
-    assert gluon_main_fp4.eligible(plan_of(main_case(norm=False, rope=False, fmt=kvfuse.formats.MAIN_FP4)))
+    assert main_latent_fp4.eligible(plan_of(main_case(norm=False, rope=False, fmt=kvfuse.formats.MAIN_FP4)))
     for change in (dict(hadamard=True), dict(out_stage="transform"), dict(heads=2)):
         assert not G.eligible(plan_of(main_case(norm=False, rope=False, **change))), change
 
@@ -107,21 +107,24 @@ def test_plan_fields_they_read_exist():
 
 @pytest.mark.parametrize("module", fused_kernels.FAST_PATH_MODULES, ids=lambda m: m.__name__.rsplit(".", 1)[1])
 def test_on_where_available_unless_turned_off(module, monkeypatch):
-    names = {"gluon_main_fp8": "main_fp8", "gluon_main_fp4": "main_fp4", "gluon_mla_tail": "mla_tail",
-             "gluon_index": "index"}
-    name = names[module.__name__.rsplit(".", 1)[1]]
+    names = {m.NAME for m in fused_kernels.FAST_PATH_MODULES}
+    name = module.NAME
+    assert name == module.__name__.rsplit(".", 1)[1]                # the skip name is the module's name
     if not torch.cuda.is_available():
         assert not module.available() and not module.enabled()
     monkeypatch.setattr(module, "available", lambda: True)
     monkeypatch.delenv("KVFUSE_GLUON", raising=False)
     monkeypatch.delenv("KVFUSE_GLUON_SKIP", raising=False)
     assert module.enabled()
-    monkeypatch.setenv("KVFUSE_GLUON_SKIP", f"other, {name}")
+    monkeypatch.setenv("KVFUSE_GLUON_SKIP", f" {name} ,")
     assert not module.enabled()
-    for other in set(names.values()) - {name}:                      # MAIN_FP4 runs MAIN_FP8's kernel, yet
+    for other in names - {name}:                      # MAIN_FP4 runs MAIN_FP8's kernel, yet
         monkeypatch.setenv("KVFUSE_GLUON_SKIP", other)              # skipping one path leaves the others on
         assert module.enabled()
-    monkeypatch.setenv("KVFUSE_GLUON_SKIP", f"{name}_v2")          # names, not prefixes
+    monkeypatch.setenv("KVFUSE_GLUON_SKIP", f"{name}_v2")          # names, not prefixes: an unknown name
+    with pytest.raises(ValueError, match=f"KVFUSE_GLUON_SKIP: expected names from .*got {name}_v2"):
+        module.enabled()
+    monkeypatch.setenv("KVFUSE_GLUON_SKIP", " , ")                   # empty entries name nothing
     assert module.enabled()
     monkeypatch.setenv("KVFUSE_GLUON", "0")
     assert not module.enabled()
@@ -132,15 +135,15 @@ def test_on_where_available_unless_turned_off(module, monkeypatch):
 
 def test_decode_sizes_follow_min_rows():
     """A minimum above the call's rows leaves it to the plain kernel (one-row calls of the index path,
-    measured mixed there: its MIN_ROWS, tests/test_gluon_index_dispatch.py)."""
+    measured mixed there: its MIN_ROWS, tests/test_gluon_indexer.py)."""
     plan = plan_of(main_case(n=5))
     with fused_kernels.fast_paths(only=G):
         assert fused_kernels.fast_path(plan) is G
     with fused_kernels.fast_paths(only=G, min_rows=6):
         assert fused_kernels.fast_path(plan) is None
         assert fused_kernels.fast_path(plan_of(main_case(n=6))) is G
-    from kvfuse.kernels import gluon_index, gluon_mla_tail
-    assert (gluon_mla_tail.MIN_ROWS, gluon_index.MIN_ROWS) == (1, 2)
+    from kvfuse.kernels.gluon import indexer, flashmla
+    assert (flashmla.MIN_ROWS, indexer.MIN_ROWS) == (1, 2)
 
 
 def test_a_rejected_call_runs_the_plain_kernel(monkeypatch):
@@ -185,7 +188,7 @@ def test_a_rejected_call_runs_the_plain_kernel(monkeypatch):
 
 
 def test_bind_tensors_replaces_plan_tensor_slots_only():
-    from kvfuse.kernels import gluon_common
+    from kvfuse.kernels.gluon import common as gluon_common
     from kvfuse.kernels.launcher import tensor_arg
     x, w = torch.zeros(2), torch.ones(2)
     args = (tensor_arg("x"), 7, tensor_arg("weight"), 0.5, w)
@@ -201,7 +204,7 @@ def test_gpu_cases_reach_their_fast_path(entry):
     (eligible, and no other registered module's), at a size the dispatch sends there: so the GPU
     test compares that fast path, not the plain kernel, against the reference."""
     module_name, kernel_name, case = entry
-    module = importlib.import_module(f"kvfuse.kernels.{module_name}")
+    module = importlib.import_module(f"kvfuse.kernels.gluon.{module_name}")
     assert hasattr(module, kernel_name) or module.gluon is None
     with fused_kernels.fast_paths(only=fused_kernels.FAST_PATH_MODULES):
         assert fused_kernels.fast_path(plan_of(case)) is module
@@ -211,7 +214,7 @@ def test_occupancy_grid_asks_the_device_only_for_what_is_missing(monkeypatch):
     """gluon_common.occupancy_grid (every fast path's persistent grid): given both numbers it neither
     compiles nor queries the device; otherwise the occupancy comes from cached_ctas_per_sm (keyed by
     device, dtypes, constexprs, num_warps; None tensors bound to x) and the SM count from the device."""
-    from kvfuse.kernels import gluon_common as GC
+    from kvfuse.kernels.gluon import common as GC
     from kvfuse.kernels.launcher import PlanTensor
     x = torch.zeros(4, 8, dtype=torch.bfloat16)
     w = torch.zeros(8, dtype=torch.float32)
@@ -239,13 +242,13 @@ def test_occupancy_grid_asks_the_device_only_for_what_is_missing(monkeypatch):
 # ---------------------------------------------------------------------------------- every fast path
 F = kvfuse.formats
 BASE_CASES = {                      # each module's chain, a few rows (the dispatch rules below)
-    "gluon_main_fp8": dict(**FAST_MAIN, fmt=F.MAIN_FP8),
-    "gluon_main_fp4": dict(**FAST_MAIN, fmt=F.MAIN_FP4),
-    "gluon_mla_tail": dict(**FAST_CHAIN, head_dim=576, fmt=F.FLASHMLA_V32),
-    "gluon_index": dict(**FAST_CHAIN, head_dim=128, fmt=F.INDEX_NVFP4),
+    "main_latent": dict(**FAST_MAIN, fmt=F.MAIN_FP8),
+    "main_latent_fp4": dict(**FAST_MAIN, fmt=F.MAIN_FP4),
+    "flashmla": dict(**FAST_CHAIN, head_dim=576, fmt=F.FLASHMLA_V32),
+    "indexer": dict(**FAST_CHAIN, head_dim=128, fmt=F.INDEX_NVFP4),
 }
-MODULES = {"gluon_main_fp8": G, "gluon_main_fp4": gluon_main_fp4, "gluon_mla_tail": gluon_mla_tail,
-           "gluon_index": gluon_index}
+MODULES = {"main_latent": G, "main_latent_fp4": main_latent_fp4, "flashmla": flashmla,
+           "indexer": indexer}
 
 
 @pytest.mark.parametrize("name", sorted(BASE_CASES))
@@ -268,7 +271,7 @@ def test_plan_without_a_field_is_not(name):
     assert module.eligible(plan)
     for field in ("weight", "positions", "kv_cache", "slot_mapping", "fmt", "addressing", "cast"):
         assert not module.eligible(recast(plan, **{field: None})), field
-    if name != "gluon_mla_tail":       # its cos/sin loads are masked by the position check: P = 0 is safe there
+    if name != "flashmla":       # its cos/sin loads are masked by the position check: P = 0 is safe there
         assert not module.eligible(recast(plan, cos_sin=plan.cos_sin[:0]))         # P = 0: no row to load
 
 
@@ -285,7 +288,7 @@ def test_word_alignment_is_per_call(head_dim):
 
 
 # ---------------------------------------------------------------------------------- fast_paths (tools, tests)
-@pytest.mark.parametrize("bad", [dict(only="gluon_index"), dict(only=(object(),)), dict(only=[G, None]),
+@pytest.mark.parametrize("bad", [dict(only="indexer"), dict(only=(object(),)), dict(only=[G, None]),
                                  dict(min_rows=0), dict(min_rows=True), dict(min_rows=1.0),
                                  dict(launch_table=(1, 1, False))])
 def test_fast_paths_rejects_bad_arguments(bad):

@@ -43,9 +43,9 @@ def test_every_fast_path_entry_runs_each_chain_it_serves(built):
         for i in range(len(module.LAUNCH_TABLE)):
             got = seen[f"{name} entry {i}"]
             assert got["neox"] == {True, False}, (name, i, got["neox"])
-            if name in ("gluon_main_fp8", "gluon_main_fp4"):
+            if name in ("main_latent", "main_latent_fp4"):
                 assert got["cast_only"] == {False, True}, (name, i)
-            if name == "gluon_index":
+            if name == "indexer":
                 assert got["offset"] == {None, 0} and got["hadamard"] == {False, True}, (i, got)
                 assert got["norm"] == {("rms", False), ("layer", True), ("layer", False)}, (i, got["norm"])
                 assert len(got["format"]) == 5, (i, got["format"])
@@ -71,7 +71,7 @@ def test_all_pairs_of_features_and_launches_are_covered(built):
 def test_every_gqa_launch_table_entry_has_a_case():
     """The GQA section reaches every entry of qkv.launch_table for each tile width."""
     from kvfuse.kernels import qkv
-    from kvfuse.kernels.gluon_common import table_entry
+    from kvfuse.kernels.gluon.common import table_entry
     cases = [c for _, c in M.gqa_cases()]
     for d in (64, 128, 256):
         table = qkv.launch_table(d)

@@ -116,16 +116,17 @@ def test_bad_kvfuse_checks_value_is_a_value_error_before_any_write(backend, swit
 
 
 def test_gluon_and_direct_launch_switches_take_the_words(monkeypatch):
-    from kvfuse.kernels import gluon_common, launcher
+    from kvfuse.kernels import launcher
+    from kvfuse.kernels.gluon import common as gluon_common
     for value, on in (("off", False), ("FALSE", False), (" no ", False), ("0", False), ("yes", True), ("1", True)):
         monkeypatch.setenv("KVFUSE_GLUON", value)
-        assert gluon_common.allowed_by_env("main_fp8") is on, value
+        assert gluon_common.allowed_by_env("main_latent") is on, value
         monkeypatch.setenv("KVFUSE_DIRECT_LAUNCH", value)
         if not on:
             assert launcher.direct_launch_supported(False) is False, value
     monkeypatch.delenv("KVFUSE_GLUON")
-    assert gluon_common.allowed_by_env("main_fp8") is True                  # default: on
-    for name, read in (("KVFUSE_GLUON", lambda: gluon_common.allowed_by_env("main_fp8")),
+    assert gluon_common.allowed_by_env("main_latent") is True                  # default: on
+    for name, read in (("KVFUSE_GLUON", lambda: gluon_common.allowed_by_env("main_latent")),
                        ("KVFUSE_DIRECT_LAUNCH", lambda: launcher.direct_launch_supported(False))):
         monkeypatch.setenv(name, "enabled")
         with pytest.raises(ValueError, match=name):

@@ -1,6 +1,6 @@
 """The names of the kernels' numeric constexpr switches (CAST, SF, OUT_STAGE, DEST, ROPE, NATIVE,
 FLOOR_E), defined once for the portable kernel (fused.py, numerics.py, qkv.py) and the Gluon fast
-paths (gluon_*.py).
+paths (gluon/*.py).
 
 Kernel code compares with the names (``if CAST == CAST_E4M3:``). @triton.jit and @gluon.jit code
 may read a module global only when it is a ``tl.constexpr`` instance (Triton 3.6 and 3.9 alike;
@@ -42,7 +42,7 @@ NATIVE_INTEGER = tl.constexpr(0)     # integer round-to-nearest-even on the bit 
 NATIVE_GUARDED = tl.constexpr(1)     # native conversions, e4m3 with its explicit signed-zero guard
 NATIVE_UNGUARDED = tl.constexpr(2)   # native, e4m3 unguarded where the codes are only stored
 
-# FLOOR_E without a scale_floor (numerics.group_scales, gluon_common.ue8m0_scale)
+# FLOOR_E without a scale_floor (numerics.group_scales, gluon.common.ue8m0_scale)
 NO_FLOOR = tl.constexpr(-999)
 
 # host side: format strings -> the ints the launches pass

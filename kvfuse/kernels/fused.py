@@ -23,11 +23,11 @@ from triton.language.extra.cuda import gdc_wait
 from .. import backend as _backend
 from ..formats import FMAX
 from ..plan import LAUNCHES_PER_TEMPLATE, X, Plan
-from . import gluon_index, gluon_main_fp4, gluon_main_fp8, gluon_mla_tail
+from .gluon import FAST_PATH_MODULES
 from .codes import (CAST_CODES, CAST_E4M3, CAST_NONE, DEST_CACHE, DEST_CONTIGUOUS, DEST_NONE, NATIVE_GUARDED,
                     NATIVE_INTEGER, NATIVE_UNGUARDED, NO_FLOOR, ROPE_NONE, ROPE_SUBTILE, ROPE_TILE, SF_CODES, SF_E4M3,
                     SF_UE8M0, STAGE_CAST_BACK, STAGE_CODES, STAGE_NORM, STAGE_TRANSFORM)
-from .gluon_common import table_entry
+from .gluon.common import table_entry
 from .launcher import Launch, direct_launch_supported, tensor_arg
 from .numerics import (bf16_bits, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3, group_scales, load_f32,
                        round_bf16)
@@ -563,14 +563,7 @@ def fused_kernel(
 # triton.jit chose between compiling and interpreting when this module was imported
 INTERPRET = _backend.interpreter_enabled()
 DIRECT_LAUNCH = direct_launch_supported(INTERPRET)   # see kvfuse/kernels/launcher.py
-# Gluon fast paths (Triton 3.6 on CUDA; KVFUSE_GLUON=0 turns them all off, KVFUSE_GLUON_SKIP=a,b
-# some). Each module gives enabled(), MIN_ROWS (fewer rows stay on the plain kernel), eligible(plan)
-# -> bool, plan_launch(plan, tensor, table=None) -> (kernel name, grid, args, keyword args, namespace;
-# table: n_rows -> (num_warps, rows, pipeline) in place of the module's launch_table, see fast_paths) and
-# call_guard(plan) -> (check, fields): its per-call check, on the call's tensors of those plan fields
-# (4-byte alignment of x and the weight, say); the first eligible one takes a plan. See
-# kvfuse/kernels/gluon_main_fp8.py.
-FAST_PATH_MODULES = (gluon_main_fp8, gluon_main_fp4, gluon_mla_tail, gluon_index)
+# the Gluon fast paths that are on (kvfuse/kernels/gluon/__init__.py: the registry and the protocol)
 FAST_PATHS = () if INTERPRET else tuple(m for m in FAST_PATH_MODULES if m.enabled())
 GLUON = bool(FAST_PATHS)
 # the launch path is hot: plain-Python helpers (triton.next_power_of_2 costs microseconds a call)
@@ -658,7 +651,7 @@ def fast_paths(only=None, min_rows: int = None, launch_table=None):
 
 def plain_launch_table(block_d: int, cast_fmt=None) -> tuple:
     """The compiled kernel's launch table for a tile width: ((first n_rows, (BLOCK_M, num_warps)), ...)
-    (see launch_config; gluon_common.table_entry reads it)."""
+    (see launch_config; gluon.common.table_entry reads it)."""
     multi = min(4, max(1, 1024 // block_d))    # ~1K elements per one-warp program: 2 rows of 512, 4 of 128
     table = ((1, (1, 1)), (513, (multi, 1)))   # decode sizes: as many one-warp programs as rows
     if cast_fmt == "e2m1" and block_d <= 128:

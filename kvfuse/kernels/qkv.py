@@ -27,7 +27,7 @@ from . import fused as _fused
 from .codes import NATIVE_INTEGER
 from .fused import (INTERPRET, _force, _native, _normed, _positions, _rope1_loads, _rotate, _store_bf16,
                     _tree_sum, cdiv, next_pow2, slot_block_offset)
-from .gluon_common import table_entry
+from .gluon.common import table_entry
 from .numerics import encode_e4m3, load_f32, round_bf16
 
 __all__ = ["qkv_kernel", "launch_table", "launch_config", "launch_args", "run", "INTERPRET"]
@@ -162,7 +162,7 @@ def qkv_kernel(
 # --------------------------------------------------------------------------- launch configuration
 def launch_table(block_d: int) -> tuple:
     """The compiled kernel's launch table for a tile width: ((first n, (BLOCK_M, num_warps)), ...),
-    read by gluon_common.table_entry. One token per one-warp program at n = 1; from two tokens,
+    read by gluon.common.table_entry. One token per one-warp program at n = 1; from two tokens,
     one-warp programs of ~256 elements (2 tokens of 128, 1 of 256, 4 of 64). H200 sweep of head_dim
     128 (Llama 3 8B / Qwen3 8B, bf16 and fp8 caches; benchmarks/tune.py --kernel portable,
     benchmarks/results/2026-12-01_h200_gqa_sweep.json): 2 tokens a one-warp program is the fastest of

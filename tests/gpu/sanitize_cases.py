@@ -365,7 +365,7 @@ def layout_cases():
 
 def fast_chain_cases(large):
     """The bench's write chain (norm, NEOX RoPE on the last 64, no Hadamard, no stage copy) that the
-    Gluon fast paths take (kvfuse/kernels/gluon_*.py: MAIN_FP8 / MAIN_FP4 and the FlashMLA formats at
+    Gluon fast paths take (kvfuse/kernels/gluon/*.py: MAIN_FP8 / MAIN_FP4 and the FlashMLA formats at
     every size, the index formats from 2 rows, the plain kernel otherwise): adversarial slots and positions, non-finite
     rows, a cache ending at its allocation's end (base +0 / +4: the fast paths where their alignment
     allows; +2: the plain kernel), every launch-table row and a large batch."""
@@ -403,7 +403,7 @@ def fast_chain_cases(large):
 
 
 def fast_q_cases(large):
-    """The index kernel's contiguous path (gluon_index CONTIG: the (q, sf) of a cast without a cache,
+    """The index kernel's contiguous path (indexer CONTIG: the (q, sf) of a cast without a cache,
     x [n, H, 128], NEOX RoPE on columns 64..127, norm optional): 64 heads with positions out of range,
     NaN/inf rows, padded q / sf rows, both launch-table regimes of a large batch."""
     P = 24

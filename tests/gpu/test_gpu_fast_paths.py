@@ -32,7 +32,8 @@ import kvfuse
 from kvfuse import CastArgs, ContiguousOutArgs, KVCacheOutArgs, NormArgs, RopeArgs
 from kvfuse import formats as F
 from kvfuse import reference as ref
-from kvfuse.kernels import fused, gluon_common
+from kvfuse.kernels import fused
+from kvfuse.kernels.gluon import common as gluon_common
 from kvfuse.plan import build_plan
 from helpers import assert_bytes_equal, cos_sin_cache
 
@@ -46,22 +47,17 @@ def short_name(module) -> str:
 
 
 MODULES = {short_name(m): m for m in fused.FAST_PATH_MODULES}
-# the cache formats each fast path writes
-FORMATS = {
-    "gluon_main_fp8": (F.MAIN_FP8,),
-    "gluon_main_fp4": (F.MAIN_FP4,),
-    "gluon_mla_tail": (F.FLASHMLA_V32, F.FLASHMLA_MODEL1),
-    "gluon_index": (F.INDEX_FP8_FP32, F.INDEX_MXFP8, F.INDEX_MXFP4, F.INDEX_NVFP4),
-}
+# the cache formats each fast path writes (its module's FORMATS)
+FORMATS = {name: m.FORMATS for name, m in MODULES.items()}
 # the fast paths with a contiguous (q, sf) destination (the indexer Q), and their casts
-CONTIGUOUS_CASTS = {"gluon_index": tuple(CastArgs.from_cache_format(f) for f in FORMATS["gluon_index"])}
+CONTIGUOUS_CASTS = {"indexer": tuple(CastArgs.from_cache_format(f) for f in FORMATS["indexer"])}
 
 
 def cache_alignment_needed(module_name: str, fmt) -> int:
     """The cache pointer alignment (bytes) of a fast path's widest record store, stated here from the
     kernels' store widths: MAIN_FP4's codes leave as 8-byte stores, the index kernel's e4m3 codes too,
     everything else as 4-byte words. A less aligned cache stays on the portable kernel."""
-    if module_name == "gluon_main_fp4" or (module_name == "gluon_index" and fmt.cast_fmt == "e4m3"):
+    if module_name == "main_latent_fp4" or (module_name == "indexer" and fmt.cast_fmt == "e4m3"):
         return 8
     return 4
 
@@ -387,7 +383,7 @@ def test_e2m1_encoder_mirror_on_every_fp32():
     gives kvfuse.reference.encode_e2m1's code for every fp32 pattern (NaN left out: SPEC §2 leaves its
     group free). Both are torch integer / fp32 operations without multiply-adds, exact on either
     device: here on the GPU, 2^26 patterns at a time (the CPU tests take samples,
-    tests/test_gluon_main_fp4_dispatch.py)."""
+    tests/test_gluon_main_latent_fp4.py)."""
     step = 1 << 26
     for start in range(-(1 << 31), 1 << 31, step):
         t = torch.arange(start, start + step, dtype=torch.int64, device="cuda").to(torch.int32).view(torch.float32)

@@ -1,4 +1,4 @@
-"""GPU module for the Gluon fast paths (kvfuse/kernels/gluon_*.py; skipped without CUDA + Triton 3.6;
+"""GPU module for the Gluon fast paths (kvfuse/kernels/gluon/*.py; skipped without CUDA + Triton 3.6;
 KVFUSE_TEST_GPU=1): the public entry point takes each fast path for its chain and writes the same
 bytes as the reference (the whole cache storage with guard bytes, or the whole q / sf outputs), over
 the launch tables' rows, index dtypes, weight and cos/sin dtypes, block sizes, paddings, slot kinds and
@@ -11,7 +11,7 @@ import torch
 
 import kvfuse
 from kvfuse.kernels import fused
-from kvfuse.kernels import gluon_main_fp8 as G
+from kvfuse.kernels.gluon import main_latent as G
 from helpers import CountingKernel
 from kernel_cases import FAST_CASES, diff_bytes, diff_report, run_case
 
@@ -26,7 +26,7 @@ def case_id(entry):
 @pytest.mark.parametrize("entry", FAST_CASES, ids=case_id)
 def test_fast_path_taken_and_exact(entry, monkeypatch):
     module_name, kernel_name, case = entry
-    module = importlib.import_module(f"kvfuse.kernels.{module_name}")
+    module = importlib.import_module(f"kvfuse.kernels.gluon.{module_name}")
     assert fused.GLUON, "the fast paths should be on with Triton 3.6 on CUDA"
     counting = CountingKernel(getattr(module, kernel_name))
     monkeypatch.setattr(module, kernel_name, counting)

@@ -65,16 +65,17 @@ scales as st.global.b8 (st.global.b32 codes where the pointer or a stride is not
 
 The module imports without a GPU and under any Triton; ``available()`` says whether this path can
 run (Triton 3.6's Gluon API and a CUDA device); ``enabled()``: on there unless KVFUSE_GLUON=0 or
-KVFUSE_GLUON_SKIP names "mla_tail". Proven byte-equal on the H200 (14 of 14 whole-storage
+KVFUSE_GLUON_SKIP names "flashmla". Proven byte-equal on the H200 (14 of 14 whole-storage
 comparisons, 0 memcheck errors; see docs/performance.md).
 """
 from __future__ import annotations
 
 import torch
 
-from . import gluon_common
-from .codes import NO_FLOOR
-from .gluon_common import (INT32_LIMIT, allowed_by_env, available, compile_options, gl, gluon, log2_block,
+from ... import formats as _formats
+from . import common as gluon_common
+from ..codes import NO_FLOOR
+from .common import (INT32_LIMIT, allowed_by_env, available, compile_options, gl, gluon, log2_block,
                            occupancy_grid, plan_tensors)
 
 ROTARY_DIM = 64
@@ -90,7 +91,7 @@ SUPPORTED_RECORDS = {
 
 
 if gluon is not None:
-    from .gluon_common import (as_offset, bf16x2, block_and_token, e4m3x4, hi_f32, lane_tree, lo_f32, load_indices,
+    from .common import (as_offset, bf16x2, block_and_token, e4m3x4, hi_f32, lane_tree, lo_f32, load_indices,
                                shfl_xor, ue8m0_scale, pdl_wait)
 
     ROPE_HALF_C = gl.constexpr(ROTARY_DIM // 2)     # the kernels read module globals only as constexprs
@@ -392,11 +393,15 @@ def launch_parts(plan, tensor, num_warps: int, rows_per_warp: int, pipeline: boo
 
 
 # --------------------------------------------------------------------------- kvfuse's dispatch
+NAME = "flashmla"   # in KVFUSE_GLUON_SKIP
+FORMATS = (_formats.FLASHMLA_V32, _formats.FLASHMLA_MODEL1,)   # the preset cache formats it writes (its GPU tests' formats)
+
+
 def enabled() -> bool:
     """On with Triton 3.6 on CUDA (``available()``; proven byte-equal on the H200, see
     docs/performance.md), unless KVFUSE_GLUON=0 (every Gluon path off) or KVFUSE_GLUON_SKIP (a comma list)
     names "mla_tail"."""
-    return allowed_by_env("mla_tail") and available()
+    return allowed_by_env(NAME) and available()
 
 
 # faster than (or within 0.02 us of) the plain kernel at every measured size with the tuned

@@ -1,4 +1,4 @@
-"""kvfuse/kernels/gluon_mla_tail.py on the CPU: which calls the Gluon FlashMLA fast path takes
+"""kvfuse/kernels/gluon/flashmla.py on the CPU: which calls the Gluon FlashMLA fast path takes
 (``eligible``: the FLASHMLA_V32 and FLASHMLA_MODEL1 chains and user formats with the same records,
 not their neighbours), the per-call word alignment, the launch table, the launch interface kvfuse's
 dispatch and direct launcher rely on, and that the module imports and stays off unless asked for
@@ -12,7 +12,7 @@ import torch
 import kvfuse
 from kvfuse import CastArgs, KVCacheFormat
 from kvfuse.kernels import fused as fused_kernels
-from kvfuse.kernels import gluon_mla_tail as G
+from kvfuse.kernels.gluon import flashmla as G
 from kvfuse.kernels.launcher import PlanTensor, tensor_arg
 from kernel_cases import Case, plan_of
 
@@ -167,11 +167,11 @@ def test_dispatch_takes_both_formats_but_not_a_conjugate_rope():
 
 
 def test_main_fp8_is_not_taken_by_this_path_nor_the_mla_chains_by_main_fp8():
-    from kvfuse.kernels import gluon_main_fp8
+    from kvfuse.kernels.gluon import main_latent
     main = Case(n=5, heads=1, head_dim=512, fmt=kvfuse.formats.MAIN_FP8, rotary_dim=64, neox=True)
-    assert gluon_main_fp8.eligible(plan_of(main)) and not G.eligible(plan_of(main))
+    assert main_latent.eligible(plan_of(main)) and not G.eligible(plan_of(main))
     for fmt in (V32, MODEL1):
-        assert not gluon_main_fp8.eligible(plan_of(mla_case(fmt)))
+        assert not main_latent.eligible(plan_of(mla_case(fmt)))
 
 
 def test_off_without_triton_36_and_cuda(monkeypatch):

@@ -3,9 +3,9 @@ dims -> e2m1 with an e4m3 scale per 16 (NVFP4) -> token-interleaved 288-byte rec
 bytes, two codes a byte, then 32 scale bytes), byte for byte what the portable kernel writes
 (SPEC §2, §4); also the cast alone (no norm, no RoPE).
 
-The kernel is gluon_main_fp8's (``main_fp4_kernel`` is ``main_fp8_kernel`` launched with FP4=True):
+The kernel is main_latent's (``main_fp4_kernel`` is ``main_fp8_kernel`` launched with FP4=True):
 its layout, loads, norm, RoPE and persistent loop, with MAIN_FP4's cast and store
-(``gluon_main_fp8._quantize_store_fp4``). A lane's 16 columns are exactly one NVFP4 group: amax
+(``main_latent._quantize_store_fp4``). A lane's 16 columns are exactly one NVFP4 group: amax
 in-lane, the lane's own e4m3 scale (numerics.group_scales SF_E4M3), 16 e2m1 codes by
 ``gluon_common.e2m1_nibble`` (one fp32 addition of a per-binade magic number rounds; its host mirror
 equals kvfuse.reference.encode_e2m1 on all 2^32 fp32 inputs), one 64-bit code store and one scale
@@ -15,13 +15,14 @@ write entry. Instruction counts and the design: docs/design.md; timings: docs/pe
 
 The module imports without a GPU and under any Triton; ``available()`` says whether this path can
 run (Triton 3.6's Gluon API and a CUDA device); ``enabled()``: on there unless KVFUSE_GLUON=0 or
-KVFUSE_GLUON_SKIP names "main_fp4".
+KVFUSE_GLUON_SKIP names "main_latent_fp4".
 """
 from __future__ import annotations
 
-from . import gluon_common
-from . import gluon_main_fp8 as main
-from .gluon_common import allowed_by_env, available, e2m1_nibble_mirror, gl, gluon  # noqa: F401 (re-exported)
+from ... import formats as _formats
+from . import common as gluon_common
+from . import main_latent as main
+from .common import allowed_by_env, available, e2m1_nibble_mirror, gl, gluon  # noqa: F401 (re-exported)
 
 HEAD_DIM = 512
 DATA_BYTES = 256             # 512 e2m1 codes, two a byte
@@ -32,12 +33,12 @@ CACHE_ALIGN = 8              # the codes leave as 64-bit stores
 
 
 if gluon is not None:
-    # the kernel: gluon_main_fp8's, launched with FP4=True (its FP4 branch: gluon_main_fp8._quantize_store_fp4)
-    from .gluon_main_fp8 import main_fp8_kernel as main_fp4_kernel
+    # the kernel: main_latent's, launched with FP4=True (its FP4 branch: main_latent._quantize_store_fp4)
+    from .main_latent import main_fp8_kernel as main_fp4_kernel
 
 
 # --------------------------------------------------------------------------- host side
-# (gluon_main_fp8's, for this module's MainRecords)
+# (main_latent's, for this module's MainRecords)
 RECORDS = main.MainRecords("MAIN_FP4", ("e2m1", GROUP, "e4m3"), RECORD_BYTES, DATA_BYTES, CACHE_ALIGN, True)
 
 
@@ -62,16 +63,20 @@ LAUNCH_TABLE = ((1, (2, 1, False)), (8193, (1, 1, False)))
 
 def _launch_parts(tensor, n: int, eps: float, x, weight, positions, cos_sin, slot_mapping, kv_cache,
                   num_warps: int, rows_per_warp: int, pipeline: bool, ctas_per_sm=None, sm_count=None, neox=True):
-    """gluon_main_fp8's ``launch_parts_records`` for MAIN_FP4 records (FP4=True)."""
+    """main_latent's ``launch_parts_records`` for MAIN_FP4 records (FP4=True)."""
     return main.launch_parts_records(RECORDS, tensor, n, eps, x, weight, positions, cos_sin, slot_mapping, kv_cache,
                                      num_warps, rows_per_warp, pipeline, ctas_per_sm, sm_count, neox)
 
 
 # --------------------------------------------------------------------------- kvfuse's dispatch
+NAME = "main_latent_fp4"   # in KVFUSE_GLUON_SKIP
+FORMATS = (_formats.MAIN_FP4,)   # the preset cache formats it writes (its GPU tests' formats)
+
+
 def enabled() -> bool:
     """The fused entry point uses this kernel for the calls it fits (``eligible``) unless
-    KVFUSE_GLUON=0, KVFUSE_GLUON_SKIP (a comma list) names "main_fp4", or ``available()`` is false."""
-    return allowed_by_env("main_fp4") and available()
+    KVFUSE_GLUON=0, KVFUSE_GLUON_SKIP (a comma list) names "main_latent_fp4", or ``available()`` is false."""
+    return allowed_by_env(NAME) and available()
 
 
 # faster than the plain kernel at every measured size (n = 1: 1.76 us against 2.11; n = 256: 2.18 against
@@ -80,7 +85,7 @@ MIN_ROWS = 1
 
 
 def eligible(plan) -> bool:
-    """Whether a validated plan is the kernel's MAIN_FP4 chain (gluon_main_fp8's ``eligible_records``:
+    """Whether a validated plan is the kernel's MAIN_FP4 chain (main_latent's ``eligible_records``:
     e2m1 / e4m3 scales / g16, records of 256 code bytes then 32 scale bytes, the cache pointer and
     strides multiples of 8)."""
     return main.eligible_records(RECORDS, plan)
@@ -92,21 +97,21 @@ call_guard = gluon_common.x_weight_guard      # checked per call (the plan cache
 
 def plan_launch(plan, tensor, table=None) -> tuple:
     """(kernel name, grid, positional args, keyword args, namespace) of the kernel for an eligible plan
-    (gluon_main_fp8's ``plan_launch_parts`` with this module's table, or ``table``: see
+    (main_latent's ``plan_launch_parts`` with this module's table, or ``table``: see
     kvfuse.kernels.fused.fast_paths; the name resolves here, to the kernel, so a stand-in put in its
     place sees the launches)."""
     grid, args, kwargs = main.plan_launch_parts(plan, tensor, table or launch_table, _launch_parts)
     return "main_fp4_kernel", grid, args, kwargs, globals()
 
 
-def gluon_main_fp4_write(x, weight, eps, positions, cos_sin, slot_mapping, kv_cache, *, num_warps: int = 1,
+def main_latent_fp4_write(x, weight, eps, positions, cos_sin, slot_mapping, kv_cache, *, num_warps: int = 1,
                          rows_per_warp: int = 1, pipeline: bool = False, ctas_per_sm: int = None,
                          is_neox: bool = True) -> None:
-    """Write MAIN_FP4 records for the rows of x: gluon_main_fp8_write's contract and launch, for
+    """Write MAIN_FP4 records for the rows of x: main_latent_write's contract and launch, for
     ``CastArgs.from_cache_format(MAIN_FP4)`` and MAIN_FP4 caches (a direct entry for any launch
     variant). Raises ValueError outside this kernel's assumptions
     (``supports``)."""
-    parts = main.checked_write_parts(RECORDS, "gluon_main_fp4_write", _launch_parts, x, weight, eps, positions,
+    parts = main.checked_write_parts(RECORDS, "main_latent_fp4_write", _launch_parts, x, weight, eps, positions,
                                      cos_sin, slot_mapping, kv_cache, num_warps, rows_per_warp, pipeline, ctas_per_sm,
                                      is_neox)
     if parts is not None:

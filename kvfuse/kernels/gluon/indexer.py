@@ -20,7 +20,7 @@ Design notes, instruction counts and measurements: docs/design.md, docs/performa
 
 The module imports without a GPU and under any Triton; ``available()`` says whether this path can
 run (Triton 3.6's Gluon API and a CUDA device); ``enabled()``: on there unless KVFUSE_GLUON=0 or
-KVFUSE_GLUON_SKIP names "index". Proven byte-equal on the H200 by tests/gpu/test_gpu_matrix.py.
+KVFUSE_GLUON_SKIP names "indexer". Proven byte-equal on the H200 by tests/gpu/test_gpu_matrix.py.
 """
 from __future__ import annotations
 
@@ -28,9 +28,10 @@ import functools
 
 import torch
 
-from . import gluon_common
-from .codes import CAST_CODES, CAST_E2M1, CAST_E4M3, SF_CODES, SF_FP32, SF_UE8M0, SF_UE8M0_FP32
-from .gluon_common import (INT32_LIMIT, allowed_by_env, available, compile_options, gl, gluon, log2_block,
+from ... import formats as _formats
+from . import common as gluon_common
+from ..codes import CAST_CODES, CAST_E2M1, CAST_E4M3, SF_CODES, SF_FP32, SF_UE8M0, SF_UE8M0_FP32
+from .common import (INT32_LIMIT, allowed_by_env, available, compile_options, gl, gluon, log2_block,
                            occupancy_grid, plan_tensors)
 
 HEAD_DIM = 128
@@ -45,26 +46,8 @@ CACHE_ALIGN = {CAST_E4M3.value: 8, CAST_E2M1.value: 4}
 
 
 if gluon is not None:
-    from .gluon_common import (as_offset, bf16x2, block_and_token, e2m1_nibble, e4m3x4, expand_rows, hi_f32, lo_f32,
+    from .common import (b64, e4m3_scale, group_scale, as_offset, bf16x2, block_and_token, e2m1_nibble, e4m3x4, expand_rows, hi_f32, lo_f32,
                                shfl_xor, ue8m0_scale, pdl_wait)
-
-    @gluon.jit
-    def _e4m3_scale(s):
-        """fp32 s in [2^-9, 448] -> (e4m3 code of s as int32 (cvt.rn.satfinite), its value as fp32 (exact:
-        e4m3 -> f16 -> f32 widen without rounding))."""
-        code = gl.inline_asm_elementwise(
-            "{ .reg .b16 c; .reg .f32 z; mov.f32 z, 0f00000000; cvt.rn.satfinite.e4m3x2.f32 c, z, $1; "
-            "cvt.u32.u16 $0, c; }", "=r,r", [s], dtype=gl.int32, is_pure=True, pack=1)
-        value = gl.inline_asm_elementwise(
-            "{ .reg .b16 c, lo, hi; .reg .b32 h; cvt.u16.u32 c, $1; cvt.rn.f16x2.e4m3x2 h, c; mov.b32 {lo, hi}, h; "
-            "cvt.f32.f16 $0, lo; }", "=r,r", [code], dtype=gl.float32, is_pure=True, pack=1)
-        return code, value
-
-    @gluon.jit
-    def _b64(lo, hi):
-        """Two int32 words -> one int64 (lo in the low half)."""
-        return gl.inline_asm_elementwise("mov.b64 $0, {$1, $2};", "=l,r,r", [lo, hi], dtype=gl.int64,
-                                         is_pure=True, pack=1)
 
     @gluon.jit
     def _e2m1x2_bf16(yw, m2):
@@ -247,7 +230,7 @@ if gluon is not None:
         """A chunk's 4 bf16 words [R, 8] times m [R, 8] -> its 8 e4m3 codes as one int64 [R, 8]."""
         q0 = e4m3x4(lo_f32(w0) * m, hi_f32(w0) * m, lo_f32(w1) * m, hi_f32(w1) * m)
         q1 = e4m3x4(lo_f32(w2) * m, hi_f32(w2) * m, lo_f32(w3) * m, hi_f32(w3) * m)
-        return _b64(q0, q1)
+        return b64(q0, q1)
 
     @gluon.jit
     def _bytes_word(b0, b1, b2, b3):
@@ -295,22 +278,6 @@ if gluon is not None:
         return gl.maximum(aa, 1e-4), gl.maximum(ab, 1e-4)
 
     @gluon.jit
-    def _scales(amax, SF: gl.constexpr, FMAX: gl.constexpr):
-        """numerics.group_scales for SF_UE8M0, SF_UE8M0_FP32 and SF_E4M3: (multiplier m, the stored scale
-        byte, or the fp32 bits of 2^e, as int32)."""
-        if SF == SF_UE8M0:
-            e, m = ue8m0_scale(amax, FMAX)
-            stored = e + 127
-        elif SF == SF_UE8M0_FP32:
-            e, m = ue8m0_scale(amax, FMAX)
-            stored = (e + 127) << 23                                    # 2^e as fp32 bits (amax >= 1e-4: normal)
-        else:
-            s = gl.minimum(gl.maximum(gl.div_rn(amax, gl.full_like(amax, FMAX)), 0.001953125), 448.0)
-            stored, d = _e4m3_scale(s)
-            m = gl.div_rn(gl.full_like(d, 1.0), d)
-        return m, stored
-
-    @gluon.jit
     def _split_scales(amax_a, amax_b, lane, CAST: gl.constexpr, SF: gl.constexpr):
         """Both lanes of a pair (l, l ^ 1) hold the amax of both groups they touch: the even lane
         computes chunk A's group's scale, the odd lane chunk B's, and one xor-1 shuffle gives each the
@@ -329,7 +296,7 @@ if gluon is not None:
             m_b = m_a
             stored = other.to(gl.int32, bitcast=True)
         else:
-            m_own, stored = _scales(gl.where(odd, amax_b, amax_a), SF, FMAX)
+            m_own, stored = group_scale(gl.where(odd, amax_b, amax_a), SF, FMAX)
             m_other = shfl_xor(m_own, 1)
             m_a = gl.where(odd, m_other, m_own)
             m_b = gl.where(odd, m_own, m_other)
@@ -342,7 +309,7 @@ if gluon is not None:
         lo0, lo1 = gl.split(gl.reshape(lo_f32(y) * m3, [R, 8, 2, 2]))    # columns 4q, 4q + 2
         hi0, hi1 = gl.split(gl.reshape(hi_f32(y) * m3, [R, 8, 2, 2]))    # columns 4q + 1, 4q + 3
         q0, q1 = gl.split(e4m3x4(lo0, hi0, lo1, hi1))                    # codes of columns 0..3, 4..7
-        return _b64(gl.convert_layout(q0, LL, assert_trivial=True), gl.convert_layout(q1, LL, assert_trivial=True))
+        return b64(gl.convert_layout(q0, LL, assert_trivial=True), gl.convert_layout(q1, LL, assert_trivial=True))
 
     @gluon.jit
     def _word_of_bytes(b, R: gl.constexpr, LL: gl.constexpr):
@@ -646,7 +613,7 @@ if gluon is not None:
 
 # --------------------------------------------------------------------------- host mirrors
 # The packed-bf16 e2m1 encoder restated with torch integer / fp32 ops, step for step (the proofs that it
-# gives kvfuse.reference.encode_e2m1's codes run on it: tests/test_gluon_index_dispatch.py on every
+# gives kvfuse.reference.encode_e2m1's codes run on it: tests/test_gluon_indexer.py on every
 # bf16 value times every UE8M0 multiplier the kernel makes). The fp32 encoder's mirror is
 # gluon_common.e2m1_nibble_mirror.
 def e2m1_bf16_mirror(h: torch.Tensor) -> torch.Tensor:
@@ -759,11 +726,15 @@ def _grid(plan, args, constexprs: dict, options: dict) -> tuple:
 
 
 # --------------------------------------------------------------------------- kvfuse's dispatch
+NAME = "indexer"   # in KVFUSE_GLUON_SKIP
+FORMATS = (_formats.INDEX_FP8_FP32, _formats.INDEX_MXFP8, _formats.INDEX_MXFP4, _formats.INDEX_NVFP4,)   # the preset cache formats it writes (its GPU tests' formats)
+
+
 def enabled() -> bool:
     """On with Triton 3.6 on CUDA (``available()``; proven byte-equal on the H200, see
     docs/performance.md), unless KVFUSE_GLUON=0 (every Gluon path off) or KVFUSE_GLUON_SKIP (a comma list)
     names "index"."""
-    return allowed_by_env("index") and available()
+    return allowed_by_env(NAME) and available()
 
 
 # one-row calls stay on the plain kernel's EARLY program, mixed against this kernel there (n = 1:

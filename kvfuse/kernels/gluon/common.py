@@ -1,4 +1,4 @@
-"""What the Gluon fast paths (gluon_main_fp8, gluon_main_fp4, gluon_mla_tail, gluon_index) share: the Gluon import,
+"""What the Gluon fast paths (main_latent, main_latent_fp4, flashmla, indexer) share: the Gluon import,
 the host-side checks and switches, and the @gluon.jit helpers their kernels have in common (inline
 PTX shuffles and conversions, bf16 unpacking, offsets, index loads, slot addressing, UE8M0 scales).
 
@@ -10,9 +10,9 @@ import os
 
 import torch
 
-from ..backend import env_flag
-from .codes import NO_FLOOR
-from .launcher import PlanTensor
+from ...backend import env_flag
+from ..codes import NO_FLOOR, SF_UE8M0, SF_UE8M0_FP32
+from ..launcher import PlanTensor
 
 try:
     import triton
@@ -39,9 +39,16 @@ def available() -> bool:
     return (major, minor) == (3, 6)
 
 
+FAST_PATH_NAMES = ("main_latent", "main_latent_fp4", "flashmla", "indexer")   # each module's NAME
+
+
 def allowed_by_env(path: str) -> bool:
-    """False when KVFUSE_GLUON=0 (every Gluon path off) or KVFUSE_GLUON_SKIP (a comma list) names ``path``."""
-    skip = {t.strip() for t in os.environ.get("KVFUSE_GLUON_SKIP", "").split(",")}
+    """False when KVFUSE_GLUON=0 (every Gluon path off) or KVFUSE_GLUON_SKIP (a comma list of
+    FAST_PATH_NAMES) names ``path``; ValueError for a name that is not a fast path's."""
+    skip = {t.strip() for t in os.environ.get("KVFUSE_GLUON_SKIP", "").split(",")} - {""}
+    unknown = sorted(skip - set(FAST_PATH_NAMES))
+    if unknown:
+        raise ValueError(f"KVFUSE_GLUON_SKIP: expected names from {FAST_PATH_NAMES}, got {', '.join(unknown)}")
     return path not in skip and env_flag("KVFUSE_GLUON", True)
 
 
@@ -147,7 +154,7 @@ def occupancy_grid(kernel, known: dict, x, tiles: int, args: tuple, tensors: dic
 
 
 # ``e2m1_nibble`` restated with torch integer / fp32 ops, step for step (the proof that it gives
-# kvfuse.reference.encode_e2m1's codes runs on this: tests/test_gluon_main_fp4_dispatch.py on samples,
+# kvfuse.reference.encode_e2m1's codes runs on this: tests/test_gluon_main_latent_fp4.py on samples,
 # tests/gpu/test_gpu_fast_paths.py over every fp32 input).
 def e2m1_nibble_mirror(t: torch.Tensor) -> torch.Tensor:
     """``e2m1_nibble`` on the host: fp32 t -> int32 codes 0..15."""
@@ -296,3 +303,37 @@ if gluon is not None:
         # bits 0..2 of code, bits 3.. of sign: one lop3 (0xE4: a & c | b & ~c)
         return gl.inline_asm_elementwise("lop3.b32 $0, $1, $2, 7, 0xE4;", "=r,r,r", [code, sign], dtype=gl.int32,
                                          is_pure=True, pack=1)
+
+    @gluon.jit
+    def e4m3_scale(s):
+        """fp32 s in [2^-9, 448] -> (e4m3 code of s as int32 (cvt.rn.satfinite), its value as fp32 (exact:
+        e4m3 -> f16 -> f32 widen without rounding))."""
+        code = gl.inline_asm_elementwise(
+            "{ .reg .b16 c; .reg .f32 z; mov.f32 z, 0f00000000; cvt.rn.satfinite.e4m3x2.f32 c, z, $1; "
+            "cvt.u32.u16 $0, c; }", "=r,r", [s], dtype=gl.int32, is_pure=True, pack=1)
+        value = gl.inline_asm_elementwise(
+            "{ .reg .b16 c, lo, hi; .reg .b32 h; cvt.u16.u32 c, $1; cvt.rn.f16x2.e4m3x2 h, c; mov.b32 {lo, hi}, h; "
+            "cvt.f32.f16 $0, lo; }", "=r,r", [code], dtype=gl.float32, is_pure=True, pack=1)
+        return code, value
+
+    @gluon.jit
+    def b64(lo, hi):
+        """Two int32 words -> one int64 (lo in the low half)."""
+        return gl.inline_asm_elementwise("mov.b64 $0, {$1, $2};", "=l,r,r", [lo, hi], dtype=gl.int64,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def group_scale(amax, SF: gl.constexpr, FMAX: gl.constexpr):
+        """numerics.group_scales for SF_UE8M0, SF_UE8M0_FP32 and SF_E4M3: (multiplier m, the stored scale
+        byte, or the fp32 bits of 2^e, as int32)."""
+        if SF == SF_UE8M0:
+            e, m = ue8m0_scale(amax, FMAX)
+            stored = e + 127
+        elif SF == SF_UE8M0_FP32:
+            e, m = ue8m0_scale(amax, FMAX)
+            stored = (e + 127) << 23                                    # 2^e as fp32 bits (amax >= 1e-4: normal)
+        else:
+            s = gl.minimum(gl.maximum(gl.div_rn(amax, gl.full_like(amax, FMAX)), 0.001953125), 448.0)
+            stored, d = e4m3_scale(s)
+            m = gl.div_rn(gl.full_like(d, 1.0), d)
+        return m, stored

@@ -1,4 +1,4 @@
-"""kvfuse/kernels/gluon_index.py on the CPU: which calls the Gluon INDEXER fast path takes
+"""kvfuse/kernels/gluon/indexer.py on the CPU: which calls the Gluon INDEXER fast path takes
 (``eligible`` for each format's chain and not for its neighbours, the cache pointer's alignment,
 the per-call word alignment of x and the weight, force_config), its launch table and argument table
 (the kernel's parameter order: every non-constexpr first), that the module imports and stays off
@@ -16,7 +16,7 @@ import kvfuse
 from kvfuse import CastArgs, KVCacheFormat
 from kvfuse import reference as ref
 from kvfuse.kernels import fused as fused_kernels
-from kvfuse.kernels import gluon_index as GI
+from kvfuse.kernels.gluon import indexer as GI
 from kvfuse.kernels.launcher import tensor_arg
 from helpers import cache_at
 from kernel_cases import Case, plan_of, recast

@@ -39,9 +39,9 @@ enable_fp_fusion=False: no FMA), div_rn/sqrt_rn, native bf16 rounding (cvt.rn), 
 exponent without division (``group_scales`` SF_UE8M0), the unguarded native e4m3 encode
 (cvt.rn.satfinite.e4m3x2.f32; NATIVE_UNGUARDED in fused.py) and NaN-ignoring max (max.f32) for amax.
 
-The kernel also writes gluon_main_fp4's MAIN_FP4 records (FP4=True): the same loads, norm, RoPE and
+The kernel also writes main_latent_fp4's MAIN_FP4 records (FP4=True): the same loads, norm, RoPE and
 persistent loop, MAIN_FP4's cast and store (``_quantize_store_fp4``, kept here so that the kernel needs
-no import of gluon_main_fp4, which imports this module).
+no import of main_latent_fp4, which imports this module).
 
 The module imports without a GPU and under any Triton; ``available()`` says whether this path
 can run (Triton 3.6's Gluon API and a CUDA device).
@@ -52,9 +52,10 @@ import dataclasses
 
 import torch
 
-from . import gluon_common
-from .codes import SF_E4M3
-from .gluon_common import (INT32_LIMIT, allowed_by_env, available, compile_options, gl, gluon, log2_block,
+from ... import formats as _formats
+from . import common as gluon_common
+from ..codes import SF_E4M3
+from .common import (INT32_LIMIT, allowed_by_env, available, compile_options, gl, gluon, log2_block,
                            occupancy_grid, table_entry)
 
 HEAD_DIM = 512
@@ -63,9 +64,9 @@ ROTARY_DIM = 64
 
 
 if gluon is not None:
-    from .gluon_common import (as_offset, bf16x2, block_and_token, e2m1_nibble, e4m3x4, expand_rows, hi_f32, lane_tree,
+    from .common import (as_offset, bf16x2, block_and_token, e2m1_nibble, e4m3x4, expand_rows, hi_f32, lane_tree,
                                lo_f32, load_indices, shfl_xor, slot_block, ue8m0_scale, pdl_wait)
-    from .gluon_index import _b64, _scales
+    from .common import b64, group_scale
 
     @gluon.jit
     def _prmt(a, b, sel):
@@ -124,7 +125,7 @@ if gluon is not None:
                   R: gl.constexpr, LLANE: gl.constexpr, LPLANE: gl.constexpr, LW: gl.constexpr, NEOX: gl.constexpr):
         """RMSNorm -> RoPE of one tile of R rows whose loads are done: y as bf16 pairs [R, 8, 4, 8] in LW
         (lane l: columns 16 l .. 16 l + 15), the rotated tail in place where pok (the position is in
-        [0, P) and the row < n_rows). Shared with gluon_main_fp4 (the same transform, another cast).
+        [0, P) and the row < n_rows). Shared with main_latent_fp4 (the same transform, another cast).
         NEOX: lane j's pair is (448 + j, 480 + j); else (GPT-J) (448 + 2 j, 449 + 2 j), whose rotated
         word is tail word j as it stands."""
         # ---- RMSNorm: p_2i + p_2i+1 inside each word, the tree over the lane's 8 words, 5 shuffles
@@ -193,7 +194,7 @@ if gluon is not None:
         gl.store(cache_ptr.to(gl.pointer_type(gl.int32)) + rec_q + qword, codes, mask=ok_q)
         gl.store(cache_ptr + rec3 + 512 + (lane >> 1), (e + 127).to(gl.uint8), mask=ok3 & ((lane & 1) == 0))
 
-    # ---- MAIN_FP4 records (the FP4 branch; gluon_main_fp4 holds their host side)
+    # ---- MAIN_FP4 records (the FP4 branch; main_latent_fp4 holds their host side)
     @gluon.jit
     def _fp4_codes(y_lo, y_hi, m, R: gl.constexpr, LLANE: gl.constexpr):
         """A lane's 16 values (words [R, 8, 4, 8]: y_lo columns 2k, y_hi columns 2k + 1) times its
@@ -207,7 +208,7 @@ if gluon is not None:
         h_even, h_odd = gl.split(gl.reshape(h, [R, 8, 4, 2, 2]))
         w = h_even + (h_odd << 16)                                                  # words 0, 1
         w0, w1 = gl.split(w)
-        return _b64(gl.convert_layout(w0, LLANE, assert_trivial=True),
+        return b64(gl.convert_layout(w0, LLANE, assert_trivial=True),
                     gl.convert_layout(w1, LLANE, assert_trivial=True))
 
     @gluon.jit
@@ -219,7 +220,7 @@ if gluon is not None:
         y_lo = lo_f32(yw)
         y_hi = hi_f32(yw)
         amax = gl.maximum(gl.max(gl.maximum(gl.abs(y_lo), gl.abs(y_hi)), axis=3), 1e-4)   # NaN-ignoring, like tl.max
-        m, stored = _scales(amax, SF_E4M3, 6.0)
+        m, stored = group_scale(amax, SF_E4M3, 6.0)
         codes = _fp4_codes(y_lo, y_hi, m, R, LLANE)                                    # [R, 8, 4] int64
 
         # ---- the records; an invalid slot (or a row past n_rows) writes nothing
@@ -237,7 +238,7 @@ if gluon is not None:
                     LW: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, OFFSETS32: gl.constexpr,
                     FP4: gl.constexpr, NEOX: gl.constexpr, CAST_ONLY: gl.constexpr):
         """RMSNorm -> RoPE -> the cast -> the records of one tile of R rows whose loads are done: MAIN_FP8's
-        (UE8M0/e4m3), or with FP4 MAIN_FP4's (gluon_main_fp4: NVFP4). CAST_ONLY: the cast of x itself."""
+        (UE8M0/e4m3), or with FP4 MAIN_FP4's (main_latent_fp4: NVFP4). CAST_ONLY: the cast of x itself."""
         rmask = rows < n_rows
         if CAST_ONLY:
             yw = xw
@@ -269,7 +270,7 @@ if gluon is not None:
         power of two, else -1 (a division). PIPELINE: load tile t + 1 (x, indices; its cos/sin after
         tile t's stores) while tile t computes, instead of loading each tile at its start.
         OFFSETS32: every x, index, cos/sin and cache offset of the launch is below 2**31 (host).
-        FP4: write MAIN_FP4 records instead (gluon_main_fp4 launches this kernel so). NEOX: the RoPE
+        FP4: write MAIN_FP4 records instead (main_latent_fp4 launches this kernel so). NEOX: the RoPE
         pairs (448 + j, 480 + j), else GPT-J's (448 + 2 j, 449 + 2 j). CAST_ONLY: no norm and no RoPE (the
         cast of x: kvfuse.mla.store_gathered, the CP second pass); w_ptr, pos_ptr and cs_ptr are stand-ins
         (x), never read."""
@@ -359,7 +360,7 @@ if gluon is not None:
 
 
 # --------------------------------------------------------------------------- host side
-# (shared with gluon_main_fp4, which launches this kernel with FP4=True: ``MainRecords`` says which)
+# (shared with main_latent_fp4, which launches this kernel with FP4=True: ``MainRecords`` says which)
 _resident = {}               # launch key -> CTAs of that compiled variant resident on one SM
 
 
@@ -531,10 +532,14 @@ def checked_write_parts(rec: MainRecords, entry: str, launch_parts, x, weight, e
 
 
 # --------------------------------------------------------------------------- kvfuse's dispatch
+NAME = "main_latent"   # in KVFUSE_GLUON_SKIP
+FORMATS = (_formats.MAIN_FP8,)   # the preset cache formats it writes (its GPU tests' formats)
+
+
 def enabled() -> bool:
     """The fused entry point uses this kernel for the calls it fits (``eligible``) unless
-    KVFUSE_GLUON=0, KVFUSE_GLUON_SKIP (a comma list) names "main_fp8", or ``available()`` is false."""
-    return allowed_by_env("main_fp8") and available()
+    KVFUSE_GLUON=0, KVFUSE_GLUON_SKIP (a comma list) names "main_latent", or ``available()`` is false."""
+    return allowed_by_env(NAME) and available()
 
 
 MIN_ROWS = 1   # faster than the plain kernel at every measured size, n = 1 included
@@ -569,7 +574,7 @@ def plan_launch(plan, tensor, table=None) -> tuple:
     return "main_fp8_kernel", grid, args, kwargs, globals()
 
 
-def gluon_main_fp8_write(x, weight, eps, positions, cos_sin, slot_mapping, kv_cache, *, num_warps: int = 1,
+def main_latent_write(x, weight, eps, positions, cos_sin, slot_mapping, kv_cache, *, num_warps: int = 1,
                          rows_per_warp: int = 1, pipeline: bool = False, ctas_per_sm: int = None,
                          is_neox: bool = True) -> None:
     """Write MAIN_FP8 records for the rows of x: the same bytes as
@@ -584,7 +589,7 @@ def gluon_main_fp8_write(x, weight, eps, positions, cos_sin, slot_mapping, kv_ca
     tiles (pipeline: load the next tile while computing this one). No host synchronization: CUDA
     graphs can capture it once it has been compiled (call it once before capturing).
     Raises ValueError outside this kernel's assumptions (see ``supports``)."""
-    parts = checked_write_parts(RECORDS, "gluon_main_fp8_write", _launch_parts, x, weight, eps, positions, cos_sin,
+    parts = checked_write_parts(RECORDS, "main_latent_write", _launch_parts, x, weight, eps, positions, cos_sin,
                                 slot_mapping, kv_cache, num_warps, rows_per_warp, pipeline, ctas_per_sm, is_neox)
     if parts is not None:
         grid, args, kwargs = parts

@@ -1,4 +1,4 @@
-"""kvfuse/kernels/gluon_main_fp4.py on the CPU: which calls the Gluon MAIN_FP4 fast path takes
+"""kvfuse/kernels/gluon/main_latent_fp4.py on the CPU: which calls the Gluon MAIN_FP4 fast path takes
 (``eligible`` for the MAIN_FP4 chain and not for its neighbours, user formats with MAIN_FP4's
 records, the cache pointer's alignment, the record addressing, the per-call word alignment of x and
 the weight, force_config), its launch table and argument table (with a stand-in occupancy: no
@@ -17,7 +17,7 @@ import kvfuse
 from kvfuse import KVCacheFormat
 from kvfuse import reference as ref
 from kvfuse.kernels import fused as fused_kernels
-from kvfuse.kernels import gluon_main_fp4 as G
+from kvfuse.kernels.gluon import main_latent_fp4 as G
 from kvfuse.kernels.launcher import PlanTensor, tensor_arg
 from helpers import cache_at
 from kernel_cases import Case, plan_of, recast
@@ -163,7 +163,7 @@ def test_registered_with_the_fast_paths():
 
 def test_interface():
     for name in ("enabled", "available", "eligible", "plan_launch", "word_aligned", "call_guard", "launch_table",
-                 "supports", "gluon_main_fp4_write"):
+                 "supports", "main_latent_fp4_write"):
         assert callable(getattr(G, name)), name
     assert isinstance(G.MIN_ROWS, int) and G.MIN_ROWS >= 1
     check, fields = G.call_guard(plan_of(main_case()))
@@ -189,7 +189,7 @@ def test_direct_entry_checks_its_inputs():
     assert "positions" in G.supports(x, w, pos[:2], cs, slots, cache)
     if not G.available():
         with pytest.raises(RuntimeError):
-            G.gluon_main_fp4_write(x, w, 1e-6, pos, cs, slots, cache)
+            G.main_latent_fp4_write(x, w, 1e-6, pos, cs, slots, cache)
 
 
 # ---------------------------------------------------------------------------------- encoder

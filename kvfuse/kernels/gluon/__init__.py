@@ -1,0 +1,35 @@
+"""The Gluon fast paths: kernels written in Gluon (Triton 3.6 on CUDA) for the calls the portable
+kernel serves below the DRAM roofline, each byte-equal to it (SPEC §8). One module per cache it
+serves:
+
+| module | serves |
+|---|---|
+| ``main_latent`` | the main latent cache: MAIN_FP8 records (norm + RoPE + cast), and the cast alone of MAIN_FP8 / MAIN_FP4 |
+| ``main_latent_fp4`` | MAIN_FP4 records with norm + RoPE (the ``main_latent`` kernel with its FP4 record) |
+| ``flashmla`` | FlashMLA's FLASHMLA_V32 and FLASHMLA_MODEL1 records (e4m3 columns + the bf16 RoPE tail) |
+| ``indexer`` | the lightning indexer: its 128-d K cache (four formats, the models' chains) and its Q's (q, sf) |
+
+``common`` holds what they share (shuffles, packing, slot addressing, scales, launch grids).
+
+The protocol, one function or constant per module:
+
+- ``NAME``: the module's name in ``KVFUSE_GLUON_SKIP`` (a comma list of fast paths to leave off;
+  ``KVFUSE_GLUON=0`` turns them all off);
+- ``enabled() -> bool``: on (Gluon available, not switched off);
+- ``MIN_ROWS``: calls with fewer rows (tokens x heads) stay on the portable kernel;
+- ``eligible(plan) -> bool``: the plan is one this kernel writes;
+- ``call_guard(plan) -> (check, fields)``: a per-call check on the call's tensors of those plan fields
+  (x and the weight read as 4-byte words, say); a call that fails it takes the portable kernel;
+- ``plan_launch(plan, tensor, table=None) -> (kernel name, grid, args, keyword args, namespace)``:
+  the launch (``table``: n_rows -> (num_warps, rows, pipeline) in place of the module's
+  ``launch_table``; see ``kvfuse.kernels.fused.fast_paths``).
+
+``FAST_PATH_MODULES`` is the order in which ``kvfuse.kernels.fused.fast_path`` asks them: the first
+eligible one takes a plan. A new fast path is a module here, its entry in that tuple and its GPU
+cases (``tests/gpu_matrix.py`` reads each module's ``launch_table``; ``tests/gpu/test_gpu_fast_paths.py``
+its formats).
+"""
+from . import common, flashmla, indexer, main_latent, main_latent_fp4
+
+FAST_PATH_MODULES = (main_latent, main_latent_fp4, flashmla, indexer)
+assert tuple(m.NAME for m in FAST_PATH_MODULES) == common.FAST_PATH_NAMES
