@@ -3,7 +3,6 @@ runs a model configuration's call sites, see kvfuse.models) and ``kvfuse bench``
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import textwrap
 
@@ -16,20 +15,6 @@ COMMANDS = {
     "bench": "Times the fused KV write against the eager reference, torch.compile and kvfuse stage by stage "
              "(needs a CUDA device; elsewhere it says so and exits 0).",
 }
-EXTRA_HINT = "pip install 'kvfuse[demo]'"
-
-
-def missing_modules(*names: str) -> list:
-    """The modules of ``names`` that cannot be imported (optional extras that are not installed)."""
-    out = []
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            out.append(name)
-    return out
-
-
 def build_parser() -> argparse.ArgumentParser:
     width = max(map(len, COMMANDS))
     listing = "\n".join(textwrap.fill(text, 100, initial_indent=f"  {name:<{width}}  ",

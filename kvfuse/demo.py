@@ -50,6 +50,7 @@ or the data is all zeros (the errors are then NaN, never "lossless").
 from __future__ import annotations
 
 import argparse
+import importlib
 import csv
 import math
 import os
@@ -65,7 +66,20 @@ from kvfuse import mla
 from kvfuse import models as M
 from kvfuse import reference as R
 from kvfuse.args import CastArgs, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
-from kvfuse.cli import EXTRA_HINT, missing_modules
+
+EXTRA_HINT = "pip install 'kvfuse[demo]'"
+
+
+def missing_modules(*names: str) -> list:
+    """The modules of ``names`` that cannot be imported (optional extras that are not installed)."""
+    out = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            out.append(name)
+    return out
+
 
 ROPE_DIM = 64
 MAIN_KEYS = ("kv", "k", "latent", "kv_c", "key")

@@ -1,0 +1,99 @@
+"""The paged caches of the reference backend: record addresses of a format, store and load of records
+(SPEC §4), and the NHD / HND element caches of the GQA entry point (SPEC §11)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..formats import KVCacheFormat
+from ..plan import q_dtype, sf_dtype
+from .stages import canonical_nan, dequantize
+
+
+def _storage_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of the cache's whole storage (addresses are storage offsets)."""
+    return kv_cache.as_strided((kv_cache.untyped_storage().nbytes(),), (1,), 0)
+
+
+def record_addresses(kv_cache: torch.Tensor, fmt: KVCacheFormat, slot_mapping: torch.Tensor):
+    """-> (valid [n] bool, data_base [n, H], sf_base [n, H], tail_base [n, H]) storage byte offsets."""
+    nb, bs, nh, _ = kv_cache.shape
+    a = fmt.addressing_for(kv_cache)
+    slots = slot_mapping.long()
+    valid = (slots >= 0) & (slots < nb * bs)
+    s = torch.where(valid, slots, torch.zeros_like(slots))
+    blk, off = s // bs, s % bs
+    head = torch.arange(nh, device=kv_cache.device) * a.head_stride
+    base = kv_cache.storage_offset() + blk * kv_cache.stride(0)
+    data = (base + off * a.data_token_stride)[:, None] + head
+    sf = (base + off * a.sf_token_stride)[:, None] + head
+    return valid, data + a.data_offset, sf + a.sf_offset, data + a.tail_offset
+
+
+def store(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, fmt: KVCacheFormat, data: torch.Tensor,
+          sf: Optional[torch.Tensor] = None, tail: Optional[torch.Tensor] = None) -> None:
+    """Write records: data [n, H, quant_bytes] (bf16 cache: bf16 [n, H, D]), sf [n, H, num_scales]
+    (sf dtype of the format), tail bf16 [n, H, bf16_tail]. Invalid slots write nothing; only the
+    record's data, exact scale and tail bytes are touched."""
+    flat = _storage_bytes(kv_cache)
+    valid, dbase, sbase, tbase = record_addresses(kv_cache, fmt, slot_mapping)
+    parts = [(dbase, data.contiguous().view(torch.uint8))]
+    if fmt.quantized:
+        parts.append((sbase, sf.contiguous().view(torch.uint8)))
+    if fmt.bf16_tail:
+        parts.append((tbase, tail.contiguous().view(torch.uint8)))
+    for base, payload in parts:
+        idx = base[valid][..., None] + torch.arange(payload.shape[-1], device=base.device)
+        flat[idx] = payload[valid]
+
+
+def load(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, fmt: KVCacheFormat, dequantize_: bool = True):
+    """Gather the records of the given slots. dequantize_: bf16 [n, H, head_dim] (zeros for invalid
+    slots); else the raw bytes (data [n, H, data_bytes] = quantized then tail, sf [n, H, sf_bytes]),
+    zeros for invalid slots."""
+    flat = _storage_bytes(kv_cache)
+    valid, dbase, sbase, tbase = record_addresses(kv_cache, fmt, slot_mapping)
+    vmask = valid[:, None, None]
+
+    def gather(base, count):
+        idx = base[..., None] + torch.arange(count, device=base.device)
+        return torch.where(vmask, flat[torch.where(vmask, idx, torch.zeros_like(idx))], 0).to(torch.uint8)
+
+    qb = gather(dbase, fmt.quant_bytes)
+    tb = gather(tbase, 2 * fmt.bf16_tail)
+    sb = gather(sbase, fmt.sf_bytes)
+    if not dequantize_:
+        return torch.cat([qb, tb], dim=-1), sb
+    if not fmt.quantized:
+        return qb.view(torch.bfloat16)
+    sf = sb[..., : fmt.sf_exact_bytes].contiguous().view(sf_dtype(fmt.sf_format))
+    q = qb.view(q_dtype(fmt.cast_fmt)) if fmt.cast_fmt == "e4m3" else qb
+    # NaN codes decode as NaN (SPEC §4): ue8m0 scale 0xFF, e4m3 0x7F / 0xFF (values and scales), fp32
+    # NaN scales; each NaN is written as the canonical bf16 NaN. The raw bf16 tail keeps its bits.
+    y = canonical_nan(dequantize(q, sf, fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format, ue8m0_nan=True))
+    if fmt.bf16_tail:
+        y = torch.cat([y, tb.view(torch.bfloat16)], dim=-1)
+    return y
+
+
+GQA_LAYOUTS = ("NHD", "HND")
+
+
+def store_paged(cache: torch.Tensor, slot_mapping: torch.Tensor, data: torch.Tensor, layout: str) -> None:
+    """Scatter rows into a paged cache of vLLM's layout ``"NHD"`` [num_blocks, block_size, H, D] or
+    FlashInfer's ``"HND"`` [num_blocks, H, block_size, D] (any strides): ``data`` [n, H, D] holds
+    the elements' bytes (int16 bf16 bits or uint8 e4m3 codes, the element size of the cache). Slot s
+    writes (s // block_size, s % block_size); a slot outside [0, num_blocks * block_size) writes
+    nothing."""
+    nb = cache.shape[0]
+    bs = cache.shape[1] if layout == "NHD" else cache.shape[2]
+    slots = slot_mapping.long()
+    valid = (slots >= 0) & (slots < nb * bs)
+    s = slots[valid]
+    blk, off = s // bs, s % bs
+    elems = cache.view(data.dtype)                         # same element size: bytes, not values
+    if layout == "NHD":
+        elems[blk, off] = data[valid]
+    else:
+        elems[blk, :, off] = data[valid]                   # advanced indices around a slice: [m, H, D]
