@@ -18,57 +18,7 @@ what was read in that code and what is inferred.
 | deepseek-v4-fp4 | as V4 | MAIN_FP4 | as V4 | as V4 | as V4 | yes | INDEX_MXFP4 (also compressed KV) |
 | deepseek-v4-flashmla | as V4 | FLASHMLA_MODEL1 | as V4 | as V4 | as V4 | yes | INDEX_FP8_FP32 (also compressed KV) |
 
-Sources read (stored public snapshots) and what they show:
-
-* DeepSeek-V3 ``inference/model.py`` (``MLA.forward``, ``apply_rotary_emb``, ``RMSNorm``) and
-  ``inference/configs/config_671B.json`` / ``config_v3.1.json``: q head = [q_nope 128 | q_pe 64]
-  (``torch.split(q, [qk_nope_head_dim, qk_rope_head_dim])``), the latent [kv 512 | k_pe 64] with
-  ``kv_norm = RMSNorm(kv_lora_rank)`` (eps 1e-6) on the latent only, and RoPE by
-  ``torch.view_as_complex(x.view(..., -1, 2))``: adjacent pairs (2j, 2j+1), i.e. GPT-J /
-  ``is_neox=False``. n_heads 128. vLLM ``vllm/model_executor/models/deepseek_v2.py``
-  (``DeepseekV2MLAAttention.__init__``): ``get_rope(qk_rope_head_dim, ..., is_neox_style=False)``,
-  ``kv_a_layernorm = RMSNorm(kv_lora_rank)``.
-* DeepSeek-V3.2-Exp ``inference/model.py`` (``Indexer.__init__`` / ``Indexer.forward``,
-  ``LayerNorm``, ``rotate_activation``) and ``inference/kernel.py`` (``act_quant``):
-  ``k_norm = LayerNorm(head_dim)`` (weight and bias, eps 1e-6); q and k split as
-  [rope 64 | nope 64] (RoPE on the FIRST 64 dims); ``rotate_activation`` = Hadamard with scale
-  hidden_size**-0.5 = 128**-0.5 on q and k; ``act_quant(x, 128, scale_fmt)``: e4m3, one fp32
-  scale per 128, amax floored at 1e-4; index_n_heads 64, index_head_dim 128.
-  RoPE pairing of the indexer: the release snapshot (Sept./Oct. 2025) calls
-  ``apply_rotary_emb(q_pe, freqs_cis)`` (interleaved); a later revision (commit 87e509a, as
-  cited and copied by MaxText's ``check_deepseek32_vs_reference`` test) gives
-  ``apply_rotary_emb`` an ``interleaved`` flag and calls it with ``False`` in the indexer
-  ("rope in indexer is not interleaved": pairs (j, j + 32), NEOX). vLLM's
-  ``DeepseekV2MLAAttention.__init__`` builds ``indexer_rope_emb = get_rope(...,
-  is_neox_style=not getattr(config, "indexer_rope_interleave", False))``: NEOX unless the model
-  config says interleave. kvfuse follows the corrected reference and vLLM: NEOX.
-  The scale: ``config_671B_v3.2.json`` sets ``"scale_fmt": "ue8m0"``, with which ``act_quant``
-  rounds each scale up to a power of two (``fast_round_scale``), and vLLM's ``Indexer`` uses
-  ``scale_fmt = "ue8m0"``: that is kvfuse's sf_format "ue8m0_fp32" (``deepseek-v3.2-ue8m0``,
-  format :data:`INDEX_FP8_UE8M0_FP32`). ``act_quant`` with ``scale_fmt=None`` (its default) and
-  SGLang's DSV4 fp8 indexer kernels keep the scale amax / 448 unrounded: INDEX_FP8_FP32
-  (``deepseek-v3.2``, the SPEC's choice). Both store one fp32 per 128 values (132 bytes/token).
-* SGLang ``python/sglang/jit_kernel/csrc/deepseek_v4/main_norm_rope.cuh``
-  (``FusedKNormRopeFlashMLAKernel``, ``FusedQNormRopeKernel``,
-  ``fused_q_indexer_rope_hadamard_quant``) and ``fused_norm_rope_v2.cuh``
-  (``fused_norm_rope_indexer``, ``fused_norm_rope_indexer_fp4``, ``fused_norm_rope_flashmla``):
-  V4 main K = RMSNorm with weight over 512, RoPE on the last 64 with adjacent (real, imag) pairs
-  (GPT-J), FlashMLA MODEL1 record (448 e4m3 with a UE8M0 scale per 64 + 64 bf16); V4 Q =
-  "rmsnorm-self" (no weight) over the head, then the same RoPE on its tail; V4 indexer K/Q:
-  RMSNorm (K) -> RoPE on the trailing 64 dims, adjacent pairs -> 128-point Hadamard scaled by
-  128**-0.5 -> e4m3 with one unrounded fp32 scale per 128 (INDEX_FP8_FP32, 132 bytes/token) or
-  e2m1 with a UE8M0 scale per 32 (INDEX_MXFP4, 68 bytes/token).
-* The DeepInfer article (the project's seed; ``attn.py``, ``compress.py``, ``index_attn.py`` call
-  sites): Q 64 heads x 512, main caches MAIN_FP8 (e4m3, UE8M0 per 32) and MAIN_FP4 (e2m1, e4m3 per
-  16), MXFP8 index KV (INDEX_MXFP8).
-
-Inferred, not read: V4's head counts (64 Q heads from the article; 64 indexer heads as in
-V3.2); ``index_hadamard=True`` for V4 follows SGLang's kernels (the article's DeepInfer call sites
-pass no Hadamard; both sides share it, so logits are unchanged up to quantization); the SGLang
-kernel file's V3.2 indexer-Q path (``kRopeFirst``) pairs adjacent elements, which kvfuse does not
-follow (it may rely on permuted weights; not checked); V3 / V3.1 use FLASHMLA_V32 as the main
-format as SPEC §10 asks (the FP8 sparse record V3.2's FlashMLA decode reads; dense V3
-deployments also run a bf16 576-d cache).
+The sources read for each configuration, and what is inferred rather than read: docs/models.md.
 """
 from __future__ import annotations
 

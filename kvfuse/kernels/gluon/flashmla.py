@@ -19,54 +19,16 @@ leave as 32-bit words, or as 16-byte vectors where Triton's 16-divisibility spec
 pointer and the strides proves it (V32 and MODEL1 records are 16-byte aligned in a 16-byte aligned
 cache: the launcher keys its direct path and kvfuse its plan cache by ``data_ptr() % 16``).
 
-Layout (one kernel; the format is a constexpr: QUANT_DIM 512 / 448, GROUP 128 / 64, SF_FP32):
-- a row (one token) is held by ONE warp. Columns 0..511 as int32 words [R, 32, 8]
-  (BlockedLayout size_per_thread [RPW, 1, 8], threads_per_warp [1, 32, 1], warps [num_warps, 1, 1]):
-  lane l owns columns 16 l .. 16 l + 15 (two 16-byte loads). The 64 tail columns once more as one
-  word per lane, [R, 32]: lane l owns tail columns 2 l, 2 l + 1 (a coalesced 128-byte load). For
-  MODEL1 the tail lies inside columns 0..511 (lanes 28..31 of the word tile, which then serve only
-  the norm): its words are read again (an L1 hit) and normalized again (same arithmetic, same bits).
-- RMSNorm's adjacent-pairs tree (SPEC §2): in-word pair, three in-lane levels over the 8 words, then
-  butterfly shuffles xor 1, 2, 4, 8, 16 (inline PTX; Triton's own warp reduction starts at xor 16):
-  with lane l owning columns 16 l .. 16 l + 15 that is the tree over 512 columns. V32 adds the tail's
-  own tree (in-word pair, then the 5 shuffles: lane l owns columns 512 + 2 l, 513 + 2 l) at the
-  root: the tree over 576 columns zero-padded to 1024 is tree(0..511) + tree(512..575) exactly (the
-  padding adds exact zeros), and mean = div_rn(ss, 576.0) (576 is not a power of two); MODEL1:
-  mean = ss * (1 / 512) (exact).
-- quantization: y = bf16((x * rstd) * w) packed two per word (cvt.rn.bf16x2.f32); a group is 8
-  (V32) or 4 (MODEL1) neighbouring lanes: in-lane max of 16, then shuffles xor 1, 2 (, 4); the UE8M0
-  exponent without a division (``group_scales`` SF_UE8M0 / SF_UE8M0_FP32 of numerics.py); codes packed four per word
-  (cvt.rn.satfinite.e4m3x2.f32: the plain kernel's NATIVE_UNGUARDED encode, its codes are only stored), four
-  words per lane; the first lane of each group stores its scale (V32: the fp32 2^e as one 32-bit
-  word; MODEL1: the byte e + 127; lanes 28..31 own no group).
-- RoPE on the tail words, no shared memory: lane l < 16 holds (y_i0 of j = 2 l, 2 l + 1), lane
-  l + 16 the matching y_i1; one xor-16 shuffle brings the partner word. Each lane computes
-  bf16((own * c) + (partner * s')) with s' = -s on the first half (SPEC: a*c - b*s = (a*c) + (b*(-s))
-  exactly: x - y is x + (-y) in IEEE, and b*(-s) = -(b*s); the sign is flipped as a bit, never by
-  0 - s) and s' = s on the second half ((a*s) + (b*c) with the addition's operands swapped: fp32
-  addition is commutative); rows whose position is outside [0, P) keep the normalized tail.
-  The rotated word is stored as is: tail word l = tail columns 2 l, 2 l + 1.
-- a persistent grid (at most what is resident at once) walks over the row tiles; the weight is
-  loaded once per CTA; PIPELINE=True loads the next tile during this one's arithmetic.
-
-Numerics mirror the plain kernel exactly: fp32 ops rounded one by one (enable_fp_fusion=False: no
-FMA), div_rn / sqrt_rn, native bf16 rounding (cvt.rn), the UE8M0 exponent without division, the
-unguarded native e4m3 encode and NaN-ignoring max (max.f32) for amax.
-
-SASS warp-instructions per row, counted offline for sm_90 with Triton 3.6 (nvdisasm of the cubin;
-int32 indices, bf16 weight, fp32 cos/sin, 16-divisible pointers and strides as kvfuse's benchmark
-launches specialize them; sqrt/div slow-path subroutines excluded):
-  chain    Gluon loop body per row (1 warp / 4 warps / pipelined)   plain kernel per row (its launch table)
-  V32      314 / 321 / 341  (whole program 377)                     824 (BLOCK_M 1 at every n: 576 -> 1024 tile)
-  MODEL1   285 / 291 / 311  (whole program 348)                     490 (BLOCK_M 2, n > 512) / 589 (BLOCK_M 1)
-(the Gluon MAIN_FP8 kernel: ~295). 64-76 registers, no shared memory; PTX free of fma / .approx /
-div.full; codes leave as st.global.v4.b32, the tail and V32's scales as st.global.b32, MODEL1's
-scales as st.global.b8 (st.global.b32 codes where the pointer or a stride is not 16-divisible).
+One warp a row (lane l: columns 16 l .. 16 l + 15 as int32 words, and tail columns 2 l, 2 l + 1),
+the norm's adjacent-pairs tree by in-lane sums then butterfly shuffles, groups of 8 (V32) or 4
+(MODEL1) lanes for the scales, RoPE by one xor-16 shuffle on the tail words, a persistent grid.
+Numerics mirror the plain kernel exactly (fp32 ops rounded one by one, div_rn / sqrt_rn, native
+bf16 rounding, the UE8M0 exponent without division, the unguarded native e4m3 encode). The layout
+and its instruction counts: docs/design.md ("The FlashMLA kernel").
 
 The module imports without a GPU and under any Triton; ``available()`` says whether this path can
 run (Triton 3.6's Gluon API and a CUDA device); ``enabled()``: on there unless KVFUSE_GLUON=0 or
-KVFUSE_GLUON_SKIP names "flashmla". Proven byte-equal on the H200 (14 of 14 whole-storage
-comparisons, 0 memcheck errors; see docs/performance.md).
+KVFUSE_GLUON_SKIP names "flashmla"; proven byte-equal on the H200 by the GPU matrix.
 """
 from __future__ import annotations
 

@@ -9,30 +9,11 @@ int32/int64 [n]; kv_cache uint8 [num_blocks, block_size, 1, 532] in the MAIN_FP8
 = 512 e4m3 codes | 16 UE8M0 scale bytes | 4 reserved bytes never written), token stride a
 multiple of 4 (records are only 4-byte aligned: every cache store is at most 32 bits wide).
 
-Layout (explicit Gluon layouts: what makes it ~295 SASS warp-instructions per row in steady state
-against ~565 for the plain kernel, counted offline for sm_90 with Triton 3.6; benchmarks/tune.py
---kernel fast times it):
-- a row (one token) is held by ONE warp: lane l = 4 * d1 + d2 owns the 16 contiguous columns
-  16 l .. 16 l + 15, loaded as 8 int32 words (two bf16 each; two 16-byte loads). A CTA holds
-  R = ROWS_PER_WARP * num_warps rows as [R, 8, 4, 8] words (BlockedLayout size_per_thread
-  [RPW, 1, 1, 8], threads_per_warp [1, 8, 4, 1], warps_per_cta [num_warps, 1, 1, 1]); a word's
-  two bf16 become fp32 with one shift / one mask each.
-- RMSNorm's adjacent-pairs tree (SPEC §2): level 1 inside each word, levels 2-4 over the lane's 8
-  words (sums of size-2 register axes), then 5 butterfly shuffles xor 1, 2, 4, 8, 16 (inline
-  PTX): with lane l owning columns 16 l .. 16 l + 15 that IS the adjacent-pairs order (fp32
-  addition is commutative, so both lanes of a pair hold the same bits). Never gl.sum over lanes:
-  Triton's warp reduction starts at xor 16.
-- y = bf16((x * rstd) * w) is packed two per word (cvt.rn.bf16x2.f32); the quantization group (32
-  columns) is two neighbouring lanes: in-lane max of 16 + one xor-1 shuffle; the codes are packed
-  four per word (cvt.rn.satfinite.e4m3x2.f32) and stored as four 32-bit words per lane (records
-  are 4-byte aligned); the even lane of a pair stores the group's scale byte.
-- RoPE: the 32 (i0, i1) = (448 + j, 480 + j) pairs one per lane ([R, 8, 4, 2], pair j on lane j);
-  each lane reloads its two x values and recomputes their norm (same arithmetic, same bits),
-  rotates, packs (r0_j, r1_j), and one xor-1 shuffle + prmt forms the tail's bf16 words (even
-  lane: (r0_j, r0_j+1), odd lane: (r1_j-1, r1_j)); 128 bytes of shared memory per row carry them
-  to lanes 28..31 (d1 == 7), which own columns 448..511; there they replace the unrotated words.
-- a persistent grid (at most what is resident at once) walks over the row tiles; the weight is
-  loaded once per CTA. PIPELINE=True loads the next tile during this one's arithmetic.
+One warp a row (lane l: columns 16 l .. 16 l + 15 as int32 words), the norm's adjacent-pairs tree by
+in-lane sums then butterfly shuffles, a 32-column group on two neighbouring lanes, RoPE pairs one per
+lane with 128 bytes of shared memory per row to bring the rotated tail home, a persistent grid;
+~295 SASS warp-instructions per row against ~565 for the portable kernel. The layout in full:
+docs/design.md ("The MAIN kernel").
 
 Numerics mirror the plain kernel exactly: fp32 ops rounded one by one (compile with
 enable_fp_fusion=False: no FMA), div_rn/sqrt_rn, native bf16 rounding (cvt.rn), the UE8M0
