@@ -53,8 +53,9 @@ def _pair_sum(v, AXIS: tl.constexpr, SPLIT: tl.constexpr):
 @triton.jit
 def _tree_sum(v, BLOCK_M: tl.constexpr, NV: tl.constexpr, LOG2_NV: tl.constexpr, VEC: tl.constexpr,
               LOG2_VEC: tl.constexpr, SPLIT: tl.constexpr):
-    """Sum [M, NV, VEC] over each row in the adjacent-pairs order of SPEC §2: every level sums a
-    size-2 axis (one add, commutative), so the order is fixed whatever layout the compiler picks."""
+    """Sum [M, NV, VEC] over each row in the adjacent-pairs order of SPEC §2 (kvfuse.reference.pairwise_sum):
+    every level sums a size-2 axis (one add, commutative), so the order is fixed whatever layout the
+    compiler picks."""
     for lvl in tl.static_range(LOG2_VEC):
         v = _pair_sum(tl.reshape(v, [BLOCK_M, NV, VEC >> (lvl + 1), 2]), 3, SPLIT)
     v = tl.reshape(v, [BLOCK_M, NV])
@@ -72,7 +73,7 @@ def _grid3(A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
 @triton.jit
 def _rotate(a, b, c, s, CONJ: tl.constexpr):
     """SPEC §2 RoPE of the pair (a, b) = (y_i0, y_i1), each product rounded, then the sum (not yet
-    narrowed to bf16)."""
+    narrowed to bf16): kvfuse.reference.rope's arithmetic."""
     if CONJ:
         return (a * c) + (b * s), (b * c) - (a * s)
     return (a * c) - (b * s), (a * s) + (b * c)
@@ -81,8 +82,8 @@ def _rotate(a, b, c, s, CONJ: tl.constexpr):
 @triton.jit
 def _normed(v, mu, rstd, w, b, LAYER: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr):
     """SPEC §2 norm of values v (fp32) given the row's statistics (broadcast to v): RMSNorm
-    bf16((v * rstd) * w); LayerNorm bf16(((v - mu) * rstd) * w (+ b)). Unused arguments of the
-    other kind are ignored (any tensor)."""
+    bf16((v * rstd) * w); LayerNorm bf16(((v - mu) * rstd) * w (+ b)) (kvfuse.reference.rmsnorm /
+    layernorm). Unused arguments of the other kind are ignored (any tensor)."""
     if LAYER:
         v = v - mu
     t = (v * rstd) * w

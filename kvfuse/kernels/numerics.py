@@ -26,7 +26,7 @@ def load_f32(ptr, offs, mask, IS_BF16: tl.constexpr):
 
 @triton.jit
 def round_bf16(v, NATIVE: tl.constexpr):
-    """fp32 -> the nearest-even bf16 value, returned as fp32."""
+    """fp32 -> the nearest-even bf16 value, returned as fp32 (kvfuse.reference.round_to_bf16)."""
     if NATIVE:
         r = v.to(tl.bfloat16).to(tl.float32)
     else:
@@ -44,7 +44,7 @@ def bf16_bits(v):
 
 @triton.jit
 def encode_e4m3(t, NATIVE: tl.constexpr):
-    """fp32 with |t| <= 448 -> e4m3fn code (uint8), RTNE, sign kept (-0 -> 0x80)."""
+    """fp32 with |t| <= 448 -> e4m3fn code (uint8), RTNE, sign kept (-0 -> 0x80) (kvfuse.reference.encode_e4m3)."""
     if NATIVE:
         c = t.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         if NATIVE == NATIVE_GUARDED:
@@ -80,7 +80,7 @@ def decode_e4m3(c):
 
 @triton.jit
 def encode_e2m1(t):
-    """fp32 -> e2m1 code 0..15 (int32), RTNE, saturating at 6, sign in bit 3.
+    """fp32 -> e2m1 code 0..15 (int32), RTNE, saturating at 6, sign in bit 3 (kvfuse.reference.encode_e2m1).
     |t| < 1: 2|t| rounded to an integer (0, 1, 2 = the codes of 0, 0.5, 1) by adding 2^23;
     |t| >= 1: the bit pattern rounded to one mantissa bit (integer RTNE, the carry goes into the
     exponent), then (exponent, bit) - (126, 0) is the code (1.0 -> 2, ..., 6.0 -> 7)."""
@@ -111,7 +111,8 @@ def pow2(e):
 @triton.jit
 def group_scales(amax, FMAX: tl.constexpr, SF: tl.constexpr, NATIVE: tl.constexpr,
                  FLOOR_E: tl.constexpr = NO_FLOOR):
-    """amax (floored) -> (multiplier m, dequant scale d, stored: the scale byte or the fp32 bits, uint32).
+    """amax (floored) -> (multiplier m, dequant scale d, stored: the scale byte or the fp32 bits, uint32):
+    kvfuse.reference.group_scales.
     FMAX 448 (e4m3) or 6 (e2m1); SF one of codes.SF_*. FLOOR_E (SF_UE8M0 / SF_UE8M0_FP32): the
     scale_floor's exponent, e = max(e, FLOOR_E) (SPEC §2); NO_FLOOR: none."""
     if SF == SF_UE8M0 or SF == SF_UE8M0_FP32:
