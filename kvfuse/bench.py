@@ -1,37 +1,20 @@
 """``kvfuse bench``: the fused write path against its peers, on one CUDA device.
 
-What it does (see benchmarks/README.md for how to read the output):
+It measures the device (copy bandwidth, the launch floor), then for every workload (a call site of
+the fused operator, a GQA model's ``fused_qk_norm_rope_store_kv`` call, or a layer's calls as one
+``fused_group``) and size n builds realistic inputs (:func:`token_layout`: decode steps up to 256
+tokens, prefills above; paged or random slots) and times the peers on the same inputs:
+``reference`` (the eager reference chain), ``compile`` (torch.compile of it), ``stages`` (kvfuse's
+kernels one stage per launch), ``calls`` (a group's calls one by one), ``two_launch`` (the engines'
+two launches for GQA models, with kvfuse's kernels) and ``fused``. It prints a table and PASS / MISS
+lines against the targets and writes JSON (+ PNG).
 
-1. measures the device: copy bandwidth (a 2 GiB device-to-device copy, bytes read + written /
-   time) and the launch floor (the GPU time of one tiny Triton kernel, 100 launches captured in
-   one CUDA graph);
-2. for every workload (a call site of the fused operator, or of ``fused_qk_norm_rope_store_kv`` for
-   the GQA models of :data:`kvfuse.models.GQA_MODELS`) and size n, builds realistic inputs
-   on the device (:func:`token_layout`: n <= 256 is a decode step, one token per sequence at
-   spread positions, each in its own cache block; larger n a prefill, whole sequences of
-   1024-4096 tokens at positions 0..len-1, each sequence's tokens in its own consecutive blocks
-   (``--slots paged``, the default) or scattered over the cache (``--slots random``);
-   ``--regime`` forces one) and times four peers on the same inputs:
-   ``reference`` (the eager :mod:`kvfuse.reference` chain, through the public call),
-   ``compile`` (torch.compile of the same reference stages plus a flat-index scatter store),
-   ``stages`` (kvfuse's own kernels one stage per launch, as an unfused engine runs them) and
-   ``fused`` (one public call on the Triton backend); for the GQA workloads also ``two_launch``, the
-   engines' structure for Qwen3 / Llama-style models (a QK-norm + RoPE launch, then the K/V scatter +
-   cast launch) run with kvfuse's kernels (:func:`_gqa_two_launch`);
-3. prints a table, PASS/MISS lines against the performance targets, and writes JSON + PNG.
-
-Byte accounting (:func:`moved_bytes`, applied to each point's inputs by :func:`input_bytes`):
-effective bandwidth = compulsory DRAM bytes of one call / its GPU time, compared with the measured
-copy bandwidth. Compulsory bytes count what must cross DRAM at least once: x, the positions and
-the slot_mapping read once; the cache records (data + exact scales + bf16 tail), the bf16 out or
-(q, sf) written once; the norm weight (and bias) once per call; and one cos/sin row per DISTINCT
-position of the call inside the table (``positions.unique()``, out-of-range positions read none),
-however many tokens share it. A token with an invalid slot costs its slot only. Every peer of a
-point is charged the same bytes (intermediates of the unfused peers are not counted), so GB/s ranks
-peers like GPU time. With --cold-l2 the bytes are the mean over the input sets.
-
-Timing is injectable (``run_suite(..., timer=...)``) so the orchestration, the byte model and the
-report are tested on machines without CUDA. Nothing here needs matplotlib or tqdm at import.
+Effective bandwidth is the compulsory DRAM bytes of one call (:func:`moved_bytes`, applied to the
+point's inputs by :func:`input_bytes`: a cos/sin row once per distinct position, the weight once)
+over its GPU time, against the copy bandwidth; every peer of a point is charged the same bytes.
+benchmarks/README.md says how to read the output. Timing is injectable (``run_suite(...,
+timer=...)``), so the orchestration, the byte model and the report are tested without CUDA;
+nothing here needs matplotlib or tqdm at import.
 """
 from __future__ import annotations
 

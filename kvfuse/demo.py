@@ -1,51 +1,19 @@
 """``kvfuse demo``: a KV-cache format explorer on a realistic MLA batch.
 
-For every preset of :mod:`kvfuse.formats` (and, for the 128-d index formats, with and without the
-orthonormal Hadamard rotation) the batch goes through the call site that format serves, one call of
-:func:`kvfuse.fused_norm_rope_hadamard_cast_store_kvcache` writing into a paged cache (tokens
-scattered over shuffled slots), is read back with :func:`kvfuse.load_paged_kv_cache`, and is scored:
+Every preset of :mod:`kvfuse.formats` (the 128-d index formats with and without the Hadamard) gets
+the batch through the call site it serves, one call of
+:func:`kvfuse.fused_norm_rope_hadamard_cast_store_kvcache` into a paged cache with shuffled slots;
+:func:`kvfuse.load_paged_kv_cache` reads it back, and each row of the table gives bytes/token
+against bf16, the relative error against the cast's bf16 input (``out_stage="transform"`` of the
+same call) and, for index formats, recall@k of the top-k scores with Q quantized as the indexer does.
 
-* bytes/token and compression against a bf16 cache of the same head;
-* relative error ``||dequantized - x||_F / ||x||_F`` against the bf16 input of the cast (obtained
-  in the same call through ``out_stage="transform"``);
-* for the index formats, recall@k of the top-k attention scores ``q . k`` of random queries
-  against bf16: Q is quantized the way the indexer does (``CastArgs.from_cache_format`` of the same
-  format, the same HadamardArgs) and dequantized.
-
-Call sites (as in DeepSeek-style MLA): MAIN_FP8, MAIN_FP4 and FLASHMLA_MODEL1 take the 512-d
-latent through RMSNorm -> NEOX RoPE on the last 64 dims -> the format's cast; FLASHMLA_V32 takes
-the 512-d latent normalized on its own, plus the 64-d k_pe rotated (576 dims, tail kept in bf16);
-the index formats take a 128-d key through RMSNorm -> RoPE (64) -> optional Hadamard -> cast.
-
-``--model NAME`` (a configuration of :mod:`kvfuse.models`: deepseek-v3, deepseek-v3.2, deepseek-v4, ...)
-runs the model's own call sites of :mod:`kvfuse.mla` instead: its main cache (RMSNorm, RoPE in the
-model's style on the record's tail; V3's 576-d record normalized on the latent only), its indexer K
-(V3.2: LayerNorm with a bias, RoPE on the first 64 dims, Hadamard) with Q quantized by
-``quantize_indexer_q`` for the recall, and its compressed KV: one row per call site, labelled
-``site:FORMAT``.
-
-Input: synthetic activations with outlier channels by default (the case Hadamard is for), or
-``--input`` a .pt / .safetensors file holding K activations ``[tokens, dim]`` (or ``[..., dim]``):
-a tensor, or a dict where ``kv`` / ``k`` / ``latent`` (main) and ``index_k`` (indexer) are used if
-present, else the first by name (or the one ``--input-key`` names). A tensor narrower than a
-format's head has its columns repeated; a
-wider one gives its first columns (576 -> 512: the latent without k_pe), or, when the width is a
-multiple of the head, more rows (512 -> 4 x 128).
-
-Outputs: the table on stdout, ``results.csv`` and ``kv_formats.png`` (error vs bytes/token) in
-``--out``. Runs on CUDA when present (the Triton kernel), else on the CPU (the reference chain;
-``TRITON_INTERPRET=1 kvfuse demo --backend triton`` runs the kernel in Triton's interpreter).
-
-``--gqa NAME`` (a GQA / MHA configuration of :mod:`kvfuse.models`: llama-3-8b, qwen3-8b, gemma-3-12b, ...)
-shows the GQA page instead: a synthetic packed QKV batch of that model goes through
-:func:`kvfuse.fused_qk_norm_rope_store_kv` into bf16 and float8_e4m3fn (per-tensor scale) NHD caches, and
-the table gives the K and V cache bytes per token and layer and the relative error of the K and V read
-back against the exact bf16 values, for a calibrated scale (amax / 448 of the batch) and for scale 1.0
-(what an engine uses when no scales were calibrated); written to ``gqa_results.csv``.
-
-With ``--input`` the demo prints which tensor each kind of call site took (``--input-key`` picks
-one), its shape and dtype and how it was reshaped, and warns when the cast to bf16 overflows to inf
-or the data is all zeros (the errors are then NaN, never "lossless").
+``--model NAME`` runs a model's own call sites (:mod:`kvfuse.mla`, :mod:`kvfuse.models`); ``--input``
+takes K activations from a .pt / .safetensors file (which tensor each call site took, and how it
+was reshaped, is printed); ``--gqa NAME`` shows the GQA page (bf16 against fp8 per-tensor caches of
+:func:`kvfuse.fused_qk_norm_rope_store_kv`: bytes per token, read-back error with a calibrated scale
+and with 1.0). Outputs: the table, ``results.csv`` and ``kv_formats.png`` under ``--out``. CUDA when
+present, else the CPU reference chain (``TRITON_INTERPRET=1 kvfuse demo --backend triton`` runs the
+kernel in Triton's interpreter). The README's "Set-up" section describes a run.
 """
 from __future__ import annotations
 

@@ -18,16 +18,10 @@ models (DeepSeek V3 / V3.1, V3.2, V4).
 | :func:`write_layer` | the calls above that are given: Q, main cache, indexer K, indexer Q | | | | | one launch (:func:`kvfuse.fused_group`) |
 | :func:`write_flashmla_v32` | optional (latent only) | tail 64 | - | FLASHMLA_V32 | 576 = 512 e4m3 + 64 bf16 | n x 576 |
 
-Context parallelism. Each rank computes K for its shard of tokens, then every rank writes the
-whole cache. :func:`cp_local_kv` (quantize -> dequantize locally, ``cast_back=True``) +
-``all_gather`` of bf16 + :func:`write_main_cache_gathered` (cast only) gives every rank the same
-cache bytes, whatever the number of ranks, and the same *dequantized values* as quantizing the
-gathered raw K in one pass. The cache *bytes* equal that one-pass write only for formats whose
-quantization is idempotent on its own dequantized output: e4m3 and fp32 scales are; UE8M0 scales
-are not (when a group's amax rounds down to 224 * 2^e (e4m3) or 3 * 2^e (e2m1), the requantized
-group takes scale 2^(e-1) and doubled codes: same values, other bytes). :func:`cp_local_kv_quantized`
-+ all_gather of the (q, sf) bytes + :func:`store_gathered` is the byte-exact recipe for every
-format (and moves fewer bytes: 532 per token for MAIN_FP8 instead of 1024).
+Context parallelism: :func:`cp_local_kv_quantized` + all_gather of the (q, sf) bytes +
+:func:`store_gathered` is the byte-exact recipe for every format; the cast_back recipe
+(:func:`cp_local_kv`, :func:`write_main_cache_gathered`) is byte-exact only for e4m3 / fp32 scales
+(docs/design.md, "Context parallelism").
 """
 from __future__ import annotations
 

@@ -1,33 +1,19 @@
 """kvfuse's entry points as ``torch.library`` custom ops (namespace ``kvfuse``), SPEC §9.
 
-Five ops, each with a fake (meta) implementation and ``mutates_args`` naming what it writes.
-None of them allocates or returns a tensor: every output is preallocated by the caller (the
-Python wrappers below allocate in Python *before* the op), so a compiled graph or a CUDA graph
-holds exactly one opaque call that writes into buffers it was given.
+Five ops, each with a fake (meta) implementation and its writes marked in the schema
+(``Tensor(a!)``): ``fused_norm_rope_hadamard_cast_store`` (a validated :class:`kvfuse.plan.Plan`
+flattened into tensors and scalars), ``store_kv_cache``, ``load_paged_kv_cache``,
+``fused_qk_norm_rope_store_kv`` (a :class:`kvfuse.gqa.GQAPlan`) and ``fused_group`` (the plans of
+:func:`kvfuse.fused_group`: every member's inputs as ``Tensor?[]``, the outputs given as one mutated
+``Tensor(a!)[]``, one string of scalars per member). None allocates or returns a tensor: the Python
+wrappers below allocate before the op, so a compiled graph or a CUDA graph holds one opaque call
+that writes into buffers it was given. The implementations end in :mod:`kvfuse.dispatch` (backend
+choice, ``KVFUSE_CHECKS``, launch), never back through :mod:`kvfuse.api`.
 
-* ``kvfuse::fused_norm_rope_hadamard_cast_store`` -- a validated :class:`kvfuse.plan.Plan`
-  flattened into tensors and scalars: ``x`` [n, H, D], ``weight``, ``positions``, ``cos_sin``,
-  the outputs ``out`` / ``q_out`` / ``sf_out`` / ``kv_cache`` (mutated), ``slot_mapping``, the
-  stage scalars and the fields of the cache's :class:`~kvfuse.formats.KVCacheFormat`. Its
-  implementation rebuilds the Plan and calls :func:`kvfuse.dispatch.run` (the backend choice, the
-  ``KVFUSE_CHECKS`` data checks and the kernel launch all happen there, at run time; never back
-  through :mod:`kvfuse.api`).
-* ``kvfuse::store_kv_cache`` -- mutates ``kv_cache``.
-* ``kvfuse::load_paged_kv_cache`` -- mutates ``out`` (dequantized bf16) or ``data_out`` /
-  ``sf_out`` (raw bytes).
-* ``kvfuse::fused_qk_norm_rope_store_kv`` -- a validated :class:`kvfuse.gqa.GQAPlan` (SPEC §11):
-  mutates ``k_cache``, ``v_cache`` and ``q_out``.
-* ``kvfuse::fused_group`` -- validated plans of :func:`kvfuse.fused_group`, flattened: every
-  member's inputs (``Tensor?[]``), the outputs it was given (``Tensor(a!)[]``, mutated) and one
-  string per member with its scalars; one launch (:func:`kvfuse.dispatch.run_group`).
-
-Wrappers: :func:`execute_op` (a Plan -> the op), :func:`fused_norm_rope_hadamard_cast_store_kvcache`
-(validate + allocate + op: the public function's traceable twin), :func:`store_kv_cache`,
-:func:`load_paged_kv_cache`, :func:`execute_gqa_op` and :func:`fused_qk_norm_rope_store_kv`. Validation (:func:`kvfuse.plan.build_plan`) only looks at shapes,
-dtypes, strides and Python objects, so it traces under ``torch.compile(fullgraph=True)``.
-
-Eager code should call :mod:`kvfuse.api` directly (no dispatcher cost); :mod:`kvfuse.api` routes
-through these ops only while ``torch.compiler.is_compiling()``.
+Validation (:func:`kvfuse.plan.build_plan`) reads only shapes, dtypes, strides and Python objects,
+so it traces under ``torch.compile(fullgraph=True)``. Eager code should call :mod:`kvfuse.api`
+directly (no dispatcher cost); :mod:`kvfuse.api` routes through these ops only while
+``torch.compiler.is_compiling()``.
 """
 from __future__ import annotations
 

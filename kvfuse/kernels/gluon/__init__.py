@@ -1,6 +1,5 @@
-"""The Gluon fast paths: kernels written in Gluon (Triton 3.6 on CUDA) for the calls the portable
-kernel serves below the DRAM roofline, each byte-equal to it (SPEC §8). One module per cache it
-serves:
+"""The Gluon fast paths (Triton 3.6 on CUDA), each byte-equal to the portable kernel (SPEC §8), one
+module per cache served:
 
 | module | serves |
 |---|---|
@@ -9,9 +8,8 @@ serves:
 | ``flashmla`` | FlashMLA's FLASHMLA_V32 and FLASHMLA_MODEL1 records (e4m3 columns + the bf16 RoPE tail) |
 | ``indexer`` | the lightning indexer: its 128-d K cache (four formats, the models' chains) and its Q's (q, sf) |
 
-``common`` holds what they share (shuffles, packing, slot addressing, scales, launch grids).
-
-The protocol, one function or constant per module:
+``common`` holds what they share (shuffles, packing, slot addressing, scales, launch grids). The
+protocol, one function or constant per module:
 
 - ``NAME``: the module's name in ``KVFUSE_GLUON_SKIP`` (a comma list of fast paths to leave off;
   ``KVFUSE_GLUON=0`` turns them all off);
@@ -25,9 +23,8 @@ The protocol, one function or constant per module:
   ``launch_table``; see ``kvfuse.kernels.fused.fast_paths``).
 
 ``FAST_PATH_MODULES`` is the order in which ``kvfuse.kernels.fused.fast_path`` asks them: the first
-eligible one takes a plan. A new fast path is a module here, its entry in that tuple and its GPU
-cases (``tests/gpu_matrix.py`` reads each module's ``launch_table``; ``tests/gpu/test_gpu_fast_paths.py``
-its formats).
+eligible one takes a plan. A new fast path: a module here, its entry in that tuple and in
+``common.FAST_PATH_NAMES``, and its test cases (the GPU tests read ``LAUNCH_TABLE`` and ``FORMATS``).
 """
 from . import common, flashmla, indexer, main_latent, main_latent_fp4
 

@@ -10,14 +10,10 @@ The two chains (``eligible`` checks every field; anything else goes to the plain
   reserved byte never written) + 64 bf16 tail columns 448..511 = the RoPE columns (pairs (448 + j,
   480 + j)); block-wide: inside a block, every token's [448 codes | 128 tail bytes], then every
   token's 8 scale bytes.
-Both: num_heads 1, x bf16 [n, D] with an even row stride (read as int32 words), weight [D] bf16 or
-fp32, positions / slot_mapping int32 or int64 [n], cos_sin [P, 64] fp32 or bf16, no Hadamard, no
-stage copy. Records are addressed from the plan's RecordAddressing (data_token_stride,
-sf_token_stride, sf_offset, tail_offset; data_offset 0): every data / tail / fp32-scale address is a
-multiple of 4 (``eligible``: cache pointer, block stride and the addressing), so codes and the tail
-leave as 32-bit words, or as 16-byte vectors where Triton's 16-divisibility specialization of the
-pointer and the strides proves it (V32 and MODEL1 records are 16-byte aligned in a 16-byte aligned
-cache: the launcher keys its direct path and kvfuse its plan cache by ``data_ptr() % 16``).
+Both: num_heads 1, x bf16 [n, D] with an even row stride (read as int32 words), no Hadamard, no
+stage copy; every data / tail / fp32-scale address a multiple of 4 (``eligible``), so codes and
+the tail leave as 32-bit words, or 16-byte vectors where Triton's 16-divisibility specialization
+proves it (the launcher and the plan cache key by ``data_ptr() % 16``).
 
 One warp a row (lane l: columns 16 l .. 16 l + 15 as int32 words, and tail columns 2 l, 2 l + 1),
 the norm's adjacent-pairs tree by in-lane sums then butterfly shuffles, groups of 8 (V32) or 4

@@ -1,13 +1,12 @@
-"""A Gluon fast path for ONE workload: the MAIN_FP8 KV-cache write (RMSNorm -> NEOX RoPE on the
-last 64 dims -> e4m3 with UE8M0 scales per 32 -> token-interleaved 532-byte records), byte for
-byte what ``kvfuse.kernels.fused.fused_kernel`` writes (SPEC §2, §4).
+"""The Gluon fast path of the main latent cache: the MAIN_FP8 write (RMSNorm -> NEOX or GPT-J RoPE
+on the last 64 dims -> e4m3 with UE8M0 scales per 32 -> token-interleaved 532-byte records) and the
+cast alone (CAST_ONLY) of MAIN_FP8 and MAIN_FP4 records, byte for byte what
+``kvfuse.kernels.fused.fused_kernel`` writes (SPEC §2, §4).
 
-Assumptions (``supports`` checks them; anything else goes to the plain kernel):
-head_dim 512, num_heads 1, x bf16 [n, 512] with unit column stride; RMSNorm weight [512] bf16 or
-fp32; positions int32/int64 [n]; cos_sin [P, 64] fp32 or bf16 (cos | sin); slot_mapping
-int32/int64 [n]; kv_cache uint8 [num_blocks, block_size, 1, 532] in the MAIN_FP8 layout (record
-= 512 e4m3 codes | 16 UE8M0 scale bytes | 4 reserved bytes never written), token stride a
-multiple of 4 (records are only 4-byte aligned: every cache store is at most 32 bits wide).
+Assumptions (``eligible`` checks them; anything else goes to the portable kernel): head_dim 512,
+num_heads 1, x bf16 [n, 512] with unit column stride, the MAIN_FP8 record (512 e4m3 codes | 16 UE8M0
+scale bytes | 4 reserved bytes never written) at a token stride that is a multiple of 4 (records
+are only 4-byte aligned: every cache store is at most 32 bits wide).
 
 One warp a row (lane l: columns 16 l .. 16 l + 15 as int32 words), the norm's adjacent-pairs tree by
 in-lane sums then butterfly shuffles, a 32-column group on two neighbouring lanes, RoPE pairs one per
