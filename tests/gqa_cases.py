@@ -20,19 +20,6 @@ from helpers import cos_sin_cache, random_bf16
 
 GUARD = 48        # elements before and after a cache view in its storage
 MAX_POS = 40      # rows of the cos/sin table
-_DATA = {}
-
-
-def _random_bf16(shape, seed):
-    """helpers.random_bf16, made once per (shape, seed) in this process: its tiny values go in through an
-    index_put whose duplicate indices make the bytes depend on the CPU's thread scheduling, so two calls
-    with one seed may differ in a few elements; the two runs of a case must read the same inputs."""
-    key = (tuple(shape), seed)
-    if key not in _DATA:
-        if len(_DATA) > 64:
-            _DATA.clear()
-        _DATA[key] = random_bf16(shape, seed)
-    return _DATA[key].clone()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,15 +105,15 @@ def build(case: GQACase, device="cpu"):
     n, hq, hkv, d, dv = case.n, case.hq, case.hkv, case.d, case.v_dim
     width = hq * d + hkv * d + hkv * dv
     if case.packed:
-        qkv = _random_bf16((n, width + 8), case.seed).to(device)     # 8 spare columns: a row stride != width
+        qkv = random_bf16((n, width + 8), case.seed).to(device)     # 8 spare columns: a row stride != width
         q = qkv[:, :hq * d].view(n, hq, d)
         k = qkv[:, hq * d:(hq + hkv) * d].view(n, hkv, d)
         v = qkv[:, (hq + hkv) * d:width].view(n, hkv, dv)
         inputs = [qkv]
     else:
-        q = _random_bf16((n, hq, d), case.seed).to(device)
-        k = _random_bf16((n, hkv, d), case.seed + 1).to(device)
-        v = _random_bf16((n, hkv, dv), case.seed + 2).to(device)
+        q = random_bf16((n, hq, d), case.seed).to(device)
+        k = random_bf16((n, hkv, d), case.seed + 1).to(device)
+        v = random_bf16((n, hkv, dv), case.seed + 2).to(device)
         inputs = [q, k, v]
     k_cache, v_cache, storages = _cache_views(case, g, device)
     cap = k_cache.shape[0] * case.block_size

@@ -51,31 +51,8 @@ def _slots(n: int, capacity: int, g: torch.Generator) -> torch.Tensor:
     return slots
 
 
-_MADE = {}
-
-
 def inputs(case: LayerCase):
-    """The case's inputs on the CPU (caches as (view, storage) of random bytes): made once per case in
-    this process and cloned, because helpers.random_bf16 sets its tiny values with an index_put whose
-    duplicate indices make the bytes depend on the CPU's threads (two builds of one seed may differ in
-    a few elements; the two runs of a case must read the same inputs)."""
-    if case not in _MADE:
-        _MADE.clear()
-        _MADE[case] = _build(case)
-    return {k: _clone(v) for k, v in _MADE[case].items()}
-
-
-def _clone(v):
-    if isinstance(v, torch.Tensor):
-        return v.clone()
-    if isinstance(v, tuple):          # a cache: (view, storage)
-        view, storage = v
-        storage = storage.clone()
-        return torch.as_strided(storage, view.shape, view.stride(), view.storage_offset()), storage
-    return v
-
-
-def _build(case: LayerCase):
+    """The case's inputs on the CPU (caches as (view, storage) of random bytes), the same for every call."""
     cfg, n, g = case.cfg, case.n, torch.Generator().manual_seed(case.seed)
     hq = case.q_heads or cfg.num_heads
     hi = case.index_heads or cfg.index_num_heads

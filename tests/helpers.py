@@ -74,9 +74,11 @@ def random_bf16(shape, seed: int, outliers: bool = True) -> torch.Tensor:
         v[..., ch] *= mult
         flat = v.view(-1)
         k = max(1, flat.numel() // 50)
-        idx = torch.randint(0, flat.numel(), (k,), generator=g)
+        # distinct indices: with a repeated index, which value an index_put leaves depends on the CPU's
+        # threads, and two calls with one seed must give the same bytes
+        idx = torch.unique(torch.randint(0, flat.numel(), (k,), generator=g))
         tiny = torch.tensor([1e-39, -3e-40, 9.2e-41, 2e-38, -1e-5, 3e-6, 0.0, -0.0], dtype=torch.float32)
-        flat[idx] = tiny[torch.randint(0, len(tiny), (k,), generator=g)]
+        flat[idx] = tiny[torch.randint(0, len(tiny), (idx.numel(),), generator=g)]
     out = v.to(torch.bfloat16)
     assert torch.isfinite(out.float()).all()
     return out

@@ -146,6 +146,25 @@ def test_decode_sizes_follow_min_rows():
     assert (flashmla.MIN_ROWS, indexer.MIN_ROWS) == (1, 2)
 
 
+def _main_write(backend, offset):
+    """A MAIN_FP8 write of 3 rows whose x starts ``offset`` bf16 into a shared buffer (1: not word-aligned),
+    on ``backend``, into a cache of random bytes; returns the cache's whole storage."""
+    n, fmt = 3, MAIN
+    g = torch.Generator().manual_seed(5)
+    big = (torch.randn(n * 512 + 2, generator=g) * 3).to(torch.bfloat16)
+    w = (torch.rand(512, generator=g) * 2).to(torch.bfloat16)
+    ang = torch.rand(16, 32, generator=g) * 6
+    rope = kvfuse.RopeArgs(torch.tensor([1, 5, 9]), torch.cat([ang.cos(), ang.sin()], 1), 64, True)
+    cache = fmt.allocate(2, 4)
+    storage = cache.as_strided((cache.untyped_storage().nbytes(),), (1,), 0)     # padding included
+    storage.copy_(torch.randint(0, 256, storage.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(6)))
+    with kvfuse.use_backend(backend):
+        kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(
+            big[offset:offset + n * 512].view(n, 512), kvfuse.NormArgs(w), rope, None,
+            CastArgs.from_cache_format(fmt), kvfuse.KVCacheOutArgs(cache, torch.tensor([4, 0, 7]), layout=fmt))
+    return storage
+
+
 def test_a_rejected_call_runs_the_plain_kernel(monkeypatch):
     """The dispatch wiring around a fast path's per-call guard, in the interpreter: a stand-in fast
     path (the plain kernel's own launch parts under the fast path's guard) takes word-aligned x; a
@@ -162,26 +181,8 @@ def test_a_rejected_call_runs_the_plain_kernel(monkeypatch):
     monkeypatch.setattr(fused_kernels, "FAST_PATHS", (G,))
     monkeypatch.setattr(G, "plan_launch", plan_launch)
     kvfuse.plan.clear_plan_cache()
-    n, fmt = 3, MAIN
-    g = torch.Generator().manual_seed(5)
-    big = (torch.randn(n * 512 + 2, generator=g) * 3).to(torch.bfloat16)
-    w = (torch.rand(512, generator=g) * 2).to(torch.bfloat16)
-    ang = torch.rand(16, 32, generator=g) * 6
-    rope = kvfuse.RopeArgs(torch.tensor([1, 5, 9]), torch.cat([ang.cos(), ang.sin()], 1), 64, True)
-    slots = torch.tensor([4, 0, 7])
     for offset, guarded_launches in ((0, 1), (1, 1), (0, 2)):
-        x = big[offset:offset + n * 512].view(n, 512)
-        caches = []
-        for backend in ("triton", "reference"):
-            cache = fmt.allocate(2, 4)
-            storage = cache.as_strided((cache.untyped_storage().nbytes(),), (1,), 0)
-            storage.copy_(torch.randint(0, 256, storage.shape, dtype=torch.uint8,
-                                        generator=torch.Generator().manual_seed(6)))
-            with kvfuse.use_backend(backend):
-                kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(
-                    x, kvfuse.NormArgs(w), rope, None, CastArgs.from_cache_format(fmt),
-                    kvfuse.KVCacheOutArgs(cache, slots, layout=fmt))
-            caches.append(storage)
+        caches = [_main_write(backend, offset) for backend in ("triton", "reference")]
         assert torch.equal(caches[0], caches[1]), f"x offset {offset}"
         assert len(taken) == 1                    # one launch kept for the signature
         assert stand_in.launches == guarded_launches, "the rejected call must not use the kept launch"
@@ -339,31 +340,14 @@ def test_calls_inside_fast_paths_are_routed_per_call_and_counted(monkeypatch):
         return ("fused_kernel", *fused_kernels.fused_args(plan, tensor), vars(fused_kernels))
     monkeypatch.setattr(G, "plan_launch", plan_launch)
     kvfuse.plan.clear_plan_cache()
-    n, fmt = 3, MAIN
-    g = torch.Generator().manual_seed(5)
-    big = (torch.randn(n * 512 + 2, generator=g) * 3).to(torch.bfloat16)
-    w = (torch.rand(512, generator=g) * 2).to(torch.bfloat16)
-    ang = torch.rand(16, 32, generator=g) * 6
-    rope = kvfuse.RopeArgs(torch.tensor([1, 5, 9]), torch.cat([ang.cos(), ang.sin()], 1), 64, True)
-    slots = torch.tensor([4, 0, 7])
-
-    def write(backend, offset):
-        cache = fmt.allocate(2, 4)
-        storage = cache.as_strided((cache.untyped_storage().nbytes(),), (1,), 0)     # padding included
-        storage.copy_(torch.randint(0, 256, storage.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(6)))
-        with kvfuse.use_backend(backend):
-            kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(
-                big[offset:offset + n * 512].view(n, 512), kvfuse.NormArgs(w), rope, None,
-                CastArgs.from_cache_format(fmt), kvfuse.KVCacheOutArgs(cache, slots, layout=fmt))
-        return storage
 
     def table(n_rows):
         return (1, 1, False)
     with fused_kernels.fast_paths(only=G, launch_table=table) as choice:
-        got = [write("triton", offset) for offset in (0, 0, 1)]      # 1: x 2 bytes off, the guard declines
+        got = [_main_write("triton", offset) for offset in (0, 0, 1)]      # 1: x 2 bytes off, the guard declines
     assert asked == [table, table] and choice.fast_calls == 2
     with fused_kernels.fast_paths(only=()) as portable:
-        got.append(write("triton", 0))
+        got.append(_main_write("triton", 0))
     assert len(asked) == 2 and portable.fast_calls == 0
     for storage, offset in zip(got, (0, 0, 1, 0)):
-        assert torch.equal(storage, write("reference", offset)), offset
+        assert torch.equal(storage, _main_write("reference", offset)), offset
