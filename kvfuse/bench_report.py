@@ -64,6 +64,9 @@ _INDEX = "128-d fp8 index write, V3.2 style (RoPE at offset 0)"
 _INDEX_NOTE = ("kvfuse's dsv32_index_k is the model's whole chain: LayerNorm + bias, NEOX RoPE on the first 64, "
                "Hadamard, INDEX_FP8_FP32")
 _CAST_MAIN = "the cast alone, MAIN_FP8 record"
+_FLASHINFER_CAST_NOTE = ("FlashInfer's kernel writes its own page layout, not the MAIN_FP8 record: each 64-token page "
+                         "holds 64 code rows of 512 B, then 64 scale rows of 16 B (528 B a token, no reserved bytes); "
+                         "the slot pattern of its figure is not recorded")
 _CAST_INDEX = "the cast alone, 128-d fp8 index write"
 
 ENGINE_FIGURES: Tuple[EngineFigure, ...] = (
@@ -83,7 +86,7 @@ ENGINE_FIGURES: Tuple[EngineFigure, ...] = (
                  workloads=("dsv32_index_k",), note=_INDEX_NOTE),
     EngineFigure(_CAST_MAIN, "FlashInfer DeepSeek Triton `quantize_cache`", ((1, "1.52"), (4096, "2.64"),
                                                                             (65536, "26.2")),
-                 section="cast", workloads=("main_fp8_cast",)),
+                 section="cast", workloads=("main_fp8_cast",), note=_FLASHINFER_CAST_NOTE),
     EngineFigure(_CAST_INDEX, "SGLang `fused_store_index_k_cache`", ((1, "1.03"),), section="cast", pdl=True,
                  match=_index_cast_only),
     EngineFigure(_CAST_INDEX, "SGLang `fused_store_index_k_cache`", ((4096, "2.02"), (65536, "11.2")),
