@@ -129,6 +129,10 @@ def _gqa(name, model, fp8):
 
 
 
+# MAIN_FP8's codes and UE8M0 scales without the token-interleaved record: FlashInfer's DeepSeek cache page
+MAIN_FP8_PAGEWISE = KVCacheFormat("MAIN_FP8_PAGEWISE", 512, "e4m3", 32, "ue8m0", False)
+
+
 def _write(name, fmt, what, is_neox=True):
     style = "NEOX" if is_neox else "GPT-J"
     return Workload(name, "write", fmt.head_dim, fmt, is_neox=is_neox,
@@ -145,6 +149,9 @@ WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
     _write("index_fp8_fp32", INDEX_FP8_FP32, "indexer K 128"),
     Workload("main_fp8_cast", "write", 512, MAIN_FP8, norm=False, rope=False,
              description="the MAIN_FP8 cast alone (no norm, no RoPE: the CP second pass, store_gathered)"),
+    Workload("main_fp8_pagewise_cast", "write", 512, MAIN_FP8_PAGEWISE, norm=False, rope=False,
+             description="main_fp8_cast's codes and scales in FlashInfer's DeepSeek page layout (a page: its "
+                         "tokens' 512-B code rows, then their 16-B scale rows): the layout's cost, same kernel"),
     _write("main_fp8_gptj", MAIN_FP8, "main KV 512", is_neox=False),
     _write("main_fp4_gptj", MAIN_FP4, "main KV 512", is_neox=False),
     _write("flashmla_v32_gptj", FLASHMLA_V32, "FlashMLA V3.2 KV 576", is_neox=False),
