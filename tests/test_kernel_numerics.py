@@ -106,3 +106,27 @@ def test_ue8m0_exponent_without_division(fmax):
     bad = np.nonzero(got != e + 127)[0]
     assert bad.size == 0, f"{bad.size} of {values.size} differ, e.g. amax={values[bad[:5]]}"
     assert _run(_ue8m0_kernel, np.array([np.inf], dtype=np.float32), FMAX=fmax).tolist() == [255]   # s = inf
+
+
+def _unary_minus_in_jit_functions(source: str) -> list:
+    """Unary minus on a non-constant inside functions decorated with a jit (triton.jit, gluon.jit)."""
+    import ast
+    found = []
+    for fn in ast.walk(ast.parse(source)):
+        if isinstance(fn, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in fn.decorator_list):
+            found += [f"{fn.name}: {ast.unparse(node)}" for node in ast.walk(fn)
+                      if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)
+                      and not isinstance(node.operand, ast.Constant)]
+    return found
+
+
+def test_kernels_write_no_unary_minus():
+    """Triton 3.6 (the GPU's) compiles a float's unary minus as 0 - x, Triton 3.9 (the interpreter's and
+    CI's) as a sign flip: they differ on +0, so a kernel whose bytes depend on -(+0) would pass on the CPU
+    and differ on the GPU. Kernels write 0 - x (or multiply by -1, or flip the sign bit) instead."""
+    from pathlib import Path
+    kernels = Path(NUM.__file__).parent
+    found = [f"{p.relative_to(kernels)} {hit}" for p in sorted(kernels.rglob("*.py"))
+             for hit in _unary_minus_in_jit_functions(p.read_text())]
+    assert not found, found
+    assert _unary_minus_in_jit_functions("@triton.jit\ndef f(x):\n    return -x\n")     # the check can fail
