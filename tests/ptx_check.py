@@ -97,7 +97,7 @@ def gqa_variants():
     by 16 as in an engine's calls."""
     base = dict(D=128, BLOCK_D=128, LOG2_BLOCK_D=7, DV=128, BLOCK_DV=128, VEC=8, BLOCK_M=1, Q_NORM=True, QW_BF16=True,
                 K_NORM=True, KW_BF16=True, ROPE=True, R=128, ROPE_OFF=0, NEOX=True, CONJ=False, CS_BF16=False,
-                FP8=True, SLOT32=True, NATIVE=2, PDL=False)
+                FP8=True, SLOT32=True, NATIVE=2, PDL=False, HALVES=False)
     ptrs = {"q_ptr": "*bf16"}
     yield "gqa_fp8_neox_decode", base, ptrs
     yield "gqa_bf16_gptj_conj_multirow_slot64", {**base, "BLOCK_M": 8, "FP8": False, "NEOX": False, "CONJ": True,

@@ -70,6 +70,41 @@ def _qk_rows(x_ptr, xrow, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, rmas
 
 
 @triton.jit
+def _qk_halves(x_ptr, xrow, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, rmask, D: tl.constexpr,
+               LOG2_BLOCK_D: tl.constexpr, VEC: tl.constexpr, BLOCK_M: tl.constexpr, HAS_NORM: tl.constexpr, W_BF16: tl.constexpr,
+               R: tl.constexpr, CONJ: tl.constexpr, CS_BF16: tl.constexpr, NATIVE: tl.constexpr):
+    """HALVES (NEOX RoPE over the whole row: R == D, a power of two): RMSNorm -> RoPE of BLOCK_M rows as
+    their two halves a = columns j, b = columns HALF + j, each [M, HALF / VEC, VEC] in one layout, so a
+    pair sits in one thread and rotates with no partner reload. The norm's adjacent-pairs tree over
+    the row is tree(a) + tree(b) (its last level). Returns (rotated a, rotated b, j)."""
+    HALF: tl.constexpr = R // 2
+    NH: tl.constexpr = HALF // VEC
+    LOG2_VEC: tl.constexpr = 3 if VEC == 8 else 2
+    LOG2_NH: tl.constexpr = LOG2_BLOCK_D - 1 - LOG2_VEC                              # R == D == BLOCK_D
+    jj = tl.arange(0, NH)[:, None] * VEC + tl.arange(0, VEC)[None, :]               # [NH, VEC]
+    ld = rmask[:, None, None] & (jj >= 0)[None, :, :]
+    a = load_f32(x_ptr, xrow[:, None, None] + jj[None, :, :], ld, True)
+    b = load_f32(x_ptr, xrow[:, None, None] + HALF + jj[None, :, :], ld, True)
+    if HAS_NORM:
+        split = NATIVE == NATIVE_INTEGER
+        ss = _tree_sum(a * a, BLOCK_M, NH, LOG2_NH, VEC, LOG2_VEC, split) + \
+            _tree_sum(b * b, BLOCK_M, NH, LOG2_NH, VEC, LOG2_VEC, split)
+        mean = ss * (1.0 / D)                 # exact: D is a power of two
+        rstd = tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tl.sqrt_rn(mean + eps))
+        wa = load_f32(w_ptr, jj, jj >= 0, W_BF16)
+        wb = load_f32(w_ptr, HALF + jj, jj >= 0, W_BF16)
+        r3 = rstd[:, None, None]
+        a = _normed(a, r3, r3, wa[None, :, :], wa[None, :, :], False, False, NATIVE)
+        b = _normed(b, r3, r3, wb[None, :, :], wb[None, :, :], False, False, NATIVE)
+    pok, csrow = _positions(pos_ptr, s_pos, tok, rmask, P, s_cs)
+    pm = pok[:, None, None] & (jj >= 0)[None, :, :]
+    c = load_f32(cs_ptr, csrow[:, None, None] + jj[None, :, :], pm, CS_BF16)
+    s = load_f32(cs_ptr, csrow[:, None, None] + HALF + jj[None, :, :], pm, CS_BF16)
+    r0, r1 = _rotate(a, b, c, s, CONJ)
+    return tl.where(pm, round_bf16(r0, NATIVE), a), tl.where(pm, round_bf16(r1, NATIVE), b), jj
+
+
+@triton.jit
 def _record_rows(slot_ptr, s_slot, tok, rmask, head, c_blk, c_tok, c_head, block_size, capacity,
                  SLOT32: tl.constexpr):
     """(ok [M]: the token's slot is valid, base [M]: its record's element offset in the cache, int64)."""
@@ -90,6 +125,27 @@ def _store_record(c_ptr, addr, y, mask, scale_ptr, FP8: tl.constexpr, NATIVE: tl
         _store_bf16(c_ptr, addr, y, mask)
 
 
+@triton.jit
+def _v_rows(v_ptr, sv_n, sv_h, vc_ptr, vc_blk, vc_tok, vc_head, vs_ptr, slot_ptr, s_slot, block_size, capacity,
+            tok, rmask, hv, DV: tl.constexpr, BLOCK_DV: tl.constexpr, VEC: tl.constexpr, FP8: tl.constexpr,
+            SLOT32: tl.constexpr, NATIVE: tl.constexpr):
+    """A v program: its rows copied (bf16 cache: the bits) or cast by v_scale into their records."""
+    NVV: tl.constexpr = BLOCK_DV // VEC
+    colv = tl.arange(0, NVV)[:, None] * VEC + tl.arange(0, VEC)[None, :]           # [NVV, VEC]
+    vmask = colv < DV
+    src = (tok * sv_n + hv * sv_h)[:, None, None] + colv[None, :, :]
+    ok, base = _record_rows(slot_ptr, s_slot, tok, rmask, hv, vc_blk, vc_tok, vc_head, block_size, capacity,
+                            SLOT32)
+    dst = base[:, None, None] + colv[None, :, :]
+    okm = ok[:, None, None] & vmask[None, :, :]
+    if FP8:
+        vv = load_f32(v_ptr, src, okm, True)
+        _store_record(vc_ptr, dst, vv, okm, vs_ptr, FP8, NATIVE)
+    else:
+        bits = tl.load(v_ptr.to(tl.pointer_type(tl.uint16)) + src, mask=okm, other=0)
+        tl.store(vc_ptr.to(tl.pointer_type(tl.uint16)) + dst, bits, mask=okm)
+
+
 @triton.jit(do_not_specialize=["n", "P", "capacity"])
 def qkv_kernel(
     q_ptr, sq_n, sq_h,                      # q bf16 [n, HQ, D], stride(-1) == 1
@@ -108,6 +164,7 @@ def qkv_kernel(
     Q_NORM: tl.constexpr, QW_BF16: tl.constexpr, K_NORM: tl.constexpr, KW_BF16: tl.constexpr,
     ROPE: tl.constexpr, R: tl.constexpr, ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, CONJ: tl.constexpr,
     CS_BF16: tl.constexpr, FP8: tl.constexpr, SLOT32: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr,
+    HALVES: tl.constexpr = False,
 ):
     """One program: BLOCK_M tokens of head h of [q heads | k heads | v heads] (see the module docstring).
     PDL (programmatic dependent launch): wait for the previous kernel before the first read. No early
@@ -123,7 +180,33 @@ def qkv_kernel(
     NV: tl.constexpr = BLOCK_D // VEC
     col = tl.arange(0, NV)[:, None] * VEC + tl.arange(0, VEC)[None, :]              # [NV, VEC]
     cmask = col < D
-    if h < HQ:
+    if HALVES:
+        if h < HQ + HKV:
+            is_q = h < HQ
+            hh = tl.where(is_q, h, h - HQ).to(tl.int64)
+            if is_q:
+                ya, yb, jj = _qk_halves(q_ptr, tok * sq_n + hh * sq_h, qw_ptr, q_eps, pos_ptr, s_pos, cs_ptr, s_cs, P,
+                                        tok, rmask, D, LOG2_BLOCK_D, VEC, BLOCK_M, Q_NORM, QW_BF16, R, CONJ, CS_BF16,
+                                        NATIVE)
+                tl.debug_barrier()     # q_out may be q: every read of these rows comes first
+                dst = (tok * so_n + hh * so_h)[:, None, None] + jj[None, :, :]
+                mk = rmask[:, None, None] & (jj >= 0)[None, :, :]
+                _store_bf16(qo_ptr, dst, ya, mk)
+                _store_bf16(qo_ptr, dst + R // 2, yb, mk)
+            else:
+                ya, yb, jj = _qk_halves(k_ptr, tok * sk_n + hh * sk_h, kw_ptr, k_eps, pos_ptr, s_pos, cs_ptr, s_cs, P,
+                                        tok, rmask, D, LOG2_BLOCK_D, VEC, BLOCK_M, K_NORM, KW_BF16, R, CONJ, CS_BF16,
+                                        NATIVE)
+                ok, base = _record_rows(slot_ptr, s_slot, tok, rmask, hh, kc_blk, kc_tok, kc_head, block_size,
+                                        capacity, SLOT32)
+                dst = base[:, None, None] + jj[None, :, :]
+                okm = ok[:, None, None] & (jj >= 0)[None, :, :]
+                _store_record(kc_ptr, dst, ya, okm, ks_ptr, FP8, NATIVE)
+                _store_record(kc_ptr, dst + R // 2, yb, okm, ks_ptr, FP8, NATIVE)
+        else:
+            _v_rows(v_ptr, sv_n, sv_h, vc_ptr, vc_blk, vc_tok, vc_head, vs_ptr, slot_ptr, s_slot, block_size, capacity,
+                    tok, rmask, (h - HQ - HKV).to(tl.int64), DV, BLOCK_DV, VEC, FP8, SLOT32, NATIVE)
+    elif h < HQ:
         hq = h.to(tl.int64)
         y = _qk_rows(q_ptr, tok * sq_n + hq * sq_h, qw_ptr, q_eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, rmask, col,
                      cmask, D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, Q_NORM, QW_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ,
@@ -142,21 +225,8 @@ def qkv_kernel(
         _store_record(kc_ptr, base[:, None, None] + col[None, :, :], y, ok[:, None, None] & cmask[None, :, :], ks_ptr,
                       FP8, NATIVE)
     else:
-        hv = (h - HQ - HKV).to(tl.int64)
-        NVV: tl.constexpr = BLOCK_DV // VEC
-        colv = tl.arange(0, NVV)[:, None] * VEC + tl.arange(0, VEC)[None, :]       # [NVV, VEC]
-        vmask = colv < DV
-        src = (tok * sv_n + hv * sv_h)[:, None, None] + colv[None, :, :]
-        ok, base = _record_rows(slot_ptr, s_slot, tok, rmask, hv, vc_blk, vc_tok, vc_head, block_size, capacity,
-                                SLOT32)
-        dst = base[:, None, None] + colv[None, :, :]
-        okm = ok[:, None, None] & vmask[None, :, :]
-        if FP8:
-            vv = load_f32(v_ptr, src, okm, True)
-            _store_record(vc_ptr, dst, vv, okm, vs_ptr, FP8, NATIVE)
-        else:
-            bits = tl.load(v_ptr.to(tl.pointer_type(tl.uint16)) + src, mask=okm, other=0)
-            tl.store(vc_ptr.to(tl.pointer_type(tl.uint16)) + dst, bits, mask=okm)
+        _v_rows(v_ptr, sv_n, sv_h, vc_ptr, vc_blk, vc_tok, vc_head, vs_ptr, slot_ptr, s_slot, block_size, capacity,
+                tok, rmask, (h - HQ - HKV).to(tl.int64), DV, BLOCK_DV, VEC, FP8, SLOT32, NATIVE)
 
 
 # --------------------------------------------------------------------------- launch configuration
@@ -185,6 +255,13 @@ def launch_config(n: int, block_d: int, interpret: bool = INTERPRET):
         bm = forced[0] or bm
         nw = forced[1] or nw
     return bm, nw
+
+
+def halves_mode(plan, d: int, block_d: int) -> bool:
+    """The q and k rows go as their two halves (``_qk_halves``): NEOX RoPE over the whole row (rotary_dim
+    == head_dim, a power of two, offset 0), whose halves are whole 8-column vectors."""
+    return (plan.positions is not None and plan.is_neox and plan.rotary_dim == d == block_d
+            and plan.rope_offset == 0 and (d // 2) % 8 == 0)
 
 
 def launch_args(plan):
@@ -223,6 +300,8 @@ def launch_args(plan):
         FP8=fp8, SLOT32=cap < _fused._INT32_LIMIT, NATIVE=_native(INTERPRET), PDL=False,
         num_warps=nw, num_stages=1, enable_fp_fusion=False,
     )
+    if halves_mode(plan, d, block_d):
+        options["HALVES"] = True
     return (cdiv(n, bm) * (hq + 2 * hkv),), args, options
 
 
