@@ -89,15 +89,16 @@ def pct_of_copy(nbytes: int, us: float, copy_gbps: float) -> float:
 def portable_configs(name: str, rows: int, sweep_vec: bool):
     """Small n: few rows, several warps; large n: one warp, more rows (earlier sweeps). BLOCK_M 1 also
     switches the kernel to its EARLY load order (kvfuse.kernels.fused.fused_args). GQA workloads
-    (kvfuse.kernels.qkv; BLOCK_M = tokens of one head a program): every BLOCK_M up to 32 with 1-8 warps."""
+    (kvfuse.kernels.qkv; BLOCK_M tokens of G heads a program): BLOCK_M 1-8 x G 1-8 x 1-2 warps.
+    (bm, nw, vec, heads): None where the kernel has no such choice."""
     if bench.WORKLOADS[name].kind == "gqa":
-        return [(bm, nw, None) for bm in (1, 2, 4, 8, 16, 32) for nw in (1, 2, 4, 8)]
+        return [(bm, nw, None, g) for bm in (1, 2, 4, 8) for g in (1, 2, 4, 8) for nw in (1, 2)]
     vecs = (4, 8) if name == "main_fp8" and sweep_vec else (None,)
     if rows <= 512:
         grid = [(bm, nw) for bm in (1, 2) for nw in (1, 2, 4)]
     else:
         grid = [(bm, 1) for bm in (1, 2, 4, 8)] + [(2, 2), (4, 2), (8, 2), (1, 2), (1, 4), (4, 4), (16, 4)]
-    return [(bm, nw, v) for bm, nw in grid for v in vecs]
+    return [(bm, nw, v, None) for bm, nw in grid for v in vecs]
 
 
 def sweep_portable(names, sizes, sweep_vec, copy_gbps, deadline, log, rows):
@@ -120,28 +121,32 @@ def sweep_portable(names, sizes, sweep_vec, copy_gbps, deadline, log, rows):
                 nbytes = bench.input_bytes(wl, inp)["total"]
                 rows_n = n * wl.num_heads
                 mine = []
-                for bm, nw, vec in portable_configs(name, rows_n, sweep_vec):
+                for bm, nw, vec, g in portable_configs(name, rows_n, sweep_vec):
                     if bm * block_d > 16384:
                         continue
-                    with fused.force_config(bm, nw, vec):
+                    with fused.force_config(bm, nw, vec, g):
                         diff = differing(written_bytes(call, outputs), want)
                         if diff:
-                            log(f"  {name} n={n} bm={bm} nw={nw} vec={vec}: {diff} bytes differ from the reference")
+                            log(f"  {name} n={n} bm={bm} nw={nw} vec={vec} g={g}: {diff} bytes differ from the "
+                                f"reference")
                             continue
                         us = timer.measure([call]).gpu_us
-                    mine.append(dict(workload=name, n=n, bm=bm, nw=nw, vec=vec, us=us, byte_diffs=0,
+                    mine.append(dict(workload=name, n=n, bm=bm, nw=nw, vec=vec, g=g, us=us, byte_diffs=0,
                                      pct=pct_of_copy(nbytes, us, copy_gbps)))
                 rows += mine
-                log(f"{name:16s} n={n:7d} " + "  ".join(f"({r['bm']},{r['nw']}) {r['us']:.2f}" for r in mine))
+                log(f"{name:16s} n={n:7d} " + "  ".join(
+                    f"({r['bm']},{r['nw']}{'' if r['g'] is None else ',g' + str(r['g'])}) {r['us']:.2f}" for r in mine))
                 if mine:
                     best = min(mine, key=lambda r: r["us"])
                     if wl.kind == "gqa":
-                        dflt = qkv.launch_config(n, block_d, False)
+                        bm0, g0, nw0 = qkv.launch_config(n, block_d, max(wl.gqa.num_heads, wl.gqa.num_kv_heads),
+                                                         interpret=False)
+                        dflt = (bm0, nw0, g0)
                     else:
                         dflt = fused.launch_config(rows_n, wl.head_dim, block_d, False,
-                                                   wl.cast_args.cast_fmt if wl.cast_args else None)
-                    cur = [r["us"] for r in mine if (r["bm"], r["nw"]) == dflt and r["vec"] in (None, 4)]
-                    log(f"{name:16s} n={n:7d} best bm={best['bm']} nw={best['nw']} vec={best['vec']} "
+                                                   wl.cast_args.cast_fmt if wl.cast_args else None) + (None,)
+                    cur = [r["us"] for r in mine if (r["bm"], r["nw"], r["g"]) == dflt and r["vec"] in (None, 4)]
+                    log(f"{name:16s} n={n:7d} best bm={best['bm']} nw={best['nw']} vec={best['vec']} g={best['g']} "
                         f"{best['us']:8.2f} us {best['pct']:5.1f}% copy | default {dflt}: "
                         f"{cur[0] if cur else float('nan'):8.2f} us")
                 del inp, call, outputs, want

@@ -257,7 +257,7 @@ GQA_VARIANTS = [
     dict(q_out_none=True, fp8=True, slots="contiguous", block_size=16),
     dict(dv=64, fp8=True, layout="HND", q_norm=None, k_norm=None),
 ]
-GQA_HEADS = {64: (4, 2), 128: (8, 2), 256: (4, 4)}
+GQA_HEADS = {64: (4, 2), 128: (6, 3), 256: (4, 4)}     # 128: partial groups of 4 heads (q 4 + 2, kv 3)
 
 
 def gqa_cases():
@@ -287,5 +287,5 @@ def gqa_cases():
                     v["rope_offset"] = 0
                 hq, hkv = GQA_HEADS[d]
                 case = GQACase(n=n, hq=hq, hkv=hkv, d=d, seed=n * 7 + d, **v)
-                out.append((f"gqa d{d}_n{n}_bm{cfg[0]}_w{cfg[1]}_" + "_".join(f"{k}={v[k]}" for k in v), case))
+                out.append((f"gqa d{d}_n{n}_bm{cfg[0]}_g{cfg[1]}_w{cfg[2]}_" + "_".join(f"{k}={v[k]}" for k in v), case))
     return out

@@ -47,6 +47,8 @@ class GQACase:
     extra_blocks: int = 1
     slots: str = "invalid"               # "invalid": shuffled, with invalid slots; "contiguous": 0..n-1
     idx32: bool = False                  # int32 slots and positions
+    scales: tuple = (0.37, 0.11)         # k_scale, v_scale (fp8): the kernel divides by a reciprocal for
+                                         # 2^-64 <= |scale| <= 2^64, else element by element
     seed: int = 0
 
     @property
@@ -142,8 +144,8 @@ def build(case: GQACase, device="cpu"):
         kw["rope_args"] = kvfuse.RopeArgs(pos.to(idx).to(device), cs.to(device), case.rdim, case.neox,
                                           case.rope_offset, case.conjugate)
     if case.fp8:
-        kw["k_scale"] = torch.tensor([0.37], device=device)
-        kw["v_scale"] = torch.tensor(0.11, device=device)
+        kw["k_scale"] = torch.tensor([case.scales[0]], device=device)
+        kw["v_scale"] = torch.tensor(case.scales[1], device=device)
     if case.inplace:
         kw["q_out"] = q
         q_buf = None

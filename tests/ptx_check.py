@@ -1,5 +1,6 @@
 """Compile kernel variants for sm_90 on the CPU (no GPU needed) and scan the PTX for
-non-IEEE arithmetic: contracted multiply-adds (fma), approximate ops (.approx) and div.full;
+non-IEEE arithmetic: contracted multiply-adds (fma; the GQA cast's explicit ones are told apart by a
+bf16 twin, _gqa_fp8_fma_findings), approximate ops (.approx) and div.full;
 and, for the hot cache writes, that the record stores stay vectorized (Triton 3.6 once turned
 them all into byte stores: docs/performance.md). Variants compile as a launch specializes
 them: 16-divisible pointers and row strides, 32-bit integers. Run as a script (it must not run
@@ -39,7 +40,7 @@ STORE = re.compile(r"\b(st\.global(?:\.[a-z0-9]+)+)")
 WIDE_STORES = {"main_fp8": ("st.global.b32", 8, 4), "main_fp8_decode": ("st.global.b32", 4, 5), "main_fp4+cast_back": ("st.global.v4.b32", 4, 8),
                "bf16_out_rope_only": ("st.global.v4.b32", 4, 0),
                # GQA: q_out and bf16 records in 16-byte stores, e4m3 records in 8-byte ones (4 at one row per warp)
-               "gqa_fp8_neox_decode": ("st.global.v2.b32", 1, 0),
+               "gqa_fp8_neox_decode": ("st.global.b32", 2, 0), "gqa_fp8_neox_heads4": ("st.global.v2.b32", 4, 0),
                "gqa_bf16_gptj_conj_multirow_slot64": ("st.global.v4.b32", 8, 0),
                "gqa_fp8_d256_partial_rotary": ("st.global.v2.b32", 4, 0)}
 
@@ -95,16 +96,18 @@ def fused_variants():
 def gqa_variants():
     """The GQA kernel: (name, constexprs, pointer types); the packed-QKV strides and cache strides divisible
     by 16 as in an engine's calls."""
-    base = dict(D=128, BLOCK_D=128, LOG2_BLOCK_D=7, DV=128, BLOCK_DV=128, VEC=8, BLOCK_M=1, Q_NORM=True, QW_BF16=True,
-                K_NORM=True, KW_BF16=True, ROPE=True, R=128, ROPE_OFF=0, NEOX=True, CONJ=False, CS_BF16=False,
-                FP8=True, SLOT32=True, NATIVE=2, PDL=False, HALVES=False)
+    base = dict(D=128, BLOCK_D=128, LOG2_BLOCK_D=7, DV=128, BLOCK_DV=128, VEC=8, BLOCK_M=1, G=1, Q_NORM=True,
+                QW_BF16=True, K_NORM=True, KW_BF16=True, ROPE=True, R=128, ROPE_OFF=0, NEOX=True, CONJ=False,
+                CS_BF16=False, FP8=True, SLOT32=True, NATIVE=2, PDL=False, HALVES=True)
     ptrs = {"q_ptr": "*bf16"}
     yield "gqa_fp8_neox_decode", base, ptrs
-    yield "gqa_bf16_gptj_conj_multirow_slot64", {**base, "BLOCK_M": 8, "FP8": False, "NEOX": False, "CONJ": True,
-                                                 "KW_BF16": False, "CS_BF16": True, "SLOT32": False}, \
+    yield "gqa_fp8_neox_heads4", {**base, "BLOCK_M": 2, "G": 4}, ptrs
+    yield "gqa_bf16_gptj_conj_multirow_slot64", {**base, "BLOCK_M": 8, "G": 2, "FP8": False, "NEOX": False,
+                                                 "CONJ": True, "KW_BF16": False, "CS_BF16": True, "SLOT32": False,
+                                                 "HALVES": False}, \
         {**ptrs, "kc_ptr": "*bf16", "vc_ptr": "*bf16", "kw_ptr": "*fp32", "cs_ptr": "*bf16"}
     yield "gqa_fp8_d256_partial_rotary", {**base, "D": 256, "BLOCK_D": 256, "LOG2_BLOCK_D": 8, "DV": 256,
-                                          "BLOCK_DV": 256, "BLOCK_M": 4, "R": 64, "ROPE_OFF": 32}, ptrs
+                                          "BLOCK_DV": 256, "BLOCK_M": 4, "R": 64, "ROPE_OFF": 32, "HALVES": False}, ptrs
 
 
 def grouped_variants():
@@ -192,6 +195,21 @@ def jobs():
     return found
 
 
+def _gqa_fp8_fma_findings(ptx: str, consts: dict, ptrs: dict) -> list:
+    """The GQA kernel's per-tensor cast divides by a reciprocal with explicit fma.rn (Markstein's
+    correction, numerics.div_rn_by_reciprocal), which the scan cannot tell from a contracted one. So an
+    fp8 variant may hold fma.rn.f32 (a nonzero, even count: two per quotient), and its bf16-cache twin,
+    the same arithmetic but for the cast, must hold none; every other finding stands."""
+    bad = [b for b in sorted(set(BAD.findall(ptx))) if b != "fma."]
+    fmas = len(re.findall(r"\bfma\.", ptx))
+    if fmas != len(re.findall(r"\bfma\.rn\.f32\b", ptx)) or fmas == 0 or fmas % 2:
+        bad.append(f"fma: {fmas}, want only fma.rn.f32 of the cast's quotients (a nonzero even count)")
+    twin = compile_ptx(Q.qkv_kernel, {**consts, "FP8": False}, num_warps=1,
+                       ptr_types={**ptrs, "kc_ptr": "*bf16", "vc_ptr": "*bf16"})
+    bad += [f"bf16 twin: {b}" for b in sorted(set(BAD.findall(twin)))]
+    return bad
+
+
 def main() -> int:
     if "--negative-control" in sys.argv:
         return negative_control()
@@ -206,6 +224,8 @@ def main() -> int:
             print(f"{name:36s} {code_fingerprint(ptx)}")
             continue
         bad = sorted(set(BAD.findall(ptx)))
+        if fn is Q.qkv_kernel and consts["FP8"]:
+            bad = _gqa_fp8_fma_findings(ptx, consts, ptrs)
         stores = {}
         for st in STORE.findall(ptx):
             stores[st] = stores.get(st, 0) + 1

@@ -61,15 +61,49 @@ def test_kernel_writes_something():
         assert not torch.equal(kw_before[name], after[name]), name
 
 
-@pytest.mark.parametrize("block_m", [1, 2])
-def test_tokens_per_program_do_not_change_bytes(block_m):
-    """A token's bytes do not depend on the tokens per program (the GPU's launch table picks 1 at decode
-    sizes and 4-16 above; the interpreter as many as fit): forced here, including a partial last block."""
-    case = GQACase(n=5, fp8=True, neox=False, inplace=True, seed=31)
+INVARIANCE_CASES = {
+    "gptj_inplace": GQACase(n=5, hq=6, hkv=3, fp8=True, neox=False, inplace=True, seed=31),
+    "halves_inplace": GQACase(n=5, hq=6, hkv=3, fp8=True, inplace=True, seed=33),
+    "halves_no_norm_hnd": GQACase(n=5, hq=6, hkv=3, layout="HND", q_norm=None, k_norm=None, seed=34),
+}
+
+
+@pytest.mark.parametrize("block_m,heads", [(1, 1), (2, 1), (1, 2), (2, 3), (4, 8)])
+@pytest.mark.parametrize("name", list(INVARIANCE_CASES))
+def test_tokens_and_heads_per_program_do_not_change_bytes(name, block_m, heads):
+    """A token's bytes do not depend on the tokens or heads per program (the GPU's launch table picks
+    one of one head at decode sizes, more above; the interpreter as many tokens as fit and 4 heads):
+    forced here, with a partial last block of tokens and partial head groups (6 q and 3 kv heads)."""
+    case = INVARIANCE_CASES[name]
     ref = run_gqa_case(case, "reference")
-    with fused.force_config(block_m=block_m):
+    with fused.force_config(block_m=block_m, heads=heads):
         tri = run_gqa_case(case, "triton")
     assert not diff_report(ref, tri)
+
+
+@pytest.mark.parametrize("scales", [(2.0 ** -64, 2.0 ** 64), (-3.0e-20, 2.5e19), (1.0, -0.75), (7.1e-4, 1.0e6)])
+def test_fp8_scales_both_division_paths(scales):
+    """The per-tensor cast divides by the scale's reciprocal with Markstein's correction for
+    2^-64 <= |scale| <= 2^64 (the bounds themselves: first case) and element by element outside them
+    (second case: just outside each bound); both give the bytes of the IEEE division (SPEC §11),
+    negative scales included. The k and v values (helpers.random_bf16: normal, outlier channels, bf16
+    subnormals, signed zeros) against these scales give saturated codes, e4m3 subnormals and signed
+    zeros; the division's proof over every bf16 value is offline (docs/design.md)."""
+    case = GQACase(n=6, hq=4, hkv=2, fp8=True, scales=scales, seed=40)
+    assert not diff_report(run_gqa_case(case, "reference"), run_gqa_case(case, "triton"))
+
+
+def test_halves_mode_choice():
+    """The two-halves form serves NEOX RoPE over the whole row; GPT-J, partial rotary, an offset and
+    no RoPE take the general form (both proven above and in the GPU matrix)."""
+    def halves(**kw):
+        return qkv.launch_args(_plan(GQACase(**kw)))[2]["HALVES"]
+    assert halves() and halves(d=64) and halves(d=256, hq=2, hkv=1)
+    assert not halves(neox=False)
+    assert not halves(rotary_dim=64)
+    assert not halves(rotary_dim=64, rope_offset=64)
+    assert not halves(rotary_dim=0)
+    assert not halves(d=80, hq=2, hkv=1, rotary_dim=80)
 
 
 def test_int64_slot_path(monkeypatch):
@@ -90,11 +124,13 @@ def _plan(case):
 
 
 def test_launch_table_shapes():
-    """The GPU launch table (tests/gpu/test_gpu_gqa.py runs every entry): one token per one-warp program
-    at n = 1, then ~256-element one-warp programs."""
+    """The GPU launch table (the GPU matrix runs every entry): one token of one head a one-warp program
+    at n = 1, then ~256-element rows of 4 heads a one-warp program; G never exceeds the call's heads."""
     for block_d, multi in ((64, 4), (128, 2), (256, 1)):
         table = qkv.launch_table(block_d)
-        assert table == ((1, (1, 1)), (2, (multi, 1)))
-        assert qkv.launch_config(1, block_d, interpret=False) == (1, 1)
-        assert qkv.launch_config(2, block_d, interpret=False) == (multi, 1)
-        assert qkv.launch_config(65536, block_d, interpret=False) == (multi, 1)
+        assert table == ((1, (1, 1, 1)), (2, (multi, 4, 1)))
+        assert qkv.launch_config(1, block_d, 8, interpret=False) == (1, 1, 1)
+        assert qkv.launch_config(2, block_d, 8, interpret=False) == (multi, 4, 1)
+        assert qkv.launch_config(65536, block_d, 32, interpret=False) == (multi, 4, 1)
+        assert qkv.launch_config(65536, block_d, 2, interpret=False) == (multi, 2, 1)
+        assert qkv.launch_config(65536, block_d, 1, interpret=False) == (multi, 1, 1)

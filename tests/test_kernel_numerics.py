@@ -130,3 +130,51 @@ def test_kernels_write_no_unary_minus():
              for hit in _unary_minus_in_jit_functions(p.read_text())]
     assert not found, found
     assert _unary_minus_in_jit_functions("@triton.jit\ndef f(x):\n    return -x\n")     # the check can fail
+
+
+@triton.jit
+def _div_kernel(y_ptr, d_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    y = tl.load(y_ptr + i, mask=m, other=1.0)
+    d = tl.load(d_ptr)
+    q = NUM.div_rn_by_reciprocal(y, d, tl.div_rn(1.0, d))
+    tl.store(out_ptr + i, q.to(tl.int32, bitcast=True), mask=m)
+
+
+# the divisor's significand: 1, the largest, and random ones; its exponent: 2^-64 .. 2^64 (the range the
+# GQA kernel sends this way) in steps that reach both ends
+_DIVISORS = [np.float32(m) * np.float32(2.0) ** k for m in (1.0, _f32(0x3FFFFFFF), 1.37109375, 1.9990234, 1.5000001)
+             for k in (-64, -40, -17, -3, 0, 1, 9, 31, 64)]
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_division_by_reciprocal_is_ieee_on_every_bf16(sign):
+    """div_rn_by_reciprocal (the GQA kernel's per-tensor cast) against numpy's IEEE fp32 division, bit for
+    bit, for every bf16 value (NaN, inf, subnormals, signed zeros) over divisors spanning the range it
+    serves, wherever |y| >= 2^-100 (its remainder is exact there); below, |y / d| < 2^-36 and the e4m3
+    codes (signed zeros) are compared instead. The offline proof (every bf16 significand x every fp32
+    divisor significand) is in docs/design.md."""
+    y = (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
+    yt = torch.from_numpy(y)
+    exact = ~np.isfinite(y) | (np.abs(y) >= np.float32(2.0) ** -100) | (y == 0)
+    for d in _DIVISORS:
+        d = np.float32(sign * d)
+        out = torch.empty(y.shape, dtype=torch.int32)
+        _div_kernel[(triton.cdiv(y.size, BLOCK),)](yt, torch.tensor([d]), out, y.size, BLOCK=BLOCK)
+        got = out.numpy().view(np.float32)
+        with np.errstate(all="ignore"):
+            want = y / d
+        same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+        assert same[exact].all(), (d, y[exact & ~same][:5], got[exact & ~same][:5], want[exact & ~same][:5])
+        codes = [R.encode_e4m3(torch.from_numpy(v[~exact])) for v in (got, want)]
+        assert torch.equal(*codes) and (np.abs(got[~exact]) < 2.0 ** -36).all(), d
+
+
+def test_division_by_reciprocal_needs_its_correction():
+    """A control: the uncorrected q0 = y * (1 / d) differs from the IEEE quotient on some bf16 values,
+    so the test above can fail."""
+    y = (np.arange(1 << 15, dtype=np.uint32) << 16).view(np.float32)[1:0x7F80]   # positive finite
+    d = np.float32(1.37109375 * 2.0 ** -3)
+    with np.errstate(all="ignore"):
+        assert ((y * (np.float32(1.0) / d)).view(np.uint32) != (y / d).view(np.uint32)).any()

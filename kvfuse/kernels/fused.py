@@ -254,6 +254,22 @@ def _rope1_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, col, HALF: tl.co
     """ROPE 1, over the whole tile [M, NV, VEC]: (first: the column is a pair's first element,
     rot_mask: the element rotates, cos, sin, the partner's x, the partner's weight and bias (x again
     where there is none))."""
+    first, in_rope, rot_mask, partner, c, s = _rope1_pairs(cs_ptr, csrow, pok, col, HALF, R, ROPE_OFF, NEOX, CS_BF16)
+    yp = load_f32(x_ptr, xrow[:, None, None] + partner[None, :, :], rot_mask, True)
+    wp = yp
+    bp = yp
+    if HAS_NORM:
+        wp = load_f32(w_ptr, partner, in_rope, W_BF16)
+        if HAS_BIAS:
+            bp = load_f32(b_ptr, partner, in_rope, B_BF16)
+    return first, rot_mask, c, s, yp, wp, bp
+
+
+@triton.jit
+def _rope1_pairs(cs_ptr, csrow, pok, col, HALF: tl.constexpr, R: tl.constexpr, ROPE_OFF: tl.constexpr,
+                 NEOX: tl.constexpr, CS_BF16: tl.constexpr):
+    """ROPE 1's pairing of the columns col [NV, VEC] and the tokens' cos / sin (csrow [M] their rows,
+    pok [M] in range): (first, in_rope [NV, VEC], rot_mask [M, NV, VEC], partner column, cos, sin)."""
     k = col - ROPE_OFF
     in_rope = (k >= 0) & (k < R)
     if NEOX:
@@ -269,14 +285,7 @@ def _rope1_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, col, HALF: tl.co
     rot_mask = pok[:, None, None] & in_rope[None, :, :]
     c = load_f32(cs_ptr, csrow[:, None, None] + j[None, :, :], rot_mask, CS_BF16)
     s = load_f32(cs_ptr, csrow[:, None, None] + HALF + j[None, :, :], rot_mask, CS_BF16)
-    yp = load_f32(x_ptr, xrow[:, None, None] + partner[None, :, :], rot_mask, True)
-    wp = yp
-    bp = yp
-    if HAS_NORM:
-        wp = load_f32(w_ptr, partner, in_rope, W_BF16)
-        if HAS_BIAS:
-            bp = load_f32(b_ptr, partner, in_rope, B_BF16)
-    return first, rot_mask, c, s, yp, wp, bp
+    return first, in_rope, rot_mask, partner, c, s
 
 
 @triton.jit
@@ -590,10 +599,11 @@ _INT32_LIMIT = 2 ** 31
 
 
 @contextlib.contextmanager
-def force_config(block_m: int = None, num_warps: int = None, vec: int = None):
-    """Force rows per program / warps per program (tests of launch-configuration invariance)."""
+def force_config(block_m: int = None, num_warps: int = None, vec: int = None, heads: int = None):
+    """Force rows per program / warps per program / vector width, and the GQA kernel's heads per program
+    (tests of launch-configuration invariance)."""
     prev = _force.cfg
-    _force.cfg = (block_m, num_warps, vec)
+    _force.cfg = (block_m, num_warps, vec, heads)
     try:
         yield
     finally:

@@ -67,6 +67,20 @@ def encode_e4m3(t, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def div_rn_by_reciprocal(y, d, r):
+    """y / d for one divisor d with 2^-64 <= |d| <= 2^64 and r = div_rn(1, d): Markstein's correction of
+    q0 = y * r by its exact remainder, q = fma(fma(-q0, d, y), r, q0), three instructions instead of a
+    division per element. The bits of tl.div_rn(y, d) wherever |y| >= 2^-100 (the remainder is exact);
+    below, |y / d| < 2^-36 and its e4m3 code (a signed zero) is still the division's. q0 is kept where
+    the remainder is 0 (exact quotients, signed zeros) or q0 infinite (y infinite, or y / d past the
+    fp32 range); a NaN y gives a NaN. Proven against IEEE division (tests/division_proof.py,
+    docs/design.md); the caller checks the range of d."""
+    q0 = y * r
+    e = tl.fma(-q0, tl.zeros_like(y) + d, y)
+    return tl.where((e == 0.0) | (tl.abs(q0) == float("inf")), q0, tl.fma(e, tl.zeros_like(y) + r, q0))
+
+
+@triton.jit
 def decode_e4m3(c):
     """e4m3fn code (integer) -> fp32, exact (integer arithmetic: same on GPU and interpreter)."""
     c = c.to(tl.uint32)
