@@ -1,7 +1,7 @@
 """Offline proof of kvfuse.kernels.numerics.div_rn_by_reciprocal (the GQA kernel's per-tensor cast), run
 as a script (about 5 minutes on two CPU cores; not a test module): Markstein's quotient
-q = fma(fma(-q0, d, y), r, q0), q0 = RN(y * r), r = RN(1 / d), q0 kept where the remainder is 0 or
-q0 infinite, against IEEE fp32 division y / d (numpy), fma by Triton's interpreter (one rounding).
+q = fma(fma(q0, d, 0 - y), 0 - r, q0), q0 = RN(y * r), r = RN(1 / d), q0 kept where infinite, against
+IEEE fp32 division y / d (numpy) for positive d, fma by Triton's interpreter (one rounding).
 
 1. Every bf16 significand and sign at exponent 0 (256 values) x every fp32 significand of d in [1, 2)
    (2^23 values): the quotients' bits. Both operands scale by powers of two without changing any
@@ -26,8 +26,8 @@ def markstein(y: np.ndarray, d: np.float32) -> np.ndarray:
     r = np.float32(1.0) / d
     dd, rr = np.full(y.shape, d, np.float32), np.full(y.shape, r, np.float32)
     q0 = y * r
-    e = _interp.fma_fp32(-q0, dd, y)
-    return np.where((e == 0) | np.isinf(q0), q0, _interp.fma_fp32(e, rr, q0)).astype(np.float32)
+    e = _interp.fma_fp32(q0, dd, np.float32(0.0) - y)
+    return np.where(np.isinf(q0), q0, _interp.fma_fp32(e, np.float32(0.0) - rr, q0)).astype(np.float32)
 
 
 def bits(a: np.ndarray) -> np.ndarray:
@@ -47,8 +47,8 @@ def main() -> int:
                 yv = np.full(dsig.shape, y, np.float32)
                 r = np.float32(1.0) / dsig
                 q0 = yv * r
-                e = _interp.fma_fp32(-q0, dsig, yv)
-                q = np.where((e == 0) | np.isinf(q0), q0, _interp.fma_fp32(e, r, q0)).astype(np.float32)
+                e = _interp.fma_fp32(q0, dsig, np.float32(0.0) - yv)
+                q = np.where(np.isinf(q0), q0, _interp.fma_fp32(e, np.float32(0.0) - r, q0)).astype(np.float32)
                 diff1 += int((bits(q) != bits(yv / dsig)).sum())
     print(f"1. 256 bf16 significands x 2^23 divisor significands: {diff1} differing quotients "
           f"({time.time() - t0:.0f} s)", flush=True)

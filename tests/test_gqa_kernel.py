@@ -84,9 +84,9 @@ def test_tokens_and_heads_per_program_do_not_change_bytes(name, block_m, heads):
 @pytest.mark.parametrize("scales", [(2.0 ** -64, 2.0 ** 64), (-3.0e-20, 2.5e19), (1.0, -0.75), (7.1e-4, 1.0e6)])
 def test_fp8_scales_both_division_paths(scales):
     """The per-tensor cast divides by the scale's reciprocal with Markstein's correction for
-    2^-64 <= |scale| <= 2^64 (the bounds themselves: first case) and element by element outside them
-    (second case: just outside each bound); both give the bytes of the IEEE division (SPEC §11),
-    negative scales included. The k and v values (helpers.random_bf16: normal, outlier channels, bf16
+    2^-64 <= scale <= 2^64 (the bounds themselves: first case) and element by element outside them
+    (a negative scale, or just past a bound: second and third cases); both give the bytes of the IEEE
+    division (SPEC §11). The k and v values (helpers.random_bf16: normal, outlier channels, bf16
     subnormals, signed zeros) against these scales give saturated codes, e4m3 subnormals and signed
     zeros; the division's proof over every bf16 value is offline (docs/design.md)."""
     case = GQACase(n=6, hq=4, hkv=2, fp8=True, scales=scales, seed=40)

@@ -68,16 +68,19 @@ def encode_e4m3(t, NATIVE: tl.constexpr):
 
 @triton.jit
 def div_rn_by_reciprocal(y, d, r):
-    """y / d for one divisor d with 2^-64 <= |d| <= 2^64 and r = div_rn(1, d): Markstein's correction of
-    q0 = y * r by its exact remainder, q = fma(fma(-q0, d, y), r, q0), three instructions instead of a
+    """y / d for one divisor 2^-64 <= d <= 2^64 and r = div_rn(1, d): Markstein's correction of q0 = y * r
+    by its exact remainder, q = fma(fma(q0, d, 0 - y), 0 - r, q0), three instructions instead of a
     division per element. The bits of tl.div_rn(y, d) wherever |y| >= 2^-100 (the remainder is exact);
-    below, |y / d| < 2^-36 and its e4m3 code (a signed zero) is still the division's. q0 is kept where
-    the remainder is 0 (exact quotients, signed zeros) or q0 infinite (y infinite, or y / d past the
-    fp32 range); a NaN y gives a NaN. Proven against IEEE division (tests/division_proof.py,
+    below, |y / d| < 2^-36 and its e4m3 code (a signed zero) is still the division's. A zero remainder
+    is +0 and adds -0 * r, which leaves q0 and its sign; q0 is kept where infinite (y infinite, or y / d
+    past the fp32 range); a NaN y gives a NaN. Negations are written 0 - v: Triton 3.6 compiles unary
+    minus so, 3.9 as a sign flip, and they differ on +0 (the choice here is immaterial: 0 - y only
+    meets a zero product, and r is not 0). Proven against IEEE division (tests/division_proof.py,
     docs/design.md); the caller checks the range of d."""
+    zero = tl.zeros_like(y)
     q0 = y * r
-    e = tl.fma(-q0, tl.zeros_like(y) + d, y)
-    return tl.where((e == 0.0) | (tl.abs(q0) == float("inf")), q0, tl.fma(e, tl.zeros_like(y) + r, q0))
+    e = tl.fma(q0, zero + d, zero - y)               # q0 * d - y, exact
+    return tl.where(tl.abs(q0) == float("inf"), q0, tl.fma(e, zero - r, q0))
 
 
 @triton.jit

@@ -100,9 +100,9 @@ def _qk_halves_row(x_ptr, xrow, rm, jj, wa, wb, eps, pm, c, s, D: tl.constexpr, 
 @triton.jit
 def _scale(scale_ptr):
     """A per-tensor scale, read once per program: (scale, 1 / scale correctly rounded, whether the
-    reciprocal path serves it: 2^-64 <= |scale| <= 2^64, else each value is divided)."""
+    reciprocal path serves it: 2^-64 <= scale <= 2^64, else each value is divided)."""
     sc = tl.load(scale_ptr)
-    fast = (tl.abs(sc) >= 5.421010862427522e-20) & (tl.abs(sc) <= 1.8446744073709552e19)
+    fast = (sc >= 5.421010862427522e-20) & (sc <= 1.8446744073709552e19)
     return sc, tl.div_rn(1.0, tl.where(fast, sc, 1.0)), fast
 
 
