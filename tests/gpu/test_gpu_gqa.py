@@ -35,6 +35,15 @@ def test_int64_slot_path(monkeypatch):
     check(GQACase(n=3, neox=False, seed=2))
 
 
+@pytest.mark.parametrize("scales", [(2.0 ** -64, 2.0 ** 64), (-3.0e-20, 2.5e19), (1.0, -0.75), (7.1e-4, 1.0e6)])
+def test_fp8_scales_both_division_paths(scales):
+    """The cast's two branches on the GPU (the matrix's cases take the reciprocal one): the bounds of the
+    reciprocal's range, a negative scale and scales just past a bound (element by element), decode and
+    a multi-token launch, against the CPU reference."""
+    check(GQACase(n=6, hq=4, hkv=2, fp8=True, scales=scales, seed=40))
+    check(GQACase(n=300, hq=8, hkv=2, fp8=True, layout="HND", scales=scales, seed=41))
+
+
 @pytest.mark.parametrize("name", ["llama-3-8b", "qwen3-8b", "gemma-3-12b"])
 def test_model_shapes(name):
     """The models' real head counts and widths (decode and a prefill block), NHD fp8 and HND bf16."""
