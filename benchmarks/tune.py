@@ -14,7 +14,7 @@ did not take) is reported and not timed.
 
 Usage (on the device, repo root):
   python benchmarks/tune.py [--kernel portable|fast|all] [--out DIR] [--workloads a,b] [--n 1,256,...]
-      [--budget-s S] [--vec] [--rows 1,2] [--set indexer.PACKED_E2M1=0 ...]
+      [--budget-s S] [--vec] [--gqa-grid 4x2x1,...] [--rows 1,2] [--set indexer.PACKED_E2M1=0 ...]
 --workloads and --n default to each sweep's own lists; --set assigns a fast-path module's integer
 switch before anything runs (an A/B of a kernel variant in one run). Writes DIR/tune.json (the
 device, copy bandwidth, every timed configuration and the text) and DIR/tune.txt (the text).
@@ -86,12 +86,15 @@ def pct_of_copy(nbytes: int, us: float, copy_gbps: float) -> float:
 
 
 # ------------------------------------------------------------------------------------ portable kernel
-def portable_configs(name: str, rows: int, sweep_vec: bool):
+def portable_configs(name: str, rows: int, sweep_vec: bool, gqa_grid=None):
     """Small n: few rows, several warps; large n: one warp, more rows (earlier sweeps). BLOCK_M 1 also
     switches the kernel to its EARLY load order (kvfuse.kernels.fused.fused_args). GQA workloads
     (kvfuse.kernels.qkv; BLOCK_M tokens of G heads a program): BLOCK_M 1-8 x G 1-8 x 1-2 warps.
-    (bm, nw, vec, heads): None where the kernel has no such choice."""
+    (bm, nw, vec, heads): None where the kernel has no such choice. ``gqa_grid``: (bm, g, nw) triples
+    instead of the GQA grid (--gqa-grid)."""
     if bench.WORKLOADS[name].kind == "gqa":
+        if gqa_grid:
+            return [(bm, nw, None, g) for bm, g, nw in gqa_grid]
         return [(bm, nw, None, g) for bm in (1, 2, 4, 8) for g in (1, 2, 4, 8) for nw in (1, 2)]
     vecs = (4, 8) if name == "main_fp8" and sweep_vec else (None,)
     if rows <= 512:
@@ -101,7 +104,7 @@ def portable_configs(name: str, rows: int, sweep_vec: bool):
     return [(bm, nw, v, None) for bm, nw in grid for v in vecs]
 
 
-def sweep_portable(names, sizes, sweep_vec, copy_gbps, deadline, log, rows):
+def sweep_portable(names, sizes, sweep_vec, copy_gbps, deadline, log, rows, gqa_grid=None):
     timer = bench.CudaTimer()
     for name in names:
         wl = bench.WORKLOADS[name]
@@ -121,7 +124,7 @@ def sweep_portable(names, sizes, sweep_vec, copy_gbps, deadline, log, rows):
                 nbytes = bench.input_bytes(wl, inp)["total"]
                 rows_n = n * wl.num_heads
                 mine = []
-                for bm, nw, vec, g in portable_configs(name, rows_n, sweep_vec):
+                for bm, nw, vec, g in portable_configs(name, rows_n, sweep_vec, gqa_grid):
                     if bm * block_d > 16384:
                         continue
                     with fused.force_config(bm, nw, vec, g):
@@ -238,6 +241,9 @@ def parse_args(argv=None):
     p.add_argument("--n", default="", help="comma list of token counts (default: each sweep's own)")
     p.add_argument("--budget-s", type=float, default=400.0, help="no new (workload, n) point starts after this")
     p.add_argument("--vec", action="store_true", help="portable: also sweep VEC (4, 8) for main_fp8")
+    p.add_argument("--gqa-grid", default="", metavar="BMxGxW,...",
+                   help="portable: the GQA configurations to try (tokens x heads x warps a program), instead of "
+                        "BLOCK_M 1-8 x G 1-8 x 1-2 warps")
     p.add_argument("--rows", default="1,2", help="fast: rows per warp (per thread for the index kernel) to try")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=INT",
                    help="fast: set a fast-path module's integer switch before the sweep")
@@ -245,8 +251,11 @@ def parse_args(argv=None):
     try:
         a.n = [int(v) for v in csv(a.n)]
         a.rows = tuple(int(v) for v in csv(a.rows))
+        a.gqa_grid = [tuple(int(v) for v in t.split("x")) for t in csv(a.gqa_grid)]
     except ValueError as e:
-        p.error(f"--n and --rows take comma lists of integers ({e})")
+        p.error(f"--n, --rows and --gqa-grid take comma lists of integers ({e})")
+    if any(len(t) != 3 or min(t) < 1 for t in a.gqa_grid):
+        p.error(f"--gqa-grid: expected BMxGxW triples of positive integers, got {a.gqa_grid}")
     if any(v < 1 for v in a.n + list(a.rows)):
         p.error("--n and --rows take positive integers")
     names = csv(a.workloads)
@@ -287,7 +296,7 @@ def main(argv=None) -> int:
     portable, fast, points = [], [], []
     deadline = t0 + a.budget_s
     if a.portable:
-        sweep_portable(a.portable, a.n or PORTABLE_SIZES, a.vec, copy_gbps, deadline, log, portable)
+        sweep_portable(a.portable, a.n or PORTABLE_SIZES, a.vec, copy_gbps, deadline, log, portable, a.gqa_grid)
     if a.fast:
         sweep_fast(a.fast, a.n or FAST_SIZES, a.rows, copy_gbps, deadline, log, fast, points)
     os.makedirs(a.out, exist_ok=True)

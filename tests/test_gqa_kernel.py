@@ -125,12 +125,14 @@ def _plan(case):
 
 def test_launch_table_shapes():
     """The GPU launch table (the GPU matrix runs every entry): one token of one head a one-warp program
-    at n = 1, then ~256-element rows of 4 heads a one-warp program; G never exceeds the call's heads."""
-    for block_d, multi in ((64, 4), (128, 2), (256, 1)):
+    at n = 1, then ~512-element tiles of one head on two warps, two heads from 192 tokens, one warp from
+    2048; G never exceeds the call's heads."""
+    for block_d, multi, g in ((64, 8, 2), (128, 4, 2), (256, 2, 2)):
         table = qkv.launch_table(block_d)
-        assert table == ((1, (1, 1, 1)), (2, (multi, 4, 1)))
+        assert table == ((1, (1, 1, 1)), (2, (multi, 1, 2)), (192, (multi, g, 2)), (2048, (multi, g, 1)))
         assert qkv.launch_config(1, block_d, 8, interpret=False) == (1, 1, 1)
-        assert qkv.launch_config(2, block_d, 8, interpret=False) == (multi, 4, 1)
-        assert qkv.launch_config(65536, block_d, 32, interpret=False) == (multi, 4, 1)
-        assert qkv.launch_config(65536, block_d, 2, interpret=False) == (multi, 2, 1)
+        assert qkv.launch_config(2, block_d, 8, interpret=False) == (multi, 1, 2)
+        assert qkv.launch_config(191, block_d, 8, interpret=False) == (multi, 1, 2)
+        assert qkv.launch_config(192, block_d, 8, interpret=False) == (multi, g, 2)
+        assert qkv.launch_config(65536, block_d, 32, interpret=False) == (multi, g, 1)
         assert qkv.launch_config(65536, block_d, 1, interpret=False) == (multi, 1, 1)

@@ -275,12 +275,13 @@ def qkv_kernel(
 # --------------------------------------------------------------------------- launch configuration
 def launch_table(block_d: int) -> tuple:
     """The compiled kernel's launch table for a tile width: ((first n, (BLOCK_M, G, num_warps)), ...),
-    read by gluon.common.table_entry: BLOCK_M tokens of G heads of one kind a program. One token of
-    one head a one-warp program at n = 1; from two tokens, ~256-element rows (2 tokens of 128, 1 of
-    256, 4 of 64) of 4 heads, one warp: the positions, cos / sin, weights and slot of a program are
-    loaded once for its heads."""
-    multi = max(1, 256 // block_d)
-    return ((1, (1, 1, 1)), (2, (multi, 4, 1)))
+    read by gluon.common.table_entry: BLOCK_M tokens of G heads of one kind a program. From the H200
+    sweep (benchmarks/tune.py, Llama 3 8B fp8, 128-d heads): one token of one head a one-warp program at
+    n = 1; from two tokens ~512-element tiles (4 tokens of 128, 2 of 256, 8 of 64), one head a two-warp
+    program; from 192 tokens two heads a program (the position, cos / sin, weights and slot loaded once
+    for both), and one warp from 2048 tokens."""
+    multi = max(1, 512 // block_d)
+    return ((1, (1, 1, 1)), (2, (multi, 1, 2)), (192, (multi, 2, 2)), (2048, (multi, 2, 1)))
 
 
 def launch_config(n: int, block_d: int, heads: int = 1, interpret: bool = INTERPRET):
