@@ -155,6 +155,22 @@ def test_gqa_section_puts_the_peers_beside_the_fused_call():
     assert "qwen3_8b_fp8" in absent
 
 
+def test_gqa_section_from_a_later_run_names_that_run_and_only_its_figures():
+    """--gqa: the GQA / MHA section comes from the later run (its source, command, date and baselines
+    named in the section); the main run's own GQA figures do not appear anywhere."""
+    main = make_report(MLA + [("llama3_8b_fp8", 1, "fused", 9.87)])
+    later = make_report([("llama3_8b_fp8", 1, "fused", 1.81), ("llama3_8b_fp8", 1, "two_launch", 3.0)], pdl=True)
+    text = bench_report.render(main, "benchmarks/results/a.json", later, "benchmarks/results/b.json")
+    gqa = section(text, "GQA")
+    assert "- Source of this section: `benchmarks/results/b.json`, its own `kvfuse bench` run" in gqa
+    assert "PDL on." in gqa and f"launch floor {DEVICE['floor_us']:.2f} us" in gqa
+    assert ["`llama3_8b_fp8`", "1", "1.81"] == rows(gqa)[0][:3] and "9.87" not in text
+    assert "(the GQA / MHA section: a later run of its own, named there)" in text.splitlines()[2]
+    assert "- Source: `benchmarks/results/a.json`" in section(text, "How it was measured")
+    plain = bench_report.render(main, "benchmarks/results/a.json")       # control: without it, the main run's
+    assert "9.87" in section(plain, "GQA") and "Source of this section" not in plain
+
+
 def test_grouped_section_from_group_workloads_or_how_to_produce_them():
     absent = section(bench_report.render(make_report(MLA)), "Grouped")
     assert "This run has no grouped workload" in absent and "--peers fused,calls,stages" in absent
@@ -212,7 +228,14 @@ def test_committed_benchmarks_md_is_the_rendering_of_the_json_it_names():
     path = ROOT / source
     if not path.exists():
         pytest.fail(f"BENCHMARKS.md names {source}, which is not in the repository: commit the result JSON")
-    assert text == bench_report.render(json.loads(path.read_text()), source)
+    gqa = re.search(r"^- Source of this section: `([^`]+)`", text, re.M)
+    gqa_report = None
+    if gqa:
+        if not (ROOT / gqa.group(1)).exists():
+            pytest.fail(f"BENCHMARKS.md's GQA section names {gqa.group(1)}, which is not in the repository")
+        gqa_report = json.loads((ROOT / gqa.group(1)).read_text())
+    assert text == bench_report.render(json.loads(path.read_text()), source, gqa_report,
+                                       gqa.group(1) if gqa else None)
 
 
 def test_the_commands_it_suggests_are_valid_bench_options():
