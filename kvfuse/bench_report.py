@@ -66,9 +66,9 @@ _INDEX_NOTE = ("kvfuse's dsv32_index_k is the model's whole chain: LayerNorm + b
 _CAST_MAIN = "the cast alone, MAIN_FP8 record"
 _FLASHINFER_CAST_NOTE = ("FlashInfer's kernel writes its own page layout, not the MAIN_FP8 record: each 64-token page "
                          "holds 64 code rows of 512 B, then 64 scale rows of 16 B (528 B a token, no reserved bytes); "
-                         "the slot pattern of its figure is not recorded. In that layout kvfuse's portable kernel writes the "
-                         "same codes in 26.11 us at 65536 tokens against 31.28 us as MAIN_FP8 records (H200, "
-                         "2026-12-01, `main_fp8_pagewise_cast`; docs/performance.md)")
+                         "the slot pattern of its figure is not recorded. In that layout kvfuse's portable kernel "
+                         "writes the same codes in 26.11 us at 65536 tokens against 31.28 us as MAIN_FP8 records "
+                         "(H200, 2026-12-01, `main_fp8_pagewise_cast`; docs/performance.md)")
 _CAST_INDEX = "the cast alone, 128-d fp8 index write"
 
 ENGINE_FIGURES: Tuple[EngineFigure, ...] = (
