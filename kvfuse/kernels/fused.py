@@ -80,6 +80,17 @@ def _rotate(a, b, c, s, CONJ: tl.constexpr):
 
 
 @triton.jit
+def _rstd(ss, eps, D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """1 / sqrt(ss / D + eps) of rows with sum of squares (or of squared deviations) ss [M]
+    (reference.stages: each step rounded)."""
+    if (D & (D - 1)) == 0:
+        mean = ss * (1.0 / D)                 # exact: the same bits as ss / D for a power of two
+    else:
+        mean = tl.div_rn(ss, D * 1.0)
+    return tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tl.sqrt_rn(mean + eps))
+
+
+@triton.jit
 def _normed(v, mu, rstd, w, b, LAYER: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr):
     """SPEC §2 norm of values v (fp32) given the row's statistics (broadcast to v): RMSNorm
     bf16((v * rstd) * w); LayerNorm bf16(((v - mu) * rstd) * w (+ b)) (kvfuse.reference.rmsnorm /
@@ -423,11 +434,7 @@ def fused_rows(
         else:
             ss = _tree_sum(x * x, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC, NATIVE == NATIVE_INTEGER)
             mu = ss
-        if (D & (D - 1)) == 0:
-            mean = ss * (1.0 / D)             # exact: the same bits as ss / D for a power of two
-        else:
-            mean = tl.div_rn(ss, D * 1.0)
-        rstd = tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tl.sqrt_rn(mean + eps))
+        rstd = _rstd(ss, eps, D, BLOCK_M)
         if not EARLY:
             w = load_f32(w_ptr, col, cmask, W_BF16)
             bias = w

@@ -28,22 +28,12 @@ from triton.language.extra.cuda import gdc_wait
 
 from . import fused as _fused
 from .codes import NATIVE_INTEGER
-from .fused import (INTERPRET, _force, _native, _normed, _positions, _rope1_pairs, _rotate, _store_bf16,
-                    _tree_sum, cdiv, next_pow2, slot_block_offset)
+from .fused import (INTERPRET, _force, _native, _normed, _positions, _rope1_pairs, _rotate, _rstd,
+                    _store_bf16, _tree_sum, cdiv, next_pow2, slot_block_offset)
 from .gluon.common import table_entry
 from .numerics import div_rn_by_reciprocal, encode_e4m3, load_f32, round_bf16
 
 __all__ = ["qkv_kernel", "launch_table", "launch_config", "launch_args", "run", "INTERPRET"]
-
-
-@triton.jit
-def _rstd(ss, eps, D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of rows with sum of squares ss [M] (SPEC §2: each step rounded)."""
-    if (D & (D - 1)) == 0:
-        mean = ss * (1.0 / D)                 # exact: the same bits as ss / D for a power of two
-    else:
-        mean = tl.div_rn(ss, D * 1.0)
-    return tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tl.sqrt_rn(mean + eps))
 
 
 @triton.jit
