@@ -81,6 +81,20 @@ def test_tokens_and_heads_per_program_do_not_change_bytes(name, block_m, heads):
     assert not diff_report(ref, tri)
 
 
+@pytest.mark.parametrize("loads_first", [0, 1])
+@pytest.mark.parametrize("name", list(INVARIANCE_CASES))
+def test_loads_first_switch_does_not_change_bytes(monkeypatch, name, loads_first):
+    """qkv.LOADS_FIRST (every head's loads of a program before its first store, or each head's just
+    before its math) moves loads only: the bytes are the reference's either way, in place included,
+    with partial head groups (3 heads a program over 6 q and 3 kv heads)."""
+    monkeypatch.setattr(qkv, "LOADS_FIRST", loads_first)
+    case = INVARIANCE_CASES[name]
+    ref = run_gqa_case(case, "reference")
+    with fused.force_config(block_m=2, heads=3):
+        tri = run_gqa_case(case, "triton")
+    assert not diff_report(ref, tri)
+
+
 @pytest.mark.parametrize("scales", [(2.0 ** -64, 2.0 ** 64), (-3.0e-20, 2.5e19), (1.0, -0.75), (7.1e-4, 1.0e6)])
 def test_fp8_scales_both_division_paths(scales):
     """The per-tensor cast divides by the scale's reciprocal with Markstein's correction for

@@ -4,8 +4,9 @@ batch of tokens in one launch.
 A program owns BLOCK_M tokens of G heads of one kind: the 1-d grid walks the head groups [q | k | v]
 fastest (neighbouring programs read neighbouring heads of a packed QKV row and write neighbouring
 records of an NHD cache). Which kind a program is follows from its group index, a runtime branch
-uniform over the program; its G heads are unrolled, and what depends only on the token (position,
-cos / sin, norm weights, slot, the cast's scale and reciprocal) is loaded once for them:
+uniform over the program; its G heads are unrolled, their rows all loaded before the first store
+(LOADS_FIRST), and what depends only on the token (position, cos / sin, norm weights, slot, the cast's
+scale and reciprocal) is loaded once for them:
 
 * q: RMSNorm (optional) -> RoPE (optional) -> bf16 into q_out (which may be q itself);
 * k: the same with k's weight -> the cache record of the token's slot (bf16, or e4m3 by k_scale);
@@ -28,8 +29,8 @@ from triton.language.extra.cuda import gdc_wait
 
 from . import fused as _fused
 from .codes import NATIVE_INTEGER
-from .fused import (INTERPRET, _force, _native, _normed, _positions, _rope1_pairs, _rotate, _rstd,
-                    _store_bf16, _tree_sum, cdiv, next_pow2, slot_block_offset)
+from .fused import (INTERPRET, _force, _native, _normed, _positions, _rope1_pairs, _rotate, _rstd, _store_bf16,
+                    _tree_sum, cdiv, next_pow2, slot_block_offset)
 from .gluon.common import table_entry
 from .numerics import div_rn_by_reciprocal, encode_e4m3, load_f32, round_bf16
 
@@ -37,15 +38,25 @@ __all__ = ["qkv_kernel", "launch_table", "launch_config", "launch_args", "run", 
 
 
 @triton.jit
-def _qk_row(x_ptr, xrow, rm, col, cmask, w, wp, eps, first, rot_mask, c, s, partner, D: tl.constexpr,
-            BLOCK_D: tl.constexpr, LOG2_BLOCK_D: tl.constexpr, VEC: tl.constexpr, BLOCK_M: tl.constexpr,
-            HAS_NORM: tl.constexpr, ROPE: tl.constexpr, CONJ: tl.constexpr, NATIVE: tl.constexpr):
-    """RMSNorm -> RoPE of BLOCK_M rows at x_ptr + xrow (live where rm) held as [M, NV, VEC], each rotated
-    element from itself and its reloaded, renormalized partner (the same arithmetic gives the same
-    bits). w, wp: the weight at col and at the partner's column; first .. partner: _rope1_pairs."""
+def _qk_row_loads(x_ptr, xrow, rm, col, cmask, rot_mask, partner, ROPE: tl.constexpr):
+    """The whole-row form's loads of BLOCK_M rows at x_ptr + xrow (live where rm): the row [M, NV, VEC]
+    and, for RoPE, each rotated element's partner (the same row, reloaded at column ``partner``)."""
+    x = load_f32(x_ptr, xrow[:, None, None] + col[None, :, :], rm[:, None, None] & cmask[None, :, :], True)
+    xp = x
+    if ROPE:
+        xp = load_f32(x_ptr, xrow[:, None, None] + partner[None, :, :], rot_mask & rm[:, None, None], True)
+    return x, xp
+
+
+@triton.jit
+def _qk_row(x, xp, rm, w, wp, eps, first, rot_mask, c, s, D: tl.constexpr, BLOCK_D: tl.constexpr,
+            LOG2_BLOCK_D: tl.constexpr, VEC: tl.constexpr, BLOCK_M: tl.constexpr, HAS_NORM: tl.constexpr,
+            ROPE: tl.constexpr, CONJ: tl.constexpr, NATIVE: tl.constexpr):
+    """RMSNorm -> RoPE of the rows x [M, NV, VEC] (live where rm; _qk_row_loads), each rotated element
+    from itself and its renormalized partner xp (the same arithmetic gives the same bits). w, wp: the
+    weight at each column and at its partner's; first .. s: _rope1_pairs."""
     LOG2_VEC: tl.constexpr = 3 if VEC == 8 else 2
     NV: tl.constexpr = BLOCK_D // VEC
-    x = load_f32(x_ptr, xrow[:, None, None] + col[None, :, :], rm[:, None, None] & cmask[None, :, :], True)
     y = x
     if HAS_NORM:
         ss = _tree_sum(x * x, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC, NATIVE == NATIVE_INTEGER)
@@ -53,9 +64,9 @@ def _qk_row(x_ptr, xrow, rm, col, cmask, w, wp, eps, first, rot_mask, c, s, part
         y = _normed(x, r3, r3, w[None, :, :], w[None, :, :], False, False, NATIVE)
     if ROPE:
         rmk = rot_mask & rm[:, None, None]
-        yp = load_f32(x_ptr, xrow[:, None, None] + partner[None, :, :], rmk, True)
+        yp = xp
         if HAS_NORM:
-            yp = _normed(yp, r3, r3, wp[None, :, :], wp[None, :, :], False, False, NATIVE)
+            yp = _normed(xp, r3, r3, wp[None, :, :], wp[None, :, :], False, False, NATIVE)
         firstb = first[None, :, :]
         r0, r1 = _rotate(tl.where(firstb, y, yp), tl.where(firstb, yp, y), c, s, CONJ)
         y = tl.where(rmk, round_bf16(tl.where(firstb, r0, r1), NATIVE), y)
@@ -63,19 +74,23 @@ def _qk_row(x_ptr, xrow, rm, col, cmask, w, wp, eps, first, rot_mask, c, s, part
 
 
 @triton.jit
-def _qk_halves_row(x_ptr, xrow, rm, jj, wa, wb, eps, pm, c, s, D: tl.constexpr, LOG2_BLOCK_D: tl.constexpr,
-                   VEC: tl.constexpr, BLOCK_M: tl.constexpr, HAS_NORM: tl.constexpr, CONJ: tl.constexpr,
-                   NATIVE: tl.constexpr):
-    """HALVES (NEOX RoPE over the whole row, D a power of two): RMSNorm -> RoPE of BLOCK_M rows as their
-    two halves a = columns jj, b = columns D / 2 + jj, each [M, D / 2 / VEC, VEC] in one layout, so a pair
-    sits in one thread: no partner reload. The norm's adjacent-pairs tree over the row is tree(a) + tree(b)
-    (its last level). wa, wb: the halves' weights; pm [M, .., ..]: the token's position is in range."""
-    HALF: tl.constexpr = D // 2
-    NH: tl.constexpr = HALF // VEC
-    LOG2_VEC: tl.constexpr = 3 if VEC == 8 else 2
+def _halves_loads(x_ptr, xrow, rm, jj, HALF: tl.constexpr):
+    """The halves form's loads of BLOCK_M rows at x_ptr + xrow (live where rm): columns jj and HALF + jj."""
+    row = xrow[:, None, None] + jj[None, :, :]
     ld = rm[:, None, None] & (jj >= 0)[None, :, :]
-    a = load_f32(x_ptr, xrow[:, None, None] + jj[None, :, :], ld, True)
-    b = load_f32(x_ptr, xrow[:, None, None] + HALF + jj[None, :, :], ld, True)
+    return load_f32(x_ptr, row, ld, True), load_f32(x_ptr, row + HALF, ld, True)
+
+
+@triton.jit
+def _qk_halves(a, b, wa, wb, eps, pm, c, s, D: tl.constexpr, LOG2_BLOCK_D: tl.constexpr, VEC: tl.constexpr,
+               BLOCK_M: tl.constexpr, HAS_NORM: tl.constexpr, CONJ: tl.constexpr, NATIVE: tl.constexpr):
+    """HALVES (NEOX RoPE over the whole row, D a power of two): RMSNorm -> RoPE of BLOCK_M rows held as
+    their two halves a = columns jj, b = columns D / 2 + jj, each [M, D / 2 / VEC, VEC] in one layout, so
+    a pair sits in one thread: no partner reload. The norm's adjacent-pairs tree over the row is
+    tree(a) + tree(b) (its last level). wa, wb: the halves' weights; pm [M, .., ..]: the token's position
+    is in range."""
+    NH: tl.constexpr = D // 2 // VEC
+    LOG2_VEC: tl.constexpr = 3 if VEC == 8 else 2
     if HAS_NORM:
         split: tl.constexpr = NATIVE == NATIVE_INTEGER
         ss = _tree_sum(a * a, BLOCK_M, NH, LOG2_BLOCK_D - 1 - LOG2_VEC, VEC, LOG2_VEC, split) + \
@@ -119,11 +134,12 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
               BLOCK_M: tl.constexpr, G: tl.constexpr, HAS_NORM: tl.constexpr, W_BF16: tl.constexpr,
               ROPE: tl.constexpr, R: tl.constexpr, ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, CONJ: tl.constexpr,
               CS_BF16: tl.constexpr, HALVES: tl.constexpr, IN_PLACE_SAFE: tl.constexpr, STORE_FP8: tl.constexpr,
-              NATIVE: tl.constexpr):
+              NATIVE: tl.constexpr, LOADS_FIRST: tl.constexpr):
     """Heads h0 .. h0 + G - 1 (those < H) of q or k for BLOCK_M tokens: norm -> RoPE -> the row at dst_ptr +
     dst_tok + h * dst_h (live where ok): q_out (bf16), or the token's cache record (bf16 / e4m3 by
-    scale). The positions, cos / sin and weights are loaded once for the G heads. IN_PLACE_SAFE: the
-    destination may be the source (q_out is q): a barrier orders the partner reloads before the store."""
+    scale). The positions, cos / sin and weights are loaded once for the G heads; with LOADS_FIRST every
+    head's rows are loaded before the first store. IN_PLACE_SAFE: the destination may be the source (q_out
+    is q): in the whole-row form a barrier orders the partner reloads before the stores."""
     sc = eps
     rcp = eps
     fast = rmask
@@ -142,11 +158,26 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
         if HAS_NORM:
             wa = load_f32(w_ptr, jj, jj >= 0, W_BF16)
             wb = load_f32(w_ptr, HALF + jj, jj >= 0, W_BF16)
+        # every head's loads before any store: the compiler cannot tell that a store (q_out may be q, the
+        # cache may be anywhere) leaves the next head's row alone, and would wait for each head in turn
+        # (LOADS_FIRST; else each head's loads just before its math)
+        xa = ()
+        xb = ()
+        for g in tl.static_range(G if LOADS_FIRST else 0):
+            a, b = _halves_loads(x_ptr, tok * s_n + (h0 + g).to(tl.int64) * s_h, tl.where(h0 + g < H, rmask, False),
+                                 jj, HALF)
+            xa = xa + (a,)
+            xb = xb + (b,)
         for g in tl.static_range(G):
             h = h0 + g
             rm = tl.where(h < H, rmask, False)     # (rmask & scalar: int32 in the interpreter)
-            ya, yb = _qk_halves_row(x_ptr, tok * s_n + h.to(tl.int64) * s_h, rm, jj, wa, wb, eps, pm, c, s, D,
-                                    LOG2_BLOCK_D, VEC, BLOCK_M, HAS_NORM, CONJ, NATIVE)
+            if LOADS_FIRST:
+                a = xa[g]
+                b = xb[g]
+            else:
+                a, b = _halves_loads(x_ptr, tok * s_n + h.to(tl.int64) * s_h, rm, jj, HALF)
+            ya, yb = _qk_halves(a, b, wa, wb, eps, pm, c, s, D, LOG2_BLOCK_D, VEC, BLOCK_M, HAS_NORM, CONJ,
+                                NATIVE)
             # no barrier even in place: the value stored at an address is computed from the value loaded
             # from it (a pair's partner is its own other half, not a reload)
             dst = (dst_tok + h.to(tl.int64) * dst_h)[:, None, None] + jj[None, :, :]
@@ -172,13 +203,27 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
                 wp = load_f32(w_ptr, partner, in_rope, W_BF16)
         if HAS_NORM:
             w = load_f32(w_ptr, col, cmask, W_BF16)
+        xs = ()                                    # every head's loads first (LOADS_FIRST), as in the halves form
+        xps = ()
+        for g in tl.static_range(G if LOADS_FIRST else 0):
+            x, xp = _qk_row_loads(x_ptr, tok * s_n + (h0 + g).to(tl.int64) * s_h, tl.where(h0 + g < H, rmask, False),
+                                  col, cmask, rot_mask, partner, ROPE)
+            xs = xs + (x,)
+            xps = xps + (xp,)
+        if ROPE and IN_PLACE_SAFE and LOADS_FIRST:
+            tl.debug_barrier()     # q_out may be q: every read of the rows (the partner reloads) comes first
         for g in tl.static_range(G):
             h = h0 + g
             rm = tl.where(h < H, rmask, False)     # (rmask & scalar: int32 in the interpreter)
-            y = _qk_row(x_ptr, tok * s_n + h.to(tl.int64) * s_h, rm, col, cmask, w, wp, eps, first, rot_mask, c, s,
-                        partner, D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, HAS_NORM, ROPE, CONJ, NATIVE)
-            if ROPE and IN_PLACE_SAFE:
-                tl.debug_barrier()     # q_out may be q: every read of this row (the partner reload) comes first
+            if LOADS_FIRST:
+                x = xs[g]
+                xp = xps[g]
+            else:
+                x, xp = _qk_row_loads(x_ptr, tok * s_n + h.to(tl.int64) * s_h, rm, col, cmask, rot_mask, partner, ROPE)
+                if ROPE and IN_PLACE_SAFE:
+                    tl.debug_barrier()     # q_out may be q: this row's reads (the partner reload) come first
+            y = _qk_row(x, xp, rm, w, wp, eps, first, rot_mask, c, s, D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M,
+                        HAS_NORM, ROPE, CONJ, NATIVE)
             dst = (dst_tok + h.to(tl.int64) * dst_h)[:, None, None] + col[None, :, :]
             _store_record(dst_ptr, dst, y, (ok & rm)[:, None, None] & cmask[None, :, :], sc, rcp, fast, STORE_FP8,
                           NATIVE)
@@ -186,7 +231,8 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
 
 @triton.jit
 def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, vc_ptr, dst_tok, dst_h, ok, vs_ptr, DV: tl.constexpr,
-             BLOCK_DV: tl.constexpr, VEC: tl.constexpr, G: tl.constexpr, FP8: tl.constexpr, NATIVE: tl.constexpr):
+             BLOCK_DV: tl.constexpr, VEC: tl.constexpr, G: tl.constexpr, FP8: tl.constexpr, NATIVE: tl.constexpr,
+             LOADS_FIRST: tl.constexpr):
     """Heads h0 .. h0 + G - 1 (those < H) of v: copied (bf16 cache: the bits) or cast by v_scale into the
     records at vc_ptr + dst_tok + h * dst_h (live where ok)."""
     NVV: tl.constexpr = BLOCK_DV // VEC
@@ -194,17 +240,33 @@ def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, vc_ptr, dst_tok, dst_h, ok, vs_ptr, 
     vmask = colv < DV
     if FP8:
         sc, rcp, fast = _scale(vs_ptr)
+    vals = ()                                      # every head's loads before any store (LOADS_FIRST)
+    for g in tl.static_range(G if LOADS_FIRST else 0):
+        vals = vals + (_v_load(v_ptr, sv_n, sv_h, h0 + g, H, tok, ok, colv, vmask, FP8),)
     for g in tl.static_range(G):
         h = h0 + g
-        hl = h.to(tl.int64)
-        src = (tok * sv_n + hl * sv_h)[:, None, None] + colv[None, :, :]
-        dst = (dst_tok + hl * dst_h)[:, None, None] + colv[None, :, :]
+        if LOADS_FIRST:
+            val = vals[g]
+        else:
+            val = _v_load(v_ptr, sv_n, sv_h, h, H, tok, ok, colv, vmask, FP8)
+        dst = (dst_tok + h.to(tl.int64) * dst_h)[:, None, None] + colv[None, :, :]
         okm = tl.where(h < H, ok, False)[:, None, None] & vmask[None, :, :]
         if FP8:
-            _store_record(vc_ptr, dst, load_f32(v_ptr, src, okm, True), okm, sc, rcp, fast, FP8, NATIVE)
+            _store_record(vc_ptr, dst, val, okm, sc, rcp, fast, FP8, NATIVE)
         else:
-            bits = tl.load(v_ptr.to(tl.pointer_type(tl.uint16)) + src, mask=okm, other=0)
-            tl.store(vc_ptr.to(tl.pointer_type(tl.uint16)) + dst, bits, mask=okm)
+            tl.store(vc_ptr.to(tl.pointer_type(tl.uint16)) + dst, val, mask=okm)
+
+
+@triton.jit
+def _v_load(v_ptr, sv_n, sv_h, h, H, tok, ok, colv, vmask, FP8: tl.constexpr):
+    """Head h of v for the program's tokens (live where ok and h < H): fp32 values (FP8), else the bits."""
+    src = (tok * sv_n + h.to(tl.int64) * sv_h)[:, None, None] + colv[None, :, :]
+    okm = tl.where(h < H, ok, False)[:, None, None] & vmask[None, :, :]
+    if FP8:
+        val = load_f32(v_ptr, src, okm, True)
+    else:
+        val = tl.load(v_ptr.to(tl.pointer_type(tl.uint16)) + src, mask=okm, other=0)
+    return val
 
 
 @triton.jit
@@ -233,7 +295,7 @@ def qkv_kernel(
     Q_NORM: tl.constexpr, QW_BF16: tl.constexpr, K_NORM: tl.constexpr, KW_BF16: tl.constexpr,
     ROPE: tl.constexpr, R: tl.constexpr, ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, CONJ: tl.constexpr,
     CS_BF16: tl.constexpr, FP8: tl.constexpr, SLOT32: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr,
-    HALVES: tl.constexpr,
+    HALVES: tl.constexpr, LOADS_FIRST: tl.constexpr,
 ):
     """One program: BLOCK_M tokens of G heads of one kind (see the module docstring). PDL (programmatic
     dependent launch): wait for the previous kernel before the first read. No early launch_dependents:
@@ -250,19 +312,24 @@ def qkv_kernel(
     if grp < QG:
         _qk_heads(q_ptr, sq_n, sq_h, grp * G, HQ, qw_ptr, q_eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, rmask,
                   qo_ptr, tok * so_n, so_h, rmask, ks_ptr, D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, G, Q_NORM, QW_BF16,
-                  ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16, HALVES, True, False, NATIVE)
+                  ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16, HALVES, True, False, NATIVE, LOADS_FIRST)
     elif grp < QG + KG:
         ok, base = _record_base(slot_ptr, s_slot, tok, rmask, kc_blk, kc_tok, block_size, capacity, SLOT32)
         _qk_heads(k_ptr, sk_n, sk_h, (grp - QG) * G, HKV, kw_ptr, k_eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, rmask,
                   kc_ptr, base, kc_head, ok, ks_ptr, D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, G, K_NORM, KW_BF16,
-                  ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16, HALVES, False, FP8, NATIVE)
+                  ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16, HALVES, False, FP8, NATIVE, LOADS_FIRST)
     else:
         ok, base = _record_base(slot_ptr, s_slot, tok, rmask, vc_blk, vc_tok, block_size, capacity, SLOT32)
         _v_heads(v_ptr, sv_n, sv_h, (grp - QG - KG) * G, HKV, tok, vc_ptr, base, vc_head, ok, vs_ptr, DV, BLOCK_DV,
-                 VEC, G, FP8, NATIVE)
+                 VEC, G, FP8, NATIVE, LOADS_FIRST)
 
 
 # --------------------------------------------------------------------------- launch configuration
+# every head's loads of a program before its first store (1), or each head's just before its math (0):
+# the compiler cannot reorder them across the stores itself (q_out may be q; a cache may be anywhere)
+LOADS_FIRST = 1
+
+
 def launch_table(block_d: int) -> tuple:
     """The compiled kernel's launch table for a tile width: ((first n, (BLOCK_M, G, num_warps)), ...),
     read by gluon.common.table_entry: BLOCK_M tokens of G heads of one kind a program. From the H200
@@ -335,7 +402,8 @@ def launch_args(plan):
         ROPE=rope, R=plan.rotary_dim if rope else 2, ROPE_OFF=plan.rope_offset if rope else 0,
         NEOX=plan.is_neox, CONJ=plan.conjugate, CS_BF16=rope and plan.cos_sin.dtype == torch.bfloat16,
         FP8=fp8, SLOT32=cap < _fused._INT32_LIMIT, NATIVE=_native(INTERPRET), PDL=False,
-        HALVES=halves_mode(plan, d, block_d), num_warps=nw, num_stages=1, enable_fp_fusion=False,
+        HALVES=halves_mode(plan, d, block_d), LOADS_FIRST=bool(LOADS_FIRST), num_warps=nw, num_stages=1,
+        enable_fp_fusion=False,
     )
     return (cdiv(n, bm) * (qg + 2 * kg),), args, options
 
