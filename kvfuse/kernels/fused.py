@@ -216,6 +216,12 @@ def _emit(y, tok, head, rmask, ok, qbase, sfbase, tailbase,
 def _positions(pos_ptr, s_pos, tok, rmask, P, s_cs):
     """(pok [M]: the position is in [0, P) (else RoPE is the identity), csrow [M]: its cos/sin row offset)."""
     pos = tl.load(pos_ptr + tok * s_pos, mask=rmask, other=-1)
+    return cs_rows(pos, rmask, P, s_cs)
+
+
+@triton.jit
+def cs_rows(pos, rmask, P, s_cs):
+    """_positions of loaded positions (-1 where not rmask)."""
     pok = rmask & (pos >= 0) & (pos < P)
     return pok, tl.where(pok, pos, 0).to(tl.int64) * s_cs
 
@@ -226,6 +232,12 @@ def slot_block_offset(slot_ptr, s_slot, tok, rmask, block_size, capacity, SLOT32
     [0, capacity), block and offset int64 (0 where not ok); the division in int32 while capacity <= 2**31
     (SLOT32, checked on the host)."""
     slot = tl.load(slot_ptr + tok * s_slot, mask=rmask, other=-1)
+    return block_offset_of_slot(slot, rmask, block_size, capacity, SLOT32)
+
+
+@triton.jit
+def block_offset_of_slot(slot, rmask, block_size, capacity, SLOT32: tl.constexpr):
+    """slot_block_offset of loaded slots (-1 where not rmask)."""
     ok = rmask & (slot >= 0) & (slot < capacity)
     if SLOT32:
         s32 = tl.where(ok, slot, 0).to(tl.int32)

@@ -29,8 +29,8 @@ from triton.language.extra.cuda import gdc_wait
 
 from . import fused as _fused
 from .codes import NATIVE_INTEGER
-from .fused import (INTERPRET, _force, _native, _normed, _positions, _rope1_pairs, _rotate, _rstd, _store_bf16,
-                    _tree_sum, cdiv, next_pow2, slot_block_offset)
+from .fused import (INTERPRET, _force, _native, _normed, _rope1_pairs, _rotate, _rstd, _store_bf16, _tree_sum,
+                    block_offset_of_slot, cdiv, cs_rows, next_pow2)
 from .gluon.common import table_entry
 from .numerics import div_rn_by_reciprocal, encode_e4m3, load_f32, round_bf16
 
@@ -103,12 +103,18 @@ def _qk_halves(a, b, wa, wb, eps, pm, c, s, D: tl.constexpr, LOG2_BLOCK_D: tl.co
 
 
 @triton.jit
-def _scale(scale_ptr):
-    """A per-tensor scale, read once per program: (scale, 1 / scale correctly rounded, whether the
-    reciprocal path serves it: 2^-64 <= scale <= 2^64, else each value is divided)."""
-    sc = tl.load(scale_ptr)
+def _scale_rcp(sc):
+    """Of a per-tensor scale read once per program: (1 / scale correctly rounded, whether the reciprocal
+    path serves it: 2^-64 <= scale <= 2^64, else each value is divided)."""
     fast = (sc >= 5.421010862427522e-20) & (sc <= 1.8446744073709552e19)
-    return sc, tl.div_rn(1.0, tl.where(fast, sc, 1.0)), fast
+    return tl.div_rn(1.0, tl.where(fast, sc, 1.0)), fast
+
+
+@triton.jit
+def _record(slot, rmask, c_blk, c_tok, block_size, capacity, SLOT32: tl.constexpr):
+    """(ok [M]: the token's loaded slot is valid, the element offset of its head-0 record, int64)."""
+    ok, blk, off = block_offset_of_slot(slot, rmask, block_size, capacity, SLOT32)
+    return ok, blk * c_blk + off * c_tok
 
 
 @triton.jit
@@ -129,35 +135,32 @@ def _store_record(c_ptr, addr, y, mask, sc, rcp, fast, FP8: tl.constexpr, NATIVE
 
 @triton.jit
 def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, rmask,
-              dst_ptr, dst_tok, dst_h, ok, scale_ptr,
+              dst_ptr, dst_n, dst_h, slot_ptr, s_slot, c_blk, block_size, capacity, scale_ptr,
               D: tl.constexpr, BLOCK_D: tl.constexpr, LOG2_BLOCK_D: tl.constexpr, VEC: tl.constexpr,
               BLOCK_M: tl.constexpr, G: tl.constexpr, HAS_NORM: tl.constexpr, W_BF16: tl.constexpr,
               ROPE: tl.constexpr, R: tl.constexpr, ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, CONJ: tl.constexpr,
-              CS_BF16: tl.constexpr, HALVES: tl.constexpr, IN_PLACE_SAFE: tl.constexpr, STORE_FP8: tl.constexpr,
-              NATIVE: tl.constexpr, LOADS_FIRST: tl.constexpr):
-    """Heads h0 .. h0 + G - 1 (those < H) of q or k for BLOCK_M tokens: norm -> RoPE -> the row at dst_ptr +
-    dst_tok + h * dst_h (live where ok): q_out (bf16), or the token's cache record (bf16 / e4m3 by
-    scale). The positions, cos / sin and weights are loaded once for the G heads; with LOADS_FIRST every
-    head's rows are loaded before the first store. IN_PLACE_SAFE: the destination may be the source (q_out
-    is q): in the whole-row form a barrier orders the partner reloads before the stores."""
+              CS_BF16: tl.constexpr, HALVES: tl.constexpr, TO_CACHE: tl.constexpr, STORE_FP8: tl.constexpr,
+              SLOT32: tl.constexpr, NATIVE: tl.constexpr, LOADS_FIRST: tl.constexpr):
+    """Heads h0 .. h0 + G - 1 (those < H) of q or k for BLOCK_M tokens: norm -> RoPE -> the row at dst_ptr:
+    q_out (bf16; token stride dst_n, which may be q itself), or (TO_CACHE) the record of the token's slot
+    in a cache of (block, token) strides (c_blk, dst_n), bf16 or e4m3 by the scale. Every load that waits
+    on nothing (position, slot, scale, and with LOADS_FIRST every head's rows) is issued before the
+    first instruction that waits on a load: a warp issues in order, so each dependent step placed
+    earlier would cost a DRAM round trip of its own. The positions, cos / sin and weights are loaded
+    once for the G heads."""
+    pos = tok
+    slot = tok
     sc = eps
-    rcp = eps
-    fast = rmask
+    if ROPE:
+        pos = tl.load(pos_ptr + tok * s_pos, mask=rmask, other=-1)
+    if TO_CACHE:
+        slot = tl.load(slot_ptr + tok * s_slot, mask=rmask, other=-1)
     if STORE_FP8:
-        sc, rcp, fast = _scale(scale_ptr)
+        sc = tl.load(scale_ptr)
     if HALVES:
         HALF: tl.constexpr = D // 2
         NH: tl.constexpr = HALF // VEC
         jj = tl.arange(0, NH)[:, None] * VEC + tl.arange(0, VEC)[None, :]               # [NH, VEC]
-        pok, csrow = _positions(pos_ptr, s_pos, tok, rmask, P, s_cs)
-        pm = pok[:, None, None] & (jj >= 0)[None, :, :]
-        c = load_f32(cs_ptr, csrow[:, None, None] + jj[None, :, :], pm, CS_BF16)
-        s = load_f32(cs_ptr, csrow[:, None, None] + HALF + jj[None, :, :], pm, CS_BF16)
-        wa = c
-        wb = c
-        if HAS_NORM:
-            wa = load_f32(w_ptr, jj, jj >= 0, W_BF16)
-            wb = load_f32(w_ptr, HALF + jj, jj >= 0, W_BF16)
         # every head's loads before any store: the compiler cannot tell that a store (q_out may be q, the
         # cache may be anywhere) leaves the next head's row alone, and would wait for each head in turn
         # (LOADS_FIRST; else each head's loads just before its math)
@@ -168,6 +171,17 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
                                  jj, HALF)
             xa = xa + (a,)
             xb = xb + (b,)
+        wa = tl.zeros([NH, VEC], tl.float32)
+        wb = wa
+        if HAS_NORM:
+            wa = load_f32(w_ptr, jj, jj >= 0, W_BF16)
+            wb = load_f32(w_ptr, HALF + jj, jj >= 0, W_BF16)
+        pok, csrow = cs_rows(pos, rmask, P, s_cs)
+        pm = pok[:, None, None] & (jj >= 0)[None, :, :]
+        c = load_f32(cs_ptr, csrow[:, None, None] + jj[None, :, :], pm, CS_BF16)
+        s = load_f32(cs_ptr, csrow[:, None, None] + HALF + jj[None, :, :], pm, CS_BF16)
+        rcp, fast, ok, dst_tok = _destination(sc, slot, tok, rmask, dst_n, c_blk, block_size, capacity, TO_CACHE,
+                                              STORE_FP8, SLOT32)
         for g in tl.static_range(G):
             h = h0 + g
             rm = tl.where(h < H, rmask, False)     # (rmask & scalar: int32 in the interpreter)
@@ -196,7 +210,7 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
         w = c
         wp = c
         if ROPE:
-            pok, csrow = _positions(pos_ptr, s_pos, tok, rmask, P, s_cs)
+            pok, csrow = cs_rows(pos, rmask, P, s_cs)
             first, in_rope, rot_mask, partner, c, s = _rope1_pairs(cs_ptr, csrow, pok, col, R // 2, R, ROPE_OFF,
                                                                    NEOX, CS_BF16)
             if HAS_NORM:
@@ -210,8 +224,11 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
                                   col, cmask, rot_mask, partner, ROPE)
             xs = xs + (x,)
             xps = xps + (xp,)
-        if ROPE and IN_PLACE_SAFE and LOADS_FIRST:
-            tl.debug_barrier()     # q_out may be q: every read of the rows (the partner reloads) comes first
+        in_place_safe: tl.constexpr = ROPE and not TO_CACHE      # q_out may be q
+        if in_place_safe and LOADS_FIRST:
+            tl.debug_barrier()     # every read of the rows (the partner reloads) comes before the stores
+        rcp, fast, ok, dst_tok = _destination(sc, slot, tok, rmask, dst_n, c_blk, block_size, capacity, TO_CACHE,
+                                              STORE_FP8, SLOT32)
         for g in tl.static_range(G):
             h = h0 + g
             rm = tl.where(h < H, rmask, False)     # (rmask & scalar: int32 in the interpreter)
@@ -220,8 +237,8 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
                 xp = xps[g]
             else:
                 x, xp = _qk_row_loads(x_ptr, tok * s_n + h.to(tl.int64) * s_h, rm, col, cmask, rot_mask, partner, ROPE)
-                if ROPE and IN_PLACE_SAFE:
-                    tl.debug_barrier()     # q_out may be q: this row's reads (the partner reload) come first
+                if in_place_safe:
+                    tl.debug_barrier()     # this row's reads (the partner reload) come before its store
             y = _qk_row(x, xp, rm, w, wp, eps, first, rot_mask, c, s, D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M,
                         HAS_NORM, ROPE, CONJ, NATIVE)
             dst = (dst_tok + h.to(tl.int64) * dst_h)[:, None, None] + col[None, :, :]
@@ -230,25 +247,49 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
 
 
 @triton.jit
-def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, vc_ptr, dst_tok, dst_h, ok, vs_ptr, DV: tl.constexpr,
-             BLOCK_DV: tl.constexpr, VEC: tl.constexpr, G: tl.constexpr, FP8: tl.constexpr, NATIVE: tl.constexpr,
-             LOADS_FIRST: tl.constexpr):
+def _destination(sc, slot, tok, rmask, dst_n, c_blk, block_size, capacity, TO_CACHE: tl.constexpr,
+                 STORE_FP8: tl.constexpr, SLOT32: tl.constexpr):
+    """What the stores need from the loaded scale and slots, computed once the loads are issued: (1 /
+    scale, whether the reciprocal path serves it, ok [M], the element offset of each token's head-0 row
+    at the destination: its cache record (TO_CACHE; dst_n the cache's token stride), else tok * dst_n)."""
+    rcp = sc
+    fast = rmask
+    if STORE_FP8:
+        rcp, fast = _scale_rcp(sc)
+    if TO_CACHE:
+        ok, dst_tok = _record(slot, rmask, c_blk, dst_n, block_size, capacity, SLOT32)
+    else:
+        ok = rmask
+        dst_tok = tok * dst_n
+    return rcp, fast, ok, dst_tok
+
+
+@triton.jit
+def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, slot_ptr, s_slot, block_size,
+             capacity, vs_ptr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, VEC: tl.constexpr, G: tl.constexpr,
+             FP8: tl.constexpr, SLOT32: tl.constexpr, NATIVE: tl.constexpr, LOADS_FIRST: tl.constexpr):
     """Heads h0 .. h0 + G - 1 (those < H) of v: copied (bf16 cache: the bits) or cast by v_scale into the
-    records at vc_ptr + dst_tok + h * dst_h (live where ok)."""
+    records of the tokens' slots in vc_ptr ((block, token, head) strides c_blk, c_tok, dst_h). The slot,
+    the scale and (LOADS_FIRST) every head's values are loaded before anything waits on a load
+    (_qk_heads); the values of a token whose slot is invalid are loaded and not stored."""
     NVV: tl.constexpr = BLOCK_DV // VEC
     colv = tl.arange(0, NVV)[:, None] * VEC + tl.arange(0, VEC)[None, :]               # [NVV, VEC]
     vmask = colv < DV
+    slot = tl.load(slot_ptr + tok * s_slot, mask=rmask, other=-1)
+    sc = 1.0
     if FP8:
-        sc, rcp, fast = _scale(vs_ptr)
+        sc = tl.load(vs_ptr)
     vals = ()                                      # every head's loads before any store (LOADS_FIRST)
     for g in tl.static_range(G if LOADS_FIRST else 0):
-        vals = vals + (_v_load(v_ptr, sv_n, sv_h, h0 + g, H, tok, ok, colv, vmask, FP8),)
+        vals = vals + (_v_load(v_ptr, sv_n, sv_h, h0 + g, H, tok, rmask, colv, vmask, FP8),)
+    rcp, fast, ok, dst_tok = _destination(sc, slot, tok, rmask, c_tok, c_blk, block_size, capacity, True, FP8,
+                                          SLOT32)
     for g in tl.static_range(G):
         h = h0 + g
         if LOADS_FIRST:
             val = vals[g]
         else:
-            val = _v_load(v_ptr, sv_n, sv_h, h, H, tok, ok, colv, vmask, FP8)
+            val = _v_load(v_ptr, sv_n, sv_h, h, H, tok, rmask, colv, vmask, FP8)
         dst = (dst_tok + h.to(tl.int64) * dst_h)[:, None, None] + colv[None, :, :]
         okm = tl.where(h < H, ok, False)[:, None, None] & vmask[None, :, :]
         if FP8:
@@ -258,22 +299,15 @@ def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, vc_ptr, dst_tok, dst_h, ok, vs_ptr, 
 
 
 @triton.jit
-def _v_load(v_ptr, sv_n, sv_h, h, H, tok, ok, colv, vmask, FP8: tl.constexpr):
-    """Head h of v for the program's tokens (live where ok and h < H): fp32 values (FP8), else the bits."""
+def _v_load(v_ptr, sv_n, sv_h, h, H, tok, rmask, colv, vmask, FP8: tl.constexpr):
+    """Head h of v for the program's tokens (live where rmask and h < H): fp32 values (FP8), else the bits."""
     src = (tok * sv_n + h.to(tl.int64) * sv_h)[:, None, None] + colv[None, :, :]
-    okm = tl.where(h < H, ok, False)[:, None, None] & vmask[None, :, :]
+    okm = tl.where(h < H, rmask, False)[:, None, None] & vmask[None, :, :]
     if FP8:
         val = load_f32(v_ptr, src, okm, True)
     else:
         val = tl.load(v_ptr.to(tl.pointer_type(tl.uint16)) + src, mask=okm, other=0)
     return val
-
-
-@triton.jit
-def _record_base(slot_ptr, s_slot, tok, rmask, c_blk, c_tok, block_size, capacity, SLOT32: tl.constexpr):
-    """(ok [M]: the token's slot is valid, the element offset of its head-0 record in the cache, int64)."""
-    ok, blk, off = slot_block_offset(slot_ptr, s_slot, tok, rmask, block_size, capacity, SLOT32)
-    return ok, blk * c_blk + off * c_tok
 
 
 @triton.jit(do_not_specialize=["n", "P", "capacity"])
@@ -311,17 +345,17 @@ def qkv_kernel(
     rmask = tok < n
     if grp < QG:
         _qk_heads(q_ptr, sq_n, sq_h, grp * G, HQ, qw_ptr, q_eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, rmask,
-                  qo_ptr, tok * so_n, so_h, rmask, ks_ptr, D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, G, Q_NORM, QW_BF16,
-                  ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16, HALVES, True, False, NATIVE, LOADS_FIRST)
+                  qo_ptr, so_n, so_h, slot_ptr, s_slot, kc_blk, block_size, capacity, ks_ptr,
+                  D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, G, Q_NORM, QW_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16,
+                  HALVES, False, False, SLOT32, NATIVE, LOADS_FIRST)
     elif grp < QG + KG:
-        ok, base = _record_base(slot_ptr, s_slot, tok, rmask, kc_blk, kc_tok, block_size, capacity, SLOT32)
         _qk_heads(k_ptr, sk_n, sk_h, (grp - QG) * G, HKV, kw_ptr, k_eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, rmask,
-                  kc_ptr, base, kc_head, ok, ks_ptr, D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, G, K_NORM, KW_BF16,
-                  ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16, HALVES, False, FP8, NATIVE, LOADS_FIRST)
+                  kc_ptr, kc_tok, kc_head, slot_ptr, s_slot, kc_blk, block_size, capacity, ks_ptr,
+                  D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, G, K_NORM, KW_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16,
+                  HALVES, True, FP8, SLOT32, NATIVE, LOADS_FIRST)
     else:
-        ok, base = _record_base(slot_ptr, s_slot, tok, rmask, vc_blk, vc_tok, block_size, capacity, SLOT32)
-        _v_heads(v_ptr, sv_n, sv_h, (grp - QG - KG) * G, HKV, tok, vc_ptr, base, vc_head, ok, vs_ptr, DV, BLOCK_DV,
-                 VEC, G, FP8, NATIVE, LOADS_FIRST)
+        _v_heads(v_ptr, sv_n, sv_h, (grp - QG - KG) * G, HKV, tok, rmask, vc_ptr, vc_blk, vc_tok, vc_head, slot_ptr,
+                 s_slot, block_size, capacity, vs_ptr, DV, BLOCK_DV, VEC, G, FP8, SLOT32, NATIVE, LOADS_FIRST)
 
 
 # --------------------------------------------------------------------------- launch configuration
