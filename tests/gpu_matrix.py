@@ -257,7 +257,7 @@ GQA_VARIANTS = [
     dict(q_out_none=True, fp8=True, slots="contiguous", block_size=16),
     dict(dv=64, fp8=True, layout="HND", q_norm=None, k_norm=None),
 ]
-GQA_HEADS = {64: (4, 2), 128: (6, 3), 256: (4, 4)}     # 128: partial groups of 4 heads (q 4 + 2, kv 3)
+GQA_HEADS = {64: (12, 6), 128: (6, 3), 256: (4, 4)}   # partial groups: 64-d of 8 heads (q 8 + 4, kv 6), 128-d of 4 (q 4 + 2, kv 3)
 
 
 def gqa_cases():

@@ -98,7 +98,7 @@ def gqa_variants():
     by 16 as in an engine's calls."""
     base = dict(D=128, BLOCK_D=128, LOG2_BLOCK_D=7, DV=128, BLOCK_DV=128, VEC=8, BLOCK_M=1, G=1, Q_NORM=True,
                 QW_BF16=True, K_NORM=True, KW_BF16=True, ROPE=True, R=128, ROPE_OFF=0, NEOX=True, CONJ=False,
-                CS_BF16=False, FP8=True, SLOT32=True, NATIVE=2, PDL=False, HALVES=True, LOADS_FIRST=True)
+                CS_BF16=False, FP8=True, SLOT32=True, NATIVE=2, PDL=False, HALVES=True)
     ptrs = {"q_ptr": "*bf16"}
     yield "gqa_fp8_neox_decode", base, ptrs
     yield "gqa_fp8_neox_heads4", {**base, "BLOCK_M": 2, "G": 4}, ptrs

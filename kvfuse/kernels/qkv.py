@@ -5,7 +5,7 @@ A program owns BLOCK_M tokens of G heads of one kind: the 1-d grid walks the hea
 fastest (neighbouring programs read neighbouring heads of a packed QKV row and write neighbouring
 records of an NHD cache). Which kind a program is follows from its group index, a runtime branch
 uniform over the program; its G heads are unrolled, their rows all loaded before the first store
-(LOADS_FIRST), and what depends only on the token (position, cos / sin, norm weights, slot, the cast's
+), and what depends only on the token (position, cos / sin, norm weights, slot, the cast's
 scale and reciprocal) is loaded once for them:
 
 * q: RMSNorm (optional) -> RoPE (optional) -> bf16 into q_out (which may be q itself);
@@ -140,11 +140,11 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
               BLOCK_M: tl.constexpr, G: tl.constexpr, HAS_NORM: tl.constexpr, W_BF16: tl.constexpr,
               ROPE: tl.constexpr, R: tl.constexpr, ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, CONJ: tl.constexpr,
               CS_BF16: tl.constexpr, HALVES: tl.constexpr, TO_CACHE: tl.constexpr, STORE_FP8: tl.constexpr,
-              SLOT32: tl.constexpr, NATIVE: tl.constexpr, LOADS_FIRST: tl.constexpr):
+              SLOT32: tl.constexpr, NATIVE: tl.constexpr):
     """Heads h0 .. h0 + G - 1 (those < H) of q or k for BLOCK_M tokens: norm -> RoPE -> the row at dst_ptr:
     q_out (bf16; token stride dst_n, which may be q itself), or (TO_CACHE) the record of the token's slot
     in a cache of (block, token) strides (c_blk, dst_n), bf16 or e4m3 by the scale. Every load that waits
-    on nothing (position, slot, scale, and with LOADS_FIRST every head's rows) is issued before the
+    on nothing (position, slot, scale, every head's rows) is issued before the
     first instruction that waits on a load: a warp issues in order, so each dependent step placed
     earlier would cost a DRAM round trip of its own. The positions, cos / sin and weights are loaded
     once for the G heads."""
@@ -163,10 +163,9 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
         jj = tl.arange(0, NH)[:, None] * VEC + tl.arange(0, VEC)[None, :]               # [NH, VEC]
         # every head's loads before any store: the compiler cannot tell that a store (q_out may be q, the
         # cache may be anywhere) leaves the next head's row alone, and would wait for each head in turn
-        # (LOADS_FIRST; else each head's loads just before its math)
         xa = ()
         xb = ()
-        for g in tl.static_range(G if LOADS_FIRST else 0):
+        for g in tl.static_range(G):
             a, b = _halves_loads(x_ptr, tok * s_n + (h0 + g).to(tl.int64) * s_h, tl.where(h0 + g < H, rmask, False),
                                  jj, HALF)
             xa = xa + (a,)
@@ -185,11 +184,8 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
         for g in tl.static_range(G):
             h = h0 + g
             rm = tl.where(h < H, rmask, False)     # (rmask & scalar: int32 in the interpreter)
-            if LOADS_FIRST:
-                a = xa[g]
-                b = xb[g]
-            else:
-                a, b = _halves_loads(x_ptr, tok * s_n + h.to(tl.int64) * s_h, rm, jj, HALF)
+            a = xa[g]
+            b = xb[g]
             ya, yb = _qk_halves(a, b, wa, wb, eps, pm, c, s, D, LOG2_BLOCK_D, VEC, BLOCK_M, HAS_NORM, CONJ,
                                 NATIVE)
             # no barrier even in place: the value stored at an address is computed from the value loaded
@@ -217,28 +213,23 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
                 wp = load_f32(w_ptr, partner, in_rope, W_BF16)
         if HAS_NORM:
             w = load_f32(w_ptr, col, cmask, W_BF16)
-        xs = ()                                    # every head's loads first (LOADS_FIRST), as in the halves form
+        xs = ()                                    # every head's loads first, as in the halves form
         xps = ()
-        for g in tl.static_range(G if LOADS_FIRST else 0):
+        for g in tl.static_range(G):
             x, xp = _qk_row_loads(x_ptr, tok * s_n + (h0 + g).to(tl.int64) * s_h, tl.where(h0 + g < H, rmask, False),
                                   col, cmask, rot_mask, partner, ROPE)
             xs = xs + (x,)
             xps = xps + (xp,)
         in_place_safe: tl.constexpr = ROPE and not TO_CACHE      # q_out may be q
-        if in_place_safe and LOADS_FIRST:
+        if in_place_safe:
             tl.debug_barrier()     # every read of the rows (the partner reloads) comes before the stores
         rcp, fast, ok, dst_tok = _destination(sc, slot, tok, rmask, dst_n, c_blk, block_size, capacity, TO_CACHE,
                                               STORE_FP8, SLOT32)
         for g in tl.static_range(G):
             h = h0 + g
             rm = tl.where(h < H, rmask, False)     # (rmask & scalar: int32 in the interpreter)
-            if LOADS_FIRST:
-                x = xs[g]
-                xp = xps[g]
-            else:
-                x, xp = _qk_row_loads(x_ptr, tok * s_n + h.to(tl.int64) * s_h, rm, col, cmask, rot_mask, partner, ROPE)
-                if in_place_safe:
-                    tl.debug_barrier()     # this row's reads (the partner reload) come before its store
+            x = xs[g]
+            xp = xps[g]
             y = _qk_row(x, xp, rm, w, wp, eps, first, rot_mask, c, s, D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M,
                         HAS_NORM, ROPE, CONJ, NATIVE)
             dst = (dst_tok + h.to(tl.int64) * dst_h)[:, None, None] + col[None, :, :]
@@ -267,10 +258,10 @@ def _destination(sc, slot, tok, rmask, dst_n, c_blk, block_size, capacity, TO_CA
 @triton.jit
 def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, slot_ptr, s_slot, block_size,
              capacity, vs_ptr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, VEC: tl.constexpr, G: tl.constexpr,
-             FP8: tl.constexpr, SLOT32: tl.constexpr, NATIVE: tl.constexpr, LOADS_FIRST: tl.constexpr):
+             FP8: tl.constexpr, SLOT32: tl.constexpr, NATIVE: tl.constexpr):
     """Heads h0 .. h0 + G - 1 (those < H) of v: copied (bf16 cache: the bits) or cast by v_scale into the
     records of the tokens' slots in vc_ptr ((block, token, head) strides c_blk, c_tok, dst_h). The slot,
-    the scale and (LOADS_FIRST) every head's values are loaded before anything waits on a load
+    the scale and every head's values are loaded before anything waits on a load
     (_qk_heads); the values of a token whose slot is invalid are loaded and not stored."""
     NVV: tl.constexpr = BLOCK_DV // VEC
     colv = tl.arange(0, NVV)[:, None] * VEC + tl.arange(0, VEC)[None, :]               # [NVV, VEC]
@@ -279,17 +270,14 @@ def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, 
     sc = 1.0
     if FP8:
         sc = tl.load(vs_ptr)
-    vals = ()                                      # every head's loads before any store (LOADS_FIRST)
-    for g in tl.static_range(G if LOADS_FIRST else 0):
+    vals = ()                                      # every head's loads before any store
+    for g in tl.static_range(G):
         vals = vals + (_v_load(v_ptr, sv_n, sv_h, h0 + g, H, tok, rmask, colv, vmask, FP8),)
     rcp, fast, ok, dst_tok = _destination(sc, slot, tok, rmask, c_tok, c_blk, block_size, capacity, True, FP8,
                                           SLOT32)
     for g in tl.static_range(G):
         h = h0 + g
-        if LOADS_FIRST:
-            val = vals[g]
-        else:
-            val = _v_load(v_ptr, sv_n, sv_h, h, H, tok, rmask, colv, vmask, FP8)
+        val = vals[g]
         dst = (dst_tok + h.to(tl.int64) * dst_h)[:, None, None] + colv[None, :, :]
         okm = tl.where(h < H, ok, False)[:, None, None] & vmask[None, :, :]
         if FP8:
@@ -329,7 +317,7 @@ def qkv_kernel(
     Q_NORM: tl.constexpr, QW_BF16: tl.constexpr, K_NORM: tl.constexpr, KW_BF16: tl.constexpr,
     ROPE: tl.constexpr, R: tl.constexpr, ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, CONJ: tl.constexpr,
     CS_BF16: tl.constexpr, FP8: tl.constexpr, SLOT32: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr,
-    HALVES: tl.constexpr, LOADS_FIRST: tl.constexpr,
+    HALVES: tl.constexpr,
 ):
     """One program: BLOCK_M tokens of G heads of one kind (see the module docstring). PDL (programmatic
     dependent launch): wait for the previous kernel before the first read. No early launch_dependents:
@@ -347,32 +335,31 @@ def qkv_kernel(
         _qk_heads(q_ptr, sq_n, sq_h, grp * G, HQ, qw_ptr, q_eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, rmask,
                   qo_ptr, so_n, so_h, slot_ptr, s_slot, kc_blk, block_size, capacity, ks_ptr,
                   D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, G, Q_NORM, QW_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16,
-                  HALVES, False, False, SLOT32, NATIVE, LOADS_FIRST)
+                  HALVES, False, False, SLOT32, NATIVE)
     elif grp < QG + KG:
         _qk_heads(k_ptr, sk_n, sk_h, (grp - QG) * G, HKV, kw_ptr, k_eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, rmask,
                   kc_ptr, kc_tok, kc_head, slot_ptr, s_slot, kc_blk, block_size, capacity, ks_ptr,
                   D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, G, K_NORM, KW_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16,
-                  HALVES, True, FP8, SLOT32, NATIVE, LOADS_FIRST)
+                  HALVES, True, FP8, SLOT32, NATIVE)
     else:
         _v_heads(v_ptr, sv_n, sv_h, (grp - QG - KG) * G, HKV, tok, rmask, vc_ptr, vc_blk, vc_tok, vc_head, slot_ptr,
-                 s_slot, block_size, capacity, vs_ptr, DV, BLOCK_DV, VEC, G, FP8, SLOT32, NATIVE, LOADS_FIRST)
+                 s_slot, block_size, capacity, vs_ptr, DV, BLOCK_DV, VEC, G, FP8, SLOT32, NATIVE)
 
 
 # --------------------------------------------------------------------------- launch configuration
-# every head's loads of a program before its first store (1), or each head's just before its math (0):
-# the compiler cannot reorder them across the stores itself (q_out may be q; a cache may be anywhere)
-LOADS_FIRST = 1
-
-
 def launch_table(block_d: int) -> tuple:
     """The compiled kernel's launch table for a tile width: ((first n, (BLOCK_M, G, num_warps)), ...),
-    read by gluon.common.table_entry: BLOCK_M tokens of G heads of one kind a program. From the H200
-    sweep (benchmarks/tune.py, Llama 3 8B fp8, 128-d heads): one token of one head a one-warp program at
-    n = 1; from two tokens ~512-element tiles (4 tokens of 128, 2 of 256, 8 of 64), one head a two-warp
-    program; from 192 tokens two heads a program (the position, cos / sin, weights and slot loaded once
-    for both), and one warp from 2048 tokens."""
-    multi = max(1, 512 // block_d)
-    return ((1, (1, 1, 1)), (2, (multi, 1, 2)), (192, (multi, 2, 2)), (2048, (multi, 2, 1)))
+    read by gluon.common.table_entry: BLOCK_M tokens of G heads of one kind a program, one warp. From
+    the H200 sweep with programmatic dependent launch (benchmarks/tune.py --kernel portable, Llama 3 8B
+    and Qwen3 8B fp8 at 128-d heads, Gemma 3 12B fp8 at 256-d;
+    benchmarks/results/2026-12-02_h200_gqa_loads_first_sweep.txt): one token of one head at n = 1; from
+    two tokens a program of ~512 elements (2 heads of 128, 1 of 256); from 192 tokens ~1024
+    elements for heads up to 128 wide (4 heads of 128: Llama 3 8B fp8 at 65536 tokens 372.9 us against
+    414.6 with the earlier table, Qwen3 474.0 against 525.7), still one head of 256 (Gemma 3's 2 heads
+    of 256: 711.9 us against 642.3). 64-d heads (not measured) get the same element counts."""
+    g_small = max(1, 256 // block_d)
+    g_large = max(1, 512 // block_d) if block_d <= 128 else 1
+    return ((1, (1, 1, 1)), (2, (2, g_small, 1)), (192, (2, g_large, 1)))
 
 
 def launch_config(n: int, block_d: int, heads: int = 1, interpret: bool = INTERPRET):
@@ -436,7 +423,7 @@ def launch_args(plan):
         ROPE=rope, R=plan.rotary_dim if rope else 2, ROPE_OFF=plan.rope_offset if rope else 0,
         NEOX=plan.is_neox, CONJ=plan.conjugate, CS_BF16=rope and plan.cos_sin.dtype == torch.bfloat16,
         FP8=fp8, SLOT32=cap < _fused._INT32_LIMIT, NATIVE=_native(INTERPRET), PDL=False,
-        HALVES=halves_mode(plan, d, block_d), LOADS_FIRST=bool(LOADS_FIRST), num_warps=nw, num_stages=1,
+        HALVES=halves_mode(plan, d, block_d), num_warps=nw, num_stages=1,
         enable_fp_fusion=False,
     )
     return (cdiv(n, bm) * (qg + 2 * kg),), args, options
