@@ -82,6 +82,7 @@ def test_every_fast_path_module_has_the_interface():
         for name in ("enabled", "available", "eligible", "plan_launch", "word_aligned", "call_guard", "launch_table"):
             assert callable(getattr(module, name)), (module.__name__, name)
         assert isinstance(module.MIN_ROWS, int) and module.MIN_ROWS >= 1
+        assert isinstance(module.MIN_ROWS_PDL, int) and module.MIN_ROWS_PDL >= 1
 
 
 def test_off_without_triton_36_and_cuda(monkeypatch):
@@ -133,17 +134,25 @@ def test_on_where_available_unless_turned_off(module, monkeypatch):
     assert not module.enabled()
 
 
-def test_decode_sizes_follow_min_rows():
-    """A minimum above the call's rows leaves it to the plain kernel (one-row calls of the index path,
-    measured mixed there: its MIN_ROWS, tests/test_gluon_indexer.py)."""
+def test_decode_sizes_follow_min_rows(monkeypatch):
+    """A minimum above the call's rows leaves it to the plain kernel: MIN_ROWS, or MIN_ROWS_PDL for a
+    launch with programmatic dependent launch (one-row calls of the index path: the plain kernel
+    without PDL, the fast path with it, as measured)."""
     plan = plan_of(main_case(n=5))
     with fused_kernels.fast_paths(only=G):
         assert fused_kernels.fast_path(plan) is G
     with fused_kernels.fast_paths(only=G, min_rows=6):
         assert fused_kernels.fast_path(plan) is None
         assert fused_kernels.fast_path(plan_of(main_case(n=6))) is G
+    monkeypatch.setattr(G, "MIN_ROWS", 6)
+    monkeypatch.setattr(G, "MIN_ROWS_PDL", 5)
+    with fused_kernels.fast_paths(only=G):
+        assert fused_kernels.fast_path(plan) is None
+        assert fused_kernels.fast_path(plan, pdl=True) is G
+        assert fused_kernels.fast_path(plan_of(main_case(n=4)), pdl=True) is None
     from kvfuse.kernels.gluon import indexer, flashmla
     assert (flashmla.MIN_ROWS, indexer.MIN_ROWS) == (1, 2)
+    assert (flashmla.MIN_ROWS_PDL, indexer.MIN_ROWS_PDL) == (1, 1)
 
 
 def _main_write(backend, offset):

@@ -269,3 +269,4 @@ def test_contiguous_dispatch_counts_rows_of_every_head():
     with fused_kernels.fast_paths(only=GI):
         assert fused_kernels.fast_path(plan_of(q_case(n=1, heads=4))) is GI       # 4 rows >= MIN_ROWS
         assert fused_kernels.fast_path(plan_of(q_case(n=1, heads=1, x2d=True))) is None
+        assert fused_kernels.fast_path(plan_of(q_case(n=1, heads=1, x2d=True)), pdl=True) is GI   # MIN_ROWS_PDL

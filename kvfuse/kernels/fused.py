@@ -829,9 +829,10 @@ def fused_args(plan: Plan, tensor) -> tuple:
     return (cdiv(n * H, bm),), args, options
 
 
-def fast_path(plan: Plan):
+def fast_path(plan: Plan, pdl: bool = False):
     """The Gluon fast-path module that takes the plan, or None: the fast paths are on (or chosen by
-    ``fast_paths``), one is eligible, and no launch configuration of the plain kernel is being
+    ``fast_paths``), one is eligible with at least its MIN_ROWS rows (MIN_ROWS_PDL for a launch with
+    programmatic dependent launch, ``pdl``), and no launch configuration of the plain kernel is being
     forced (tests of launch invariance)."""
     if _force.cfg is not None:
         return None
@@ -843,7 +844,8 @@ def fast_path(plan: Plan):
         min_rows = choice.min_rows
     rows = plan.x.shape[0] * plan.x.shape[1]
     for module in modules:
-        if rows >= (module.MIN_ROWS if min_rows is None else min_rows) and module.eligible(plan):
+        least = min_rows if min_rows is not None else module.MIN_ROWS_PDL if pdl else module.MIN_ROWS
+        if rows >= least and module.eligible(plan):
             return module
     return None
 
@@ -873,7 +875,7 @@ def fused_launch(plan: Plan, tensor_index: dict, num_tensors: int, pdl: bool = F
     path where one applies (whose own precondition, e.g. x and the weight read as 4-byte words, is
     checked per call: ``Launch.guard``), else the plain kernel. ``pdl``: launched with programmatic
     dependent launch."""
-    module = fast_path(plan)
+    module = fast_path(plan, pdl)
     if module is not None:
         name, grid, args, options, namespace = module.plan_launch(plan, tensor_arg)
         launch = Launch(name, grid, args, with_pdl(options, pdl), tensor_index, num_tensors, namespace,
@@ -895,12 +897,12 @@ def run_plan(plan: Plan, plain: bool = False) -> None:
         t = getattr(plan, field)
         return x if t is None else t
 
-    module = None if plain else fast_path(plan)
+    pdl = pdl_launch(x)
+    module = None if plain else fast_path(plan, pdl)
     if module is not None:
         check, fields = module.call_guard(plan)
         if not check(*(tensor(f) for f in fields)):
             module = None
-    pdl = pdl_launch(x)
     if module is not None:
         choice = _fast_override.choice
         if choice is None or choice.launch_table is None:

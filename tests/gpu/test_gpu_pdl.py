@@ -24,7 +24,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, globaltimer
 import kvfuse
 from kvfuse.kernels import fused
 from gpu_matrix import dispatch_of, fast_cases
-from kernel_cases import Case, build, diff_bytes, diff_report, run_case
+from kernel_cases import Case, build, diff_bytes, diff_report, plan_of, run_case
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or kvfuse.backend.interpreter_enabled()
@@ -53,7 +53,8 @@ def _late_write(src, dst):
 def _cases():
     """One case per launch-table entry the dispatcher can pick for these chains: every fast-path
     entry (from the GPU matrix's fast cases) and the portable kernel's one-row (EARLY) and multi-row
-    programs."""
+    programs; and the calls whose path PDL changes (a module's MIN_ROWS_PDL below its MIN_ROWS: one
+    row of DeepSeek V3.2's indexer K chain, which takes the indexer fast path only under PDL)."""
     by_label = {}
     for c in fast_cases():
         if c.fmt is not None:
@@ -64,6 +65,14 @@ def _cases():
     for n in (1, 3000):
         c = Case(n=n, **base, num_blocks=n // 16 + 2)
         by_label.setdefault(dispatch_of(c), c)
+    for module in fused.FAST_PATH_MODULES:
+        if module.MIN_ROWS_PDL < module.MIN_ROWS:
+            name = module.__name__.rsplit(".", 1)[1]
+            c = Case(n=module.MIN_ROWS_PDL, heads=1, head_dim=128, rotary_dim=64, out_stage=None, neox=True,
+                     norm_kind="layer", bias=True, rope_offset=0, hadamard=True, fmt=kvfuse.formats.INDEX_FP8_FP32,
+                     seed=8, num_blocks=4)
+            assert name == "indexer" and module.eligible(plan_of(c)), name   # a chain this module serves
+            by_label[f"{name} entry 0 at {c.n} row (MIN_ROWS_PDL)"] = c
     return sorted(by_label.items())
 
 

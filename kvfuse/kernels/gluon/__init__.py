@@ -15,6 +15,8 @@ protocol, one function or constant per module:
   ``KVFUSE_GLUON=0`` turns them all off);
 - ``enabled() -> bool``: on (Gluon available, not switched off);
 - ``MIN_ROWS``: calls with fewer rows (tokens x heads) stay on the portable kernel;
+- ``MIN_ROWS_PDL``: the same for calls launched with programmatic dependent launch (the fast path's
+  weights load before the wait, the portable kernel's after it, which moves the decode break-even);
 - ``eligible(plan) -> bool``: the plan is one this kernel writes;
 - ``call_guard(plan) -> (check, fields)``: a per-call check on the call's tensors of those plan fields
   (x and the weight read as 4-byte words, say); a call that fails it takes the portable kernel;

@@ -366,6 +366,7 @@ def enabled() -> bool:
 # table (n = 1: V32 1.70 vs 1.87 us, MODEL1 1.73 vs 1.75; n = 256: V32 2.15 vs 2.30, MODEL1 1.96 vs
 # 1.94; benchmarks/results/2026-11-29_h200_s4_gluon_tune.txt)
 MIN_ROWS = 1
+MIN_ROWS_PDL = 1
 
 
 def eligible(plan) -> bool:

@@ -737,11 +737,14 @@ def enabled() -> bool:
     return allowed_by_env(NAME) and available()
 
 
-# one-row calls stay on the plain kernel's EARLY program, mixed against this kernel there (n = 1:
-# plain 1.75 / 1.79 / 2.15 us for MXFP4 / FP8_FP32 / NVFP4, this kernel's best 1.94 / 1.83 / 1.93); from
-# two rows on this kernel (n = 256: 2.08 / 1.95 / 2.06 us against the plain kernel's 2.34 / 1.99 / 2.37;
-# benchmarks/results/2026-11-29_h200_s4_gluon_tune.txt)
+# one-row calls: without PDL they stay on the plain kernel's EARLY program, mixed against this kernel there
+# (n = 1: plain 1.90 / 1.83 / 2.18 / 1.88 / 1.98 us for MXFP4 / FP8_FP32 / NVFP4 / DeepSeek V3.2's K /
+# V4's K, this kernel 2.07 / 1.87 / 1.94 / 1.95 / 2.10); with PDL this kernel, whose weights load before
+# the wait (plain 1.49 / 1.51 / 1.86 / 1.75 / 1.58 us, this kernel 1.37 / 1.14 / 1.25 / 1.56 / 1.40;
+# benchmarks/results/2026-12-02_h200_indexer_one_row.txt). From two rows this kernel either way (n = 256:
+# 2.08 / 1.95 / 2.06 us against the plain kernel's 2.34 / 1.99 / 2.37; 2026-11-29_h200_s4_gluon_tune.txt)
 MIN_ROWS = 2
+MIN_ROWS_PDL = 1
 
 
 def _common_chain(plan):

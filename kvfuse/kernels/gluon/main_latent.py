@@ -523,6 +523,7 @@ def enabled() -> bool:
 
 
 MIN_ROWS = 1   # faster than the plain kernel at every measured size, n = 1 included
+MIN_ROWS_PDL = 1
 
 
 def eligible(plan) -> bool:

@@ -82,6 +82,7 @@ def enabled() -> bool:
 # faster than the plain kernel at every measured size (n = 1: 1.76 us against 2.11; n = 256: 2.18 against
 # 2.50; benchmarks/results/2026-11-29_h200_s4_gluon_tune_fp4_q.txt)
 MIN_ROWS = 1
+MIN_ROWS_PDL = 1
 
 
 def eligible(plan) -> bool:
