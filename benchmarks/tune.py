@@ -16,8 +16,8 @@ Usage (on the device, repo root):
   python benchmarks/tune.py [--kernel portable|fast|all] [--out DIR] [--workloads a,b] [--n 1,256,...]
       [--budget-s S] [--vec] [--gqa-grid 4x2x1,...] [--rows 1,2] [--set indexer.PACKED_E2M1=0 ...]
 --workloads and --n default to each sweep's own lists; --set assigns an integer switch of a fast-path
-module or of the GQA kernel's module (qkv.LOADS_FIRST) before anything runs (an A/B of a kernel variant
-in one device call: one run per setting). Writes DIR/tune.json (the
+module or of the GQA kernel's module before anything runs (an A/B of a kernel variant in one device
+call: one run per setting). Writes DIR/tune.json (the
 device, copy bandwidth, every timed configuration and the text) and DIR/tune.txt (the text).
 """
 from __future__ import annotations
@@ -42,9 +42,18 @@ PORTABLE_WORKLOADS = ("main_fp8", "main_fp4", "flashmla_v32", "flashmla_model1",
                       "q_pre", "index_q")
 PORTABLE_SIZES = (1, 256, 65536, 262144)
 # the workloads swept with --kernel fast, each with the fast path that writes its format (its FORMATS)
-FAST_WORKLOADS = {name: next(m for m in FAST_PATH_MODULES if bench.WORKLOADS[name].fmt in m.FORMATS)
-                  for name in ("main_fp8", "main_fp8_cast", "main_fp4", "flashmla_v32", "flashmla_model1",
-                               "index_fp8_fp32", "index_mxfp4", "index_nvfp4", "index_q")}
+FAST_DEFAULT = ("main_fp8", "main_fp8_cast", "main_fp4", "flashmla_v32", "flashmla_model1", "index_fp8_fp32",
+                "index_mxfp4", "index_nvfp4", "index_q")
+
+
+def fast_module(name: str):
+    """The fast path whose FORMATS hold the workload's cache format (a model's write workload too:
+    dsv32_index_k's INDEX_FP8_FP32, say), or None."""
+    fmt = bench.WORKLOADS[name].fmt
+    return next((m for m in FAST_PATH_MODULES if fmt is not None and fmt in m.FORMATS), None)
+
+
+FAST_WORKLOADS = {name: module for name in bench.WORKLOADS if (module := fast_module(name)) is not None}
 FAST_SIZES = (1, 256, 4096, 65536, 262144)
 MAX_X_ELEMENTS = 1 << 30                 # larger inputs (x over 2 GiB) are left out
 
@@ -267,7 +276,7 @@ def parse_args(argv=None):
         p.error(f"--kernel fast sweeps {sorted(FAST_WORKLOADS)}; no fast path for "
                 f"{[w for w in names if w not in FAST_WORKLOADS]}")
     a.portable = (names or list(PORTABLE_WORKLOADS)) if a.kernel in ("portable", "all") else []
-    a.fast = ([w for w in names if w in FAST_WORKLOADS] if names else list(FAST_WORKLOADS)) \
+    a.fast = ([w for w in names if w in FAST_WORKLOADS] if names else list(FAST_DEFAULT)) \
         if a.kernel in ("fast", "all") else []
     modules = {m.__name__.rsplit(".", 1)[1]: m for m in (*fused.FAST_PATH_MODULES, qkv)}
     a.switches = []
