@@ -312,17 +312,36 @@ def _rope1_pairs(cs_ptr, csrow, pok, col, HALF: tl.constexpr, R: tl.constexpr, R
 
 
 @triton.jit
+def _pair_partner(v, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr):
+    """v [A, B, C, VEC] (fp32) -> each column's partner in its pair (column ^ 1), moved by its bits (exact, NaN
+    payloads and signed zeros too): sums of size-2 axes of integers, one of them zero, and selects."""
+    u = tl.reshape(v.to(tl.uint32, bitcast=True), [A, B, C, VEC // 2, 2])
+    k = tl.arange(0, 2)[None, None, None, None, :]
+    ev = tl.sum(tl.where(k == 0, u, 0), axis=4)
+    od = tl.sum(tl.where(k == 1, u, 0), axis=4)
+    p = tl.where(k == 0, od[:, :, :, :, None], ev[:, :, :, :, None])
+    return tl.reshape(p, [A, B, C, VEC]).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pair_dup(v, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr):
+    """v [A, B, C, VEC / 2] -> [A, B, C, VEC], each value given to the two columns of its pair."""
+    return tl.reshape(tl.broadcast_to(v[:, :, :, :, None], [A, B, C, VEC // 2, 2]), [A, B, C, VEC])
+
+
+@triton.jit
 def _rope2_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, rmask, HALF: tl.constexpr, ROPE_OFF: tl.constexpr,
                  NEOX: tl.constexpr, HAS_NORM: tl.constexpr, W_BF16: tl.constexpr, HAS_BIAS: tl.constexpr,
                  B_BF16: tl.constexpr, CS_BF16: tl.constexpr, CAST: tl.constexpr, G: tl.constexpr, DQ: tl.constexpr,
-                 VEC: tl.constexpr):
+                 VEC: tl.constexpr, BLOCK_M: tl.constexpr):
     """ROPE_SUBTILE, the sub-tile [M, NS, GS / VEC, VEC]: x, weight and bias (x again where there is
     none) of the columns c0 and of their partners c1, and the cos, sin of each c0's rotation index j.
     NEOX: c0 = the first-half columns (j = c0 - ROPE_OFF), c1 = c0 + HALF (NS = HALF / GS groups).
     Interleaved: c0 = ALL R rotated columns in column order (NS = R / GS groups), c1 = c0 ^ 1, j =
-    (c0 - ROPE_OFF) >> 1: every column is rotated where it lies, with no join or reshape of the
-    pairs (interleaving the two halves by tl.join + reshape gave wrong bytes in multi-row programs
-    on the H200, Triton 3.6)."""
+    (c0 - ROPE_OFF) >> 1: every column is rotated where it lies, with no tl.join of the pairs
+    (interleaving the two halves by tl.join + reshape gave wrong bytes in multi-row programs on the
+    H200, Triton 3.6); c1's values are c0's, moved within each pair (_pair_partner), and a pair's
+    cos / sin are loaded once and given to both its columns (_pair_dup)."""
     GS: tl.constexpr = G if (CAST != CAST_NONE and ROPE_OFF < DQ) else 8
     if NEOX:
         jj = _grid3(HALF // GS, GS // VEC, VEC)                     # rotation index j
@@ -334,21 +353,59 @@ def _rope2_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, rmask, HALF: tl.
         c0 = ROPE_OFF + kk
         c1 = ROPE_OFF + (kk ^ 1)                                    # ROPE_OFF is even (a multiple of GS)
     ld = rmask[:, None, None, None]
+    # the weights (and bias) as the x sub-tile [M, ..] (each row's lanes load them): loaded as [.., VEC] the
+    # compiler spread them over the warp's lanes and shuffled them into the sub-tile's layout. Not for NEOX
+    # at 8 rows a program (INDEX_MXFP4 / NVFP4 at large n): there it took 8 more registers (Triton 3.6)
+    NSB: tl.constexpr = (HALF // GS) if NEOX else (2 * HALF // GS)
+    WTILE: tl.constexpr = (not NEOX) or BLOCK_M <= 4
+    if WTILE:
+        c0m = tl.broadcast_to(c0[None, :, :, :], [BLOCK_M, NSB, GS // VEC, VEC])
+        c1m = tl.broadcast_to(c1[None, :, :, :], [BLOCK_M, NSB, GS // VEC, VEC])
+    else:
+        c0m = c0
+        c1m = c1
     xa = load_f32(x_ptr, xrow[:, None, None, None] + c0[None, :, :, :], ld, True)
-    xb = load_f32(x_ptr, xrow[:, None, None, None] + c1[None, :, :, :], ld, True)
+    if NEOX:
+        xb = load_f32(x_ptr, xrow[:, None, None, None] + c1[None, :, :, :], ld, True)
+    else:
+        # the partners (column ^ 1) are in the lane's own vector: moved there by their bits (a load of c0 ^ 1
+        # had a layout of its own, and a shuffle between the two)
+        xb = _pair_partner(xa, BLOCK_M, NSB, GS // VEC, VEC)
     wa = xa
     wb = xb
     ba = xa
     bb = xb
-    if HAS_NORM:
-        wa = load_f32(w_ptr, c0, c0 >= 0, W_BF16)
-        wb = load_f32(w_ptr, c1, c1 >= 0, W_BF16)
+    if HAS_NORM:   # [M or 1, NSB, GS / VEC, VEC]
+        wa = load_f32(w_ptr, c0m, c0m >= 0, W_BF16)
+        if NEOX:
+            wb = load_f32(w_ptr, c1m, c1m >= 0, W_BF16)
+        else:
+            wb = _pair_partner(wa, BLOCK_M, NSB, GS // VEC, VEC)
         if HAS_BIAS:
-            ba = load_f32(b_ptr, c0, c0 >= 0, B_BF16)
-            bb = load_f32(b_ptr, c1, c1 >= 0, B_BF16)
+            ba = load_f32(b_ptr, c0m, c0m >= 0, B_BF16)
+            if NEOX:
+                bb = load_f32(b_ptr, c1m, c1m >= 0, B_BF16)
+            else:
+                bb = _pair_partner(ba, BLOCK_M, NSB, GS // VEC, VEC)
+        if not WTILE:
+            wa = wa[None, :, :, :]
+            wb = wb[None, :, :, :]
+            if HAS_BIAS:
+                ba = ba[None, :, :, :]
+                bb = bb[None, :, :, :]
     pm = pok[:, None, None, None]
-    c = load_f32(cs_ptr, csrow[:, None, None, None] + jj[None, :, :, :], pm, CS_BF16)
-    s = load_f32(cs_ptr, csrow[:, None, None, None] + HALF + jj[None, :, :, :], pm, CS_BF16)
+    if NEOX:
+        c = load_f32(cs_ptr, csrow[:, None, None, None] + jj[None, :, :, :], pm, CS_BF16)
+        s = load_f32(cs_ptr, csrow[:, None, None, None] + HALF + jj[None, :, :, :], pm, CS_BF16)
+    else:
+        # a pair's cos / sin loaded once (VEC / 2 consecutive values, the layout of the pairs of the lane's
+        # vector) and given to both columns: loaded per column (jj = kk >> 1, no two consecutive) they had a
+        # layout of their own and the rotation a shuffle into it and out
+        j2 = _grid3(2 * HALF // GS, GS // VEC, VEC // 2)
+        c = _pair_dup(load_f32(cs_ptr, csrow[:, None, None, None] + j2[None, :, :, :], pm, CS_BF16),
+                      BLOCK_M, NSB, GS // VEC, VEC)
+        s = _pair_dup(load_f32(cs_ptr, csrow[:, None, None, None] + HALF + j2[None, :, :, :], pm, CS_BF16),
+                      BLOCK_M, NSB, GS // VEC, VEC)
     return xa, xb, wa, wb, ba, bb, c, s
 
 
@@ -431,7 +488,7 @@ def fused_rows(
         if ROPE == ROPE_SUBTILE:
             xa, xb, wa, wb, ba, bb, c, s = _rope2_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, rmask, HALF,
                                                         ROPE_OFF, NEOX, HAS_NORM, W_BF16, HAS_BIAS, B_BF16, CS_BF16,
-                                                        CAST, G, DQ, VEC)
+                                                        CAST, G, DQ, VEC, BLOCK_M)
 
     # ---- RMSNorm / LayerNorm (mu: the LayerNorm mean; RMSNorm leaves it unused)
     if HAS_NORM:
@@ -448,12 +505,19 @@ def fused_rows(
             mu = ss
         rstd = _rstd(ss, eps, D, BLOCK_M)
         if not EARLY:
-            w = load_f32(w_ptr, col, cmask, W_BF16)
+            # loaded as the tile [M, NV, VEC] (each row's lanes load the weights; the tile's layout puts rows on
+            # lanes first): loaded as [NV, VEC] the compiler spread them over the warp's lanes and shuffled them
+            # into the tile's layout
+            wcol = tl.broadcast_to(col[None, :, :], [BLOCK_M, NV, VEC])
+            wmask = tl.broadcast_to(cmask[None, :, :], [BLOCK_M, NV, VEC])
+            w = load_f32(w_ptr, wcol, wmask, W_BF16)
             bias = w
             if HAS_BIAS:
-                bias = load_f32(b_ptr, col, cmask, B_BF16)
-        y = _normed(x, mu[:, None, None], rstd[:, None, None], w[None, :, :], bias[None, :, :], LAYER, HAS_BIAS,
-                    NATIVE)
+                bias = load_f32(b_ptr, wcol, wmask, B_BF16)
+        else:
+            w = w[None, :, :]
+            bias = bias[None, :, :]
+        y = _normed(x, mu[:, None, None], rstd[:, None, None], w, bias, LAYER, HAS_BIAS, NATIVE)
         if OUT_STAGE == STAGE_NORM:
             if ROPE == ROPE_NONE:
                 _store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None, None] + col[None, :, :], y, m3)
@@ -498,13 +562,16 @@ def fused_rows(
             tail_off, block_size, capacity, DEST, SLOT32, QALIGN, SFALIGN, TALIGN)
 
     # ---- outputs: the main tile (without the sub-tile's columns under ROPE_SUBTILE)
-    NG: tl.constexpr = BLOCK_D // G
-    GV: tl.constexpr = G // VEC
+    # without a cast the group is the lane's vector: a wider group would make the store's layout hold
+    # G / VEC vectors a lane, a shuffle of the whole tile from the one the values are computed in
+    GE: tl.constexpr = G if CAST != CAST_NONE else VEC
+    NG: tl.constexpr = BLOCK_D // GE
+    GV: tl.constexpr = GE // VEC
     SKIP0: tl.constexpr = ROPE_OFF if ROPE == ROPE_SUBTILE else 0
     SKIP1: tl.constexpr = ROPE_OFF + R if ROPE == ROPE_SUBTILE else 0
     _emit(tl.reshape(y, [BLOCK_M, NG, GV, VEC]), tok, head, rmask, ok, qbase,
           sfbase, tailbase, out_ptr, so_n, so_h, q_ptr, sq_n, sq_h, sf_ptr, ss_n, ss_h, cache_ptr,
-          0, SKIP0, SKIP1, BLOCK_M, NG, GV, VEC, G, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN, FLOOR_E)
+          0, SKIP0, SKIP1, BLOCK_M, NG, GV, VEC, GE, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN, FLOOR_E)
 
     # ---- ROPE_SUBTILE: the R rotated columns as their own tile [M, R / GS, GS / VEC, VEC] (two halves for NEOX)
     if ROPE == ROPE_SUBTILE:
@@ -514,15 +581,15 @@ def fused_rows(
         if not EARLY:
             xa, xb, wa, wb, ba, bb, c, s = _rope2_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, rmask, HALF,
                                                         ROPE_OFF, NEOX, HAS_NORM, W_BF16, HAS_BIAS, B_BF16, CS_BF16,
-                                                        CAST, G, DQ, VEC)
+                                                        CAST, G, DQ,VEC, BLOCK_M)
         pm = pok[:, None, None, None]
         a = xa
         b = xb
         if HAS_NORM:
             mu4 = mu[:, None, None, None]
             r4 = rstd[:, None, None, None]
-            a = _normed(a, mu4, r4, wa[None, :, :, :], ba[None, :, :, :], LAYER, HAS_BIAS, NATIVE)
-            b = _normed(b, mu4, r4, wb[None, :, :, :], bb[None, :, :, :], LAYER, HAS_BIAS, NATIVE)
+            a = _normed(a, mu4, r4, wa, ba, LAYER, HAS_BIAS, NATIVE)
+            b = _normed(b, mu4, r4, wb, bb, LAYER, HAS_BIAS, NATIVE)
         if NEOX:
             r0, r1 = _rotate(a, b, c, s, CONJ)
             r0 = tl.where(pm, round_bf16(r0, NATIVE), a)
