@@ -104,13 +104,25 @@ def _normed(v, mu, rstd, w, b, LAYER: tl.constexpr, HAS_BIAS: tl.constexpr, NATI
 
 
 @triton.jit
-def _store_bf16(ptr, offs, v, mask):
-    tl.store(ptr.to(tl.pointer_type(tl.uint16)) + offs, bf16_bits(v), mask=mask)
+def _bf16_out_bits(v, ROUNDED: tl.constexpr):
+    """The 16 bits (uint16) of fp32 values v holding bf16 values. ROUNDED (native conversions only): every value
+    is an output of round_bf16's native conversion, which converted again gives the same bits (a NaN's
+    included: its bf16 bits came out of that conversion); the compiler then reuses the first conversion and
+    packs two values an instruction (F2FP), where the bit shift took a conversion, a shift back and a PRMT."""
+    if ROUNDED:
+        return v.to(tl.bfloat16).to(tl.uint16, bitcast=True)
+    return bf16_bits(v)
+
+
+@triton.jit
+def _store_bf16(ptr, offs, v, mask, ROUNDED: tl.constexpr = False):
+    tl.store(ptr.to(tl.pointer_type(tl.uint16)) + offs, _bf16_out_bits(v, ROUNDED), mask=mask)
 
 
 @triton.jit
 def _store_bf16_bytes(ptr, base, col, v, mask, ALIGN: tl.constexpr):
-    """bf16 values v at ptr + base + 2 * col: 16-bit stores when base is even, else byte pairs."""
+    """bf16 values v at ptr + base + 2 * col: 16-bit stores when base is even, else byte pairs (the bits by
+    a shift: with _bf16_out_bits' conversion the FlashMLA tails took a few instructions more)."""
     bits = bf16_bits(v)
     if ALIGN % 2 == 0:
         tl.store((ptr + base).to(tl.pointer_type(tl.uint16)) + col, bits, mask=mask)
@@ -136,9 +148,11 @@ def _emit(y, tok, head, rmask, ok, qbase, sfbase, tailbase,
           C0: tl.constexpr, SKIP0: tl.constexpr, SKIP1: tl.constexpr, BLOCK_M: tl.constexpr, NGR: tl.constexpr, GV: tl.constexpr, VEC: tl.constexpr,
           G: tl.constexpr, D: tl.constexpr, CAST: tl.constexpr, SF: tl.constexpr, FMAX: tl.constexpr, DQ: tl.constexpr,
           OUT_STAGE: tl.constexpr, DEST: tl.constexpr, NATIVE: tl.constexpr,
-          QALIGN: tl.constexpr, SFALIGN: tl.constexpr, TALIGN: tl.constexpr, FLOOR_E: tl.constexpr):
+          QALIGN: tl.constexpr, SFALIGN: tl.constexpr, TALIGN: tl.constexpr, FLOOR_E: tl.constexpr,
+          ROUNDED: tl.constexpr):
     """Everything after the transform for a tile in group form: y [M, NGR, GV, VEC] (bf16 values
-    in fp32; a group is GV * VEC = G consecutive columns) holding the consecutive columns C0,
+    in fp32, ROUNDED: all of them outputs of a native round_bf16 (_bf16_out_bits); a group is GV * VEC = G
+    consecutive columns) holding the consecutive columns C0,
     C0 + 1, ... (C0 a multiple of G); it writes the columns < D outside [SKIP0, SKIP1) and the
     scales of the groups that start outside it (another tile writes the rest). Masks are functions
     of the column index, so that the compiler sees them constant along a vector (vector stores)."""
@@ -151,7 +165,8 @@ def _emit(y, tok, head, rmask, ok, qbase, sfbase, tailbase,
     cm = own[None, :, :, :]
     r4 = rmask[:, None, None, None]
     if OUT_STAGE == STAGE_TRANSFORM:
-        _store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None, None, None] + col[None, :, :, :], y, r4 & cm)
+        _store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None, None, None] + col[None, :, :, :], y, r4 & cm,
+                    ROUNDED)
     if CAST != CAST_NONE:
         amax = tl.maximum(tl.max(tl.max(tl.abs(y), axis=3), axis=2), 1e-4)     # [M, NGR]
         m, d, stored = group_scales(amax, FMAX, SF, NATIVE, FLOOR_E)
@@ -173,7 +188,7 @@ def _emit(y, tok, head, rmask, ok, qbase, sfbase, tailbase,
         if OUT_STAGE == STAGE_CAST_BACK:
             back = round_bf16(qf * d[:, :, None, None], NATIVE)
             _store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None, None, None] + col[None, :, :, :],
-                        tl.where((col < DQ)[None, :, :, :], back, y), r4 & cm)
+                        tl.where((col < DQ)[None, :, :, :], back, y), r4 & cm, ROUNDED)
         qown = own & (col < DQ)                                      # [NGR, GV, VEC]
         g1 = gidx
         sm = (gown & (g1 < DQ // G))[None, :]
@@ -520,7 +535,8 @@ def fused_rows(
         y = _normed(x, mu[:, None, None], rstd[:, None, None], w, bias, LAYER, HAS_BIAS, NATIVE)
         if OUT_STAGE == STAGE_NORM:
             if ROPE == ROPE_NONE:
-                _store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None, None] + col[None, :, :], y, m3)
+                _store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None, None] + col[None, :, :], y, m3,
+                            NATIVE != NATIVE_INTEGER)
             else:
                 ynorm = y                     # stored last: RoPE reads x again, and out may be x
 
@@ -561,7 +577,10 @@ def fused_rows(
             slot_ptr, s_slot, tok, head, rows, rmask, s_blk, data_tok, sf_tok, head_stride, data_off, sf_off,
             tail_off, block_size, capacity, DEST, SLOT32, QALIGN, SFALIGN, TALIGN)
 
-    # ---- outputs: the main tile (without the sub-tile's columns under ROPE_SUBTILE)
+    # ---- outputs: the main tile (without the sub-tile's columns under ROPE_SUBTILE). RND: every value stored
+    # as bf16 came out of a native round_bf16 (the norm's, the Hadamard's; the RoPE's where it rotates), so
+    # the stores may convert again (_bf16_out_bits); without them some columns are x's own bits
+    RND: tl.constexpr = NATIVE != NATIVE_INTEGER and (HAS_NORM or HAS_HAD)
     # without a cast the group is the lane's vector: a wider group would make the store's layout hold
     # G / VEC vectors a lane, a shuffle of the whole tile from the one the values are computed in
     GE: tl.constexpr = G if CAST != CAST_NONE else VEC
@@ -571,7 +590,7 @@ def fused_rows(
     SKIP1: tl.constexpr = ROPE_OFF + R if ROPE == ROPE_SUBTILE else 0
     _emit(tl.reshape(y, [BLOCK_M, NG, GV, VEC]), tok, head, rmask, ok, qbase,
           sfbase, tailbase, out_ptr, so_n, so_h, q_ptr, sq_n, sq_h, sf_ptr, ss_n, ss_h, cache_ptr,
-          0, SKIP0, SKIP1, BLOCK_M, NG, GV, VEC, GE, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN, FLOOR_E)
+          0, SKIP0, SKIP1, BLOCK_M, NG, GV, VEC, GE, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN, FLOOR_E, RND)
 
     # ---- ROPE_SUBTILE: the R rotated columns as their own tile [M, R / GS, GS / VEC, VEC] (two halves for NEOX)
     if ROPE == ROPE_SUBTILE:
@@ -596,10 +615,10 @@ def fused_rows(
             r1 = tl.where(pm, round_bf16(r1, NATIVE), b)
             _emit(r0, tok, head, rmask, ok, qbase, sfbase,
                   tailbase, out_ptr, so_n, so_h, q_ptr, sq_n, sq_h, sf_ptr, ss_n, ss_h, cache_ptr,
-                  ROPE_OFF, 0, 0, BLOCK_M, NS, GSV, VEC, GS, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN, FLOOR_E)
+                  ROPE_OFF, 0, 0, BLOCK_M, NS, GSV, VEC, GS, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN, FLOOR_E, RND)
             _emit(r1, tok, head, rmask, ok, qbase,
                   sfbase, tailbase, out_ptr, so_n, so_h, q_ptr, sq_n, sq_h, sf_ptr, ss_n, ss_h, cache_ptr,
-                  ROPE_OFF + HALF, 0, 0, BLOCK_M, NS, GSV, VEC, GS, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN, FLOOR_E)
+                  ROPE_OFF + HALF, 0, 0, BLOCK_M, NS, GSV, VEC, GS, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN, FLOOR_E, RND)
         else:
             # every rotated column where it lies: a = its own value, b = its partner's (c0 ^ 1)
             NS2: tl.constexpr = 2 * NS
@@ -609,12 +628,13 @@ def fused_rows(
             rr = tl.where(pm, round_bf16(tl.where(firstc, r0, r1), NATIVE), a)
             _emit(rr, tok, head, rmask, ok,
                   qbase, sfbase, tailbase, out_ptr, so_n, so_h, q_ptr, sq_n, sq_h, sf_ptr, ss_n, ss_h, cache_ptr,
-                  ROPE_OFF, 0, 0, BLOCK_M, NS2, GSV, VEC, GS, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN, FLOOR_E)
+                  ROPE_OFF, 0, 0, BLOCK_M, NS2, GSV, VEC, GS, D, CAST, SF, FMAX, DQ, OUT_STAGE, DEST, NATIVE, QALIGN, SFALIGN, TALIGN, FLOOR_E, RND)
 
     # ---- the norm's stage copy under RoPE: after every read of x (out may be x), all threads past them
     if OUT_STAGE == STAGE_NORM and ROPE != ROPE_NONE:
         tl.debug_barrier()
-        _store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None, None] + col[None, :, :], ynorm, m3)
+        _store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None, None] + col[None, :, :], ynorm, m3,
+                    NATIVE != NATIVE_INTEGER)
 
 
 
