@@ -104,6 +104,18 @@ def _normed(v, mu, rstd, w, b, LAYER: tl.constexpr, HAS_BIAS: tl.constexpr, NATI
 
 
 @triton.jit
+def _load_f32(ptr, offs, mask, IS_BF16: tl.constexpr, NATIVE: tl.constexpr):
+    """load_f32; bf16 with native conversions: two values a 32-bit word widened by a shift and a mask
+    (inline PTX), for the compiler extracted the high half first (PRMT) and then shifted it."""
+    if IS_BF16 and NATIVE != NATIVE_INTEGER:
+        u = tl.load(ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0)
+        w = tl.inline_asm_elementwise("shl.b32 $0, $2, 16;\n\tand.b32 $1, $2, 0xFFFF0000;", "=r,=r,r", [u],
+                                      dtype=tl.uint32, is_pure=True, pack=2)
+        return w.to(tl.float32, bitcast=True)
+    return load_f32(ptr, offs, mask, IS_BF16)
+
+
+@triton.jit
 def _bf16_out_bits(v, ROUNDED: tl.constexpr):
     """The 16 bits (uint16) of fp32 values v holding bf16 values. ROUNDED (native conversions only): every value
     is an output of round_bf16's native conversion, which converted again gives the same bits (a NaN's
@@ -476,7 +488,14 @@ def fused_rows(
     cmask = col < D
     m3 = rmask[:, None, None] & cmask[None, :, :]
     xrow = tok * sx_n + head * sx_h
-    x = load_f32(x_ptr, xrow[:, None, None] + col[None, :, :], m3, True)    # [M, NV, VEC]
+    # x and the norm weights of the main tile widened by _load_f32's shift and mask in programs of 2 to 4 rows
+    # (Triton 3.6 offline: fewer instructions everywhere, but more registers, past an allocation step, for
+    # one-row programs and at 8 rows; likewise for the RoPE sub-tile's loads), and x only where every value
+    # goes into arithmetic (a norm or a Hadamard): where some are stored as they are loaded, the compiler
+    # folds the plain widening and its narrowing away
+    WNAT: tl.constexpr = NATIVE if (BLOCK_M >= 2 and BLOCK_M <= 4) else NATIVE_INTEGER
+    XNAT: tl.constexpr = WNAT if (HAS_NORM or HAS_HAD) else NATIVE_INTEGER
+    x = _load_f32(x_ptr, xrow[:, None, None] + col[None, :, :], m3, True, XNAT)    # [M, NV, VEC]
     y = x
 
     # ---- the loads that do not depend on x's values. EARLY (one-row programs): issued up front, so
@@ -525,10 +544,10 @@ def fused_rows(
             # into the tile's layout
             wcol = tl.broadcast_to(col[None, :, :], [BLOCK_M, NV, VEC])
             wmask = tl.broadcast_to(cmask[None, :, :], [BLOCK_M, NV, VEC])
-            w = load_f32(w_ptr, wcol, wmask, W_BF16)
+            w = _load_f32(w_ptr, wcol, wmask, W_BF16, WNAT)
             bias = w
             if HAS_BIAS:
-                bias = load_f32(b_ptr, wcol, wmask, B_BF16)
+                bias = _load_f32(b_ptr, wcol, wmask, B_BF16, WNAT)
         else:
             w = w[None, :, :]
             bias = bias[None, :, :]
