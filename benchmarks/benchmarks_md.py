@@ -5,6 +5,7 @@ that run beside the engines' kernels (the tables and the rules: kvfuse/bench_rep
     python benchmarks/benchmarks_md.py RESULT.json --stdout   # print it instead
     python benchmarks/benchmarks_md.py RESULT.json --check    # exit 1 when BENCHMARKS.md differs
     python benchmarks/benchmarks_md.py RESULT.json --gqa GQA.json   # the GQA / MHA section from a later run
+    python benchmarks/benchmarks_md.py RESULT.json --group G.json   # the Grouped section from a later run
 
 Without RESULT.json: the latest H200 result under benchmarks/results/ (DEFAULT below).
 """
@@ -38,15 +39,19 @@ def main(argv=None) -> int:
     p.add_argument("result", nargs="?", default=str(DEFAULT), help="a kvfuse_bench.json (default: %(default)s)")
     p.add_argument("--gqa", default=None, help="a later kvfuse_bench.json whose GQA workloads fill the GQA / MHA "
                                               "section (named there)")
+    p.add_argument("--group", default=None, help="a later kvfuse_bench.json whose grouped workloads fill the "
+                                                "Grouped section (named there)")
     p.add_argument("--out", default=str(TARGET), help="where to write (default: BENCHMARKS.md at the repository root)")
-    group = p.add_mutually_exclusive_group()
-    group.add_argument("--stdout", action="store_true", help="print the document instead of writing it")
-    group.add_argument("--check", action="store_true", help="exit 1 when --out differs from the rendering")
+    modes = p.add_mutually_exclusive_group()
+    modes.add_argument("--stdout", action="store_true", help="print the document instead of writing it")
+    modes.add_argument("--check", action="store_true", help="exit 1 when --out differs from the rendering")
     args = p.parse_args(argv)
     path = Path(args.result)
     gqa = Path(args.gqa) if args.gqa else None
+    group = Path(args.group) if args.group else None
     text = render(json.loads(path.read_text()), source_name(path),
-                  json.loads(gqa.read_text()) if gqa else None, source_name(gqa) if gqa else None)
+                  json.loads(gqa.read_text()) if gqa else None, source_name(gqa) if gqa else None,
+                  json.loads(group.read_text()) if group else None, source_name(group) if group else None)
     out = Path(args.out)
     if args.stdout:
         sys.stdout.write(text)

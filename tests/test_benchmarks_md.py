@@ -200,6 +200,30 @@ def test_grouped_section_from_group_workloads_or_how_to_produce_them():
     assert "group_dsv4_q_kv" not in section(bench_report.render(report), "Decode")
 
 
+def test_grouped_section_from_a_later_run_names_that_run_and_only_its_figures():
+    """--group: the Grouped section comes from the later run (named in the section, its figures against
+    the engine's); the main run's own grouped figures appear nowhere; with --gqa too, the first line
+    names both sections."""
+    main = make_report(MLA + [("group_dsv4_q_kv", 4096, "fused", 162.3), ("group_dsv4_q_kv", 4096, "calls", 161.5)])
+    later = make_report([("group_dsv4_q_kv", 4096, "fused", 139.4)], pdl=True)
+    text = bench_report.render(main, "benchmarks/results/a.json", group_report=later,
+                               group_source="benchmarks/results/c.json")
+    grouped = section(text, "Grouped")
+    assert "- Source of this section: `benchmarks/results/c.json`, its own `kvfuse bench` run" in grouped
+    table = rows(grouped)
+    engine = next(r for r in table if r[1:3] == ["`group_dsv4_q_kv`", "4096"])
+    assert engine[3] == "139.4" and engine[-1] == "**wins**"
+    assert ["`group_dsv4_q_kv`", "4096", "139.4"] in [r[:3] for r in table] and "calls us" not in grouped
+    assert "162.3" not in text and "161.5" not in text
+    assert "(the Grouped section: a later run of its own, named there)" in text.splitlines()[2]
+    gqa = make_report([("llama3_8b_fp8", 1, "fused", 1.81)], pdl=True)
+    both = bench_report.render(main, "benchmarks/results/a.json", gqa, "benchmarks/results/b.json", later,
+                               "benchmarks/results/c.json")
+    assert "(the Grouped and the GQA / MHA sections: a later run of their own, named there)" in both.splitlines()[2]
+    assert "`benchmarks/results/b.json`" in section(both, "GQA") and "`benchmarks/results/c.json`" in \
+        section(both, "Grouped")
+
+
 def test_figures_without_a_kvfuse_workload_are_listed_not_matched():
     text = bench_report.render(make_report(MLA + [("flashmla_v32", 256, "fused", 2.1)]))
     missing = section(text, "Not measured here")
@@ -228,14 +252,16 @@ def test_committed_benchmarks_md_is_the_rendering_of_the_json_it_names():
     path = ROOT / source
     if not path.exists():
         pytest.fail(f"BENCHMARKS.md names {source}, which is not in the repository: commit the result JSON")
-    gqa = re.search(r"^- Source of this section: `([^`]+)`", text, re.M)
-    gqa_report = None
-    if gqa:
-        if not (ROOT / gqa.group(1)).exists():
-            pytest.fail(f"BENCHMARKS.md's GQA section names {gqa.group(1)}, which is not in the repository")
-        gqa_report = json.loads((ROOT / gqa.group(1)).read_text())
-    assert text == bench_report.render(json.loads(path.read_text()), source, gqa_report,
-                                       gqa.group(1) if gqa else None)
+    later = {}                         # a section from a later run of its own: (its JSON, its name)
+    for title in ("Grouped", "GQA"):
+        m = re.search(r"^- Source of this section: `([^`]+)`", section(text, title), re.M)
+        if m:
+            if not (ROOT / m.group(1)).exists():
+                pytest.fail(f"BENCHMARKS.md's {title} section names {m.group(1)}, which is not in the repository")
+            later[title] = (json.loads((ROOT / m.group(1)).read_text()), m.group(1))
+    gqa = later.get("GQA", (None, None))
+    group = later.get("Grouped", (None, None))
+    assert text == bench_report.render(json.loads(path.read_text()), source, *gqa, *group)
 
 
 def test_the_commands_it_suggests_are_valid_bench_options():
