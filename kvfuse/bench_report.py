@@ -28,6 +28,7 @@ DECODE_MAX = 256             # the decode table: n <= this
 PREFILL_MIN = 4096           # the prefill table: n >= this
 SIZES = "1,256,4096,65536"   # the sizes the suggested commands measure
 GQA_SIZES = "1,64,256,4096,65536"
+FULL_SIZES = GQA_SIZES + ",262144"   # the full run: the writes' large-n targets too (larger inputs skip themselves)
 GROUP_PREFIX = "group_"
 
 
@@ -517,9 +518,10 @@ def full_run_workloads() -> List[str]:
 def _regenerate() -> List[str]:
     peers = ",".join(["fused"] + list(GQA_PEERS) + ["calls", "stages"])
     return ["## Regenerating", "",
-            "One run that fills every table (add `compile` to `--peers` for the torch.compile peer; it is slow):",
+            "One run that fills every table, with programmatic dependent launch as the engines' PDL figures "
+            "(add `compile` to `--peers` for the torch.compile peer; it is slow):",
             "", "```bash",
-            f"python -m kvfuse.cli bench --workloads {','.join(full_run_workloads())} --n {GQA_SIZES} "
+            f"python -m kvfuse.cli bench --pdl --workloads {','.join(full_run_workloads())} --n {FULL_SIZES} "
             f"--peers {peers} --budget-s 500 --out bench-out",
             "cp bench-out/kvfuse_bench.json benchmarks/results/<date>_<device>_bench.json",
             "python benchmarks/benchmarks_md.py benchmarks/results/<date>_<device>_bench.json",
