@@ -15,9 +15,8 @@ did not take) is reported and not timed.
 Usage (on the device, repo root):
   python benchmarks/tune.py [--kernel portable|fast|all] [--out DIR] [--workloads a,b] [--n 1,256,...]
       [--budget-s S] [--vec] [--gqa-grid 4x2x1,...] [--rows 1,2] [--set indexer.PACKED_E2M1=0 ...]
---workloads and --n default to each sweep's own lists; --set assigns an integer switch of a fast-path
-module or of the GQA kernel's module before anything runs (an A/B of a kernel variant in one device
-call: one run per setting). Writes DIR/tune.json (the
+--workloads and --n default to each sweep's own lists; --set assigns a fast-path module's integer
+switch before anything runs (an A/B of a kernel variant in one device call: one run per setting). Writes DIR/tune.json (the
 device, copy bandwidth, every timed configuration and the text) and DIR/tune.txt (the text).
 """
 from __future__ import annotations
@@ -256,7 +255,7 @@ def parse_args(argv=None):
                         "BLOCK_M 1-8 x G 1-8 x 1-2 warps")
     p.add_argument("--rows", default="1,2", help="fast: rows per warp (per thread for the index kernel) to try")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=INT",
-                   help="set an integer switch of a fast-path module or of the GQA kernel (qkv) before the sweep")
+                   help="fast: set a fast-path module's integer switch before the sweep")
     a = p.parse_args(argv)
     try:
         a.n = [int(v) for v in csv(a.n)]
@@ -278,7 +277,7 @@ def parse_args(argv=None):
     a.portable = (names or list(PORTABLE_WORKLOADS)) if a.kernel in ("portable", "all") else []
     a.fast = ([w for w in names if w in FAST_WORKLOADS] if names else list(FAST_DEFAULT)) \
         if a.kernel in ("fast", "all") else []
-    modules = {m.__name__.rsplit(".", 1)[1]: m for m in (*fused.FAST_PATH_MODULES, qkv)}
+    modules = {m.__name__.rsplit(".", 1)[1]: m for m in fused.FAST_PATH_MODULES}
     a.switches = []
     for assignment in a.set:
         target, _, value = assignment.partition("=")

@@ -4,9 +4,9 @@ batch of tokens in one launch.
 A program owns BLOCK_M tokens of G heads of one kind: the 1-d grid walks the head groups [q | k | v]
 fastest (neighbouring programs read neighbouring heads of a packed QKV row and write neighbouring
 records of an NHD cache). Which kind a program is follows from its group index, a runtime branch
-uniform over the program; its G heads are unrolled, their rows all loaded before the first store
-), and what depends only on the token (position, cos / sin, norm weights, slot, the cast's
-scale and reciprocal) is loaded once for them:
+uniform over the program; its G heads are unrolled, their rows all loaded before the first store,
+and what depends only on the token (position, cos / sin, norm weights, slot, the cast's scale and
+reciprocal) is loaded once for them:
 
 * q: RMSNorm (optional) -> RoPE (optional) -> bf16 into q_out (which may be q itself);
 * k: the same with k's weight -> the cache record of the token's slot (bf16, or e4m3 by k_scale);
