@@ -509,21 +509,117 @@ def test_format_table():
     assert "" in lines                                    # blank line between workloads
 
 
+FLOOR = "fused GPU time / launch floor at n in {1, 256} (worst), with programmatic dependent launch"
+
+
+def _pct_record(wl, pct, slots=""):
+    """A fused record at n=262144 with this % of copy (check_targets reads the derived columns)."""
+    return Record(workload=wl, n=262144, peer="fused", gpu_us=100.0, gpu_method="graph", pct_copy=pct, slots=slots)
+
+
 def test_targets():
     recs = _fake_records()
     targets = {t["target"]: t for t in bench.check_targets(recs)}
-    main64k = targets["main_fp8 fused % copy at n=65536"]
-    # 65536 tokens in 65.536 us: 1560 B/token (+ one cos/sin row and the weight) -> ~1560 GB/s -> 39% of 4000
-    total = 65536 * 1560 + 256 + 1024
-    assert main64k["status"] == "MISS" and main64k["value"] == pytest.approx(100 * total / 65.536e-6 / 1e9 / 4000)
-    assert targets["main_fp8 fused GPU time / launch floor, n<=256 (worst)"]["status"] == "PASS"
+    # 262144 tokens in 262.144 us: 1560 B/token (+ one cos/sin row and the weight) -> ~1560 GB/s -> 39% of 4000;
+    # the records say no slot pattern (old runs): paged
+    main = targets["main_fp8 fused % copy at n=262144 (paged slots)"]
+    total = 262144 * 1560 + 256 + 1024
+    assert main["value"] == pytest.approx(100 * total / 262.144e-6 / 1e9 / 4000)
+    assert (main["status"], main["op"], main["threshold"]) == ("MISS", ">=", 85.0)
+    index = targets["index_mxfp4 fused % copy at n=262144 (paged slots)"]
+    assert (index["status"], index["threshold"]) == ("MISS", 85.0)
+    # decode: 1.5 us at n = 1 and 256 against a 1.0 us floor -> 1.5x > 1.3x
+    floor = targets["main_fp8 " + FLOOR]
+    assert (floor["status"], floor["value"], floor["op"], floor["threshold"], floor["detail"]) == \
+        ("MISS", pytest.approx(1.5), "<=", 1.3, "at n=256")
+    assert targets["index_mxfp4 " + FLOOR]["status"] == "MISS"
     assert targets["main_fp8 fused vs stage chain, n<=4096 (least)"]["status"] == "PASS"
     assert targets["index_mxfp4 fused vs stage chain at n=65536"]["value"] == pytest.approx(3.0)
-    assert "index_mxfp4 fused % copy at n=262144" in targets
+    # the old targets are gone
+    assert not any("n=65536" in name and "% copy" in name or "n<=256" in name for name in targets)
+    assert len(targets) == 8
     text = bench.format_targets(bench.check_targets(recs))
-    assert "PASS" in text and "MISS" in text
+    assert "PASS" in text and "MISS" in text and "(target <= 1.3)" in text and "(target >= 85)" in text
     only = [Record(workload="main_fp8", n=1, peer="fused", status="error", note="boom")]
     assert all(t["status"] == "N/A" for t in bench.check_targets(only))
+
+
+def test_targets_pct_copy_by_format_and_slot_pattern():
+    """% of copy at n=262144: MAIN_FP8 >= 85 on paged / contiguous slots, >= 80 on random; MAIN_FP4 >= 80;
+    every other format >= 85. The name says the slot pattern."""
+    def target(wl, pct, slots=""):
+        (t,) = [t for t in bench.check_targets([_pct_record(wl, pct, slots)]) if "% copy" in t["target"]]
+        return t["target"], t["threshold"], t["status"]
+    assert bench.WORKLOADS["main_fp8"].fmt.name == "MAIN_FP8"
+    assert target("main_fp8", 82.0, "random") == ("main_fp8 fused % copy at n=262144 (random slots)", 80.0, "PASS")
+    assert target("main_fp8", 79.9, "random") == ("main_fp8 fused % copy at n=262144 (random slots)", 80.0, "MISS")
+    assert target("main_fp8", 82.0, "paged") == ("main_fp8 fused % copy at n=262144 (paged slots)", 85.0, "MISS")
+    assert target("main_fp8", 85.0, "paged") == ("main_fp8 fused % copy at n=262144 (paged slots)", 85.0, "PASS")
+    assert target("main_fp8", 84.9, "contiguous") == \
+        ("main_fp8 fused % copy at n=262144 (contiguous slots)", 85.0, "MISS")
+    assert target("main_fp8", 82.0) == ("main_fp8 fused % copy at n=262144 (paged slots)", 85.0, "MISS")
+    # the same format under another workload: the format decides
+    assert target("main_fp8_gptj", 81.0, "random") == \
+        ("main_fp8_gptj fused % copy at n=262144 (random slots)", 80.0, "PASS")
+    fp4 = [w for w, d in bench.WORKLOADS.items() if d.kind == "write" and d.fmt.name == "MAIN_FP4"]
+    assert "main_fp4" in fp4
+    for wl in fp4:
+        for slots in ("paged", "random", "contiguous"):
+            assert target(wl, 80.0, slots) == (f"{wl} fused % copy at n=262144 ({slots} slots)", 80.0, "PASS")
+            assert target(wl, 79.9, slots)[1:] == (80.0, "MISS")
+    others = [w for w, d in bench.WORKLOADS.items() if d.kind == "write" and d.fmt.name not in ("MAIN_FP8", "MAIN_FP4")]
+    assert {"index_mxfp4", "flashmla_model1", "index_fp8_fp32", "main_fp8_pagewise_cast"} <= set(others)
+    for wl in others:
+        for slots in ("paged", "random"):
+            assert target(wl, 84.9, slots) == (f"{wl} fused % copy at n=262144 ({slots} slots)", 85.0, "MISS")
+            assert target(wl, 85.0, slots)[1:] == (85.0, "PASS")
+    # not measured: N/A, still named with the records' slot pattern
+    other_n = Record(workload="main_fp8", n=4096, peer="fused", gpu_us=5.0, pct_copy=90.0, slots="random")
+    (t,) = [t for t in bench.check_targets([other_n]) if "% copy" in t["target"]]
+    assert (t["target"], t["threshold"], t["status"], t["value"]) == \
+        ("main_fp8 fused % copy at n=262144 (random slots)", 80.0, "N/A", None)
+    # no % copy target for what is not a cache write
+    for wl in ("q_pre", "index_q", "llama3_8b_fp8", "group_dsv4_q_kv"):
+        assert not [t for t in bench.check_targets([_pct_record(wl, 99.0)]) if "% copy" in t["target"]]
+
+
+def test_targets_decode_at_the_launch_floor_with_pdl():
+    """The worst fused x_floor at n = 1 and 256 only, <= 1.3, for the writes, q_pre and index_q; N/A
+    ("needs a --pdl run") when the run had no PDL; none for GQA or grouped workloads."""
+    def recs(us):
+        out = []
+        for wl in ("main_fp8", "q_pre", "index_q", "llama3_8b_fp8", "group_dsv4_q_kv"):
+            for n, t in ((1, us[0]), (64, 9.0), (256, us[1]), (4096, 50.0)):
+                out.append(bench.finalize(Record(workload=wl, n=n, peer="fused", bytes=1000, gpu_us=t,
+                                                 gpu_method="graph"), 4000.0, 1.0))
+        return out
+
+    def floors(records, **kw):
+        return {t["target"]: t for t in bench.check_targets(records, **kw) if "launch floor" in t["target"]}
+    # 1.2 / 1.3 us against a 1.0 us floor: the worst is 1.3 at n = 256 (n = 64's 9x is not one of the sizes)
+    got = floors(recs((1.2, 1.3)))
+    assert set(got) == {f"{wl} {FLOOR}" for wl in ("main_fp8", "q_pre", "index_q")}
+    for t in got.values():
+        assert (t["status"], t["value"], t["op"], t["threshold"], t["detail"]) == \
+            ("PASS", pytest.approx(1.3), "<=", 1.3, "at n=256")
+    got = floors(recs((1.31, 1.1)))
+    for t in got.values():
+        assert (t["status"], t["value"], t["detail"]) == ("MISS", pytest.approx(1.31), "at n=1")
+    # without PDL: N/A whatever was measured
+    got = floors(recs((1.0, 1.0)), pdl=False)
+    assert len(got) == 3
+    for t in got.values():
+        assert (t["status"], t["value"], t["threshold"], t["detail"]) == ("N/A", None, 1.3, "needs a --pdl run")
+    text = bench.format_targets(bench.check_targets(recs((1.0, 1.0)), pdl=False))
+    assert f"N/A   main_fp8 {FLOOR}: not measured (needs a --pdl run) (target <= 1.3)" in text
+    # measured at neither size: N/A without a detail
+    only64 = [r for r in recs((1.0, 1.0)) if r.n == 64]
+    got = floors(only64)
+    assert len(got) == 3 and all((t["status"], t["detail"]) == ("N/A", "") for t in got.values())
+    # the stage-chain targets stay for every workload
+    names = [t["target"] for t in bench.check_targets(recs((1.0, 1.0)))]
+    assert "llama3_8b_fp8 fused vs stage chain, n<=4096 (least)" in names
+    assert "group_dsv4_q_kv fused vs stage chain at n=65536" in names
 
 
 def test_json_report(tmp_path):

@@ -133,6 +133,70 @@ def test_cast_only_section():
            "1.52 us at n = 1, 2.64 us at n = 4096, 26.2 us at n = 65536" in absent
 
 
+def test_cast_note_quotes_the_runs_page_layout_figures_when_it_has_them():
+    """FlashInfer's cast note: the run's own main_fp8_pagewise_cast and main_fp8_cast at 65536 when it has
+    both, else the figures measured before (a constant)."""
+    before = "kvfuse's portable kernel writes the same codes in 26.11 us at 65536 tokens against 31.28 us as MAIN_FP8"
+    both = make_report([("main_fp8_cast", 65536, "fused", 30.2864), ("main_fp8_pagewise_cast", 65536, "fused", 25.6528),
+                        ("main_fp8_pagewise_cast", 4096, "fused", 2.9)])
+    cast = section(bench_report.render(both), "Cast only")
+    assert ("In that layout kvfuse writes the same codes in this run in 25.65 us at 65536 tokens against 30.29 us as "
+            "MAIN_FP8 records (`main_fp8_pagewise_cast` against `main_fp8_cast`; docs/performance.md).") in cast
+    assert "26.11" not in cast and "31.28" not in cast
+    assert "FlashInfer's kernel writes its own page layout, not the MAIN_FP8 record" in cast
+    for pts in ([("main_fp8_cast", 65536, "fused", 30.2864)],                                 # no page layout
+                [("main_fp8_cast", 65536, "fused", 30.2864), ("main_fp8_pagewise_cast", 4096, "fused", 2.9)],
+                [("main_fp8_cast", 4096, "fused", 2.5), ("main_fp8_pagewise_cast", 65536, "fused", 25.6528)]):
+        cast = section(bench_report.render(make_report(pts)), "Cast only")
+        assert before in cast and "the same codes in this run" not in cast, pts
+
+
+def _at_pct(workload, n, pct):
+    """The GPU us at which ``workload`` moves its bytes at ``pct`` % of DEVICE's copy bandwidth."""
+    return bench.moved_bytes(bench.WORKLOADS[workload], n)["total"] / (pct / 100 * DEVICE["copy_GBps"] * 1e9) * 1e6
+
+
+def test_targets_section_recomputes_the_current_targets_from_the_runs_records():
+    pts = [("main_fp8_gptj", 1, "fused", 1.0), ("main_fp8_gptj", 256, "fused", 1.1),
+           ("main_fp8_gptj", 262144, "fused", _at_pct("main_fp8_gptj", 262144, 90.0)),
+           ("dsv4_main_fp4", 256, "fused", 2.0),
+           ("dsv4_main_fp4", 262144, "fused", _at_pct("dsv4_main_fp4", 262144, 70.0)),
+           ("llama3_8b_fp8", 1, "fused", 1.5)]
+    report = make_report(pts, pdl=True)
+    report["targets"] = [dict(target="main_fp8_gptj fused % copy at n=262144", status="MISS", value=90.0, op=">=",
+                              threshold=95.0, detail="")]       # what an old run stored: not used
+    report["results"][0]["a_field_of_another_version"] = 1
+    text = bench_report.render(report)
+    titles = re.findall(r"^## (.+)$", text, re.M)
+    assert titles.index("Targets") == titles.index("GQA / MHA (`fused_qk_norm_rope_store_kv`)") + 1
+    assert titles.index("Not measured here") == titles.index("Targets") + 1
+    targets = section(text, "Targets")
+    assert "recomputed from this run" in targets and "reporting, not asserting" in targets
+    assert 'docs/performance.md ("Targets")' in targets and "95" not in targets
+    got = {r[0]: r[1:] for r in rows(targets) if r[0] != "workload"}
+    # columns: % of copy at 262144, x launch floor at 1 / 256, vs stage chain n <= 4096, at 65536
+    assert ("| workload | % of copy at 262144 | x launch floor, n = 1 / 256 | vs stage chain, n <= 4096 | "
+            "vs stage chain, n = 65536 |") in targets
+    # 1.1 us at n = 256 over the 0.87 us floor: 1.26x; 2.0 us: 2.30x
+    assert got["`main_fp8_gptj`"] == ["90.0% (target 85%): met", f"{1.1 / 0.87:.2f}x at n=256: met",
+                                      "not measured", "not measured"]
+    assert got["`dsv4_main_fp4`"][:2] == ["70.0% (target 80%): **missed**", f"{2.0 / 0.87:.2f}x at n=256: **missed**"]
+    assert got["`llama3_8b_fp8`"][:2] == ["", ""]                 # GQA: no % copy or floor target
+    assert "2 of the 4 measured targets met." in targets
+    # a run without PDL: the launch-floor target needs one
+    got = {r[0]: r[1:] for r in rows(section(bench_report.render(make_report(pts)), "Targets"))}
+    assert got["`main_fp8_gptj`"][:2] == ["90.0% (target 85%): met", "not measured (needs a --pdl run)"]
+
+
+def test_a_target_value_never_prints_as_its_threshold_when_it_misses():
+    t = dict(kind="stages_65536", value=1.7996, threshold=1.8, status="MISS", detail="")
+    assert bench_report._target_cell(t) == "1.7996x: **missed**"
+    assert bench_report._target_cell(dict(t, value=1.798)) == "1.798x: **missed**"
+    assert bench_report._target_cell(dict(t, value=1.8, status="PASS")) == "1.80x: met"
+    assert bench_report._target_cell(dict(t, kind="pct_copy", value=84.96, threshold=85.0)) == \
+        "84.96% (target 85%): **missed**"
+
+
 def test_gqa_section_puts_the_peers_beside_the_fused_call():
     pts = [("qwen3_8b_fp8", 1, "fused", 2.0), ("qwen3_8b_fp8", 1, "two_launch", 3.0),
            ("qwen3_8b_fp8", 1, "stages", 6.0), ("qwen3_8b_fp8", 1, "compile", 400.0, "events"),
