@@ -85,6 +85,11 @@ def variants():
     yield "main_fp8_cast_only", lambda: _main(M8.RECORDS, Case(n=3, **m8, **cast_only, seed=6))
     yield "main_fp8_cast_only_pipeline", lambda: _main(M8.RECORDS, Case(n=3, **m8, **cast_only, seed=7),
                                                        pipe=True, PDL=True)
+    # the reserved-sector prefetch (FILL_MIN_ROWS rows and up: the launch table's pipelined entry)
+    yield "main_fp8_fill_sector_pipeline_gptj", lambda: _main(M8.RECORDS, Case(n=300, **{**m8, "neox": False},
+                                                                              seed=8), pipe=True, FILL_SECTOR=True)
+    yield "main_fp8_cast_only_fill_sector", lambda: _main(M8.RECORDS, Case(n=3, **m8, **cast_only, seed=9),
+                                                          pipe=True, FILL_SECTOR=True, PDL=True)
     yield "main_fp4", lambda: _main(M4.RECORDS, Case(n=1, **m4, seed=11), nw=2)
     yield "main_fp4_w32_gptj", lambda: _main(M4.RECORDS, Case(n=3, **{**m4, "neox": False}, seed=12, w_fp32=True,
                                                               cs_bf16=True, idx32=True))

@@ -51,6 +51,28 @@ def test_every_fast_path_entry_runs_each_chain_it_serves(built):
                 assert len(got["format"]) == 5, (i, got["format"])
 
 
+def test_every_row_threshold_of_a_fast_path_has_its_chains_past_it(built):
+    """A fast path whose constexprs change past a row count (ROW_THRESHOLDS: main_latent's reserved-sector
+    prefetch, FILL_MIN_ROWS) runs every chain it serves past that count and below it."""
+    from kvfuse.kernels.gluon import main_latent
+    assert main_latent.FILL_MIN_ROWS in main_latent.ROW_THRESHOLDS
+    fast, _, _ = built
+    for module in fused.FAST_PATH_MODULES:
+        name = module.__name__.rsplit(".", 1)[1]
+        mine = [c for c in fast if M.dispatch_of(c).startswith(f"{name} ")]
+        for threshold in getattr(module, "ROW_THRESHOLDS", ()):
+            chains = {(c.neox, c.norm, c.rope) for c in mine}
+            assert {(c.neox, c.norm, c.rope) for c in mine if c.n * c.heads >= threshold} == chains, (name, threshold)
+            assert {(c.neox, c.norm, c.rope) for c in mine if c.n * c.heads < threshold} == chains, (name, threshold)
+
+
+def test_main_fp8_prefetches_its_reserved_sector_from_fill_min_rows():
+    from kvfuse.kernels.gluon import main_latent as M8, main_latent_fp4 as M4
+    assert M8.fill_sector(M8.RECORDS, M8.FILL_MIN_ROWS) and not M8.fill_sector(M8.RECORDS, M8.FILL_MIN_ROWS - 1)
+    assert not M8.fill_sector(M4.RECORDS, 2 * M8.FILL_MIN_ROWS)          # MAIN_FP4 records have no reserved bytes
+    assert M8.RECORD_BYTES - M8.RESERVED_OFFSET == 4 and M8.RECORDS.sf_offset + 16 == M8.RESERVED_OFFSET
+
+
 def test_fast_cases_are_taken_by_their_fast_path(built):
     fast, _, _ = built
     assert all(not M.dispatch_of(c).startswith("plain") for c in fast)

@@ -40,12 +40,25 @@ from .common import (INT32_LIMIT, allowed_by_env, available, compile_options, gl
 
 HEAD_DIM = 512
 RECORD_BYTES = 532           # 512 codes + 16 scales + 4 reserved (never written)
+RESERVED_OFFSET = 528
+# From this many rows on, prefetch into L2, before a record's stores, the 32-byte sector that holds its 4
+# reserved bytes. Those bytes are never written, so that sector leaves L2 partly written and costs DRAM a
+# read-modify-write at eviction, in the middle of the write stream; prefetched, the stores complete it in
+# L2 (bytes unchanged). It pays once the records outgrow L2 (50 MB on an H200; 131072 records: 70 MB):
+# H200, PDL, paged slots (benchmarks/results/2026-12-02_h200_fill_sector_ab.txt), 262144 rows: the cast
+# alone 121.0 -> 112.9 us, norm + GPT-J RoPE 127.4 -> 124.8; 65536 rows: 30.5 -> 30.0 and 33.1 -> 33.7; at
+# n = 1 the prefetch's round trip costs 0.1 us. An integer switch (benchmarks/tune.py --set
+# main_latent.FILL_MIN_ROWS=...; a value above any n turns it off).
+FILL_MIN_ROWS = 131072
+# row counts, beyond the launch table's own, from which a launch's constexprs change (the GPU matrix runs
+# each fast path's chains there too: tests/gpu_matrix.py)
+ROW_THRESHOLDS = (FILL_MIN_ROWS,)
 ROTARY_DIM = 64
 
 
 if gluon is not None:
     from .common import (as_offset, bf16x2, block_and_token, e2m1_nibble, e4m3x4, expand_rows, hi_f32, lane_tree,
-                               lo_f32, load_indices, shfl_xor, slot_block, ue8m0_scale, pdl_wait)
+                               lo_f32, load_indices, prefetch_l2, shfl_xor, slot_block, ue8m0_scale, pdl_wait)
     from .common import b64, group_scale
 
     @gluon.jit
@@ -145,8 +158,20 @@ if gluon is not None:
     @gluon.jit
     def _quantize_store(yw, rmask, slot, capacity, cache_ptr, s_blk, tok_stride, block_size, lane, qword,
                         R: gl.constexpr, LQ: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr,
-                        OFFSETS32: gl.constexpr):
-        """y (bf16 pairs [R, 8, 4, 8]) of one tile -> UE8M0/e4m3 -> the MAIN_FP8 records."""
+                        OFFSETS32: gl.constexpr, FILL_SECTOR: gl.constexpr):
+        """y (bf16 pairs [R, 8, 4, 8]) of one tile -> UE8M0/e4m3 -> the MAIN_FP8 records. FILL_SECTOR: first
+        prefetch into L2 the sector of each record's 4 reserved bytes (see FILL_MIN_ROWS)."""
+        # ---- the records; an invalid slot (or a row past n_rows) writes nothing
+        ok = rmask & (slot >= 0) & (slot < capacity)
+        s_ok, blk = slot_block(slot, ok, block_size, SLOT32, LOG2_BLOCK)
+        if SLOT32:
+            rec = as_offset(blk, OFFSETS32) * s_blk + as_offset(s_ok - blk * block_size, OFFSETS32) * tok_stride
+        else:
+            rec = blk * s_blk + (s_ok - blk * block_size) * tok_stride
+        if FILL_SECTOR:
+            # a row whose record is not written prefetches the cache's first sector instead (never written by it)
+            prefetch_l2((cache_ptr + gl.where(ok, rec + 528, 0)).to(gl.int64, bitcast=True))   # 528: RESERVED_OFFSET
+
         # ---- UE8M0 scale per 32 columns (two lanes): group_scales(SF_UE8M0, FMAX=448) of numerics.py
         y_lo = lo_f32(yw)
         y_hi = hi_f32(yw)
@@ -159,13 +184,6 @@ if gluon is not None:
         t1, t3 = gl.split(gl.reshape(y_hi * m4, [R, 8, 4, 4, 2]))
         codes = gl.convert_layout(e4m3x4(t0, t1, t2, t3), LQ, assert_trivial=True)    # [R, 8, 4, 4]
 
-        # ---- the records; an invalid slot (or a row past n_rows) writes nothing
-        ok = rmask & (slot >= 0) & (slot < capacity)
-        s_ok, blk = slot_block(slot, ok, block_size, SLOT32, LOG2_BLOCK)
-        if SLOT32:
-            rec = as_offset(blk, OFFSETS32) * s_blk + as_offset(s_ok - blk * block_size, OFFSETS32) * tok_stride
-        else:
-            rec = blk * s_blk + (s_ok - blk * block_size) * tok_stride
         rec3 = expand_rows(rec)
         ok3 = expand_rows(ok)
         rec_q = gl.expand_dims(gl.convert_layout(rec3 >> 2, gl.SliceLayout(3, LQ), assert_trivial=True), 3)
@@ -216,7 +234,7 @@ if gluon is not None:
                     cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel, qword,
                     R: gl.constexpr, LLANE: gl.constexpr, LPLANE: gl.constexpr, LQ: gl.constexpr,
                     LW: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, OFFSETS32: gl.constexpr,
-                    FP4: gl.constexpr, NEOX: gl.constexpr, CAST_ONLY: gl.constexpr):
+                    FP4: gl.constexpr, NEOX: gl.constexpr, CAST_ONLY: gl.constexpr, FILL_SECTOR: gl.constexpr):
         """RMSNorm -> RoPE -> the cast -> the records of one tile of R rows whose loads are done: MAIN_FP8's
         (UE8M0/e4m3), or with FP4 MAIN_FP4's (main_latent_fp4: NVFP4). CAST_ONLY: the cast of x itself."""
         rmask = rows < n_rows
@@ -231,7 +249,7 @@ if gluon is not None:
                                 R, LLANE, SLOT32, LOG2_BLOCK, OFFSETS32)
         else:
             _quantize_store(yw, rmask, slot, capacity, cache_ptr, s_blk, tok_stride, block_size, lane, qword,
-                            R, LQ, SLOT32, LOG2_BLOCK, OFFSETS32)
+                            R, LQ, SLOT32, LOG2_BLOCK, OFFSETS32, FILL_SECTOR)
 
     @gluon.jit(do_not_specialize=["n_rows", "P", "capacity"])
     def main_fp8_kernel(
@@ -243,7 +261,7 @@ if gluon is not None:
         n_rows,
         W_BF16: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, ROWS_PER_WARP: gl.constexpr,
         PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr, FP4: gl.constexpr, NEOX: gl.constexpr,
-        CAST_ONLY: gl.constexpr, PDL: gl.constexpr,
+        CAST_ONLY: gl.constexpr, PDL: gl.constexpr, FILL_SECTOR: gl.constexpr,
     ):
         """A program walks over the tiles pid, pid + num_programs, ... (R = ROWS_PER_WARP * num_warps
         rows each; warp w owns rows w * ROWS_PER_WARP ..). LOG2_BLOCK: log2(block_size) when it is a
@@ -253,7 +271,8 @@ if gluon is not None:
         FP4: write MAIN_FP4 records instead (main_latent_fp4 launches this kernel so). NEOX: the RoPE
         pairs (448 + j, 480 + j), else GPT-J's (448 + 2 j, 449 + 2 j). CAST_ONLY: no norm and no RoPE (the
         cast of x: kvfuse.mla.store_gathered, the CP second pass); w_ptr, pos_ptr and cs_ptr are stand-ins
-        (x), never read."""
+        (x), never read. FILL_SECTOR: prefetch each MAIN_FP8 record's reserved-byte sector into L2 before
+        its stores (``fill_sector``: large launches)."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = ROWS_PER_WARP * NW
         # words [R, 8, 4, 8]: lane l = 4 * d1 + d2 owns the 8 int32 words (bf16 columns 16 l .. 16 l + 15)
@@ -320,7 +339,8 @@ if gluon is not None:
                 next_xw, next_xp = _load_x(x_ptr, sx_w, next_rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
                 _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
                             cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
-                            qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4, NEOX, CAST_ONLY)
+                            qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4, NEOX, CAST_ONLY,
+                            FILL_SECTOR)
                 # the next positions arrived while this tile computed
                 cs = _tile_cos_sin(cs_ptr, s_cs, P, next_pos, next_rows, n_rows, cs_col, next_xp, LPLANE, OFFSETS32,
                                    CAST_ONLY)
@@ -336,7 +356,8 @@ if gluon is not None:
                 cs = _tile_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, cs_col, xp, LPLANE, OFFSETS32, CAST_ONLY)
                 _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
                             cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
-                            qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4, NEOX, CAST_ONLY)
+                            qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4, NEOX, CAST_ONLY,
+                            FILL_SECTOR)
 
 
 # --------------------------------------------------------------------------- host side
@@ -408,6 +429,12 @@ def launch_table(n_rows: int):
 LAUNCH_TABLE = ((1, (1, 1, False)), (1025, (4, 1, False)), (8193, (1, 1, False)), (16385, (1, 1, True)))
 
 
+def fill_sector(rec: MainRecords, n: int) -> bool:
+    """The kernel's FILL_SECTOR for n rows of ``rec``'s records: MAIN_FP8 (the records with reserved bytes)
+    from FILL_MIN_ROWS rows on."""
+    return not rec.fp4 and rec.record_bytes > RESERVED_OFFSET and n >= FILL_MIN_ROWS
+
+
 def launch_parts_records(rec: MainRecords, tensor, n: int, eps: float, x, weight, positions, cos_sin, slot_mapping,
                          kv_cache, num_warps: int, rows_per_warp: int, pipeline: bool, ctas_per_sm=None,
                          sm_count=None, neox: bool = True):
@@ -429,7 +456,7 @@ def launch_parts_records(rec: MainRecords, tensor, n: int, eps: float, x, weight
     constexprs = dict(W_BF16=cast_only or weight.dtype == torch.bfloat16, SLOT32=capacity <= INT32_LIMIT,
                       LOG2_BLOCK=log2_block(block_size), ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline),
                       OFFSETS32=max(spans) < INT32_LIMIT, FP4=rec.fp4, NEOX=bool(neox), CAST_ONLY=cast_only,
-                      PDL=False)
+                      PDL=False, FILL_SECTOR=fill_sector(rec, n))
     options = compile_options(num_warps)
     tiles = -(-n // (rows_per_warp * num_warps))
     tensors = dict(x=x, weight=weight, positions=positions, cos_sin=cos_sin, slot_mapping=slot_mapping,
