@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvfuse.bench_report import render  # noqa: E402
 
-DEFAULT = ROOT / "benchmarks" / "results" / "2026-12-02_h200_layer_pdl_bench.json"
+DEFAULT = ROOT / "benchmarks" / "results" / "2026-12-02_h200_full_bench.json"
 TARGET = ROOT / "BENCHMARKS.md"
 
 

@@ -151,7 +151,8 @@ WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
              description="the MAIN_FP8 cast alone (no norm, no RoPE: the CP second pass, store_gathered)"),
     Workload("main_fp8_pagewise_cast", "write", 512, MAIN_FP8_PAGEWISE, norm=False, rope=False,
              description="main_fp8_cast's codes and scales in FlashInfer's DeepSeek page layout (a page: its "
-                         "tokens' 512-B code rows, then their 16-B scale rows): the layout's cost, same kernel"),
+                         "tokens' 512-B code rows, then their 16-B scale rows): the layout's cost (the portable kernel: no fast "
+                         "path writes this layout)"),
     _write("main_fp8_gptj", MAIN_FP8, "main KV 512", is_neox=False),
     _write("main_fp4_gptj", MAIN_FP4, "main KV 512", is_neox=False),
     _write("flashmla_v32_gptj", FLASHMLA_V32, "FlashMLA V3.2 KV 576", is_neox=False),

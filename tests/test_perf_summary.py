@@ -16,18 +16,18 @@ def test_readme_quotes_the_latest_benchmark():
 
 def test_every_row_of_the_summary_was_measured():
     report = json.loads(LATEST.read_text())
-    measured = {(r["workload"], r["n"]) for r in report["results"] if r["status"] == "ok"}
-    sizes = {n for _, n in measured}
-    for _, wl, preset in ps.ROWS:
-        for w in filter(None, (wl, preset)):
-            assert {(w, n) for n in sizes} <= measured, w
+    measured = {(r["workload"], r["n"]) for r in report["results"] if r["status"] == "ok" and r["peer"] == "fused"}
+    for label, names in ps.ROWS:
+        wl = ps._measured(report, names)
+        assert wl is not None, label
+        assert {(wl, n) for n in (1, 256, 4096)} <= measured, wl     # decode and prefill, at least
 
 
 def _new_style_report(slots="paged", regime="auto"):
     """A report as kvfuse bench now writes it (input regime, slots, bytes from the inputs), with
     made-up timings for every workload the summary quotes, through JSON."""
     from kvfuse import bench
-    names = [w for _, wl, preset in ps.ROWS for w in (wl, preset) if w]
+    names = [names[0] for _, names in ps.ROWS]
     cfg = bench.parse_config(["--workloads", ",".join(names), "--n", "1,4096", "--peers", "fused",
                               "--slots", slots, "--regime", regime])
     recs = []
@@ -49,8 +49,19 @@ def test_summary_renders_old_and_new_result_files():
     old_file = ROOT / "benchmarks" / "results" / "2026-12-01_h200_models_bench.json"   # before the regimes
     assert "median, random slots)" in ps.render(json.loads(old_file.read_text()))
     latest = ps.render(json.loads(LATEST.read_text()))
-    assert "median, paged slots, decode inputs for n <= 256 and prefill inputs above)" in latest
+    assert ("median, paged slots, decode inputs for n <= 256 and prefill inputs above, programmatic dependent "
+            "launch)") in latest
     new = ps.render(_new_style_report())
     assert "median, paged slots, decode inputs for n <= 256 and prefill inputs above)" in new
-    assert f"| DeepSeek V4 main cache (MAIN_FP8, GPT-J) | {1.5 + 1e-3:.2f} / {1.5 + 4.096:.2f} |" in new
+    assert f"| DeepSeek V4 main cache (MAIN_FP8, GPT-J) | `main_fp8_gptj` | {1.5 + 1e-3:.2f} / {1.5 + 4.096:.2f} |" in new
+    assert "programmatic dependent launch" not in new and "programmatic dependent launch" in latest
+
+
+def test_summary_quotes_the_older_name_of_a_call():
+    """A run without the preset-named workload quotes the model's own name for the same call; a call the
+    run never measured shows dashes."""
+    old = json.loads((ROOT / "benchmarks" / "results" / "2026-12-01_h200_models_paged_bench.json").read_text())
+    text = ps.render(old)
+    assert "| DeepSeek V4 main cache (MAIN_FP8, GPT-J) | `dsv4_main_fp8` | " in text
+    assert "| DeepSeek V4 Q (64 heads of 512, RMSNorm, GPT-J, bf16 out) | - | - / - / - / - | - |" in text
     assert "random slots, prefill inputs)" in ps.render(_new_style_report("random", "prefill"))
