@@ -29,20 +29,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvfuse import bench  # noqa: E402
-from kvfuse.formats import MAIN_FP8, KVCacheFormat  # noqa: E402
-
-# MAIN_FP8 with the exact 16 scale bytes: 528-byte records, every byte written
-MAIN_FP8_NO_RESERVED = KVCacheFormat("MAIN_FP8_528", 512, "e4m3", 32, "ue8m0", True, sf_bytes=16)
-# MAIN_FP8 with 32 scale bytes (16 used, 16 reserved): 544-byte records, each 32-byte aligned
-MAIN_FP8_SECTOR_ALIGNED = KVCacheFormat("MAIN_FP8_544", 512, "e4m3", 32, "ue8m0", True, sf_bytes=32)
-LAYOUTS = (("MAIN_FP8 (532-B records)", MAIN_FP8), ("528-B records", MAIN_FP8_NO_RESERVED),
-           ("544-B records", MAIN_FP8_SECTOR_ALIGNED), ("page layout", bench.MAIN_FP8_PAGEWISE))
 
 
 def variants(names):
     for name in names:
         base = bench.WORKLOADS[name]
-        for label, fmt in LAYOUTS:
+        for label, fmt in bench.RECORD_LAYOUTS:
             yield label, dataclasses.replace(base, name=f"{name}[{fmt.name}]", fmt=fmt)
 
 

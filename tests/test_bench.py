@@ -746,3 +746,26 @@ def test_cuda_timer_failed_capture_falls_back_to_events(monkeypatch):
     _patch_cuda(monkeypatch, fake)
     res = bench.CudaTimer(target_s=0.001, eager_target_s=0.001).measure([lambda: None])
     assert res.gpu_method == "events" and "capture failed" in res.note and fake.stream == "stream0"
+
+
+@pytest.mark.parametrize("name", ["main_fp8_cast", "main_fp8_gptj"])
+def test_the_record_layouts_hold_the_same_codes_and_scales(name):
+    """benchmarks/record_alignment.py times one call into each of bench.RECORD_LAYOUTS: only the layout may
+    differ, so every layout must hold the same codes and scales of the same inputs (a prefill into
+    consecutive blocks, the case the study is about), and the bench charges each the same bytes."""
+    import dataclasses
+    got = []
+    for label, fmt in bench.RECORD_LAYOUTS:
+        wl = dataclasses.replace(bench.WORKLOADS[name], fmt=fmt)
+        inp = bench.build_inputs(wl, 300, "cpu")
+        with use_backend("reference"):
+            bench.fused_call(wl, inp)()
+            data, sf = kvfuse.load_paged_kv_cache(inp.cache, inp.slots, fmt, dequantize=False)
+        got.append((label, data, sf[..., :16], bench.input_bytes(wl, inp)["total"]))
+    first = got[0]
+    assert first[1].shape == (300, 1, 512) and first[2].shape == (300, 1, 16)
+    for label, data, sf, moved in got[1:]:
+        assert torch.equal(data, first[1]), label
+        assert torch.equal(sf, first[2]), label
+        assert moved == first[3], label
+    assert [fmt.bytes_per_token for _, fmt in bench.RECORD_LAYOUTS[:3]] == [532, 528, 544]
