@@ -969,6 +969,15 @@ def test_norm_discriminating_rows(kind, backend):
     eps = 1e-6
     exp = O.rmsnorm(bits[:, None, :], w, eps)[:, 0]
     alt = _norm_alt(kind, bits, w, eps)
+    # torch's float32 sqrt is off by an ulp on a fraction of inputs that depends on the CPU's vector
+    # code, and an ulp of rstd rarely moves a bf16 output: draw further pools until one row tells
+    # the alternative from the SPEC's rule (deterministic for a given CPU)
+    for _ in range(40 if kind == "torch_fp32_sqrt" else 0):
+        if not np.array_equal(exp, alt):
+            break
+        bits = _pool(rng, 60000, D)
+        exp = O.rmsnorm(bits[:, None, :], w, eps)[:, 0]
+        alt = _norm_alt(kind, bits, w, eps)
     sel, idx = _discriminating(exp, alt, bits)
     with backend_ctx(backend):
         got = kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(t_bf16(sel), norm_args=NormArgs(torch.from_numpy(w), eps))
