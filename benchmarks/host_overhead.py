@@ -37,7 +37,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the kernel objects depend on it
 
 import kvfuse  # noqa: E402
-from kvfuse import bench, formats, plan as kvplan  # noqa: E402
+from kvfuse import bench, formats  # noqa: E402
+from kvfuse.plans import cache as kvplan  # noqa: E402
 from kvfuse.kernels import fused as kernels  # noqa: E402
 
 

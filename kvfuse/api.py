@@ -1,25 +1,17 @@
-"""The public entry points: validate (kvfuse.plan), then run on the chosen backend."""
+"""The public entry points of the fused operator and the cache store / load: each validates into a
+plan (:mod:`kvfuse.plans`) and hands it to :mod:`kvfuse.dispatch`, nothing else."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
-from . import backend as _backend
 from . import dispatch as _dispatch
-from . import ops as _ops
 from .formats import KVCacheFormat
-from .plan import X, Plan, prepare
+from .plans import cache_io as _cache_io
+from .plans import fused as _fused
 
 __all__ = ["fused_norm_rope_hadamard_cast_store_kvcache", "store_kv_cache", "load_paged_kv_cache"]
-
-
-def execute(plan: Plan) -> None:
-    """Run a validated plan: through the custom op while torch.compile traces (one opaque call), else
-    on the backend chosen for its device (:func:`kvfuse.dispatch.run`)."""
-    if torch.compiler.is_compiling():
-        return _ops.execute_op(plan)  # traced as one custom op (torch.compile / CUDA graphs)
-    _dispatch.run(plan)
 
 
 def fused_norm_rope_hadamard_cast_store_kvcache(x, norm_args=None, rope_args=None, hadamard_args=None,
@@ -40,17 +32,8 @@ def fused_norm_rope_hadamard_cast_store_kvcache(x, norm_args=None, rope_args=Non
 
     Raises ValueError/TypeError, naming the argument, before any launch.
     """
-    template, tensors = prepare(x, norm_args, rope_args, hadamard_args, cast_args, out_args)
-    # outputs of the caller's: whether they overlap depends on data pointers, so it is checked on every call
-    # (out may be x: the kernels read every x they need before writing that part of out)
-    if template.overlap is not None:
-        template.overlap(tensors, tensors[X].shape[0])
-    if (template.launchable and not torch.compiler.is_compiling() and not _backend.checks_enabled()
-            and _backend.resolve_backend(template.device, template.device_type) == "triton"):
-        _dispatch.kernels().run_template(template, tensors)  # the hot path: launch parameters kept with the template
-    else:
-        execute(template.bind(tensors))
-    return template.result(tensors)
+    template, tensors = _fused.prepare(x, norm_args, rope_args, hadamard_args, cast_args, out_args)
+    return _dispatch.call_fused(template, tensors)
 
 
 def store_kv_cache(data: torch.Tensor, sf: Optional[torch.Tensor], kv_cache: torch.Tensor,
@@ -62,10 +45,7 @@ def store_kv_cache(data: torch.Tensor, sf: Optional[torch.Tensor], kv_cache: tor
     (None for a bf16 cache); tail: bf16 [.., bf16_tail] for the FlashMLA formats (else None);
     slot_mapping: int32/int64 [n] (invalid slots skip the row). Writes exactly the record bytes.
     """
-    entry = _dispatch.validate_store(data, sf, kv_cache, slot_mapping, layout, tail)
-    if torch.compiler.is_compiling():
-        return _ops.store_kv_cache(data, sf, kv_cache, slot_mapping, layout, tail)
-    _dispatch.store(entry, data, sf, kv_cache, slot_mapping, layout, tail)
+    _dispatch.execute(_cache_io.validate_store(data, sf, kv_cache, slot_mapping, layout, tail))
 
 
 def load_paged_kv_cache(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layout: KVCacheFormat,
@@ -76,7 +56,4 @@ def load_paged_kv_cache(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layo
     for invalid slots), or with ``dequantize=False`` the raw bytes (data uint8 [n, num_heads,
     data_bytes] = quantized bytes then tail bytes, sf uint8 [n, num_heads, sf_bytes]).
     """
-    entry = _dispatch.validate_load(kv_cache, slot_mapping, layout, dequantize)
-    if torch.compiler.is_compiling():
-        return _ops.load_paged_kv_cache(kv_cache, slot_mapping, layout, dequantize)
-    return _dispatch.load(entry, kv_cache, slot_mapping, layout, dequantize)
+    return _dispatch.execute(_cache_io.validate_load(kv_cache, slot_mapping, layout, dequantize))

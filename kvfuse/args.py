@@ -6,12 +6,11 @@ bad object raises ValueError/TypeError there with the argument's name.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, TYPE_CHECKING
+from typing import Optional
 
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .formats import KVCacheFormat
+from .formats import POWER_OF_TWO_SF_FORMATS, KVCacheFormat
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -81,7 +80,7 @@ class CastArgs:
         """The cast a cache format stores (None for a bf16 cache)."""
         if fmt.cast_fmt is None:
             return None
-        return cls(fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format in ("ue8m0", "ue8m0_fp32"), fmt.sf_format,
+        return cls(fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format in POWER_OF_TWO_SF_FORMATS, fmt.sf_format,
                    scale_floor=fmt.scale_floor)
 
 

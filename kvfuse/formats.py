@@ -37,11 +37,39 @@ __all__ = [
 ]
 
 CAST_FORMATS = ("e4m3", "e2m1")
-SF_FORMATS = ("ue8m0", "ue8m0_fp32", "e4m3", "fp32")
 GROUP_SIZES = (16, 32, 64, 128)
-# bytes of one stored scale per sf_format
-SF_ITEM_BYTES = {"ue8m0": 1, "ue8m0_fp32": 4, "e4m3": 1, "fp32": 4}
 FMAX = {"e4m3": 448.0, "e2m1": 6.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleFormat:
+    """How a group's scale is stored (an sf_format): its dtype in a scale tensor, its bytes in a
+    record, and whether the scale is rounded up to a power of two (``CastArgs.round_sf``)."""
+    name: str
+    dtype: torch.dtype
+    item_bytes: int
+    power_of_two: bool
+
+
+SCALE_FORMATS = {s.name: s for s in (
+    ScaleFormat("ue8m0", torch.uint8, 1, True),              # the exponent byte: scale 2^(byte - 127)
+    ScaleFormat("ue8m0_fp32", torch.float32, 4, True),       # the same scale stored as fp32
+    ScaleFormat("e4m3", torch.float8_e4m3fn, 1, False),
+    ScaleFormat("fp32", torch.float32, 4, False),
+)}
+SF_FORMATS = tuple(SCALE_FORMATS)
+SF_ITEM_BYTES = {name: s.item_bytes for name, s in SCALE_FORMATS.items()}   # bytes of one stored scale
+POWER_OF_TWO_SF_FORMATS = tuple(name for name, s in SCALE_FORMATS.items() if s.power_of_two)
+
+
+def sf_dtype(sf_format: str) -> torch.dtype:
+    """The dtype of a scale tensor of ``sf_format``."""
+    return SCALE_FORMATS[sf_format].dtype
+
+
+def q_dtype(cast_fmt: str) -> torch.dtype:
+    """The dtype of quantized values: float8_e4m3fn for e4m3, uint8 (two e2m1 a byte) for e2m1."""
+    return torch.float8_e4m3fn if cast_fmt == "e4m3" else torch.uint8
 
 
 def scale_floor_exponent(scale_floor, what: str = "scale_floor") -> int:
@@ -67,7 +95,7 @@ def check_cast_combination(cast_fmt, num_per_channels, round_sf, sf_format, quan
         raise ValueError(f"{what}: num_per_channels must be one of {GROUP_SIZES}, got {num_per_channels!r}")
     if not isinstance(round_sf, bool):
         raise TypeError(f"{what}: round_sf must be a bool, got {type(round_sf).__name__}")
-    want_round = sf_format in ("ue8m0", "ue8m0_fp32")
+    want_round = SCALE_FORMATS[sf_format].power_of_two
     if round_sf != want_round:
         raise ValueError(f"{what}: round_sf must be {want_round} for sf_format {sf_format!r}, got {round_sf}")
     if cast_fmt == "e2m1" and (num_per_channels, sf_format) not in ((16, "e4m3"), (32, "ue8m0")):
@@ -77,8 +105,8 @@ def check_cast_combination(cast_fmt, num_per_channels, round_sf, sf_format, quan
         raise ValueError(f"{what}: num_per_channels={num_per_channels} must divide the quantized dims "
                          f"({quant_dim})")
     if scale_floor is not None:
-        if sf_format not in ("ue8m0", "ue8m0_fp32"):
-            raise ValueError(f"{what}: scale_floor needs a power-of-two sf_format ('ue8m0' or 'ue8m0_fp32'), "
+        if sf_format not in POWER_OF_TWO_SF_FORMATS:
+            raise ValueError(f"{what}: scale_floor needs a power-of-two sf_format {POWER_OF_TWO_SF_FORMATS}, "
                              f"got sf_format {sf_format!r} with scale_floor={scale_floor!r}")
         scale_floor_exponent(scale_floor, f"{what}: scale_floor")
 
@@ -157,7 +185,7 @@ class KVCacheFormat:
             return
         if not 0 <= self.bf16_tail < self.head_dim or self.bf16_tail % 16:
             raise ValueError(f"{what}: bf16_tail must be a multiple of 16 in [0, head_dim), got {self.bf16_tail}")
-        check_cast_combination(self.cast_fmt, self.elements_per_sf, self.sf_format in ("ue8m0", "ue8m0_fp32"),
+        check_cast_combination(self.cast_fmt, self.elements_per_sf, self.sf_format in POWER_OF_TWO_SF_FORMATS,
                                self.sf_format, self.quant_dim, what, self.scale_floor)
         exact = self.num_scales * SF_ITEM_BYTES[self.sf_format]
         if self.sf_bytes is None:
@@ -208,8 +236,7 @@ class KVCacheFormat:
         """dtype of a contiguous scale tensor of this format ((q, sf) outputs, store_kv_cache)."""
         if not self.quantized:
             return None
-        return {"ue8m0": torch.uint8, "e4m3": torch.float8_e4m3fn, "fp32": torch.float32,
-                "ue8m0_fp32": torch.float32}[self.sf_format]
+        return sf_dtype(self.sf_format)
 
     def addressing_for(self, kv_cache: torch.Tensor) -> RecordAddressing:
         """Record addressing for a validated cache tensor of this format."""

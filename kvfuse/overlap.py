@@ -27,6 +27,12 @@ import operator
 import torch
 
 INF = math.inf
+
+
+def addresses_known(device: torch.device) -> bool:
+    """Whether tensors on ``device`` have addresses to compare now: not meta tensors, and not while
+    torch.compile traces (fake tensors). Every per-call aliasing check asks this first."""
+    return device.type != "meta" and not torch.compiler.is_compiling()
 _MAX_ENUMERATED = 1 << 16   # inner row starts enumerated at validation (heads of one row: a few hundred at most)
 _MEMO_SIZE = 64
 _DATA_PTR = torch.Tensor.data_ptr

@@ -12,7 +12,7 @@ import torch
 import kvfuse
 from kvfuse import (CastArgs, ContiguousOutArgs, HadamardArgs, KVCacheFormat, KVCacheOutArgs, NormArgs, RopeArgs,
                     formats)
-from kvfuse.plan import build_plan
+from kvfuse.plans.fused import build_plan
 
 CUSTOM_FORMATS = [
     KVCacheFormat("TI_E4M3_G64_FP32_D192", 192, "e4m3", 64, "fp32", True),

@@ -96,7 +96,7 @@ def test_off_without_triton_36_and_cuda(monkeypatch):
 def test_plan_fields_they_read_exist():
     """Every fast path's eligible() / launch code reads these Plan and RecordAddressing fields: a rename
     must fail here, not silently disable a path."""
-    names = {f.name for f in dataclasses.fields(kvfuse.plan.Plan)}
+    names = {f.name for f in dataclasses.fields(kvfuse.plans.types.Plan)}
     assert {"x", "weight", "eps", "positions", "cos_sin", "rotary_dim", "rope_offset", "is_neox", "conjugate",
             "hadamard_scale", "cast", "quant_dim", "out", "out_stage", "kv_cache", "slot_mapping", "fmt",
             "addressing", "q_out", "sf_out"} <= names
@@ -189,7 +189,7 @@ def test_a_rejected_call_runs_the_plain_kernel(monkeypatch):
     monkeypatch.setattr(fused_kernels, "GLUON", True)
     monkeypatch.setattr(fused_kernels, "FAST_PATHS", (G,))
     monkeypatch.setattr(G, "plan_launch", plan_launch)
-    kvfuse.plan.clear_plan_cache()
+    kvfuse.clear_plan_cache()
     for offset, guarded_launches in ((0, 1), (1, 1), (0, 2)):
         caches = [_main_write(backend, offset) for backend in ("triton", "reference")]
         assert torch.equal(caches[0], caches[1]), f"x offset {offset}"
@@ -348,7 +348,7 @@ def test_calls_inside_fast_paths_are_routed_per_call_and_counted(monkeypatch):
         asked.append(table)
         return ("fused_kernel", *fused_kernels.fused_args(plan, tensor), vars(fused_kernels))
     monkeypatch.setattr(G, "plan_launch", plan_launch)
-    kvfuse.plan.clear_plan_cache()
+    kvfuse.clear_plan_cache()
 
     def table(n_rows):
         return (1, 1, False)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import kvfuse
-from kvfuse import gqa, ops
+from kvfuse import dispatch
+from kvfuse.plans import gqa, opargs
 from gqa_cases import GQACase, build, diff_report, run_gqa_case
 from helpers import cos_sin_cache
 
@@ -230,8 +231,7 @@ def test_inference_mode_caches():
 # --------------------------------------------------------------------------- custom op
 def _op_args(**case):
     kw, _ = _kw(**case)
-    plan = gqa.validate(**kw)
-    return ops.gqa_plan_to_op_args(plan)
+    return opargs.flatten(gqa.prepare(**kw))
 
 
 @pytest.mark.parametrize("case", [dict(), dict(layout="HND", q_norm=None, rotary_dim=0)], ids=["nhd_bf16", "hnd_plain"])
@@ -261,7 +261,10 @@ def test_opcheck_fp8():
 def test_op_on_triton_backend_equals_direct():
     case = GQACase(fp8=True, layout="HND", seed=44)
     direct = run_gqa_case(case, "triton")
-    via_op = run_gqa_case(case, "triton", fn=ops.fused_qk_norm_rope_store_kv)
+    def via_op_fn(**kw):
+        with dispatch.via_ops():
+            return kvfuse.fused_qk_norm_rope_store_kv(**kw)
+    via_op = run_gqa_case(case, "triton", fn=via_op_fn)
     assert not diff_report(direct, via_op)
 
 

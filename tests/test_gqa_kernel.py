@@ -130,7 +130,7 @@ def test_int64_slot_path(monkeypatch):
 def _plan(case):
     from gqa_cases import build
     kw, _, _, _ = build(case)
-    plan = kvfuse.gqa.validate(**kw)
+    plan = kvfuse.plans.gqa.validate(**kw)
     plan.q_out = kw["q"]
     return plan
 

@@ -18,7 +18,8 @@ import torch
 import kvfuse
 from kvfuse import CastArgs, ContiguousOutArgs, FusedCall, KVCacheOutArgs, NormArgs, RopeArgs
 from kvfuse import formats as F
-from kvfuse import ops
+from kvfuse.plans import opargs
+from kvfuse.plans.types import GroupPlan
 from kvfuse.kernels import fused as fused_kernels
 from kvfuse.kernels import grouped
 
@@ -213,7 +214,7 @@ def test_data_checks_run_inside_a_group(triton_backend, monkeypatch):
 
 # --------------------------------------------------------------------------- the custom op
 def _group_plans():
-    from kvfuse.plan import build_plan
+    from kvfuse.plans.fused import build_plan
 
     calls, _ = _generic_calls(n_idx=4)
     out = ContiguousOutArgs(torch.empty(4, 2, 128, dtype=torch.float8_e4m3fn), torch.empty(4, 2, 1))
@@ -223,16 +224,18 @@ def _group_plans():
 
 
 def test_opcheck_group_op():
-    args = ops.group_plans_to_op_args(_group_plans())
+    args = opargs.flatten_group(GroupPlan(_group_plans()))
     torch.library.opcheck(torch.ops.kvfuse.fused_group.default, args,
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
 def test_op_arguments_round_trip():
     plans = _group_plans()
-    back = ops.group_op_args_to_plans(*ops.group_plans_to_op_args(plans))
+    back = opargs.unflatten_group(*opargs.flatten_group(GroupPlan(plans))).members
+    assert len(back) == len(plans)
     for a, b in zip(plans, back):
-        assert ops.plan_to_op_args(a) == ops.plan_to_op_args(b)
+        assert opargs.flatten(a) == opargs.flatten(b)
+        assert a.addressing == b.addressing
 
 
 def test_compile_fullgraph(triton_backend):

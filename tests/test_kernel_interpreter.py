@@ -9,7 +9,7 @@ import kvfuse
 from kvfuse import CastArgs
 from kernel_cases import ALL_FORMATS, Case, build, diff_bytes, random_case, run_case
 from kvfuse.kernels import fused as fused_kernels
-from kvfuse.plan import build_plan
+from kvfuse.plans.fused import build_plan
 
 pytestmark = pytest.mark.skipif(not kvfuse.backend.interpreter_enabled(), reason="interpreter tests (CPU)")
 

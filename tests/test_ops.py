@@ -2,13 +2,11 @@
 
 - torch.library.opcheck on small shapes for each op (schema/mutations, fake tensors, AOT dispatch);
 - the op path writes the same bytes as the direct (eager) path;
-- torch.compile(fullgraph=True) of functions that call kvfuse.ops (aot_eager, and once inductor),
-  with dynamic n, and with the data checks (KVFUSE_CHECKS) still running inside the op;
-- torch.compile(fullgraph=True) of the PUBLIC API: passes once kvfuse.api routes through kvfuse.ops
-  while torch.compiler.is_compiling() (until then: xfail, strict, "api hook pending");
+- torch.compile(fullgraph=True) of functions that call the public functions, which kvfuse.dispatch
+  routes through the ops while tracing (aot_eager, and once inductor), with dynamic n, and with the
+  data checks (KVFUSE_CHECKS) still running inside the op;
 - the dispatcher's per-call cost (printed, not asserted: run with -s to see it).
 """
-import inspect
 import logging
 import time
 
@@ -17,12 +15,30 @@ import torch
 
 import kvfuse
 from kvfuse import formats as F
-from kvfuse import ops
-from kvfuse.plan import build_plan
+from kvfuse import dispatch
+from kvfuse.plans import cache_io, opargs
+from kvfuse.plans.fused import build_plan
 
 from helpers import assert_bytes_equal, byte_view, cos_sin_cache, guarded_cache, random_bf16
 
 OPS = torch.ops.kvfuse
+
+
+def _via_op(fn):
+    """fn (a public function) with its eager calls run through the custom op (kvfuse.dispatch.via_ops)."""
+    def call(*args, **kwargs):
+        with dispatch.via_ops():
+            return fn(*args, **kwargs)
+    return call
+
+
+class ops:   # the public functions, run through the custom ops
+    fused_norm_rope_hadamard_cast_store_kvcache = staticmethod(_via_op(kvfuse.fused_norm_rope_hadamard_cast_store_kvcache))
+    store_kv_cache = staticmethod(_via_op(kvfuse.store_kv_cache))
+    load_paged_kv_cache = staticmethod(_via_op(kvfuse.load_paged_kv_cache))
+    fused_qk_norm_rope_store_kv = staticmethod(_via_op(kvfuse.fused_qk_norm_rope_store_kv))
+
+
 # torch's own opcheck/compile internals use torch.jit.script_method (deprecated in torch 2.13)
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 N = 6
@@ -131,7 +147,7 @@ def test_opcheck_fused(case):
         out_args = kvfuse.KVCacheOutArgs(cache, torch.tensor(SLOTS), out=torch.empty_like(kw["x"]) if stage else None,
                                          out_stage=stage, layout=fmt)
     plan, _ = build_plan(out_args=out_args, **kw)
-    _opcheck(OPS.fused_norm_rope_hadamard_cast_store.default, ops.plan_to_op_args(plan))
+    _opcheck(OPS.fused_norm_rope_hadamard_cast_store.default, opargs.flatten(plan))
 
 
 @pytest.mark.skipif(not kvfuse.backend.interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (CPU tensors)")
@@ -152,23 +168,46 @@ def test_opcheck_store_and_load(fmt):
         tail = x[:, qd:].contiguous() if fmt.bf16_tail else None
     else:
         q, sf, tail = x, None, None
-    _opcheck(OPS.store_kv_cache.default, (q, sf, cache, slots, tail) + ops.format_fields(fmt))
+    _opcheck(OPS.store_kv_cache.default, opargs.flatten(cache_io.validate_store(q, sf, cache, slots, fmt, tail)))
     ops.store_kv_cache(q, sf, cache, slots, fmt, tail)
-    n, nh = slots.shape[0], 1
-    out = torch.empty(n, nh, fmt.head_dim, dtype=torch.bfloat16)
-    _opcheck(OPS.load_paged_kv_cache.default, (cache, slots, out, None, None) + ops.format_fields(fmt))
-    data = torch.empty(n, nh, fmt.data_bytes, dtype=torch.uint8)
-    sfo = torch.empty(n, nh, fmt.sf_bytes, dtype=torch.uint8)
-    _opcheck(OPS.load_paged_kv_cache.default, (cache, slots, None, data, sfo) + ops.format_fields(fmt))
+    for dequantize in (True, False):    # the outputs allocated before the op, as kvfuse.dispatch.through_op does
+        load = cache_io.validate_load(cache, slots, fmt, dequantize)
+        load.allocate_outputs()
+        _opcheck(OPS.load_paged_kv_cache.default, opargs.flatten(load))
 
 
-def test_format_fields_roundtrip():
+def test_format_round_trips_through_op_arguments():
+    """A plan's format comes back from the op's arguments as the preset object itself, or as an equal
+    user format; a plan without a cache keeps fmt None."""
+    slots = torch.tensor(SLOTS)
     for fmt in F.PRESETS.values():
-        assert ops.format_from_fields(*ops.format_fields(fmt)) is fmt
+        cache, _ = _cache(fmt)
+        back = opargs.unflatten(type(p := cache_io.validate_load(cache, slots, fmt)), opargs.flatten(p))
+        assert back.fmt is fmt
     custom = F.KVCacheFormat("MINE", 256, "e4m3", 64, "fp32", True, sf_bytes=32)
-    back = ops.format_from_fields(*ops.format_fields(custom))
-    assert back == custom and back.sf_bytes == 32
-    assert ops.format_from_fields(*ops.format_fields(None)) is None
+    cache = torch.zeros(2, 4, 1, custom.bytes_per_token, dtype=torch.uint8)
+    back = opargs.unflatten(type(p := cache_io.validate_load(cache, slots, custom)), opargs.flatten(p))
+    assert back.fmt == custom and back.fmt is not custom and back.fmt.sf_bytes == 32
+    plan, _ = build_plan(random_bf16((N, 128), 1))
+    assert opargs.unflatten(type(plan), opargs.flatten(plan)).fmt is None
+
+
+def test_op_schemas_follow_the_plan_fields():
+    """Every field of a plan type is an argument of its op (derived ones aside), written tensors marked."""
+    import dataclasses
+    from kvfuse.plans import types as T
+    for cls in (T.Plan, T.GQAPlan, T.StorePlan, T.LoadPlan):
+        schema = getattr(OPS, cls.OP).default._schema
+        names = {a.name for a in schema.arguments}
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("derived"):
+                assert f.name not in names
+            elif f.name in ("cast", "fmt"):
+                assert {n for n in names if n.startswith(f.name + "_")}, f.name
+            else:
+                assert f.name in names, (cls.OP, f.name)
+        written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+        assert written == set(cls.WRITES), cls.OP
 
 
 # --------------------------------------------------------------------------- eager equality
@@ -201,10 +240,11 @@ def test_store_and_load_wrappers_equal_direct():
 
 
 # --------------------------------------------------------------------------- torch.compile
+# (the public functions: while torch.compile traces, kvfuse.dispatch routes them through the ops)
 @pytest.mark.parametrize("case", CASES)
 def test_compile_fullgraph_ops(case):
     torch._dynamo.reset()
-    compiled = torch.compile(ops.fused_norm_rope_hadamard_cast_store_kvcache, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(kvfuse.fused_norm_rope_hadamard_cast_store_kvcache, fullgraph=True, backend="aot_eager")
     want = _run(kvfuse.fused_norm_rope_hadamard_cast_store_kvcache, case, seed=1)
     got = _run(compiled, case, seed=1)
     for a, b in zip(want, got):
@@ -218,10 +258,10 @@ def test_compile_inductor_write_then_read():
     fmt = F.MAIN_FP8
 
     def step(x, w, pos, cs, cache, slots):
-        ops.fused_norm_rope_hadamard_cast_store_kvcache(
+        kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(
             x, kvfuse.NormArgs(w), kvfuse.RopeArgs(pos, cs, 64, True), None, kvfuse.CastArgs.from_cache_format(fmt),
             kvfuse.KVCacheOutArgs(cache, slots, layout=fmt))
-        return ops.load_paged_kv_cache(cache, slots, fmt) * 2
+        return kvfuse.load_paged_kv_cache(cache, slots, fmt) * 2
 
     kw, _, _ = _args("main_fp8_cache", seed=2)
     args = (kw["x"], kw["norm_args"].weight, kw["rope_args"].positions, kw["rope_args"].cos_sin_cache)
@@ -238,7 +278,7 @@ def test_compile_dynamic_n():
     fmt = F.INDEX_MXFP8
 
     def write(x, pos, cs, cache, slots):
-        ops.fused_norm_rope_hadamard_cast_store_kvcache(
+        kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(
             x, rope_args=kvfuse.RopeArgs(pos, cs, 64, True), hadamard_args=kvfuse.HadamardArgs(128 ** -0.5),
             cast_args=kvfuse.CastArgs.from_cache_format(fmt), out_args=kvfuse.KVCacheOutArgs(cache, slots, layout=fmt))
 
@@ -259,7 +299,7 @@ def test_compile_data_checks_run_inside_the_op(monkeypatch):
     fmt = F.INDEX_NVFP4
 
     def write(x, cache, slots):
-        ops.fused_norm_rope_hadamard_cast_store_kvcache(x, cast_args=kvfuse.CastArgs.from_cache_format(fmt),
+        kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(x, cast_args=kvfuse.CastArgs.from_cache_format(fmt),
                                                         out_args=kvfuse.KVCacheOutArgs(cache, slots, layout=fmt))
 
     compiled = torch.compile(write, fullgraph=True, backend="aot_eager")
@@ -275,16 +315,9 @@ def test_compile_data_checks_run_inside_the_op(monkeypatch):
     assert not torch.equal(storage, before)
 
 
-def _api_hooked() -> bool:
-    """kvfuse.api holds the torch.compiler.is_compiling() route to kvfuse.ops."""
-    return "is_compiling" in inspect.getsource(kvfuse.api)
-
-
-@pytest.mark.xfail(not _api_hooked(), strict=True, reason="api hook pending")
 def test_compile_fullgraph_public_api():
-    """torch.compile(fullgraph=True) of the public entry points (write, store, load): they must
-    route through kvfuse.ops while compiling. Strict xfail until kvfuse.api has the hook; the
-    condition flips by itself when it lands (then this must pass)."""
+    """torch.compile(fullgraph=True) of the public entry points (write, store, load): kvfuse.dispatch
+    routes them through the custom ops while compiling."""
     torch._dynamo.reset()
     fmt = F.MAIN_FP8
 
@@ -321,8 +354,8 @@ def _per_call_us(fn, iters):
 
 @pytest.mark.parametrize("n", [0, 16])
 def test_dispatcher_cost(n):
-    """Per-call cost of the op path (ops.execute_op: flatten the Plan, dispatch, rebuild the Plan)
-    over the direct path (api.execute), same plan, reference backend. Logged at DEBUG on the
+    """Per-call cost of the op path (dispatch.through_op: flatten the Plan, dispatch, rebuild the Plan)
+    over the direct path (dispatch.run), same plan, reference backend. Logged at DEBUG on the
     "kvfuse.ops" logger (``pytest --log-cli-level=DEBUG`` shows it), not asserted: timings on a
     shared CPU are noise."""
     fmt = F.MAIN_FP8
@@ -333,8 +366,8 @@ def test_dispatcher_cost(n):
                         None, kvfuse.CastArgs.from_cache_format(fmt),
                         kvfuse.KVCacheOutArgs(c, torch.arange(n), layout=fmt))[0] for c in (c1, c2)]
     iters = 400 if n == 0 else 20
-    direct = _per_call_us(lambda: kvfuse.api.execute(plans[0]), iters)
-    via_op = _per_call_us(lambda: ops.execute_op(plans[1]), iters)
-    logging.getLogger("kvfuse.ops").debug("n=%d: direct api.execute %.1f us/call, via torch.ops.kvfuse %.1f us/call, "
+    direct = _per_call_us(lambda: dispatch.run(plans[0]), iters)
+    via_op = _per_call_us(lambda: dispatch.through_op(plans[1]), iters)
+    logging.getLogger("kvfuse.ops").debug("n=%d: direct dispatch.run %.1f us/call, via torch.ops.kvfuse %.1f us/call, "
                                           "dispatcher overhead %+.1f us/call", n, direct, via_op, via_op - direct)
     assert_bytes_equal(s1, s2, "same bytes through both paths")

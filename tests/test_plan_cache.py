@@ -1,4 +1,4 @@
-"""The plan cache (kvfuse.plan): a validated call signature keeps its template and launch parameters.
+"""The plan cache (kvfuse.plans.cache): a validated call signature keeps its template and launch parameters.
 
 - hits and misses are counted; a repeated signature (new argument objects, new tensors) is a hit;
 - a rejected call raises the same error, type and message, with the cache warm and with it off
@@ -28,7 +28,9 @@ import kvfuse
 from kvfuse import (CastArgs, ContiguousOutArgs, HadamardArgs, KVCacheFormat, KVCacheOutArgs, NormArgs, RopeArgs,
                     formats)
 from kvfuse import backend as kv_backend
-from kvfuse import plan as kv_plan
+from kvfuse.plans import cache as kv_plan
+from kvfuse.plans import fused as kv_fused
+from kvfuse.plans.types import PlanTemplate
 from kvfuse.kernels import fused as kernels
 
 from helpers import cos_sin_cache, guarded_cache, poison_like, random_bf16
@@ -105,7 +107,7 @@ def test_env_switch_read_at_import(value, expected):
     env = {k: v for k, v in os.environ.items() if k != "KVFUSE_PLAN_CACHE"}
     if value is not None:
         env["KVFUSE_PLAN_CACHE"] = value
-    out = subprocess.run([sys.executable, "-c", "import kvfuse.plan as p; print(p.plan_cache_enabled())"],
+    out = subprocess.run([sys.executable, "-c", "import kvfuse.plans.cache as p; print(p.plan_cache_enabled())"],
                          env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert out == expected
 
@@ -114,7 +116,7 @@ def test_bypassed_while_compiling(monkeypatch):
     s = Setup()
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     for _ in range(2):
-        plan, result = kv_plan.build_plan(**s.args)
+        plan, result = kv_fused.build_plan(**s.args)
         assert result is s.out and plan.kv_cache is s.cache
     assert kv_plan.plan_cache_info()[:3] == (0, 0, 0)
 
@@ -407,8 +409,8 @@ def test_unkeyed_argument_classes_validate_every_call(monkeypatch):
         pass
 
     validations = []
-    real = kv_plan.validate
-    monkeypatch.setattr(kv_plan, "validate", lambda *a: validations.append(1) or real(*a))
+    real = kv_fused.validate
+    monkeypatch.setattr(kv_fused, "validate", lambda *a: validations.append(1) or real(*a))
     s = Setup()
     s.args["norm_args"] = MyNorm(torch.ones(128, dtype=BF16))
     for _ in range(3):
@@ -732,7 +734,7 @@ def test_the_key_covers_every_argument_field():
         assert tuple(f.name for f in dataclasses.fields(cls)) == fields, f"{cls.__name__}: update call_signature"
     # and each field changes the key
     s = Setup()
-    base, _ = kv_plan.call_signature(**s.args)
+    base, _ = kv_fused.call_signature(**s.args)
     variants = [
         dict(norm_args=NormArgs(torch.ones(128), 1e-6)), dict(norm_args=NormArgs(s.args["norm_args"].weight, 1e-5)),
         dict(rope_args=_rope(positions=torch.arange(N, dtype=torch.int32))(s)),
@@ -749,7 +751,7 @@ def test_the_key_covers_every_argument_field():
         dict(out_args=ContiguousOutArgs(s.out)), dict(out_args=ContiguousOutArgs(None, s.out)),
     ]
     for v in variants:
-        key, _ = kv_plan.call_signature(**{**s.args, **v})
+        key, _ = kv_fused.call_signature(**{**s.args, **v})
         assert key is not None and key != base, v
 
 
@@ -843,6 +845,6 @@ def test_one_launch_per_batch_size(monkeypatch):
             fused(**_write_call(n, n)[0])
             grid, pos, kw = rec.launches[-1]
             assert grid == (kernels.cdiv(n, kw["BLOCK_M"]),) and pos[n_rows_at] == n and pos[0].shape[0] == n
-    template = next(e for e in kv_plan.PLAN_CACHE._entries.values() if isinstance(e, kv_plan.PlanTemplate))
+    template = next(e for e in kv_plan.PLAN_CACHE._entries.values() if isinstance(e, PlanTemplate))
     assert sorted(template.launches) == [3, 7, 12]
     assert counts() == (4, 1)

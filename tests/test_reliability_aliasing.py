@@ -502,17 +502,17 @@ def test_row_limit_and_tensors_overlap_are_exact():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_op_path_applies_the_same_rules(backend):
-    """kvfuse.ops (the custom-op twin that torch.compile traces), called eagerly: an overlapping out is
+    """Through the custom op (what torch.compile traces), called eagerly: an overlapping out is
     rejected by name, and an in-place call equals a separate out."""
-    from kvfuse import ops
+    from kvfuse.dispatch import via_ops
     name, inplace, separate = next(c for c in _inplace_cases() if c[0] == "MAIN_FP8 stage norm into x")
-    with kvfuse.use_backend(backend):
-        ops.fused_norm_rope_hadamard_cast_store_kvcache(**separate)
-        ops.fused_norm_rope_hadamard_cast_store_kvcache(**inplace)
+    with kvfuse.use_backend(backend), via_ops():
+        kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(**separate)
+        kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(**inplace)
     assert_same(inplace["x"], separate["out_args"].out, "in-place stage copy")
     assert torch.equal(storage_of(inplace["out_args"].kv_cache), storage_of(separate["out_args"].kv_cache))
     _, kw, names, buffers = next(c for c in _overlap_cases() if c[0] == "out overlaps x (shifted rows)")
     before = [as_bytes(b).clone() for b in buffers]
-    with pytest.raises(ValueError, match="out_args overlaps x"), kvfuse.use_backend(backend):
-        ops.fused_norm_rope_hadamard_cast_store_kvcache(**kw)
+    with pytest.raises(ValueError, match="out_args overlaps x"), kvfuse.use_backend(backend), via_ops():
+        kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(**kw)
     assert all(torch.equal(as_bytes(b), w) for b, w in zip(buffers, before))

@@ -112,14 +112,16 @@ def run_threads(backend, device="cpu", streams=None):
 
 
 def test_lock_only_in_the_interpreter(monkeypatch):
-    """Compiled kernels get kvfuse.kernels.fused itself (no lock on their path); interpreted ones a
-    wrapper whose launches share one process-wide lock."""
+    """Compiled kernels get the kernels' entry points themselves (no lock on their path); interpreted
+    ones a wrapper whose launches share one process-wide lock."""
     from kvfuse import dispatch
     from kvfuse.kernels import fused as kernels
-    monkeypatch.setattr(dispatch, "_fused_module", None)
+    monkeypatch.setattr(dispatch, "_kernels", None)
     monkeypatch.setattr(kernels, "INTERPRET", False)
-    assert dispatch.kernels() is kernels
-    monkeypatch.setattr(dispatch, "_fused_module", None)
+    plain = dispatch.kernels()
+    assert not isinstance(plain, dispatch._InterpreterLaunches) and plain.run_plan is kernels.run_plan
+    monkeypatch.setattr(dispatch, "_kernels", None)
     monkeypatch.setattr(kernels, "INTERPRET", True)
     wrapped = dispatch.kernels()
-    assert wrapped is not kernels and wrapped._lock is dispatch._InterpreterLaunches(kernels)._lock
+    assert isinstance(wrapped, dispatch._InterpreterLaunches)
+    assert wrapped._lock is dispatch._InterpreterLaunches(plain)._lock

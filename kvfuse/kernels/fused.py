@@ -22,7 +22,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from .. import backend as _backend
 from ..formats import FMAX
-from ..plan import LAUNCHES_PER_TEMPLATE, X, Plan
+from ..plans.types import LAUNCHES_PER_TEMPLATE, X, Plan
 from .gluon import FAST_PATH_MODULES
 from .codes import (CAST_CODES, CAST_E4M3, CAST_NONE, DEST_CACHE, DEST_CONTIGUOUS, DEST_NONE, NATIVE_GUARDED,
                     NATIVE_INTEGER, NATIVE_UNGUARDED, NO_FLOOR, ROPE_NONE, ROPE_SUBTILE, ROPE_TILE, SF_CODES, SF_E4M3,
@@ -863,7 +863,7 @@ def record_alignments(plan: Plan) -> tuple:
     """(data, scales, tail) byte alignments of every record address of the plan's cache: the base
     pointer and every stride and offset an address is built from (1, 1, 1 without a cache). The
     kernel tells the compiler (tl.multiple_of) and widens its stores to match. The pointer's part
-    makes the launch depend on data_ptr() % 16, which kvfuse.plan keys the plan cache by."""
+    makes the launch depend on data_ptr() % 16, which kvfuse.plans.cache keys the plan cache by."""
     cache, a = plan.kv_cache, plan.addressing
     if cache is None:
         return 1, 1, 1
@@ -1024,7 +1024,7 @@ def run_plan(plan: Plan, plain: bool = False) -> None:
 
 
 def run_template(template, tensors: tuple) -> None:
-    """Launch the fused kernel for one call of a validated signature (a kvfuse.plan.PlanTemplate):
+    """Launch the fused kernel for one call of a validated signature (a kvfuse.plans.types.PlanTemplate):
     its launch parameters are computed on the first launch of each batch size n and kept with the
     template (recomputed, not kept, while force_config is active; inside ``fast_paths`` each call
     is launched as run_plan launches it). n = 0 launches nothing."""

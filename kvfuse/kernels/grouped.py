@@ -1,6 +1,6 @@
 """Several calls of the fused operator in one launch (:func:`kvfuse.fused_group`).
 
-Each member is a validated :class:`kvfuse.plan.Plan` run by the portable kernel's own program body,
+Each member is a validated :class:`kvfuse.plans.types.Plan` run by the portable kernel's own program body,
 :func:`kvfuse.kernels.fused.fused_rows`, with the launch parameters a call of its own would get on
 the portable kernel (``fused.fused_args``: rows per program, lane width, every constexpr). The grid
 is the members' grids end to end; program ``pid`` runs member i for ``E[i-1] <= pid < E[i]``, so
@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from ..plan import MAX_GROUP_CALLS as MAX_CALLS
+from ..plans.types import MAX_GROUP_CALLS as MAX_CALLS
 from . import fused
 from .fused import fused_rows
 

@@ -6,8 +6,7 @@ from typing import Optional
 
 import torch
 
-from ..formats import KVCacheFormat
-from ..plan import q_dtype, sf_dtype
+from ..formats import KVCacheFormat, q_dtype, sf_dtype
 from .stages import canonical_nan, dequantize
 
 

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ..plan import CastSpec, Plan
+from ..plans.types import CastSpec, Plan
 from .stages import dequantize, hadamard, norm, quantize, quantize_per_tensor, rmsnorm, rope
 from .cache import store, store_paged
 
@@ -82,7 +82,7 @@ def qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_out, q_weig
 
 
 def run_gqa_plan(plan) -> None:
-    """Execute a validated :class:`kvfuse.gqa.GQAPlan` with the unfused chain (the "reference" backend)."""
+    """Execute a validated :class:`kvfuse.plans.types.GQAPlan` with the unfused chain (the "reference" backend)."""
     if plan.n == 0:
         return
     qk_norm_rope_store_kv(plan.q, plan.k, plan.v, plan.k_cache, plan.v_cache, plan.slot_mapping, plan.q_out,

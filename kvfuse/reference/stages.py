@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ..formats import FMAX, scale_floor_exponent
+from ..formats import FMAX, SCALE_FORMATS, scale_floor_exponent
 from .numerics import (AMAX_MARGIN, E4M3_SF_MIN, F32, _f32, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3,
                        pack_e2m1, round_to_bf16, unpack_e2m1)
 
@@ -105,7 +105,7 @@ def group_scales(amax: torch.Tensor, cast_fmt: str, sf_format: str, floor_exp: O
     dequant scale d), SPEC §2. floor_exp: ceil(log2(scale_floor)) of a power-of-two format's
     scale_floor (the exponent is at least that), or None."""
     fmax = _f32(FMAX[cast_fmt], amax)
-    if sf_format in ("ue8m0", "ue8m0_fp32"):
+    if SCALE_FORMATS[sf_format].power_of_two:
         s = torch.div(amax, fmax)
         e = ((s.view(torch.int32) - 1) >> 23) + 1 - 127                    # ceil(log2 s)
         if floor_exp is not None:

@@ -34,7 +34,7 @@ from kvfuse import formats as F
 from kvfuse import reference as ref
 from kvfuse.kernels import fused
 from kvfuse.kernels.gluon import common as gluon_common
-from kvfuse.plan import build_plan
+from kvfuse.plans.fused import build_plan
 from helpers import assert_bytes_equal, cos_sin_cache
 
 needs_gluon = pytest.mark.skipif(

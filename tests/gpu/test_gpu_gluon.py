@@ -30,7 +30,7 @@ def test_fast_path_taken_and_exact(entry, monkeypatch):
     assert fused.GLUON, "the fast paths should be on with Triton 3.6 on CUDA"
     counting = CountingKernel(getattr(module, kernel_name))
     monkeypatch.setattr(module, kernel_name, counting)
-    kvfuse.plan.clear_plan_cache()
+    kvfuse.clear_plan_cache()
     tri = run_case(case, "triton", "cuda")
     ref = run_case(case, "reference", "cuda")
     assert counting.launches >= 1, "the Gluon kernel was not used"

@@ -30,7 +30,7 @@ def test_direct_path_used_and_exact(monkeypatch):
     if not fused.DIRECT_LAUNCH:
         pytest.skip(f"no direct launch on triton {fused.triton.__version__}")
     monkeypatch.setattr(fused, "GLUON", False)   # the plain kernel (the Gluon path: test_gpu_gluon.py)
-    kvfuse.plan.clear_plan_cache()
+    kvfuse.clear_plan_cache()
     counting = CountingKernel(fused.fused_kernel)
     monkeypatch.setattr(fused, "fused_kernel", counting)
     n = 777

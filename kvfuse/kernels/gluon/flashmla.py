@@ -370,7 +370,7 @@ MIN_ROWS_PDL = 1
 
 
 def eligible(plan) -> bool:
-    """Whether a validated kvfuse.plan.Plan is exactly one of this kernel's chains: RMSNorm (weight
+    """Whether a validated kvfuse.plans.types.Plan is exactly one of this kernel's chains: RMSNorm (weight
     present), NEOX or GPT-J RoPE (not conjugate) on the 64 tail columns, no Hadamard, no stage copy, one head,
     a cache whose records are FLASHMLA_V32's or FLASHMLA_MODEL1's (any name: ``SUPPORTED_RECORDS``)
     with the matching cast, and the alignments the kernel writes with: the cache pointer, the block

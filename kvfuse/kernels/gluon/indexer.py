@@ -811,7 +811,7 @@ def _eligible_contig(plan, chain) -> bool:
 
 
 def eligible(plan) -> bool:
-    """Whether a validated kvfuse.plan.Plan is one of this kernel's chains (``_common_chain``), as a
+    """Whether a validated kvfuse.plans.types.Plan is one of this kernel's chains (``_common_chain``), as a
     cache write (``_eligible_write``) or into contiguous (q, sf) outputs (``_eligible_contig``: the
     indexer's Q). x's (and a bf16 weight's) 4-byte alignment, and the contiguous outputs', are checked
     per call (``call_guard``)."""

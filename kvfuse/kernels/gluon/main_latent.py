@@ -474,7 +474,7 @@ def _launch_parts(tensor, n: int, eps: float, x, weight, positions, cos_sin, slo
 
 
 def eligible_records(rec: MainRecords, plan) -> bool:
-    """Whether a validated kvfuse.plan.Plan is exactly the kernel's chain for ``rec``: RMSNorm, NEOX or
+    """Whether a validated kvfuse.plans.types.Plan is exactly the kernel's chain for ``rec``: RMSNorm, NEOX or
     GPT-J RoPE on columns 448..511 (not conjugate), or neither (CAST_ONLY: x's own cast), no Hadamard, ``rec.chain`` over all 512 columns, one
     head, records laid out as ``rec``'s (token-interleaved, the codes then the scales at
     ``rec.sf_offset``), no stage copy, and the alignments the kernel reads and writes with (x rows

@@ -1,0 +1,284 @@
+"""The plan types: one validated job per entry point, the only thing the backends read.
+
+Each plan is a dataclass of the caller's tensors (views, no copies) and the scalars validation
+derived. Its custom op (:mod:`kvfuse.ops`) is derived from its fields (:mod:`kvfuse.plans.opargs`):
+``OP`` names the op, ``WRITES`` the tensor fields the op mutates, and fields marked ``derived`` are
+recomputed from the others rather than passed. The reference chain (:mod:`kvfuse.reference`) and the
+kernels (:mod:`kvfuse.kernels`) import this module and nothing else of validation.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import ClassVar, List, Optional
+
+import torch
+
+from ..formats import KVCacheFormat, RecordAddressing
+
+OUT_STAGES = ("norm", "transform", "cast_back")
+NORM_KINDS = ("rms", "layer")
+INDEX_DTYPES = (torch.int32, torch.int64)
+GQA_LAYOUTS = ("NHD", "HND")
+MAX_GROUP_CALLS = 4   # calls of one kvfuse.fused_group launch (kvfuse/kernels/grouped.py holds four members)
+
+DERIVED = {"derived": True}   # field metadata: recomputed after a plan comes back from op arguments
+
+
+@dataclasses.dataclass(frozen=True)
+class CastSpec:
+    cast_fmt: str           # "e4m3" | "e2m1"
+    group: int              # num_per_channels
+    sf_format: str          # "ue8m0" | "ue8m0_fp32" | "e4m3" | "fp32"
+    floor_exp: Optional[int] = None   # scale_floor as ceil(log2): the smallest scale 2^floor_exp (ue8m0 kinds)
+
+
+@dataclasses.dataclass
+class Plan:
+    """One validated call of the fused operator. Tensors are views of the caller's (no copies)."""
+    OP: ClassVar[str] = "fused_norm_rope_hadamard_cast_store"
+    WRITES: ClassVar[tuple] = ("out", "q_out", "sf_out", "kv_cache")
+
+    x: torch.Tensor                          # bf16 [n, H, D], stride(-1) == 1
+    weight: Optional[torch.Tensor] = None    # [D] bf16/fp32 contiguous (norm on iff not None)
+    eps: float = 0.0
+    norm_kind: str = "rms"                   # "rms" | "layer" (NORM_KINDS)
+    bias: Optional[torch.Tensor] = None      # [D] bf16/fp32 contiguous (LayerNorm only)
+    positions: Optional[torch.Tensor] = None  # int32/int64 [n] (rope on iff not None)
+    cos_sin: Optional[torch.Tensor] = None   # [P, rotary_dim] fp32/bf16, stride(-1) == 1
+    rotary_dim: int = 0
+    rope_offset: int = 0
+    is_neox: bool = True
+    conjugate: bool = False
+    hadamard_scale: Optional[float] = None   # hadamard on iff not None
+    cast: Optional[CastSpec] = None
+    quant_dim: int = 0                       # dims covered by the cast (D - bf16 tail)
+    out: Optional[torch.Tensor] = None       # bf16 [n, H, D], stride(-1) == 1
+    out_stage: Optional[str] = None          # which stage `out` receives (OUT_STAGES)
+    q_out: Optional[torch.Tensor] = None     # [n, H, quant bytes]: float8_e4m3fn, or uint8 (e2m1 packed)
+    sf_out: Optional[torch.Tensor] = None    # [n, H, quant_dim / g]: uint8 / float8_e4m3fn / float32
+    kv_cache: Optional[torch.Tensor] = None  # uint8 [NB, BS, H, bytes_per_token]
+    slot_mapping: Optional[torch.Tensor] = None  # int32/int64 [n]
+    fmt: Optional[KVCacheFormat] = None
+    addressing: Optional[RecordAddressing] = dataclasses.field(default=None, metadata=DERIVED)
+
+    def derive(self) -> None:
+        self.addressing = None if self.kv_cache is None else self.fmt.addressing_for(self.kv_cache)
+
+    @property
+    def n(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.x.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.x.shape[2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    @property
+    def capacity(self) -> Optional[int]:
+        return None if self.kv_cache is None else self.kv_cache.shape[0] * self.kv_cache.shape[1]
+
+
+PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(Plan))
+
+
+@dataclasses.dataclass
+class GQAPlan:
+    """One validated call of :func:`kvfuse.fused_qk_norm_rope_store_kv`. Tensors are the caller's."""
+    OP: ClassVar[str] = "fused_qk_norm_rope_store_kv"
+    WRITES: ClassVar[tuple] = ("k_cache", "v_cache", "q_out")
+
+    q: torch.Tensor                           # bf16 [n, Hq, D], stride(-1) == 1
+    k: torch.Tensor                           # bf16 [n, Hkv, D], stride(-1) == 1
+    v: torch.Tensor                           # bf16 [n, Hkv, Dv], stride(-1) == 1
+    k_cache: torch.Tensor                     # bf16 / float8_e4m3fn, NHD [NB, BS, Hkv, D] or HND [NB, Hkv, BS, D]
+    v_cache: torch.Tensor                     # the same dtype and layout, last dim Dv
+    slot_mapping: torch.Tensor                # int32 / int64 [n]
+    q_out: Optional[torch.Tensor] = None      # bf16 [n, Hq, D], stride(-1) == 1 (may be q itself)
+    q_weight: Optional[torch.Tensor] = None   # [D] bf16 / fp32 (q norm on iff given)
+    q_eps: float = 1e-6
+    k_weight: Optional[torch.Tensor] = None   # [D] bf16 / fp32 (k norm on iff given)
+    k_eps: float = 1e-6
+    positions: Optional[torch.Tensor] = None  # int32 / int64 [n] (RoPE on iff given)
+    cos_sin: Optional[torch.Tensor] = None    # [P, rotary_dim] fp32 / bf16, stride(-1) == 1
+    rotary_dim: int = 0
+    rope_offset: int = 0
+    is_neox: bool = True
+    conjugate: bool = False
+    k_scale: Optional[torch.Tensor] = None    # fp32, one element (fp8 caches only)
+    v_scale: Optional[torch.Tensor] = None
+    layout: str = "NHD"
+
+    @property
+    def n(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def fp8(self) -> bool:
+        return self.k_cache.dtype == torch.float8_e4m3fn
+
+    @property
+    def block_size(self) -> int:
+        return self.k_cache.shape[1] if self.layout == "NHD" else self.k_cache.shape[2]
+
+    @property
+    def capacity(self) -> int:
+        """Slots of the caches: num_blocks * block_size."""
+        return self.k_cache.shape[0] * self.block_size
+
+    def cache_strides(self, cache: torch.Tensor) -> tuple:
+        """(block, token, head) strides in elements of ``cache`` under the plan's layout."""
+        s = cache.stride()
+        return (s[0], s[1], s[2]) if self.layout == "NHD" else (s[0], s[2], s[1])
+
+
+class _SlotsPlan:
+    """What the cache store and load plans share: n is the slots' count, the device the cache's."""
+
+    @property
+    def n(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_cache.device
+
+    @property
+    def capacity(self) -> int:
+        return self.kv_cache.shape[0] * self.kv_cache.shape[1]
+
+
+@dataclasses.dataclass
+class StorePlan(_SlotsPlan):
+    """One validated call of :func:`kvfuse.store_kv_cache` (``entry``: its plan-cache entry, where the
+    Triton launch parameters are kept; looked up again when the plan comes back from op arguments)."""
+    OP: ClassVar[str] = "store_kv_cache"
+    WRITES: ClassVar[tuple] = ("kv_cache",)
+
+    data: torch.Tensor
+    sf: Optional[torch.Tensor]
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    tail: Optional[torch.Tensor]
+    fmt: KVCacheFormat
+    entry: Optional["CacheEntry"] = dataclasses.field(default=None, metadata=DERIVED)
+
+
+@dataclasses.dataclass
+class LoadPlan(_SlotsPlan):
+    """One validated call of :func:`kvfuse.load_paged_kv_cache`. Through the custom op the outputs
+    are allocated first (``out`` when dequantizing, else ``data_out`` and ``sf_out``) and the op
+    writes them; an eager call returns what the backend allocated."""
+    OP: ClassVar[str] = "load_paged_kv_cache"
+    WRITES: ClassVar[tuple] = ("out", "data_out", "sf_out")
+
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    fmt: KVCacheFormat
+    dequantize: bool = True
+    out: Optional[torch.Tensor] = None
+    data_out: Optional[torch.Tensor] = None
+    sf_out: Optional[torch.Tensor] = None
+    entry: Optional["CacheEntry"] = dataclasses.field(default=None, metadata=DERIVED)
+
+    def allocate_outputs(self) -> None:
+        n, nh, dev = self.slot_mapping.shape[0], self.kv_cache.shape[2], self.kv_cache.device
+        if self.dequantize:
+            self.out = torch.empty((n, nh, self.fmt.head_dim), dtype=torch.bfloat16, device=dev)
+        else:
+            self.data_out = torch.empty((n, nh, self.fmt.data_bytes), dtype=torch.uint8, device=dev)
+            self.sf_out = torch.empty((n, nh, self.fmt.sf_bytes), dtype=torch.uint8, device=dev)
+
+    def outputs(self):
+        return self.out if self.dequantize else (self.data_out, self.sf_out)
+
+
+@dataclasses.dataclass
+class GroupPlan:
+    """Validated calls of the fused operator that touch no common output (:func:`kvfuse.fused_group`)."""
+    OP: ClassVar[str] = "fused_group"
+    members: List[Plan]
+
+    @property
+    def device(self) -> torch.device:
+        return self.members[0].x.device
+
+
+# =============================================================================== the plan cache's entries
+# The tensors of one fused-operator call, by position: x, the norm weight, positions, cos_sin, then
+# out_args' tensors (a Tensor: itself; ContiguousOutArgs: out, sf; KVCacheOutArgs: kv_cache,
+# slot_mapping, out), then the norm bias; None where absent. The outputs a call allocates follow them.
+X, WEIGHT, POSITIONS, COS_SIN, OUT_ARG0, OUT_ARG1, OUT_ARG2, BIAS = range(8)
+NUM_CALL_TENSORS = 8
+LAUNCHES_PER_TEMPLATE = 64
+
+
+class CacheEntry:
+    """What the plan cache keeps for one validated signature (never a tensor: a cache entry keeps
+    no caller memory alive). ``launch``: the Triton launch parameters, filled by the kernels' router
+    on the first launch."""
+
+    __slots__ = ("launch", "pinned", "recently_used", "overlap")
+
+    def __init__(self):
+        self.launch = None
+        self.overlap = None          # the per-call kvfuse.overlap.OverlapCheck, None when no output can overlap
+        self.pinned = ()             # the objects the key names by id: held, so no other object takes their id
+        self.recently_used = False   # PlanCache's eviction bookkeeping
+
+
+class PlanTemplate(CacheEntry):
+    """A validated call signature of the fused operator: its Plan without the tensors.
+
+    ``new_outputs(tensors)`` appends the outputs the call allocates to its call tensors;
+    ``bind(tensors)`` is then the call's Plan and ``result(tensors)`` what the call returns.
+    """
+
+    __slots__ = ("plan", "sources", "tensor_index", "num_tensors", "allocations", "device", "device_type", "result",
+                 "launchable", "launches")
+
+    def __init__(self, plan: Plan, sources, allocations, device, result_index):
+        super().__init__()
+        self.plan = plan                         # every tensor field None
+        self.sources = tuple(sources)            # (Plan field, index in the tensors, insert the head axis)
+        self.tensor_index = {field: i for field, i, _ in self.sources}
+        self.allocations = tuple(allocations)    # (shape without its n rows, dtype) of each output the call allocates
+        self.num_tensors = NUM_CALL_TENSORS + len(self.allocations)
+        self.device = device
+        self.device_type = device.type
+        # what the call returns: one of its tensors (None for a cache without out) or the (q, sf) pair
+        self.result = operator.itemgetter(*result_index) if isinstance(result_index, tuple) \
+            else operator.itemgetter(result_index)
+        self.launchable = self.device_type != "meta"   # and n > 0, a property of the call
+        # the key leaves n out (see kvfuse.plans.cache): Triton launch parameters per n, filled by the
+        # kernels' router (a few sizes recur in an engine; the dict is emptied past LAUNCHES_PER_TEMPLATE)
+        self.launches = {}
+
+    def new_outputs(self, tensors: tuple) -> tuple:
+        if not self.allocations:
+            return tensors
+        dev, n = self.device, tensors[X].shape[0]
+        return tensors + tuple(torch.empty((n,) + tail, dtype=dtype, device=dev) for tail, dtype in self.allocations)
+
+    def bind(self, tensors: tuple) -> Plan:
+        if torch.compiler.is_compiling():
+            # dynamo (torch 2.11) cannot trace __dict__.update: a plain constructor call instead
+            plan = Plan(**{name: getattr(self.plan, name) for name in PLAN_FIELDS})
+        else:
+            plan = Plan.__new__(Plan)  # a shallow copy of the template plan (copy.copy costs 3x more)
+            plan.__dict__.update(self.plan.__dict__)
+        for field, i, add_heads in self.sources:
+            t = tensors[i]
+            setattr(plan, field, t.unsqueeze(1) if add_heads else t)
+        return plan
