@@ -45,6 +45,7 @@ from .formats import (FLASHMLA_MODEL1, FLASHMLA_V32, INDEX_FP8_FP32, INDEX_MXFP4
                       MAIN_FP8, KVCacheFormat)
 from . import backend as _backend
 from .plan import q_dtype
+from .rope import cos_sin_cache
 
 try:  # triton is a kvfuse dependency; still, keep this module importable without it
     import triton
@@ -392,14 +393,6 @@ class Inputs:
         return wl.gqa.split_qkv(self.x)
 
 
-def rope_table(max_position: int, rotary_dim: int, device) -> torch.Tensor:
-    """[max_position, rotary_dim] fp32: cos in the first half, sin in the second (base 10000)."""
-    half = rotary_dim // 2
-    inv = 1.0 / (10000.0 ** (torch.arange(half, dtype=torch.float64) / half))
-    ang = torch.arange(max_position, dtype=torch.float64)[:, None] * inv[None, :]
-    return torch.cat([torch.cos(ang), torch.sin(ang)], dim=1).float().to(device)
-
-
 SLOT_PATTERNS = ("paged", "random", "contiguous")
 REGIMES = ("auto", "decode", "prefill", "uniform")
 DECODE_MAX_N = 256           # regime "auto": n <= this is a decode step, larger n a prefill
@@ -528,7 +521,7 @@ def build_inputs(wl: Workload, n: int, device, seed: int = 0, slots: str = "page
     x = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
     scale = torch.randint(-3, 4, (n,) + (1,) * (len(shape) - 1), generator=g, device=device)
     x.mul_(torch.exp2(scale.float()).to(torch.bfloat16))
-    inp = Inputs(n=n, x=x, cos_sin=rope_table(MAX_POSITION, wl.rotary_dim, device),
+    inp = Inputs(n=n, x=x, cos_sin=cos_sin_cache(MAX_POSITION, wl.rotary_dim, device=device),
                  positions=positions.to(device), regime=regime)
     if wl.norm:
         inp.weight = (torch.randn(D, generator=g, device=device) * 0.1 + 1.0).to(torch.bfloat16)
@@ -561,8 +554,8 @@ def _gqa_inputs(wl: Workload, n: int, device, g: torch.Generator, positions, slo
     x = torch.randn((n, cfg.qkv_width), generator=g, device=device, dtype=torch.bfloat16)
     scale = torch.randint(-3, 4, (n, 1), generator=g, device=device)
     x.mul_(torch.exp2(scale.float()).to(torch.bfloat16))
-    inp = Inputs(n=n, x=x, cos_sin=rope_table(MAX_POSITION, cfg.rotary_dim, device), positions=positions.to(device),
-                 regime=regime, slot_pattern=slots)
+    inp = Inputs(n=n, x=x, cos_sin=cos_sin_cache(MAX_POSITION, cfg.rotary_dim, device=device),
+                 positions=positions.to(device), regime=regime, slot_pattern=slots)
     if cfg.qk_norm:
         raw = [(torch.randn(cfg.head_dim, generator=g, device=device) * 0.1
                 + (0.0 if cfg.norm_weight_offset else 1.0)).to(torch.bfloat16) for _ in range(2)]
