@@ -41,7 +41,7 @@ from .peers import EPS, GQA_PEERS, PEERS, V_SINK_DIM, chain_args, fused_call, ma
 from .records import Record, add_speedups, build_report, finalize, write_json
 from .run import MAX_X_ELEMS, OUT_NAME, Config, measure_device, measure_point, measure_pdl_pairs, run_info, \
     run_on_device, run_suite, write_outputs
-from .tables import TABLE_COLUMNS, format_pdl_pairs, format_summary, format_table, plot_results
+from .tables import format_pdl_pairs, format_summary, format_table, plot_results
 from .targets import (FLOOR_KINDS, FLOOR_SIZES, FLOOR_TARGET, PCT_COPY_N, PCT_COPY_TARGET, PCT_COPY_TARGETS,
                       TARGET_KINDS, check_targets, format_targets, pct_copy_target)
 from .timing import CudaTimer, Timing, measure_copy_bandwidth, measure_launch_floor, recover_cuda
@@ -59,7 +59,7 @@ __all__ = [
     "Record", "add_speedups", "build_report", "finalize", "write_json",
     "MAX_X_ELEMS", "OUT_NAME", "Config", "measure_device", "measure_point", "measure_pdl_pairs", "run_info",
     "run_on_device", "run_suite", "write_outputs",
-    "TABLE_COLUMNS", "format_pdl_pairs", "format_summary", "format_table", "plot_results",
+    "format_pdl_pairs", "format_summary", "format_table", "plot_results",
     "FLOOR_KINDS", "FLOOR_SIZES", "FLOOR_TARGET", "PCT_COPY_N", "PCT_COPY_TARGET", "PCT_COPY_TARGETS", "TARGET_KINDS",
     "check_targets", "format_targets", "pct_copy_target",
     "CudaTimer", "Timing", "measure_copy_bandwidth", "measure_launch_floor", "recover_cuda",

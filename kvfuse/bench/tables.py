@@ -17,9 +17,6 @@ def _f(v, spec: str) -> str:
     return format(v, spec)
 
 
-TABLE_COLUMNS = ("workload", "n", "peer", "GPU us", "timing", "eager us", "GB/s", "%copy", "x floor", "vs fused")
-
-
 def format_table(records: Sequence[Record]) -> str:
     """The stdout table: one line per (workload, n, peer); a blank line between workloads."""
     head = (f"{'workload':<16} {'n':>7} {'peer':<9} {'GPU us':>10} {'timing':<6} {'eager us':>10} "
