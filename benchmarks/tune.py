@@ -33,7 +33,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvfuse import bench  # noqa: E402
+from kvfuse import bench, use_backend  # noqa: E402
 from kvfuse.kernels import fused, qkv  # noqa: E402
 from kvfuse.kernels.gluon import FAST_PATH_MODULES  # noqa: E402
 
@@ -128,7 +128,7 @@ def sweep_portable(names, sizes, sweep_vec, copy_gbps, deadline, log, rows, gqa_
             try:
                 inp = bench.build_inputs(wl, n, "cuda")
                 call, outputs = bench.fused_call(wl, inp), bench.result_tensors(wl, inp)
-                with bench.use_backend("reference"):
+                with use_backend("reference"):
                     want = written_bytes(call, outputs)
                 nbytes = bench.input_bytes(wl, inp)["total"]
                 rows_n = n * wl.num_heads

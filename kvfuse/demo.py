@@ -34,6 +34,7 @@ from kvfuse import mla
 from kvfuse import models as M
 from kvfuse import reference as R
 from kvfuse.args import CastArgs, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
+from kvfuse.rope import cos_sin_cache
 
 EXTRA_HINT = "pip install 'kvfuse[demo]'"
 
@@ -210,19 +211,13 @@ def _slots(n: int, block_size: int, seed: int, device):
     return num_blocks, torch.randperm(num_blocks * block_size, generator=g)[:n].to(device)
 
 
-def _cos_sin(max_pos: int, device, rotary_dim: int = ROPE_DIM):
-    inv = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
-    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
-    return torch.cat([ang.cos(), ang.sin()], dim=-1).float().to(device)
-
-
 def write_and_read(fmt: F.KVCacheFormat, x: torch.Tensor, hadamard: bool, block_size: int, seed: int):
     """The call site of ``fmt`` on x [n, head_dim] (bf16, on its device): one fused write into a
     paged cache. Returns (transform output y [n, head_dim], dequantized read-back [n, head_dim])."""
     n, dev = x.shape[0], x.device
     g = torch.Generator().manual_seed(seed + 1)
     positions = torch.randint(0, 4096, (n,), generator=g).to(dev)
-    cos_sin = _cos_sin(4096, dev)
+    cos_sin = cos_sin_cache(4096, ROPE_DIM, device=dev)
     num_blocks, slots = _slots(n, block_size, seed + 2, dev)
     cache = fmt.allocate(num_blocks, block_size, device=dev)
     y = torch.empty_like(x)
@@ -299,7 +294,7 @@ def _model_inputs(cfg: mla.MLAConfig, site: str, fmt: F.KVCacheFormat, x: torch.
     g = torch.Generator().manual_seed(seed + 1)
     positions = torch.randint(0, 4096, (n,), generator=g).to(dev)
     rotary = cfg.qk_rope_head_dim if site == "main" else cfg.index_rope_head_dim
-    cos_sin = _cos_sin(4096, dev, rotary)
+    cos_sin = cos_sin_cache(4096, rotary, device=dev)
     norm_dim = cfg.kv_lora_rank if site == "main" and cfg.splits_k_pe(fmt) else fmt.head_dim
     w = (1.0 + 0.1 * torch.randn(norm_dim, generator=g)).to(torch.bfloat16).to(dev)
     b = None
@@ -337,7 +332,7 @@ def model_quantized_queries(cfg: mla.MLAConfig, q: torch.Tensor) -> torch.Tensor
     """Queries [m, index_head_dim] through the model's ``quantize_indexer_q`` (its Hadamard and
     cast; at position 0, where RoPE is the identity), dequantized."""
     pos = torch.zeros(q.shape[0], dtype=torch.int64, device=q.device)
-    cos_sin = _cos_sin(1, q.device, cfg.index_rope_head_dim)
+    cos_sin = cos_sin_cache(1, cfg.index_rope_head_dim, device=q.device)
     qq, sf = mla.quantize_indexer_q(cfg, q[:, None, :], pos, cos_sin)
     if sf is None:
         return qq[:, 0]

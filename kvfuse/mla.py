@@ -36,6 +36,8 @@ from .api import store_kv_cache
 from .args import CastArgs, ContiguousOutArgs, FusedCall, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
 from .group import fused_group
 from .formats import FLASHMLA_MODEL1, FLASHMLA_V32, INDEX_MXFP8, MAIN_FP8, KVCacheFormat
+# the RoPE table of the call sites: kvfuse.rope's builder, public here under the name it has always had
+from .rope import cos_sin_cache as make_cos_sin_cache
 
 __all__ = [
     "MLAConfig", "make_cos_sin_cache", "q_preprocess", "write_main_cache", "cp_local_kv",
@@ -199,13 +201,6 @@ def _ones(dim: int, device) -> torch.Tensor:
     if w is None:
         w = _ONES[key] = torch.ones(dim, dtype=torch.bfloat16, device=device)
     return w
-
-
-def make_cos_sin_cache(max_position: int, rotary_dim: int, base: float = 10000.0, device=None) -> torch.Tensor:
-    """fp32 [max_position, rotary_dim]: cos(p * base^(-2j/rotary_dim)) then sin (kvfuse's layout)."""
-    inv = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device) / rotary_dim))
-    ang = torch.arange(max_position, dtype=torch.float64, device=device)[:, None] * inv[None, :]
-    return torch.cat([ang.cos(), ang.sin()], dim=-1).to(torch.float32)
 
 
 def _run(call: FusedCall):

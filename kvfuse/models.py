@@ -31,6 +31,7 @@ from .args import NormArgs, RopeArgs
 from .formats import (FLASHMLA_MODEL1, FLASHMLA_V32, INDEX_FP8_FP32, INDEX_MXFP4, INDEX_MXFP8, MAIN_FP4, MAIN_FP8,
                       KVCacheFormat)
 from .mla import MLAConfig
+from .rope import cos_sin_cache
 
 __all__ = [
     "DEEPSEEK_V3", "DEEPSEEK_V32", "DEEPSEEK_V32_UE8M0", "DEEPSEEK_V4", "DEEPSEEK_V4_FP4", "DEEPSEEK_V4_FLASHMLA",
@@ -212,8 +213,7 @@ class GQAConfig:
 
     def cos_sin_cache(self, max_position: int, device=None) -> torch.Tensor:
         """fp32 [max_position, rotary_dim] of the unscaled RoPE with base rope_theta."""
-        from .mla import make_cos_sin_cache
-        return make_cos_sin_cache(max_position, self.rotary_dim, self.rope_theta, device)
+        return cos_sin_cache(max_position, self.rotary_dim, self.rope_theta, device)
 
     def store_kv(self, qkv, k_cache, v_cache, slot_mapping, positions, cos_sin, q_norm_weight=None,
                  k_norm_weight=None, k_scale=None, v_scale=None, layout="NHD", q_out=None):

@@ -17,6 +17,7 @@ import math
 import torch
 
 from kvfuse.formats import KVCacheFormat
+from kvfuse.rope import cos_sin_cache as rope_table
 
 
 def _round_up(v: int, m: int) -> int:
@@ -85,10 +86,9 @@ def random_bf16(shape, seed: int, outliers: bool = True) -> torch.Tensor:
 
 
 def cos_sin_cache(max_pos: int, rotary_dim: int, dtype=torch.float32, base: float = 10000.0) -> torch.Tensor:
-    """[max_pos, rotary_dim]: cos(p * theta_j) in the first rotary_dim/2 columns, sin in the last."""
-    inv = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
-    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
-    return torch.cat([ang.cos(), ang.sin()], dim=-1).to(dtype)
+    """kvfuse.rope's fp32 table [max_pos, rotary_dim] (cos | sin) on the CPU, converted to ``dtype`` (the
+    tests also feed the kernels bf16 tables)."""
+    return rope_table(max_pos, rotary_dim, base).to(dtype)
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,8 @@
 reference backend), the orchestration with an injected fake timer, and the report (table, targets,
 JSON, PNG). No timing is asserted."""
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -41,6 +43,13 @@ def test_cli_routes_bench(capsys):
     from kvfuse.cli import main as cli_main
     assert cli_main(["bench", "--quick"]) == 0
     assert "needs a CUDA device" in capsys.readouterr().out
+
+
+def test_python_m_kvfuse_bench_runs_the_cli():
+    """``python -m kvfuse.bench`` is ``kvfuse bench`` (the package's __main__): a bad option exits 2 and says why."""
+    done = subprocess.run([sys.executable, "-m", "kvfuse.bench", "--workloads", "nope"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2 and "kvfuse bench: --workloads: unknown ['nope']" in done.stderr
 
 
 def test_bad_options_return_2(capsys):
@@ -354,7 +363,7 @@ def test_gqa_stage_chain_stores_through_store_kv_cache(monkeypatch):
     wl = bench.WORKLOADS["qwen3_8b_fp8"]
     inp = bench.build_inputs(wl, 3, "cpu", seed=2)
     monkeypatch.setattr(kvfuse.reference, "store_paged", no_store_paged)
-    monkeypatch.setattr(bench._api, "store_kv_cache", counting_store)
+    monkeypatch.setattr(kvfuse.api, "store_kv_cache", counting_store)
     chain = bench.make_peer("stages", wl, inp)
     with use_backend("reference"):
         chain()

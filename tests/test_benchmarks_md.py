@@ -1,4 +1,4 @@
-"""BENCHMARKS.md's generator (kvfuse/bench_report.py; benchmarks/benchmarks_md.py is its command line):
+"""BENCHMARKS.md's generator (benchmarks/benchmarks_md.py, imported with benchmarks/ on the path):
 rendered from small synthetic bench results built here (through bench.build_report and JSON, as a run
 writes them), its tables must hold that run's numbers beside the engines' figures, with the verdicts, and
 say how to produce what the run lacks. The committed BENCHMARKS.md must be what the generator renders
@@ -6,13 +6,16 @@ from the JSON it names."""
 import dataclasses
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
-from kvfuse import bench, bench_report
+from kvfuse import bench
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import benchmarks_md  # noqa: E402  (the generator is a script of benchmarks/)
 INFO = {"device": "NVIDIA H200", "sm_count": 132, "capability": "9.0", "memory_GiB": 139.8, "torch": "9.9.9+test",
         "torch_cuda": "13.0", "triton": "3.9.1", "python": "3.11.0", "kvfuse": "0.1.0",
         "date": "2027-02-03T04:05:06+00:00", "argv": ["/x/kvfuse/cli.py", "bench", "--n", "1,4096"]}
@@ -55,20 +58,27 @@ MLA = [("dsv4_main_fp8", 1, "fused", 1.234), ("dsv4_main_fp8", 4096, "fused", 3.
 
 def test_how_it_was_measured_comes_from_the_json():
     report = make_report(MLA)
-    text = bench_report.render(report, "benchmarks/results/x.json")
+    text = benchmarks_md.render(report, "benchmarks/results/x.json")
     how = section(text, "How it was measured")
     for want in ("`benchmarks/results/x.json`", "`python -m kvfuse.cli bench --n 1,4096`",
                  "NVIDIA H200 (132 SMs, compute capability 9.0, 139.8 GiB)", "torch 9.9.9+test (CUDA 13.0)",
                  "Triton 3.9.1", "Python 3.11.0", "2027-02-03 04:05 UTC", "4.32 TB/s", "0.87 us", "PDL off",
-                 "paged slots", "decode inputs for n <= 256", report["accounting"], bench_report.ENGINE_SOURCE):
+                 "paged slots", "decode inputs for n <= 256", report["accounting"], benchmarks_md.ENGINE_SOURCE):
         assert want in how, want
-    assert "PDL on" in bench_report.render(make_report(MLA, pdl=True))
+    assert "PDL on" in benchmarks_md.render(make_report(MLA, pdl=True))
     assert "session" not in text.lower() and not re.search(r"#\d", text)
+
+
+@pytest.mark.parametrize("script", ["/x/kvfuse/bench.py", "/x/kvfuse/bench/__main__.py"])
+def test_a_run_of_python_m_kvfuse_bench_is_named_by_that_command(script):
+    """Runs recorded as ``python -m kvfuse.bench`` (its argv[0]: the module, or the package's __main__)."""
+    meta = dict(INFO, argv=[script, "--n", "1"])
+    assert "command `python -m kvfuse.bench --n 1`" in benchmarks_md.render(dict(make_report(MLA), meta=meta))
 
 
 def test_decode_and_prefill_tables_hold_the_runs_numbers_beside_the_engines():
     report = make_report(MLA)
-    text = bench_report.render(report)
+    text = benchmarks_md.render(report)
     decode = rows(section(text, "Decode"))
     # MAIN_FP8 + GPT-J at n = 1: 1.234 against SGLang's 1.06 (PDL, loses) and 1.50 (no PDL, wins)
     assert ["MAIN_FP8 write, norm + GPT-J RoPE", "`dsv4_main_fp8`", "1", "1.23",
@@ -104,11 +114,11 @@ def test_decode_and_prefill_tables_hold_the_runs_numbers_beside_the_engines():
 
 
 def test_identical_definitions_stand_in_for_each_other_and_the_first_listed_wins():
-    for fig in bench_report.ENGINE_FIGURES:
+    for fig in benchmarks_md.ENGINE_FIGURES:
         defs = [dataclasses.replace(bench.WORKLOADS[w], name="", description="") for w in fig.workloads]
         assert all(d == defs[0] for d in defs), fig.workloads        # the same work under another name
     pts = [("dsv4_main_model1", 1, "fused", 1.9), ("flashmla_model1_gptj", 1, "fused", 2.2)]
-    decode = rows(section(bench_report.render(make_report(pts)), "Decode"))
+    decode = rows(section(benchmarks_md.render(make_report(pts)), "Decode"))
     vllm = [r for r in decode if len(r) > 4 and r[4] == "vLLM DeepSeek V4 kernel"]
     assert vllm == [["FLASHMLA_MODEL1 write, norm + GPT-J RoPE", "`flashmla_model1_gptj`", "1", "2.20",
                      "vLLM DeepSeek V4 kernel", "2.12", f"{2.2 / 2.12:.2f}", "loses"]]
@@ -118,7 +128,7 @@ def test_cast_only_section():
     pts = [("main_fp8_cast", 1, "fused", 1.42), ("main_fp8_cast", 4096, "fused", 2.55),
            ("main_fp8_cast", 65536, "fused", 31.2)]
     report = make_report(pts)
-    cast = section(bench_report.render(report), "Cast only")
+    cast = section(benchmarks_md.render(report), "Cast only")
     got = rows(cast)
     assert ["the cast alone, MAIN_FP8 record", "`main_fp8_cast`", "65536", "31.20",
             f"{report['results'][2]['pct_copy']:.1f}%", "FlashInfer DeepSeek Triton `quantize_cache`", "26.2",
@@ -127,7 +137,7 @@ def test_cast_only_section():
             f"{report['results'][0]['pct_copy']:.1f}%", "FlashInfer DeepSeek Triton `quantize_cache`", "1.52",
             f"{1.42 / 1.52:.2f}", "**wins**"] in got
     # not in the run: the command that measures it
-    absent = section(bench_report.render(make_report(MLA)), "Cast only")
+    absent = section(benchmarks_md.render(make_report(MLA)), "Cast only")
     assert "This run has no cast-only workload" in absent and "--workloads main_fp8_cast" in absent
     assert "- `main_fp8_cast` (the cast alone, MAIN_FP8 record: FlashInfer DeepSeek Triton `quantize_cache`): " \
            "1.52 us at n = 1, 2.64 us at n = 4096, 26.2 us at n = 65536" in absent
@@ -139,7 +149,7 @@ def test_cast_note_quotes_the_runs_page_layout_figures_when_it_has_them():
     before = "kvfuse's portable kernel writes the same codes in 26.11 us at 65536 tokens against 31.28 us as MAIN_FP8"
     both = make_report([("main_fp8_cast", 65536, "fused", 30.2864), ("main_fp8_pagewise_cast", 65536, "fused", 25.6528),
                         ("main_fp8_pagewise_cast", 4096, "fused", 2.9)])
-    cast = section(bench_report.render(both), "Cast only")
+    cast = section(benchmarks_md.render(both), "Cast only")
     assert ("In that layout kvfuse writes the same codes in this run in 25.65 us at 65536 tokens against 30.29 us as "
             "MAIN_FP8 records (`main_fp8_pagewise_cast` against `main_fp8_cast`; docs/performance.md).") in cast
     assert "26.11" not in cast and "31.28" not in cast
@@ -147,7 +157,7 @@ def test_cast_note_quotes_the_runs_page_layout_figures_when_it_has_them():
     for pts in ([("main_fp8_cast", 65536, "fused", 30.2864)],                                 # no page layout
                 [("main_fp8_cast", 65536, "fused", 30.2864), ("main_fp8_pagewise_cast", 4096, "fused", 2.9)],
                 [("main_fp8_cast", 4096, "fused", 2.5), ("main_fp8_pagewise_cast", 65536, "fused", 25.6528)]):
-        cast = section(bench_report.render(make_report(pts)), "Cast only")
+        cast = section(benchmarks_md.render(make_report(pts)), "Cast only")
         assert before in cast and "the same codes in this run" not in cast, pts
 
 
@@ -166,7 +176,7 @@ def test_targets_section_recomputes_the_current_targets_from_the_runs_records():
     report["targets"] = [dict(target="main_fp8_gptj fused % copy at n=262144", status="MISS", value=90.0, op=">=",
                               threshold=95.0, detail="")]       # what an old run stored: not used
     report["results"][0]["a_field_of_another_version"] = 1
-    text = bench_report.render(report)
+    text = benchmarks_md.render(report)
     titles = re.findall(r"^## (.+)$", text, re.M)
     assert titles.index("Targets") == titles.index("GQA / MHA (`fused_qk_norm_rope_store_kv`)") + 1
     assert titles.index("Not measured here") == titles.index("Targets") + 1
@@ -184,16 +194,16 @@ def test_targets_section_recomputes_the_current_targets_from_the_runs_records():
     assert got["`llama3_8b_fp8`"][:2] == ["", ""]                 # GQA: no % copy or floor target
     assert "2 of the 4 measured targets met." in targets
     # a run without PDL: the launch-floor target needs one
-    got = {r[0]: r[1:] for r in rows(section(bench_report.render(make_report(pts)), "Targets"))}
+    got = {r[0]: r[1:] for r in rows(section(benchmarks_md.render(make_report(pts)), "Targets"))}
     assert got["`main_fp8_gptj`"][:2] == ["90.0% (target 85%): met", "not measured (needs a --pdl run)"]
 
 
 def test_a_target_value_never_prints_as_its_threshold_when_it_misses():
     t = dict(kind="stages_65536", value=1.7996, threshold=1.8, status="MISS", detail="")
-    assert bench_report._target_cell(t) == "1.7996x: **missed**"
-    assert bench_report._target_cell(dict(t, value=1.798)) == "1.798x: **missed**"
-    assert bench_report._target_cell(dict(t, value=1.8, status="PASS")) == "1.80x: met"
-    assert bench_report._target_cell(dict(t, kind="pct_copy", value=84.96, threshold=85.0)) == \
+    assert benchmarks_md._target_cell(t) == "1.7996x: **missed**"
+    assert benchmarks_md._target_cell(dict(t, value=1.798)) == "1.798x: **missed**"
+    assert benchmarks_md._target_cell(dict(t, value=1.8, status="PASS")) == "1.80x: met"
+    assert benchmarks_md._target_cell(dict(t, kind="pct_copy", value=84.96, threshold=85.0)) == \
         "84.96% (target 85%): **missed**"
 
 
@@ -203,7 +213,7 @@ def test_gqa_section_puts_the_peers_beside_the_fused_call():
            ("qwen3_8b_fp8", 4096, "fused", 60.0), ("qwen3_8b_fp8", 4096, "two_launch", 59.0),
            ("qwen3_8b_fp8", 4096, "stages", 150.0), ("llama3_8b_fp8", 1, "fused", 1.8)]
     report = make_report(pts)
-    gqa = section(bench_report.render(report), "GQA")
+    gqa = section(benchmarks_md.render(report), "GQA")
     table = rows(gqa)
     pct = {(r["workload"], r["n"]): r["pct_copy"] for r in report["results"] if r["peer"] == "fused"}
     assert "fused vs two_launch" in gqa
@@ -214,7 +224,7 @@ def test_gqa_section_puts_the_peers_beside_the_fused_call():
     assert ["`llama3_8b_fp8`", "1", "1.80", f"{pct[('llama3_8b_fp8', 1)]:.1f}%", "-", "-", "-", "-"] in table
     assert "two_launch us (x fused)" in gqa and "† timed with CUDA events" in gqa
     assert report["workloads"]["qwen3_8b_fp8"]["description"] in gqa
-    absent = section(bench_report.render(make_report(MLA)), "GQA")
+    absent = section(benchmarks_md.render(make_report(MLA)), "GQA")
     assert "This run has no GQA workload" in absent and "--peers fused,two_launch,stages,compile" in absent
     assert "qwen3_8b_fp8" in absent
 
@@ -224,19 +234,19 @@ def test_gqa_section_from_a_later_run_names_that_run_and_only_its_figures():
     named in the section); the main run's own GQA figures do not appear anywhere."""
     main = make_report(MLA + [("llama3_8b_fp8", 1, "fused", 9.87)])
     later = make_report([("llama3_8b_fp8", 1, "fused", 1.81), ("llama3_8b_fp8", 1, "two_launch", 3.0)], pdl=True)
-    text = bench_report.render(main, "benchmarks/results/a.json", later, "benchmarks/results/b.json")
+    text = benchmarks_md.render(main, "benchmarks/results/a.json", later, "benchmarks/results/b.json")
     gqa = section(text, "GQA")
     assert "- Source of this section: `benchmarks/results/b.json`, its own `kvfuse bench` run" in gqa
     assert "PDL on." in gqa and f"launch floor {DEVICE['floor_us']:.2f} us" in gqa
     assert ["`llama3_8b_fp8`", "1", "1.81"] == rows(gqa)[0][:3] and "9.87" not in text
     assert "(the GQA / MHA section: a later run of its own, named there)" in text.splitlines()[2]
     assert "- Source: `benchmarks/results/a.json`" in section(text, "How it was measured")
-    plain = bench_report.render(main, "benchmarks/results/a.json")       # control: without it, the main run's
+    plain = benchmarks_md.render(main, "benchmarks/results/a.json")       # control: without it, the main run's
     assert "9.87" in section(plain, "GQA") and "Source of this section" not in plain
 
 
 def test_grouped_section_from_group_workloads_or_how_to_produce_them():
-    absent = section(bench_report.render(make_report(MLA)), "Grouped")
+    absent = section(benchmarks_md.render(make_report(MLA)), "Grouped")
     assert "This run has no grouped workload" in absent and "--peers fused,calls,stages" in absent
     assert all(w in absent for w in bench.WORKLOADS if w.startswith("group_"))
     assert "- `group_dsv4_q_kv` (Q of 64 heads + the KV write, one launch (DeepSeek V4): vLLM DeepSeek V4 fused " \
@@ -245,7 +255,7 @@ def test_grouped_section_from_group_workloads_or_how_to_produce_them():
            ("group_dsv4_q_kv", 1, "stages", 9.0), ("group_dsv4_q_kv", 4096, "fused", 160.0),
            ("group_dsv4_q_kv", 4096, "calls", 161.0), ("group_dsv4_layer", 1, "fused", 3.21)]
     report = make_report(pts)
-    grouped = section(bench_report.render(report), "Grouped")
+    grouped = section(benchmarks_md.render(report), "Grouped")
     table = rows(grouped)
     pct = {(r["workload"], r["n"]): r["pct_copy"] for r in report["results"] if r["peer"] == "fused"}
     assert ["Q of 64 heads + the KV write, one launch (DeepSeek V4)", "`group_dsv4_q_kv`", "4096", "160.0",
@@ -261,7 +271,7 @@ def test_grouped_section_from_group_workloads_or_how_to_produce_them():
     assert ["`group_dsv4_layer`", "1", "3.21", f"{pct[('group_dsv4_layer', 1)]:.1f}%", "-", "-", "-"] in table
     assert "fused vs calls" in grouped and "MAIN_FP8 record (528 bytes)" in grouped
     assert report["workloads"]["group_dsv4_layer"]["description"] in grouped
-    assert "group_dsv4_q_kv" not in section(bench_report.render(report), "Decode")
+    assert "group_dsv4_q_kv" not in section(benchmarks_md.render(report), "Decode")
 
 
 def test_grouped_section_from_a_later_run_names_that_run_and_only_its_figures():
@@ -270,7 +280,7 @@ def test_grouped_section_from_a_later_run_names_that_run_and_only_its_figures():
     names both sections."""
     main = make_report(MLA + [("group_dsv4_q_kv", 4096, "fused", 162.3), ("group_dsv4_q_kv", 4096, "calls", 161.5)])
     later = make_report([("group_dsv4_q_kv", 4096, "fused", 139.4)], pdl=True)
-    text = bench_report.render(main, "benchmarks/results/a.json", group_report=later,
+    text = benchmarks_md.render(main, "benchmarks/results/a.json", group_report=later,
                                group_source="benchmarks/results/c.json")
     grouped = section(text, "Grouped")
     assert "- Source of this section: `benchmarks/results/c.json`, its own `kvfuse bench` run" in grouped
@@ -281,7 +291,7 @@ def test_grouped_section_from_a_later_run_names_that_run_and_only_its_figures():
     assert "162.3" not in text and "161.5" not in text
     assert "(the Grouped section: a later run of its own, named there)" in text.splitlines()[2]
     gqa = make_report([("llama3_8b_fp8", 1, "fused", 1.81)], pdl=True)
-    both = bench_report.render(main, "benchmarks/results/a.json", gqa, "benchmarks/results/b.json", later,
+    both = benchmarks_md.render(main, "benchmarks/results/a.json", gqa, "benchmarks/results/b.json", later,
                                "benchmarks/results/c.json")
     assert "(the Grouped and the GQA / MHA sections: a later run of their own, named there)" in both.splitlines()[2]
     assert "`benchmarks/results/b.json`" in section(both, "GQA") and "`benchmarks/results/c.json`" in \
@@ -289,24 +299,24 @@ def test_grouped_section_from_a_later_run_names_that_run_and_only_its_figures():
 
 
 def test_figures_without_a_kvfuse_workload_are_listed_not_matched():
-    text = bench_report.render(make_report(MLA + [("flashmla_v32", 256, "fused", 2.1)]))
+    text = benchmarks_md.render(make_report(MLA + [("flashmla_v32", 256, "fused", 2.1)]))
     missing = section(text, "Not measured here")
-    unmatched = [f for f in bench_report.ENGINE_FIGURES if not bench_report.candidates(f)]
+    unmatched = [f for f in benchmarks_md.ENGINE_FIGURES if not benchmarks_md.candidates(f)]
     assert {f.engine for f in unmatched} >= {"FlashInfer `rope_quantize_fp8_append_paged_kv_cache`"}
     for fig in unmatched:
         assert fig.engine in missing
         assert fig.engine not in text.replace(missing, "")                # in no table
         for n, us in fig.us:
             assert f"{us} us at n = {n}" in missing
-    for fig in bench_report.ENGINE_FIGURES:
-        if bench_report.candidates(fig):
+    for fig in benchmarks_md.ENGINE_FIGURES:
+        if benchmarks_md.candidates(fig):
             assert fig.engine not in missing
 
 
 def test_verdict_thresholds():
-    assert bench_report.verdict(0.96, 1.0) == "wins"
-    assert bench_report.verdict(1.02, 1.0) == "even" and bench_report.verdict(0.98, 1.0) == "even"
-    assert bench_report.verdict(1.04, 1.0) == "loses"
+    assert benchmarks_md.verdict(0.96, 1.0) == "wins"
+    assert benchmarks_md.verdict(1.02, 1.0) == "even" and benchmarks_md.verdict(0.98, 1.0) == "even"
+    assert benchmarks_md.verdict(1.04, 1.0) == "loses"
 
 
 def test_committed_benchmarks_md_is_the_rendering_of_the_json_it_names():
@@ -325,13 +335,13 @@ def test_committed_benchmarks_md_is_the_rendering_of_the_json_it_names():
             later[title] = (json.loads((ROOT / m.group(1)).read_text()), m.group(1))
     gqa = later.get("GQA", (None, None))
     group = later.get("Grouped", (None, None))
-    assert text == bench_report.render(json.loads(path.read_text()), source, *gqa, *group)
+    assert text == benchmarks_md.render(json.loads(path.read_text()), source, *gqa, *group)
 
 
 def test_the_commands_it_suggests_are_valid_bench_options():
     """Every `python -m kvfuse.cli bench ...` the document suggests parses (known workloads and peers)."""
     import shlex
-    text = bench_report.render(make_report(MLA))
+    text = benchmarks_md.render(make_report(MLA))
     commands = re.findall(r"python -m kvfuse\.cli bench ([^`\n]+)", text)
     assert len(commands) >= 4                      # the run's own, cast, GQA, the full run
     for args in commands:
@@ -339,7 +349,7 @@ def test_the_commands_it_suggests_are_valid_bench_options():
             continue
         cfg = bench.parse_config(shlex.split(args))
         assert cfg.workloads
-    full = bench.parse_config(["--workloads", ",".join(bench_report.full_run_workloads())])
-    wanted = {c[0] for c in map(bench_report.candidates, bench_report.ENGINE_FIGURES) if c}
+    full = bench.parse_config(["--workloads", ",".join(benchmarks_md.full_run_workloads())])
+    wanted = {c[0] for c in map(benchmarks_md.candidates, benchmarks_md.ENGINE_FIGURES) if c}
     assert wanted <= set(full.workloads) and {w for w, d in bench.WORKLOADS.items() if d.kind == "gqa"} <= \
         set(full.workloads)

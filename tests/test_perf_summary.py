@@ -1,11 +1,12 @@
-"""README.md's performance summary is exactly what kvfuse.perf_summary renders from the latest
+"""README.md's performance summary is exactly what benchmarks/perf_summary.py renders from the latest
 benchmark JSON (regenerate with `python benchmarks/perf_summary.py --write` after a new run)."""
 import json
+import sys
 from pathlib import Path
 
-from kvfuse import perf_summary as ps
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import perf_summary as ps  # noqa: E402  (the generator is a script of benchmarks/)
 LATEST = ROOT / ps.SOURCE
 
 
