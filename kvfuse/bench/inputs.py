@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import torch
 
-from ..plan import q_dtype
+from ..formats import q_dtype
 from ..rope import cos_sin_cache
 from .workloads import WORKLOADS, Workload
 

@@ -12,7 +12,8 @@ from typing import Callable, Dict, Optional
 import torch
 
 from .. import api as _api
-from .. import gqa as _gqa_mod
+from .. import dispatch as _dispatch
+from ..plans import gqa as _gqa_plans
 from .. import reference
 from ..args import ContiguousOutArgs, FusedCall, KVCacheOutArgs, NormArgs, RopeArgs
 from ..backend import use_backend
@@ -156,8 +157,8 @@ def _gqa_two_launch(wl: Workload, inp: Inputs) -> Callable[[], None]:
     2. one launch of the same kernel over the K and V heads only: no norm, no RoPE, K from the buffer and
        V from the projection scattered by slot into the real caches, e4m3 by the per-tensor scales for
        fp8: exactly ``reshape_and_cache_flash``'s work, no other bytes. The public entry point needs at
-       least one q head, so the call is validated with q = K (:func:`kvfuse.gqa.validate`, every other
-       rule applies) and its plan run with q emptied to zero heads (:func:`kvfuse.gqa.run`).
+       least one q head, so the call is validated with q = K (:func:`kvfuse.plans.gqa.validate`, every other
+       rule applies) and its plan run with q emptied to zero heads (:func:`kvfuse.dispatch.run`).
 
     Byte-equal to the fused call (q_out and both caches)."""
     q, k, v, qn, kn, rope = _gqa_args(wl, inp)
@@ -167,11 +168,11 @@ def _gqa_two_launch(wl: Workload, inp: Inputs) -> Callable[[], None]:
     token_slots = torch.arange(n, dtype=torch.int32, device=k.device)
     v_part = v[..., :V_SINK_DIM]
     v_sink = torch.empty((n, 1, hkv, V_SINK_DIM), dtype=torch.bfloat16, device=k.device)
-    plan = _gqa_mod.validate(kbuf, kbuf, v, inp.k_cache, inp.v_cache, inp.slots, None, None, None, inp.k_scale,
+    plan = _gqa_plans.validate(kbuf, kbuf, v, inp.k_cache, inp.v_cache, inp.slots, None, None, None, inp.k_scale,
                              inp.v_scale, "NHD")
     no_q = kbuf[:, :0]
     plan = dataclasses.replace(plan, q=no_q, q_out=no_q)
-    out, run = inp.out, _gqa_mod.run
+    out, run = inp.out, _dispatch.run
 
     def call():
         fused_qk_norm_rope_store_kv(q, k, v_part, k_as_cache, v_sink, token_slots, qn, kn, rope, None, None, "NHD",
