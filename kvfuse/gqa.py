@@ -28,7 +28,8 @@ def fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_norm_
 
     Args:
         q: bf16 [n, Hq, D]; k: bf16 [n, Hkv, D]; v: bf16 [n, Hkv, Dv] (stride(-1) == 1, other strides
-            free: views of one packed QKV projection [n, (Hq + 2 Hkv) D] are fine). Hq a multiple of Hkv.
+            free: views of one packed QKV projection [n, (Hq + 2 Hkv) D] are fine). Hq a multiple of Hkv,
+            or 0: K and V alone (an engine's cache write without q).
         k_cache, v_cache: bf16 or float8_e4m3fn (both the same), ``layout`` "NHD" (vLLM:
             [num_blocks, block_size, Hkv, D]) or "HND" (FlashInfer: [num_blocks, Hkv, block_size, D]);
             v_cache's last dim is Dv. Any strides with stride(-1) == 1 (slices of a larger

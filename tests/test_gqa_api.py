@@ -2,6 +2,7 @@
 validation errors name the argument and write nothing; the aliasing rules (q_out may be q; vLLM's
 kv_cache[:, 0] / [:, 1] views are accepted; any other overlap is rejected); the data checks; q_out
 allocation; meta tensors and n = 0; torch.library.opcheck; torch.compile(fullgraph=True)."""
+import dataclasses
 import re
 
 import pytest
@@ -150,6 +151,26 @@ def test_inplace_equals_separate_q_out():
     q_in_place = a["input0"].view(torch.bfloat16).view(5, -1)[:, :4 * 128]
     assert torch.equal(q_in_place.contiguous().view(torch.uint8).flatten(),
                        b["q_out"].view(torch.bfloat16).view(5, -1)[:, :4 * 128].contiguous().view(torch.uint8).flatten())
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_zero_q_heads_write_the_same_k_and_v(backend, fp8):
+    """q with zero heads: K and V alone, the records equal to a call with q heads (an engine's cache
+    write without attention's q, e.g. vLLM's reshape_and_cache_flash); q_out is returned empty."""
+    if backend == "triton" and not kvfuse.backend.interpreter_enabled():
+        pytest.skip("the triton backend on CPU tensors needs TRITON_INTERPRET=1")
+    case = GQACase(fp8=fp8, q_norm=None, seed=45)
+    full = run_gqa_case(case, backend)
+
+    def k_and_v_only(**kw):
+        kw = dict(kw, q=kw["q"][:, :0], q_out=None)
+        return kvfuse.fused_qk_norm_rope_store_kv(**kw)
+
+    alone = run_gqa_case(dataclasses.replace(case, q_out_none=True), backend, fn=k_and_v_only)
+    assert alone["q_out"].numel() == 0
+    for name in ("cache_storage0", "cache_storage1"):
+        assert torch.equal(full[name], alone[name]), name
 
 
 def test_vllm_kv_views_and_allocated_q_out():

@@ -14,14 +14,14 @@ from .types import GQA_LAYOUTS, GQAPlan
 CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 
-def _check_heads(t, name, dev, n=None):
+def _check_heads(t, name, dev, n=None, min_heads=1):
     check_tensor(t, name, (torch.bfloat16,), dev)
     if t.dim() != 3:
         raise ValueError(f"{name}: expected shape [n, num_heads, head_dim], got {tuple(t.shape)}")
     if n is not None and t.shape[0] != n:
         raise ValueError(f"{name}: expected {n} tokens (q's), got shape {tuple(t.shape)}")
-    if t.shape[1] < 1:
-        raise ValueError(f"{name}: num_heads must be >= 1, got {t.shape[1]}")
+    if t.shape[1] < min_heads:
+        raise ValueError(f"{name}: num_heads must be >= {min_heads}, got {t.shape[1]}")
     if t.shape[2] % 16 or t.shape[2] == 0:
         raise ValueError(f"{name}: head_dim must be a positive multiple of 16, got {t.shape[2]}")
     if t.shape[2] > 1 and t.stride(2) != 1:
@@ -75,7 +75,7 @@ def validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_a
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     dev = q.device
-    _check_heads(q, "q", dev)
+    _check_heads(q, "q", dev, min_heads=0)     # no q heads: K and V alone (an engine's cache write)
     n, hq, d = q.shape
     _check_heads(k, "k", dev, n)
     _check_heads(v, "v", dev, n)
