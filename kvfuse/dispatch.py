@@ -5,7 +5,7 @@ both end here; neither calls the other's way back. ``run(plan)`` runs a validate
 :class:`kvfuse.plan.Plan` on the backend chosen for its device (the Triton kernels or the reference
 chain), after the ``KVFUSE_CHECKS`` data checks; ``validate_store`` / ``store`` and ``validate_load`` /
 ``load`` do the same for store_kv_cache and load_paged_kv_cache. ``kernels()`` is
-:mod:`kvfuse.kernels.fused`, behind a process-wide lock when Triton's interpreter runs it.
+:mod:`kvfuse.kernels.router`, behind a process-wide lock when Triton's interpreter runs it.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ _fused_module = None
 
 
 class _InterpreterLaunches:
-    """kvfuse.kernels.fused with every launch taken under one process-wide lock: Triton's interpreter
+    """kvfuse.kernels.router with every launch taken under one process-wide lock: Triton's interpreter
     is not thread-safe (it patches triton.language globally and keeps the grid position in a global
     builder while a launch runs), so concurrent calls raised InterpreterError and left partial writes.
     Used only when the kernels run in the interpreter; compiled kernels get the module itself (no lock)."""
@@ -61,8 +61,8 @@ class _InterpreterLaunches:
 def kernels():
     global _fused_module
     if _fused_module is None:
-        from .kernels import fused  # imported lazily: triton is only needed by the triton backend
-        _fused_module = _InterpreterLaunches(fused) if fused.INTERPRET else fused
+        from .kernels import router  # imported lazily: triton is only needed by the triton backend
+        _fused_module = _InterpreterLaunches(router) if router.INTERPRET else router
     return _fused_module
 
 

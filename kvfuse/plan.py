@@ -188,7 +188,7 @@ def call_tensors(x, norm_args, rope_args, out_args) -> tuple:
 class CacheEntry:
     """What the plan cache keeps for one validated signature (never a tensor: a cache entry keeps
     no caller memory alive). ``launch``: the Triton launch parameters, filled by
-    kvfuse.kernels.fused on the first launch."""
+    kvfuse.kernels.router on the first launch."""
 
     __slots__ = ("launch", "pinned", "recently_used", "overlap")
 
@@ -223,7 +223,7 @@ class PlanTemplate(CacheEntry):
             else operator.itemgetter(result_index)
         self.launchable = self.device_type != "meta"   # and n > 0, a property of the call
         # the key leaves n out (see call_signature): Triton launch parameters per n, filled by
-        # kvfuse.kernels.fused (a few sizes recur in an engine; the dict is emptied past LAUNCHES_PER_TEMPLATE)
+        # kvfuse.kernels.router (a few sizes recur in an engine; the dict is emptied past LAUNCHES_PER_TEMPLATE)
         self.launches = {}
 
     def new_outputs(self, tensors: tuple) -> tuple:
@@ -504,14 +504,14 @@ def build_plan(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=
 # are kept with what validation produced, so that a repeated call skips validation and, on the
 # Triton backend, reuses its launch parameters. A key holds every value that validation (above,
 # formats.check_cache, formats.addressing_for, check_cast_combination, infer_layout, the checks of
-# kvfuse.api) and the launch parameters (kvfuse.kernels.fused) read, and no tensor:
+# kvfuse.api) and the launch parameters (kvfuse.kernels.portable) read, and no tensor:
 # - per tensor: its type, dtype, shape, strides and device, where a leading dim equal to the call's
 #   n (x's leading dim) is written ROWS, so the key holds for every batch size: the rules that read
 #   n compare those dims with it, and a dim that differs from n keys its value (a miss, then the
 #   error); new outputs get the call's n; the Triton launch is kept per n with the template.
 #   check_tensor, check_index_vector,
 #   check_cache, addressing_for and the launches read nothing else of a tensor, with one
-#   exception: the fused kernel's record alignments (kvfuse.kernels.fused.record_alignments) read
+#   exception: the fused kernel's record alignments (kvfuse.kernels.portable.record_alignments) read
 #   the cache's data_ptr() % 16, which joins the key (tensor_alignment). Otherwise a data pointer
 #   (storage offset included) is taken from the call's own tensor at every launch;
 # - per argument object: its exact class (a subclass is validated on every call) and every field
@@ -521,11 +521,11 @@ def build_plan(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=
 #   formats.PRESETS values that infer_layout chooses from (monkeypatching a preset is a miss); the
 #   entry pins these objects, so no other object can take their ids while it exists.
 # Read on every call instead: the backend, KVFUSE_CHECKS (the data checks), force_config and
-# fused.fast_paths (the launch parameters are recomputed while one is active) and the tensors' data
+# router.fast_paths (the launch parameters are recomputed while one is active) and the tensors' data
 # pointers (the entry's
 # OverlapCheck compares them on every call: whether outputs overlap inputs or each other depends
 # on addresses, which the key does not hold); the cache is bypassed while
-# torch.compiler.is_compiling(). The environment that kvfuse.kernels.fused reads at import
+# torch.compiler.is_compiling(). The environment that kvfuse.kernels.config reads at import
 # (TRITON_INTERPRET, KVFUSE_NATIVE_CASTS) is constant. Only validated calls are stored: a
 # rejected call is validated, and raises, every time.
 PLAN_CACHE_SIZE = 512

@@ -19,7 +19,7 @@ import kvfuse
 from kvfuse import CastArgs, ContiguousOutArgs, FusedCall, KVCacheOutArgs, NormArgs, RopeArgs
 from kvfuse import formats as F
 from kvfuse import ops
-from kvfuse.kernels import fused as fused_kernels
+from kvfuse.kernels import router as fused_kernels
 from kvfuse.kernels import grouped
 
 from group_cases import LAYERS, LayerCase, run_layer

@@ -29,7 +29,8 @@ from kvfuse import (CastArgs, ContiguousOutArgs, HadamardArgs, KVCacheFormat, KV
                     formats)
 from kvfuse import backend as kv_backend
 from kvfuse import plan as kv_plan
-from kvfuse.kernels import fused as kernels
+from kvfuse.kernels import config
+from kvfuse.kernels import router as kernels
 
 from helpers import cos_sin_cache, guarded_cache, poison_like, random_bf16
 from test_validation import BAD_CASTS, MAX_POS, N, Contig, Setup
@@ -542,9 +543,9 @@ def test_force_config_takes_effect_on_hits(monkeypatch):
     with kvfuse.use_backend("triton"):
         fused(**s.args)
         fused(**s.args)
-        with kernels.force_config(block_m=1, num_warps=8):
+        with config.force_config(block_m=1, num_warps=8):
             fused(**s.args)
-        with kernels.force_config(block_m=2):
+        with config.force_config(block_m=2):
             fused(**s.args)
         fused(**s.args)
     assert counts() == (4, 1)
@@ -842,7 +843,7 @@ def test_one_launch_per_batch_size(monkeypatch):
         for n in (3, 7, 3, 7, 12):
             fused(**_write_call(n, n)[0])
             grid, pos, kw = rec.launches[-1]
-            assert grid == (kernels.cdiv(n, kw["BLOCK_M"]),) and pos[n_rows_at] == n and pos[0].shape[0] == n
+            assert grid == (config.cdiv(n, kw["BLOCK_M"]),) and pos[n_rows_at] == n and pos[0].shape[0] == n
     template = next(e for e in kv_plan.PLAN_CACHE._entries.values() if isinstance(e, kv_plan.PlanTemplate))
     assert sorted(template.launches) == [3, 7, 12]
     assert counts() == (4, 1)

@@ -112,10 +112,10 @@ def run_threads(backend, device="cpu", streams=None):
 
 
 def test_lock_only_in_the_interpreter(monkeypatch):
-    """Compiled kernels get kvfuse.kernels.fused itself (no lock on their path); interpreted ones a
+    """Compiled kernels get kvfuse.kernels.router itself (no lock on their path); interpreted ones a
     wrapper whose launches share one process-wide lock."""
     from kvfuse import dispatch
-    from kvfuse.kernels import fused as kernels
+    from kvfuse.kernels import router as kernels
     monkeypatch.setattr(dispatch, "_fused_module", None)
     monkeypatch.setattr(kernels, "INTERPRET", False)
     assert dispatch.kernels() is kernels

@@ -1,6 +1,6 @@
 """The names of the kernels' numeric constexpr switches (CAST, SF, OUT_STAGE, DEST, ROPE, NATIVE,
-FLOOR_E), defined once for the portable kernel (fused.py, numerics.py, qkv.py) and the Gluon fast
-paths (gluon/*.py).
+FLOOR_E), defined once for the portable kernels (portable.py, store_load.py, numerics.py, qkv.py)
+and the Gluon fast paths (gluon/*.py).
 
 Kernel code compares with the names (``if CAST == CAST_E4M3:``). @triton.jit and @gluon.jit code
 may read a module global only when it is a ``tl.constexpr`` instance (Triton 3.6 and 3.9 alike;
@@ -32,7 +32,7 @@ DEST_NONE = tl.constexpr(0)          # nowhere but ``out`` (a bf16 result)
 DEST_CONTIGUOUS = tl.constexpr(1)    # contiguous (q, sf) outputs
 DEST_CACHE = tl.constexpr(2)         # paged KV-cache records
 
-# ROPE: how the fused kernel rotates (fused.rope_mode chooses)
+# ROPE: how the fused kernel rotates (portable.rope_mode chooses)
 ROPE_NONE = tl.constexpr(0)          # no RoPE
 ROPE_TILE = tl.constexpr(1)          # on the whole tile, each element from itself and its reloaded partner
 ROPE_SUBTILE = tl.constexpr(2)       # the rotated columns as a sub-tile of their own (whole groups, no Hadamard)

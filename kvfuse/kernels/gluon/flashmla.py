@@ -1,6 +1,6 @@
 """A Gluon fast path for the two FlashMLA KV-cache writes (SPEC §9): RMSNorm -> NEOX RoPE on the
 64-column bf16 tail -> e4m3 with UE8M0 scales on the quantized part -> the FlashMLA records, byte
-for byte what ``kvfuse.kernels.fused.fused_kernel`` writes for these chains (SPEC §2, §4, §9).
+for byte what ``kvfuse.kernels.portable.fused_kernel`` writes for these chains (SPEC §2, §4, §9).
 
 The two chains (``eligible`` checks every field; anything else goes to the plain kernel):
 - FLASHMLA_V32: head_dim 576 = 512 quantized (groups of 128, scale stored as the fp32 value 2^e,
@@ -417,7 +417,7 @@ def plan_launch(plan, tensor, table=None) -> tuple:
     """(kernel name, grid, positional args, keyword args, namespace) of this kernel for an eligible
     plan; ``tensor(field)`` goes where the plan's tensor ``field`` goes (the tensor, or a
     launcher.PlanTensor for a Launch kept with the call signature); ``table`` replaces
-    ``launch_table`` (kvfuse.kernels.fused.fast_paths). Everything but the tensors is a function of
+    ``launch_table`` (kvfuse.kernels.router.fast_paths). Everything but the tensors is a function of
     the plan's signature and n."""
     num_warps, rows_per_warp, pipeline = (table or launch_table)(plan.x.shape[0])
     grid, args, constexprs, options = launch_parts(plan, tensor, num_warps, rows_per_warp, pipeline)
