@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvfuse import bench  # noqa: E402
 from kvfuse.kernels import config, portable, qkv, router  # noqa: E402
-from kvfuse.kernels.gluon import FAST_PATH_MODULES  # noqa: E402
+from kvfuse.kernels.router import FAST_PATH_MODULES  # noqa: E402
 
 PORTABLE_WORKLOADS = ("main_fp8", "main_fp4", "flashmla_v32", "flashmla_model1", "index_mxfp4", "index_fp8_fp32",
                       "q_pre", "index_q")
