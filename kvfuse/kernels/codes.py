@@ -42,7 +42,7 @@ NATIVE_INTEGER = tl.constexpr(0)     # integer round-to-nearest-even on the bit 
 NATIVE_GUARDED = tl.constexpr(1)     # native conversions, e4m3 with its explicit signed-zero guard
 NATIVE_UNGUARDED = tl.constexpr(2)   # native, e4m3 unguarded where the codes are only stored
 
-# FLOOR_E without a scale_floor (numerics.group_scales, gluon.common.ue8m0_scale)
+# FLOOR_E without a scale_floor (numerics.group_scales and ue8m0_exponent)
 NO_FLOOR = tl.constexpr(-999)
 
 # host side: format strings -> the ints the launches pass

@@ -49,8 +49,9 @@ SUPPORTED_RECORDS = {
 
 
 if gluon is not None:
+    from ..numerics import ue8m0_exponent  # the portable kernel's scale rule (Gluon calls it as it is)
     from .common import (as_offset, bf16x2, block_and_token, e4m3x4, hi_f32, lane_tree, lo_f32, load_indices,
-                               shfl_xor, ue8m0_scale, pdl_wait)
+                               shfl_xor, pdl_wait)
 
     ROPE_HALF_C = gl.constexpr(ROTARY_DIM // 2)     # the kernels read module globals only as constexprs
     TAIL_DIM_C = gl.constexpr(TAIL_DIM)
@@ -155,7 +156,7 @@ if gluon is not None:
         if GROUP_LANES == 8:
             amax = gl.maximum(amax, shfl_xor(amax, 4))
         amax = gl.maximum(amax, 1e-4)
-        e, m = ue8m0_scale(amax, 448.0, FLOOR_E)
+        e, m = ue8m0_exponent(amax, 448.0, FLOOR_E)
         m3 = gl.expand_dims(m, 2)
         # codes of columns 4q .. 4q + 3 = (lo, hi) of words 2q and 2q + 1
         t0, t2 = gl.split(gl.reshape(y_lo * m3, [R, 32, 4, 2]))

@@ -47,7 +47,7 @@ CACHE_ALIGN = {CAST_E4M3.value: 8, CAST_E2M1.value: 4}
 
 if gluon is not None:
     from .common import (b64, e4m3_scale, group_scale, as_offset, bf16x2, block_and_token, e2m1_nibble, e4m3x4, expand_rows, hi_f32, lo_f32,
-                               shfl_xor, ue8m0_scale, pdl_wait)
+                               shfl_xor, pdl_wait)
 
     @gluon.jit
     def _e2m1x2_bf16(yw, m2):

@@ -57,8 +57,9 @@ ROTARY_DIM = 64
 
 
 if gluon is not None:
+    from ..numerics import ue8m0_exponent  # the portable kernel's scale rule (Gluon calls it as it is)
     from .common import (as_offset, bf16x2, block_and_token, e2m1_nibble, e4m3x4, expand_rows, hi_f32, lane_tree,
-                               lo_f32, load_indices, prefetch_l2, shfl_xor, slot_block, ue8m0_scale, pdl_wait)
+                               lo_f32, load_indices, prefetch_l2, shfl_xor, slot_block, pdl_wait)
     from .common import b64, group_scale
 
     @gluon.jit
@@ -177,7 +178,7 @@ if gluon is not None:
         y_hi = hi_f32(yw)
         amax = gl.max(gl.maximum(gl.abs(y_lo), gl.abs(y_hi)), axis=3)   # NaN-ignoring max, like tl.max
         amax = gl.maximum(gl.maximum(amax, shfl_xor(amax, 1)), 1e-4)
-        e, m = ue8m0_scale(amax, 448.0)
+        e, m = ue8m0_exponent(amax, 448.0)
         m4 = gl.expand_dims(m, 3)
         # codes of columns 4q .. 4q + 3 = (lo, hi) of words 2q and 2q + 1
         t0, t2 = gl.split(gl.reshape(y_lo * m4, [R, 8, 4, 4, 2]))
