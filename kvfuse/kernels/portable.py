@@ -456,7 +456,8 @@ def fused_rows(
                     NATIVE != NATIVE_INTEGER)
 
 
-
+# fused_rows's parameters without pid, and PDL: a kernel spells out its own (tests/test_kernel_modules.py
+# checks that the two lists and the call below agree)
 @triton.jit(do_not_specialize=["n_rows", "P", "capacity"])
 def fused_kernel(
     x_ptr, sx_n, sx_h,                        # x bf16 [n, H, D], stride(-1) == 1

@@ -28,9 +28,10 @@ from .store_load import load, store  # noqa: F401 (the store / load entry points
 
 # --------------------------------------------------------------------------- the fast-path registry
 class FastPath(Protocol):
-    """What a Gluon fast path (a module of kvfuse/kernels/gluon) provides, each byte-equal to the portable
-    kernel (SPEC §8). Adding one: write the module, add it to ``FAST_PATH_MODULES`` below (and its NAME to
-    ``gluon.common.FAST_PATH_NAMES``, which KVFUSE_GLUON_SKIP is checked against), and its test cases."""
+    """What a Gluon fast path provides: a module of kvfuse/kernels/gluon (its module-level constants and
+    functions; ``self`` below is the module), byte-equal to the portable kernel (SPEC §8). Adding one:
+    write the module, add it to ``FAST_PATH_MODULES`` below (and its NAME to ``gluon.common.FAST_PATH_NAMES``,
+    which KVFUSE_GLUON_SKIP is checked against), and its test cases."""
 
     NAME: str                 # its name in KVFUSE_GLUON_SKIP (a comma list of fast paths to leave off)
     FORMATS: tuple            # the preset cache formats (KVCacheFormat) it writes: its GPU tests' formats
@@ -95,7 +96,6 @@ GLUON = bool(FAST_PATHS)
 
 
 # --------------------------------------------------------------------------- routing overrides
-
 class FastPathChoice:
     """What ``fast_paths`` chose for this thread (None fields: the library's own choice), and
     ``fast_calls``: how many calls inside the block a fast path ran (its per-call guard passed)."""
@@ -107,7 +107,7 @@ class FastPathChoice:
 
 
 class _FastPathOverride(threading.local):
-    choice = None  # a class default, as _ForcedConfig.cfg
+    choice = None  # a class default, as config.FORCED's cfg
 
 
 _fast_override = _FastPathOverride()
