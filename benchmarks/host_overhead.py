@@ -39,7 +39,7 @@ if not torch.cuda.is_available():
 import kvfuse  # noqa: E402
 from kvfuse import bench, formats  # noqa: E402
 from kvfuse.plans import cache as kvplan  # noqa: E402
-from kvfuse.kernels import fused as kernels  # noqa: E402
+from kvfuse.kernels import config, router, store_load  # noqa: E402
 
 
 class _NoLaunch:
@@ -55,12 +55,12 @@ def _no_launch(*args, **kwargs):
 
 @contextlib.contextmanager
 def launches_mocked():
-    saved = kernels.fused_kernel, kernels.store_kernel, kernels.load_kernel
-    kernels.fused_kernel = kernels.store_kernel = kernels.load_kernel = _NoLaunch()
+    saved = router.fused_kernel, store_load.store_kernel, store_load.load_kernel
+    router.fused_kernel = store_load.store_kernel = store_load.load_kernel = _NoLaunch()
     try:
         yield
     finally:
-        kernels.fused_kernel, kernels.store_kernel, kernels.load_kernel = saved
+        router.fused_kernel, store_load.store_kernel, store_load.load_kernel = saved
 
 
 @contextlib.contextmanager
@@ -274,7 +274,7 @@ def main(argv=None):
                         us[on] = per_call_us_cuda(fn, 1000)
                 rows.append((name, us[False], us.get(True)))
             print()
-            direct = "on" if kernels.DIRECT_LAUNCH else "off"
+            direct = "on" if config.DIRECT_LAUNCH else "off"
             print(table(f"eager wall time per call, real launches, {torch.cuda.get_device_name()}, "
                         f"n={args.n}, direct launch {direct} (us)", rows))
 

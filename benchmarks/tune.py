@@ -4,10 +4,10 @@ checked byte for byte before it is timed; one that differs (or, for a fast path,
 did not take) is reported and not timed.
 
   --kernel portable  the portable kernel's (BLOCK_M, num_warps; VEC too with --vec) through
-                     kvfuse.kernels.fused.force_config, and the GQA kernel's (kvfuse.kernels.qkv): behind
-                     fused.plain_launch_table and qkv.launch_table. Checked against the reference backend.
+                     kvfuse.kernels.config.force_config, and the GQA kernel's (kvfuse.kernels.qkv): behind
+                     portable.plain_launch_table and qkv.launch_table. Checked against the reference backend.
   --kernel fast      each Gluon fast path's (num_warps, rows per warp or per thread, pipeline) through
-                     kvfuse.kernels.fused.fast_paths(only=module, min_rows=1, launch_table=...): behind each
+                     kvfuse.kernels.router.fast_paths(only=module, min_rows=1, launch_table=...): behind each
                      module's launch_table, with the portable kernel's time and the module's own table's
                      beside them. Checked against the portable kernel.
   --kernel all       both (the default).
@@ -34,8 +34,8 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvfuse import bench, use_backend  # noqa: E402
-from kvfuse.kernels import fused, qkv  # noqa: E402
-from kvfuse.kernels.gluon import FAST_PATH_MODULES  # noqa: E402
+from kvfuse.kernels import config, portable, qkv, router  # noqa: E402
+from kvfuse.kernels.router import FAST_PATH_MODULES  # noqa: E402
 
 PORTABLE_WORKLOADS = ("main_fp8", "main_fp4", "flashmla_v32", "flashmla_model1", "index_mxfp4", "index_fp8_fp32",
                       "q_pre", "index_q")
@@ -97,7 +97,7 @@ def pct_of_copy(nbytes: int, us: float, copy_gbps: float) -> float:
 # ------------------------------------------------------------------------------------ portable kernel
 def portable_configs(name: str, rows: int, sweep_vec: bool, gqa_grid=None):
     """Small n: few rows, several warps; large n: one warp, more rows (earlier sweeps). BLOCK_M 1 also
-    switches the kernel to its EARLY load order (kvfuse.kernels.fused.fused_args). GQA workloads
+    switches the kernel to its EARLY load order (kvfuse.kernels.portable.fused_args). GQA workloads
     (kvfuse.kernels.qkv; BLOCK_M tokens of G heads a program): BLOCK_M 1-8 x G 1-8 x 1-2 warps.
     (bm, nw, vec, heads): None where the kernel has no such choice. ``gqa_grid``: (bm, g, nw) triples
     instead of the GQA grid (--gqa-grid)."""
@@ -117,7 +117,7 @@ def sweep_portable(names, sizes, sweep_vec, copy_gbps, deadline, log, rows, gqa_
     timer = bench.CudaTimer()
     for name in names:
         wl = bench.WORKLOADS[name]
-        block_d = fused.next_pow2(wl.head_dim)
+        block_d = config.next_pow2(wl.head_dim)
         for n in sizes:
             if n * wl.num_heads * wl.head_dim > MAX_X_ELEMENTS:
                 log(f"{name} n={n}: skipped (x over 2 GiB)")
@@ -136,7 +136,7 @@ def sweep_portable(names, sizes, sweep_vec, copy_gbps, deadline, log, rows, gqa_
                 for bm, nw, vec, g in portable_configs(name, rows_n, sweep_vec, gqa_grid):
                     if bm * block_d > 16384:
                         continue
-                    with fused.force_config(bm, nw, vec, g):
+                    with config.force_config(bm, nw, vec, g):
                         diff = differing(written_bytes(call, outputs), want)
                         if diff:
                             log(f"  {name} n={n} bm={bm} nw={nw} vec={vec} g={g}: {diff} bytes differ from the "
@@ -155,7 +155,7 @@ def sweep_portable(names, sizes, sweep_vec, copy_gbps, deadline, log, rows, gqa_
                                                          interpret=False)
                         dflt = (bm0, nw0, g0)
                     else:
-                        dflt = fused.launch_config(rows_n, wl.head_dim, block_d, False,
+                        dflt = portable.launch_config(rows_n, wl.head_dim, block_d, False,
                                                    wl.cast_args.cast_fmt if wl.cast_args else None) + (None,)
                     cur = [r["us"] for r in mine if (r["bm"], r["nw"], r["g"]) == dflt and r["vec"] in (None, 4)]
                     log(f"{name:16s} n={n:7d} best bm={best['bm']} nw={best['nw']} vec={best['vec']} g={best['g']} "
@@ -178,9 +178,9 @@ def fast_variants(rows: int, rows_per=(1, 2)):
 
 
 def checked_time(timer, call, outputs, want, route: dict):
-    """(GPU us, None) of ``call`` routed by fused.fast_paths(**route) once its bytes equal ``want`` and, for
+    """(GPU us, None) of ``call`` routed by router.fast_paths(**route) once its bytes equal ``want`` and, for
     a fast path, it ran; else (None, why not)."""
-    with fused.fast_paths(**route) as choice:
+    with router.fast_paths(**route) as choice:
         got = written_bytes(call, outputs)
         if route.get("only") != () and choice.fast_calls == 0:
             return None, "FAST PATH NOT TAKEN"
@@ -202,7 +202,7 @@ def sweep_fast(names, sizes, rows_per, copy_gbps, deadline, log, rows, points):
                 inp = bench.build_inputs(wl, n, "cuda")
                 call, outputs = bench.fused_call(wl, inp), bench.result_tensors(wl, inp)
                 nbytes = bench.input_bytes(wl, inp)["total"]
-                with fused.fast_paths(only=()):
+                with router.fast_paths(only=()):
                     plain = written_bytes(call, outputs)
                 plain_us, _ = checked_time(timer, call, outputs, plain, dict(only=()))
                 rows_n = n * wl.num_heads                     # the launch tables count (token, head) rows
@@ -277,7 +277,7 @@ def parse_args(argv=None):
     a.portable = (names or list(PORTABLE_WORKLOADS)) if a.kernel in ("portable", "all") else []
     a.fast = ([w for w in names if w in FAST_WORKLOADS] if names else list(FAST_DEFAULT)) \
         if a.kernel in ("fast", "all") else []
-    modules = {m.__name__.rsplit(".", 1)[1]: m for m in fused.FAST_PATH_MODULES}
+    modules = {m.__name__.rsplit(".", 1)[1]: m for m in router.FAST_PATH_MODULES}
     a.switches = []
     for assignment in a.set:
         target, _, value = assignment.partition("=")

@@ -71,10 +71,10 @@ def kernels():
     if _kernels is None:
         from types import SimpleNamespace
 
-        from .kernels import fused, grouped, qkv
-        entry_points = SimpleNamespace(run_template=fused.run_template, run_plan=fused.run_plan, store=fused.store,
-                                       load=fused.load, run_group=grouped.run_group, run_gqa=qkv.run)
-        _kernels = _InterpreterLaunches(entry_points) if fused.INTERPRET else entry_points
+        from .kernels import grouped, qkv, router
+        entry_points = SimpleNamespace(run_template=router.run_template, run_plan=router.run_plan, store=router.store,
+                                       load=router.load, run_group=grouped.run_group, run_gqa=qkv.run)
+        _kernels = _InterpreterLaunches(entry_points) if router.INTERPRET else entry_points
     return _kernels
 
 

@@ -1,7 +1,7 @@
 """The GPU test matrix, built from the dispatcher's own tables (tests/gpu/test_gpu_matrix.py runs it
 on a CUDA machine; tests/test_gpu_matrix_coverage.py checks its coverage on the CPU).
 
-What the dispatcher can pick for a call (kvfuse.kernels.fused): a Gluon fast path
+What the dispatcher can pick for a call (kvfuse.kernels.router): a Gluon fast path
 (``FAST_PATH_MODULES``, each with its ``LAUNCH_TABLE`` and ``MIN_ROWS``) when one is eligible, else
 the portable kernel with an entry of ``plain_launch_table(block_d, cast)``; then, on the second call
 of a signature, the direct launcher instead of Triton's. The matrix holds
@@ -29,7 +29,7 @@ import random
 
 from kvfuse import CastArgs, formats
 from kvfuse.models import INDEX_FP8_UE8M0_FP32
-from kvfuse.kernels import fused
+from kvfuse.kernels import portable, router
 from kvfuse.kernels.gluon.common import table_entry, table_index
 
 from kernel_cases import ALL_FORMATS, Case, plan_of
@@ -80,23 +80,23 @@ def _dispatch_table(small: Case, rows: int):
     """(launch table, label) of the path that takes a case (eligibility does not depend on n,
     except through MIN_ROWS)."""
     plan = plan_of(small)
-    for module in fused.FAST_PATH_MODULES:
+    for module in router.FAST_PATH_MODULES:
         if rows >= module.MIN_ROWS and module.eligible(plan):
             return module.LAUNCH_TABLE, module.__name__.rsplit(".", 1)[1]
-    block_d = fused.next_pow2(small.head_dim)
+    block_d = portable.next_pow2(small.head_dim)
     cast = plan.cast.cast_fmt if plan.cast else None
-    return fused.plain_launch_table(block_d, cast), f"plain {block_d}/{cast}"
+    return portable.plain_launch_table(block_d, cast), f"plain {block_d}/{cast}"
 
 
 def all_table_entries() -> set:
     """Every (path, entry) label the dispatcher can produce for the matrix's tile widths and casts."""
     labels = set()
-    for module in fused.FAST_PATH_MODULES:
+    for module in router.FAST_PATH_MODULES:
         name = module.__name__.rsplit(".", 1)[1]
         labels |= {f"{name} entry {i}" for i in range(len(module.LAUNCH_TABLE))}
     for f in ALL_FORMATS:
-        bd = fused.next_pow2(f.head_dim)
-        labels |= {f"plain {bd}/{f.cast_fmt} entry {i}" for i in range(len(fused.plain_launch_table(bd, f.cast_fmt)))}
+        bd = portable.next_pow2(f.head_dim)
+        labels |= {f"plain {bd}/{f.cast_fmt} entry {i}" for i in range(len(portable.plain_launch_table(bd, f.cast_fmt)))}
     return labels
 
 
@@ -123,7 +123,7 @@ def fast_cases() -> list:
     cases = []
     seed = 5000
     styles = (True, False)
-    from kvfuse.kernels.gluon import FAST_PATH_MODULES
+    from kvfuse.kernels.router import FAST_PATH_MODULES
     chains = {main_latent: FAST_MAIN, main_latent_fp4: FAST_MAIN, indexer: FAST_INDEX_WRITE}
     for module in FAST_PATH_MODULES:
         chain = chains.get(module)

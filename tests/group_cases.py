@@ -149,8 +149,8 @@ def member_rows(case: LayerCase) -> dict:
 
 def table_sizes(case: LayerCase, max_n: int) -> list:
     """Batch sizes at which some member's rows reach an entry of the portable kernel's launch table
-    (kvfuse.kernels.fused.plain_launch_table, the table its own call uses), and one token fewer."""
-    from kvfuse.kernels.fused import next_pow2, plain_launch_table
+    (kvfuse.kernels.portable.plain_launch_table, the table its own call uses), and one token fewer."""
+    from kvfuse.kernels.portable import next_pow2, plain_launch_table
 
     sizes = set()
     for heads, head_dim, cast in member_rows(case).values():

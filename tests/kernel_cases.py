@@ -226,7 +226,7 @@ def diff_report(a: dict, b: dict, limit: int = 8) -> str:
 
 
 def plan_of(case: Case):
-    """The validated kvfuse.plan.Plan of a case's call (CPU tensors)."""
+    """The validated kvfuse.plans.types.Plan of a case's call (CPU tensors)."""
     args, _, _ = build(case, "cpu")
     return build_plan(**args)[0]
 

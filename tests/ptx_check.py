@@ -21,9 +21,10 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kvfuse.kernels import fused as F  # noqa: E402
+from kvfuse.kernels import portable as F  # noqa: E402
 from kvfuse.kernels import grouped as G  # noqa: E402
 from kvfuse.kernels import qkv as Q  # noqa: E402
+from kvfuse.kernels import store_load as SL  # noqa: E402
 
 BAD = re.compile(r"\bfma\.|\.approx|div\.full")
 PTR_TYPES = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32", "out_ptr": "*bf16",
@@ -189,7 +190,7 @@ def code_fingerprint(ptx: str) -> str:
 
 def jobs():
     found = [(name, F.fused_kernel, c, {}) for name, c in fused_variants()]
-    found += [(name, F.load_kernel, c, {"out_ptr": "*bf16"}) for name, c in load_variants()]
+    found += [(name, SL.load_kernel, c, {"out_ptr": "*bf16"}) for name, c in load_variants()]
     found += [(name, Q.qkv_kernel, c, ptrs) for name, c, ptrs in gqa_variants()]
     found += [(name, G.grouped_kernel, (members, pdl), None) for name, members, pdl in grouped_variants()]
     return found

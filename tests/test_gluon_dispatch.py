@@ -12,7 +12,9 @@ import torch
 
 import kvfuse
 from kvfuse import CastArgs, KVCacheFormat
-from kvfuse.kernels import fused as fused_kernels
+from kvfuse.kernels import config
+from kvfuse.kernels.portable import fused_args
+from kvfuse.kernels import router as fused_kernels
 from kvfuse.kernels.gluon import common as gluon_common, indexer, main_latent_fp4, flashmla
 from kvfuse.kernels.gluon import main_latent as G
 from helpers import CountingKernel
@@ -184,8 +186,8 @@ def test_a_rejected_call_runs_the_plain_kernel(monkeypatch):
 
     def plan_launch(plan, tensor):
         taken.append(plan.x.data_ptr())
-        return ("fused_kernel", *fused_kernels.fused_args(plan, tensor), {"fused_kernel": stand_in})
-    # the launch kept for the signature is under test, and fused.fast_paths keeps none: the default set
+        return ("fused_kernel", *fused_args(plan, tensor), {"fused_kernel": stand_in})
+    # the launch kept for the signature is under test, and router.fast_paths keeps none: the default set
     monkeypatch.setattr(fused_kernels, "GLUON", True)
     monkeypatch.setattr(fused_kernels, "FAST_PATHS", (G,))
     monkeypatch.setattr(G, "plan_launch", plan_launch)
@@ -267,7 +269,7 @@ def test_dispatch_follows_eligibility_and_force_config(name):
     plan = plan_of(Case(n=5, **kw))
     with fused_kernels.fast_paths(only=module, min_rows=1):    # the case's few rows (decode sizes may stay plain)
         assert fused_kernels.fast_path(plan) is module
-        with fused_kernels.force_config(block_m=1):
+        with config.force_config(block_m=1):
             assert fused_kernels.fast_path(plan) is None   # forced configurations are the plain kernel's
         assert fused_kernels.fast_path(plan_of(Case(n=5, **{**kw, "out_stage": "transform"}))) is None
     with fused_kernels.fast_paths(only=()):
@@ -346,7 +348,7 @@ def test_calls_inside_fast_paths_are_routed_per_call_and_counted(monkeypatch):
 
     def plan_launch(plan, tensor, table=None):
         asked.append(table)
-        return ("fused_kernel", *fused_kernels.fused_args(plan, tensor), vars(fused_kernels))
+        return ("fused_kernel", *fused_args(plan, tensor), vars(fused_kernels))
     monkeypatch.setattr(G, "plan_launch", plan_launch)
     kvfuse.clear_plan_cache()
 

@@ -11,7 +11,7 @@ import torch
 
 import kvfuse
 from kvfuse import CastArgs, KVCacheFormat
-from kvfuse.kernels import fused as fused_kernels
+from kvfuse.kernels import router as fused_kernels
 from kvfuse.kernels.gluon import flashmla as G
 from kvfuse.kernels.launcher import PlanTensor, tensor_arg
 from kernel_cases import Case, plan_of

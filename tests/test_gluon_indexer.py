@@ -15,7 +15,7 @@ import torch
 import kvfuse
 from kvfuse import CastArgs, KVCacheFormat
 from kvfuse import reference as ref
-from kvfuse.kernels import fused as fused_kernels
+from kvfuse.kernels import router as fused_kernels
 from kvfuse.kernels.gluon import indexer as GI
 from kvfuse.kernels.launcher import tensor_arg
 from helpers import cache_at

@@ -2,7 +2,7 @@
 (``eligible`` for the MAIN_FP4 chain and not for its neighbours, user formats with MAIN_FP4's
 records, the cache pointer's alignment, the record addressing, the per-call word alignment of x and
 the weight, force_config), its launch table and argument table (with a stand-in occupancy: no
-device here), the registry entry in kvfuse.kernels.fused, that the module imports and stays off
+device here), the registry entry in kvfuse.kernels.router, that the module imports and stays off
 unless Triton 3.6 + CUDA and KVFUSE_GLUON / KVFUSE_GLUON_SKIP allow it, and the host mirror of its
 e2m1 encoder against the reference encoder. The kernel itself runs only on the H200
 (tests/gpu/test_gpu_fast_paths.py; Gluon has no interpreter)."""
@@ -16,7 +16,7 @@ import torch
 import kvfuse
 from kvfuse import KVCacheFormat
 from kvfuse import reference as ref
-from kvfuse.kernels import fused as fused_kernels
+from kvfuse.kernels import router as fused_kernels
 from kvfuse.kernels.gluon import main_latent_fp4 as G
 from kvfuse.kernels.launcher import PlanTensor, tensor_arg
 from helpers import cache_at

@@ -6,7 +6,7 @@ import collections
 import pytest
 
 import gpu_matrix as M
-from kvfuse.kernels import fused
+from kvfuse.kernels import router
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def test_every_fast_path_entry_runs_each_chain_it_serves(built):
             got["hadamard"].add(c.hadamard)
             got["format"].add(c.fmt.name)
             got["cast_only"].add(not c.norm and not c.rope)
-    for module in fused.FAST_PATH_MODULES:
+    for module in router.FAST_PATH_MODULES:
         name = module.__name__.rsplit(".", 1)[1]
         for i in range(len(module.LAUNCH_TABLE)):
             got = seen[f"{name} entry {i}"]
@@ -57,7 +57,7 @@ def test_every_row_threshold_of_a_fast_path_has_its_chains_past_it(built):
     from kvfuse.kernels.gluon import main_latent
     assert main_latent.FILL_MIN_ROWS in main_latent.ROW_THRESHOLDS
     fast, _, _ = built
-    for module in fused.FAST_PATH_MODULES:
+    for module in router.FAST_PATH_MODULES:
         name = module.__name__.rsplit(".", 1)[1]
         mine = [c for c in fast if M.dispatch_of(c).startswith(f"{name} ")]
         for threshold in getattr(module, "ROW_THRESHOLDS", ()):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvfuse
-from kvfuse.kernels import fused, qkv
+from kvfuse.kernels import config, qkv
 from gqa_cases import GQACase, diff_report, run_gqa_case
 
 pytestmark = pytest.mark.skipif(not kvfuse.backend.interpreter_enabled(), reason="needs TRITON_INTERPRET=1")
@@ -76,7 +76,7 @@ def test_tokens_and_heads_per_program_do_not_change_bytes(name, block_m, heads):
     forced here, with a partial last block of tokens and partial head groups (6 q and 3 kv heads)."""
     case = INVARIANCE_CASES[name]
     ref = run_gqa_case(case, "reference")
-    with fused.force_config(block_m=block_m, heads=heads):
+    with config.force_config(block_m=block_m, heads=heads):
         tri = run_gqa_case(case, "triton")
     assert not diff_report(ref, tri)
 
@@ -88,7 +88,7 @@ def test_heads_loaded_before_any_store(name):
     reads), with partial head groups (3 heads a program over 6 q and 3 kv heads)."""
     case = INVARIANCE_CASES[name]
     ref = run_gqa_case(case, "reference")
-    with fused.force_config(block_m=2, heads=3):
+    with config.force_config(block_m=2, heads=3):
         tri = run_gqa_case(case, "triton")
     assert not diff_report(ref, tri)
 
@@ -120,7 +120,7 @@ def test_halves_mode_choice():
 
 def test_int64_slot_path(monkeypatch):
     """Caches of 2^31 slots or more take the int64 slot division: exercised by lowering the bound."""
-    monkeypatch.setattr(fused, "_INT32_LIMIT", 4)
+    monkeypatch.setattr(config, "INT32_LIMIT", 4)
     case = GQACase(layout="HND", fp8=True, seed=32)
     _, _, options = qkv.launch_args(_plan(case))
     assert options["SLOT32"] is False

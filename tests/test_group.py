@@ -20,7 +20,7 @@ from kvfuse import CastArgs, ContiguousOutArgs, FusedCall, KVCacheOutArgs, NormA
 from kvfuse import formats as F
 from kvfuse.plans import opargs
 from kvfuse.plans.types import GroupPlan
-from kvfuse.kernels import fused as fused_kernels
+from kvfuse.kernels import router as fused_kernels
 from kvfuse.kernels import grouped
 
 from group_cases import LAYERS, LayerCase, run_layer

@@ -8,7 +8,8 @@ import torch
 import kvfuse
 from kvfuse import CastArgs
 from kernel_cases import ALL_FORMATS, Case, build, diff_bytes, random_case, run_case
-from kvfuse.kernels import fused as fused_kernels
+from kvfuse.kernels import config
+from kvfuse.kernels import portable as fused_kernels
 from kvfuse.plans.fused import build_plan
 
 pytestmark = pytest.mark.skipif(not kvfuse.backend.interpreter_enabled(), reason="interpreter tests (CPU)")
@@ -109,7 +110,7 @@ def test_store_and_load_kernels(fmt):
 def test_int64_row_and_slot_paths(monkeypatch):
     """Row and slot arithmetic in int64 (what caches of >= 2**31 token slots and launches of >= 2**31
     rows use) gives the same bytes."""
-    monkeypatch.setattr(fused_kernels, "_INT32_LIMIT", 0)
+    monkeypatch.setattr(config, "INT32_LIMIT", 0)
     rng = random.Random(64)
     for _ in range(12):
         check(random_case(rng, max_n=24))
@@ -143,6 +144,6 @@ def test_rope_mode_and_vector_width(case, mode, vec):
 
 @pytest.mark.parametrize("vec", [4, 8])
 def test_forced_vector_width(vec):
-    with fused_kernels.force_config(vec=vec):
+    with config.force_config(vec=vec):
         check(Case(n=5, heads=1, head_dim=512, fmt=kvfuse.formats.MAIN_FP8, seed=3, out_stage="cast_back"))
         check(Case(n=5, heads=2, head_dim=128, fmt=None, cast=CastArgs("e2m1", 32, True, "ue8m0"), seed=4))

@@ -182,9 +182,9 @@ def test_direct_launch_supported(monkeypatch):
 
 
 def test_the_interpreter_never_launches_directly():
-    from kvfuse.kernels import fused
-    if fused.INTERPRET:
-        assert fused.DIRECT_LAUNCH is False
+    from kvfuse.kernels import config
+    if config.INTERPRET:
+        assert config.DIRECT_LAUNCH is False
 
 
 def test_guard_is_checked_only_off_the_direct_path(env):

@@ -31,7 +31,8 @@ from kvfuse import backend as kv_backend
 from kvfuse.plans import cache as kv_plan
 from kvfuse.plans import fused as kv_fused
 from kvfuse.plans.types import PlanTemplate
-from kvfuse.kernels import fused as kernels
+from kvfuse.kernels import config
+from kvfuse.kernels import router as kernels
 
 from helpers import cos_sin_cache, guarded_cache, poison_like, random_bf16
 from test_validation import BAD_CASTS, MAX_POS, N, Contig, Setup
@@ -544,9 +545,9 @@ def test_force_config_takes_effect_on_hits(monkeypatch):
     with kvfuse.use_backend("triton"):
         fused(**s.args)
         fused(**s.args)
-        with kernels.force_config(block_m=1, num_warps=8):
+        with config.force_config(block_m=1, num_warps=8):
             fused(**s.args)
-        with kernels.force_config(block_m=2):
+        with config.force_config(block_m=2):
             fused(**s.args)
         fused(**s.args)
     assert counts() == (4, 1)
@@ -844,7 +845,7 @@ def test_one_launch_per_batch_size(monkeypatch):
         for n in (3, 7, 3, 7, 12):
             fused(**_write_call(n, n)[0])
             grid, pos, kw = rec.launches[-1]
-            assert grid == (kernels.cdiv(n, kw["BLOCK_M"]),) and pos[n_rows_at] == n and pos[0].shape[0] == n
+            assert grid == (config.cdiv(n, kw["BLOCK_M"]),) and pos[n_rows_at] == n and pos[0].shape[0] == n
     template = next(e for e in kv_plan.PLAN_CACHE._entries.values() if isinstance(e, PlanTemplate))
     assert sorted(template.launches) == [3, 7, 12]
     assert counts() == (4, 1)

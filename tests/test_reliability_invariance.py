@@ -4,7 +4,7 @@ A row's bytes (its cache record, its q/sf or bf16 output, its stage copy) depend
 row's inputs: never on n, its place in the batch, the other rows (even NaN/inf ones), the
 num_heads arrangement ([n, H, D] vs the same rows as [n*H, 1, D]), strides (padded rows/heads,
 broadcast x, strided positions/slots/cos_sin, padded outputs), the launch configuration
-(kvfuse.kernels.fused.force_config: rows per program, warps), repeated runs or the backend.
+(kvfuse.kernels.config.force_config: rows per program, warps), repeated runs or the backend.
 Every triton result is compared with the reference backend's bytes for the same rows.
 
 KVFUSE_CHECKS=1 / kvfuse.set_checks(True): positions out of range and duplicate valid slots raise
@@ -23,7 +23,7 @@ from kvfuse import (CastArgs, ContiguousOutArgs, HadamardArgs, KVCacheFormat, KV
                     formats)
 from kvfuse import backend as kv_backend
 from kvfuse import reference as R
-from kvfuse.kernels import fused as fused_kernels
+from kvfuse.kernels import config as kernel_config
 from helpers import cos_sin_cache, guarded_cache, random_bf16
 from test_reliability_memory import as_bytes, assert_same, assert_storage, storage_of
 
@@ -270,9 +270,9 @@ def test_strides_do_not_matter(cfg):
                          ids=lambda c: c.name)
 @pytest.mark.parametrize("block_m,num_warps", [(1, 1), (2, 8), (4, 2), (16, 4), (64, None)])
 def test_launch_configuration(cfg, block_m, num_warps):
-    """Rows per program and warps forced through kvfuse.kernels.fused.force_config."""
+    """Rows per program and warps forced through kvfuse.kernels.config.force_config."""
     pool = POOLS[cfg.name]
-    with fused_kernels.force_config(block_m=block_m, num_warps=num_warps):
+    with kernel_config.force_config(block_m=block_m, num_warps=num_warps):
         got = run_rows(cfg, "triton", pool.x, pool.pos)[0]
     assert_rows(got, ref_rows(cfg), f"BLOCK_M={block_m} num_warps={num_warps}")
 

@@ -115,7 +115,7 @@ def test_lock_only_in_the_interpreter(monkeypatch):
     """Compiled kernels get the kernels' entry points themselves (no lock on their path); interpreted
     ones a wrapper whose launches share one process-wide lock."""
     from kvfuse import dispatch
-    from kvfuse.kernels import fused as kernels
+    from kvfuse.kernels import router as kernels
     monkeypatch.setattr(dispatch, "_kernels", None)
     monkeypatch.setattr(kernels, "INTERPRET", False)
     plain = dispatch.kernels()

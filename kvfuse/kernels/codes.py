@@ -1,6 +1,6 @@
 """The names of the kernels' numeric constexpr switches (CAST, SF, OUT_STAGE, DEST, ROPE, NATIVE,
-FLOOR_E), defined once for the portable kernel (fused.py, numerics.py, qkv.py) and the Gluon fast
-paths (gluon/*.py).
+FLOOR_E), defined once for the portable kernels (portable.py, store_load.py, numerics.py, qkv.py)
+and the Gluon fast paths (gluon/*.py).
 
 Kernel code compares with the names (``if CAST == CAST_E4M3:``). @triton.jit and @gluon.jit code
 may read a module global only when it is a ``tl.constexpr`` instance (Triton 3.6 and 3.9 alike;
@@ -32,7 +32,7 @@ DEST_NONE = tl.constexpr(0)          # nowhere but ``out`` (a bf16 result)
 DEST_CONTIGUOUS = tl.constexpr(1)    # contiguous (q, sf) outputs
 DEST_CACHE = tl.constexpr(2)         # paged KV-cache records
 
-# ROPE: how the fused kernel rotates (fused.rope_mode chooses)
+# ROPE: how the fused kernel rotates (portable.rope_mode chooses)
 ROPE_NONE = tl.constexpr(0)          # no RoPE
 ROPE_TILE = tl.constexpr(1)          # on the whole tile, each element from itself and its reloaded partner
 ROPE_SUBTILE = tl.constexpr(2)       # the rotated columns as a sub-tile of their own (whole groups, no Hadamard)
@@ -42,7 +42,7 @@ NATIVE_INTEGER = tl.constexpr(0)     # integer round-to-nearest-even on the bit 
 NATIVE_GUARDED = tl.constexpr(1)     # native conversions, e4m3 with its explicit signed-zero guard
 NATIVE_UNGUARDED = tl.constexpr(2)   # native, e4m3 unguarded where the codes are only stored
 
-# FLOOR_E without a scale_floor (numerics.group_scales, gluon.common.ue8m0_scale)
+# FLOOR_E without a scale_floor (numerics.group_scales and ue8m0_exponent)
 NO_FLOOR = tl.constexpr(-999)
 
 # host side: format strings -> the ints the launches pass

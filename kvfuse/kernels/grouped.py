@@ -1,8 +1,8 @@
 """Several calls of the fused operator in one launch (:func:`kvfuse.fused_group`).
 
 Each member is a validated :class:`kvfuse.plans.types.Plan` run by the portable kernel's own program body,
-:func:`kvfuse.kernels.fused.fused_rows`, with the launch parameters a call of its own would get on
-the portable kernel (``fused.fused_args``: rows per program, lane width, every constexpr). The grid
+:func:`kvfuse.kernels.portable.fused_rows`, with the launch parameters a call of its own would get on
+the portable kernel (``portable.fused_args``: rows per program, lane width, every constexpr). The grid
 is the members' grids end to end; program ``pid`` runs member i for ``E[i-1] <= pid < E[i]``, so
 every member writes the bytes its own call writes (the body's bytes do not depend on which program
 or launch runs a row: SPEC §8). The members must not write what another member reads or writes:
@@ -21,22 +21,17 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from ..plans.types import MAX_GROUP_CALLS as MAX_CALLS
-from . import fused
-from .fused import fused_rows
+from .portable import CONSTEXPR_NAMES, RUNTIME_NAMES, fused_args, fused_rows
+from .router import pdl_launch, with_pdl
 
 assert MAX_CALLS == 4, "grouped_kernel has four member slots"
-# fused_kernel's runtime parameters travel in the member's tuple A in this order, except the three
-# passed on their own (unspecialized); the constexprs in C in fused_rows's order
+# fused_kernel's runtime parameters (portable.RUNTIME_NAMES) travel in the member's tuple A in their order,
+# except the three passed on their own (unspecialized); the constexprs in C in fused_rows's order
 SEPARATE = ("P", "capacity", "n_rows")
-RUNTIME_NAMES = ("x_ptr", "sx_n", "sx_h", "w_ptr", "b_ptr", "eps", "pos_ptr", "s_pos", "cs_ptr", "s_cs", "P",
-                 "had_scale", "out_ptr", "so_n", "so_h", "q_ptr", "sq_n", "sq_h", "sf_ptr", "ss_n", "ss_h",
-                 "slot_ptr", "s_slot", "cache_ptr", "s_blk", "data_tok", "sf_tok", "head_stride", "data_off",
-                 "sf_off", "tail_off", "block_size", "capacity", "n_rows", "H")
 TUPLE_NAMES = tuple(name for name in RUNTIME_NAMES if name not in SEPARATE)
-CONSTEXPR_NAMES = ("D", "BLOCK_D", "LOG2_BLOCK_D", "VEC", "BLOCK_M", "ONE_HEAD", "ROWS32", "HAS_NORM", "W_BF16",
-                   "LAYER", "HAS_BIAS", "B_BF16", "ROPE", "R", "ROPE_OFF", "NEOX", "CONJ", "CS_BF16", "HAS_HAD",
-                   "CAST", "G", "SF", "FMAX", "DQ", "OUT_STAGE", "DEST", "NATIVE", "SLOT32", "QALIGN", "SFALIGN",
-                   "TALIGN", "EARLY", "FLOOR_E")
+# _member passes A and C by position
+assert RUNTIME_NAMES[10] == "P" and RUNTIME_NAMES[32:34] == ("capacity", "n_rows") and len(TUPLE_NAMES) == 32
+assert len(CONSTEXPR_NAMES) == 33
 
 
 @triton.jit
@@ -78,8 +73,8 @@ def grouped_kernel(A0, C0: tl.constexpr, N0, P0, CAP0,
 
 def member_launch(plan, tensor) -> tuple:
     """(programs, A, C, n_rows, P, capacity, num_warps) of one member: its own call's portable-kernel
-    launch (fused.fused_args), split the way grouped_kernel takes it."""
-    grid, args, options = fused.fused_args(plan, tensor)
+    launch (portable.fused_args), split the way grouped_kernel takes it."""
+    grid, args, options = fused_args(plan, tensor)
     named = dict(zip(RUNTIME_NAMES, args))
     return (grid[0], tuple(named[k] for k in TUPLE_NAMES), tuple(options[k] for k in CONSTEXPR_NAMES),
             named["n_rows"], named["P"], named["capacity"], options["num_warps"])
@@ -105,7 +100,7 @@ def run_group(plans) -> None:
     for i in range(len(plans), MAX_CALLS):
         kwargs.update({f"A{i}": None, f"C{i}": None, f"N{i}": 0, f"P{i}": 0, f"CAP{i}": 0})
     ends += [total] * (MAX_CALLS - len(ends))
-    pdl = fused.pdl_launch(plans[0].x)
+    pdl = pdl_launch(plans[0].x)
     grouped_kernel[(total,)](**kwargs, E0=ends[0], E1=ends[1], E2=ends[2], NUM=len(plans),
-                             **fused.with_pdl({"PDL": False}, pdl), num_warps=warps, num_stages=1,
+                             **with_pdl({"PDL": False}, pdl), num_warps=warps, num_stages=1,
                              enable_fp_fusion=False)

@@ -126,6 +126,30 @@ def pow2(e):
 
 
 @triton.jit
+def ue8m0_exponent(amax, FMAX: tl.constexpr, FLOOR_E: tl.constexpr = NO_FLOOR):
+    """The power-of-two scale of SPEC §2 for FMAX 448 (e4m3) or 6 (e2m1), amax > 0: (e = ceil(log2(RN(amax /
+    FMAX))), at least FLOOR_E (a scale_floor's exponent; NO_FLOOR: none), the multiplier 2^-e as fp32).
+    group_scales' SF_UE8M0 / SF_UE8M0_FP32 and the Gluon fast paths call it (a @gluon.jit function may call
+    a @triton.jit one on Triton 3.6: their kernels compile to the same code as with a Gluon copy of it).
+
+    Without the division: FMAX = 1.f * 2^p (448 = 1.75 * 2^8, 6 = 1.5 * 2^2): RN(amax / FMAX) <= 2^k exactly
+    when amax <= FMAX * 2^k, because no fp32 lies between FMAX * 2^k and FMAX * 2^k * (1 + 2^-24), the
+    rounding midpoint above 2^k (the ulp of amax there is 2^(k+p-23) > FMAX * 2^(k-24)). So e is amax's
+    exponent minus p, plus one when amax's significand exceeds 1.f. Exact for every finite amax >= 1e-4
+    (both amax and the scale are normal); an infinite amax gives the SPEC's e = 128 (scale inf; stored
+    byte 255) explicitly."""
+    P: tl.constexpr = 8 if FMAX == 448.0 else 2
+    FRAC: tl.constexpr = 0x600000 if FMAX == 448.0 else 0x400000
+    bits = amax.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) - (127 + P)) + ((bits & 0x7FFFFF) > FRAC).to(tl.int32)
+    e = tl.where((bits >> 23) == 255, 128, e)
+    if FLOOR_E != NO_FLOOR:
+        e = tl.maximum(e, FLOOR_E)
+    m = tl.where(e >= 127, 0x400000 >> tl.maximum(e - 127, 0), (127 - e) << 23).to(tl.float32, bitcast=True)
+    return e, m
+
+
+@triton.jit
 def group_scales(amax, FMAX: tl.constexpr, SF: tl.constexpr, NATIVE: tl.constexpr,
                  FLOOR_E: tl.constexpr = NO_FLOOR):
     """amax (floored) -> (multiplier m, dequant scale d, stored: the scale byte or the fp32 bits, uint32):
@@ -133,20 +157,7 @@ def group_scales(amax, FMAX: tl.constexpr, SF: tl.constexpr, NATIVE: tl.constexp
     FMAX 448 (e4m3) or 6 (e2m1); SF one of codes.SF_*. FLOOR_E (SF_UE8M0 / SF_UE8M0_FP32): the
     scale_floor's exponent, e = max(e, FLOOR_E) (SPEC §2); NO_FLOOR: none."""
     if SF == SF_UE8M0 or SF == SF_UE8M0_FP32:
-        # e = ceil(log2(RN(amax / FMAX))) without the division. FMAX = 1.f * 2^p (448 = 1.75 * 2^8,
-        # 6 = 1.5 * 2^2): RN(amax / FMAX) <= 2^k exactly when amax <= FMAX * 2^k, because no fp32 lies
-        # between FMAX * 2^k and FMAX * 2^k * (1 + 2^-24), the rounding midpoint above 2^k (the ulp of amax
-        # there is 2^(k+p-23) > FMAX * 2^(k-24)). So e is amax's exponent minus p, plus one when amax's
-        # significand exceeds 1.f. Exact for every finite amax >= 1e-4 (both amax and s are normal);
-        # an infinite amax gives the SPEC's e = 128 (s = inf; stored byte 255) explicitly.
-        P: tl.constexpr = 8 if FMAX == 448.0 else 2
-        FRAC: tl.constexpr = 0x600000 if FMAX == 448.0 else 0x400000
-        bits = amax.to(tl.int32, bitcast=True)
-        e = ((bits >> 23) - (127 + P)) + ((bits & 0x7FFFFF) > FRAC).to(tl.int32)
-        e = tl.where((bits >> 23) == 255, 128, e)
-        if FLOOR_E != NO_FLOOR:
-            e = tl.maximum(e, FLOOR_E)
-        m = tl.where(e >= 127, 0x400000 >> tl.maximum(e - 127, 0), (127 - e) << 23).to(tl.float32, bitcast=True)
+        e, m = ue8m0_exponent(amax, FMAX, FLOOR_E)
         d = pow2(e)
         if SF == SF_UE8M0:
             stored = (e + 127).to(tl.uint32)

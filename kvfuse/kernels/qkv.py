@@ -14,7 +14,7 @@ reciprocal) is loaded once for them:
 
 A q / k row with NEOX RoPE over all of it goes as its two halves (a pair in one thread); any other as
 [BLOCK_D / VEC, VEC] with each rotated element's partner reloaded. The norm's adjacent-pairs tree, the
-rotation and the narrowing helpers are the portable kernel's (kvfuse/kernels/fused.py, numerics.py),
+rotation and the narrowing helpers are the portable kernel's (kvfuse/kernels/blocks.py, numerics.py),
 so a row's bytes are those of SPEC §2 whatever BLOCK_M, G or the head. The cast divides by the
 scale's reciprocal with Markstein's exact correction (numerics.div_rn_by_reciprocal). Addresses are
 int64; the slot -> (block, offset) division runs in int32 while the caches hold fewer than 2^31 slots.
@@ -27,10 +27,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from . import fused as _fused
+from . import config
+from .blocks import (block_offset_of_slot, cs_rows, normed, reciprocal_std, rope1_pairs, rotate, store_bf16,
+                     tree_sum)
 from .codes import NATIVE_INTEGER
-from .fused import (INTERPRET, _force, _native, _normed, _rope1_pairs, _rotate, _rstd, _store_bf16, _tree_sum,
-                    block_offset_of_slot, cdiv, cs_rows, next_pow2)
+from .config import FORCED, INTERPRET, cdiv, native, next_pow2
+from .router import pdl_launch, with_pdl
 from .gluon.common import table_entry
 from .numerics import div_rn_by_reciprocal, encode_e4m3, load_f32, round_bf16
 
@@ -54,21 +56,21 @@ def _qk_row(x, xp, rm, w, wp, eps, first, rot_mask, c, s, D: tl.constexpr, BLOCK
             ROPE: tl.constexpr, CONJ: tl.constexpr, NATIVE: tl.constexpr):
     """RMSNorm -> RoPE of the rows x [M, NV, VEC] (live where rm; _qk_row_loads), each rotated element
     from itself and its renormalized partner xp (the same arithmetic gives the same bits). w, wp: the
-    weight at each column and at its partner's; first .. s: _rope1_pairs."""
+    weight at each column and at its partner's; first .. s: rope1_pairs."""
     LOG2_VEC: tl.constexpr = 3 if VEC == 8 else 2
     NV: tl.constexpr = BLOCK_D // VEC
     y = x
     if HAS_NORM:
-        ss = _tree_sum(x * x, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC, NATIVE == NATIVE_INTEGER)
-        r3 = _rstd(ss, eps, D, BLOCK_M)[:, None, None]
-        y = _normed(x, r3, r3, w[None, :, :], w[None, :, :], False, False, NATIVE)
+        ss = tree_sum(x * x, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC, NATIVE == NATIVE_INTEGER)
+        r3 = reciprocal_std(ss, eps, D, BLOCK_M)[:, None, None]
+        y = normed(x, r3, r3, w[None, :, :], w[None, :, :], False, False, NATIVE)
     if ROPE:
         rmk = rot_mask & rm[:, None, None]
         yp = xp
         if HAS_NORM:
-            yp = _normed(xp, r3, r3, wp[None, :, :], wp[None, :, :], False, False, NATIVE)
+            yp = normed(xp, r3, r3, wp[None, :, :], wp[None, :, :], False, False, NATIVE)
         firstb = first[None, :, :]
-        r0, r1 = _rotate(tl.where(firstb, y, yp), tl.where(firstb, yp, y), c, s, CONJ)
+        r0, r1 = rotate(tl.where(firstb, y, yp), tl.where(firstb, yp, y), c, s, CONJ)
         y = tl.where(rmk, round_bf16(tl.where(firstb, r0, r1), NATIVE), y)
     return y
 
@@ -93,12 +95,12 @@ def _qk_halves(a, b, wa, wb, eps, pm, c, s, D: tl.constexpr, LOG2_BLOCK_D: tl.co
     LOG2_VEC: tl.constexpr = 3 if VEC == 8 else 2
     if HAS_NORM:
         split: tl.constexpr = NATIVE == NATIVE_INTEGER
-        ss = _tree_sum(a * a, BLOCK_M, NH, LOG2_BLOCK_D - 1 - LOG2_VEC, VEC, LOG2_VEC, split) + \
-            _tree_sum(b * b, BLOCK_M, NH, LOG2_BLOCK_D - 1 - LOG2_VEC, VEC, LOG2_VEC, split)
-        r3 = _rstd(ss, eps, D, BLOCK_M)[:, None, None]
-        a = _normed(a, r3, r3, wa[None, :, :], wa[None, :, :], False, False, NATIVE)
-        b = _normed(b, r3, r3, wb[None, :, :], wb[None, :, :], False, False, NATIVE)
-    r0, r1 = _rotate(a, b, c, s, CONJ)
+        ss = tree_sum(a * a, BLOCK_M, NH, LOG2_BLOCK_D - 1 - LOG2_VEC, VEC, LOG2_VEC, split) + \
+            tree_sum(b * b, BLOCK_M, NH, LOG2_BLOCK_D - 1 - LOG2_VEC, VEC, LOG2_VEC, split)
+        r3 = reciprocal_std(ss, eps, D, BLOCK_M)[:, None, None]
+        a = normed(a, r3, r3, wa[None, :, :], wa[None, :, :], False, False, NATIVE)
+        b = normed(b, r3, r3, wb[None, :, :], wb[None, :, :], False, False, NATIVE)
+    r0, r1 = rotate(a, b, c, s, CONJ)
     return tl.where(pm, round_bf16(r0, NATIVE), a), tl.where(pm, round_bf16(r1, NATIVE), b)
 
 
@@ -130,7 +132,7 @@ def _store_record(c_ptr, addr, y, mask, sc, rcp, fast, FP8: tl.constexpr, NATIVE
             t = tl.div_rn(y, tl.zeros_like(y) + sc)
         tl.store(c_ptr + addr, encode_e4m3(t, NATIVE), mask=mask)
     else:
-        _store_bf16(c_ptr, addr, y, mask)
+        store_bf16(c_ptr, addr, y, mask)
 
 
 @triton.jit
@@ -207,7 +209,7 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
         wp = c
         if ROPE:
             pok, csrow = cs_rows(pos, rmask, P, s_cs)
-            first, in_rope, rot_mask, partner, c, s = _rope1_pairs(cs_ptr, csrow, pok, col, R // 2, R, ROPE_OFF,
+            first, in_rope, rot_mask, partner, c, s = rope1_pairs(cs_ptr, csrow, pok, col, R // 2, R, ROPE_OFF,
                                                                    NEOX, CS_BF16)
             if HAS_NORM:
                 wp = load_f32(w_ptr, partner, in_rope, W_BF16)
@@ -365,14 +367,14 @@ def launch_table(block_d: int) -> tuple:
 def launch_config(n: int, block_d: int, heads: int = 1, interpret: bool = INTERPRET):
     """(BLOCK_M, G, num_warps): the launch table on the GPU; in the interpreter (which pays per program)
     as many tokens per program as a 16K-element tile holds, and the heads in groups of up to 4.
-    ``kvfuse.kernels.fused.force_config`` overrides any of them (tests of launch invariance). ``heads``:
+    ``kvfuse.kernels.config.force_config`` overrides any of them (tests of launch invariance). ``heads``:
     the call's largest head count (G never exceeds its power of two)."""
     if interpret:
         bm, g, nw = min(next_pow2(max(n, 1)), max(1, 16384 // block_d)), 4, 4
     else:
         bm, g, nw = table_entry(launch_table(block_d), n)
     g = min(g, next_pow2(max(heads, 1)))
-    forced = _force.cfg
+    forced = FORCED.cfg
     if forced is not None:
         bm = forced[0] or bm
         nw = forced[1] or nw
@@ -422,7 +424,7 @@ def launch_args(plan):
         K_NORM=plan.k_weight is not None, KW_BF16=plan.k_weight is not None and plan.k_weight.dtype == torch.bfloat16,
         ROPE=rope, R=plan.rotary_dim if rope else 2, ROPE_OFF=plan.rope_offset if rope else 0,
         NEOX=plan.is_neox, CONJ=plan.conjugate, CS_BF16=rope and plan.cos_sin.dtype == torch.bfloat16,
-        FP8=fp8, SLOT32=cap < _fused._INT32_LIMIT, NATIVE=_native(INTERPRET), PDL=False,
+        FP8=fp8, SLOT32=cap < config.INT32_LIMIT, NATIVE=native(INTERPRET), PDL=False,
         HALVES=halves_mode(plan, d, block_d), num_warps=nw, num_stages=1,
         enable_fp_fusion=False,
     )
@@ -432,4 +434,4 @@ def launch_args(plan):
 def run(plan) -> None:
     """Launch qkv_kernel for a validated plan with n >= 1 (q_out set)."""
     grid, args, options = launch_args(plan)
-    qkv_kernel[grid](*args, **_fused.with_pdl(options, _fused.pdl_launch(plan.q)))
+    qkv_kernel[grid](*args, **with_pdl(options, pdl_launch(plan.q)))

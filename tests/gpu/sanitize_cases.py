@@ -437,9 +437,9 @@ def fast_q_cases(large):
 
 def force_config_cases():
     try:
-        from kvfuse.kernels.fused import force_config
+        from kvfuse.kernels.config import force_config
     except ImportError:
-        print("note: kvfuse.kernels.fused.force_config not found; launch-configuration cases skipped")
+        print("note: kvfuse.kernels.config.force_config not found; launch-configuration cases skipped")
         return
     fmt = formats.FLASHMLA_V32
     n = 37

@@ -1,7 +1,7 @@
-"""GPU module: every Gluon fast path (kvfuse.kernels.fused.FAST_PATH_MODULES) against the portable
+"""GPU module: every Gluon fast path (kvfuse.kernels.router.FAST_PATH_MODULES) against the portable
 kernel on the same device, through the public call. Each call is written twice into copies of one
 storage of random bytes (guard bytes before and after the cache, paddings, reserved bytes), once with
-only that fast path (at every size: min_rows=1) and once with none (``fused.fast_paths``), and the
+only that fast path (at every size: min_rows=1) and once with none (``router.fast_paths``), and the
 two storages must be equal byte for byte (torch.equal, the records of rows with inf / NaN inputs
 included); the fast path must have run, or, where its eligibility or its per-call guard declines
 (a cache or x less aligned than its stores), must not have.
@@ -32,7 +32,7 @@ import kvfuse
 from kvfuse import CastArgs, ContiguousOutArgs, KVCacheOutArgs, NormArgs, RopeArgs
 from kvfuse import formats as F
 from kvfuse import reference as ref
-from kvfuse.kernels import fused
+from kvfuse.kernels import router
 from kvfuse.kernels.gluon import common as gluon_common
 from kvfuse.plans.fused import build_plan
 from helpers import assert_bytes_equal, cos_sin_cache
@@ -46,7 +46,7 @@ def short_name(module) -> str:
     return module.__name__.rsplit(".", 1)[1]
 
 
-MODULES = {short_name(m): m for m in fused.FAST_PATH_MODULES}
+MODULES = {short_name(m): m for m in router.FAST_PATH_MODULES}
 # the cache formats each fast path writes (its module's FORMATS)
 FORMATS = {name: m.FORMATS for name, m in MODULES.items()}
 # the fast paths with a contiguous (q, sf) destination (the indexer Q), and their casts
@@ -215,10 +215,10 @@ class WriteInputs:
                     out_args=KVCacheOutArgs(cache, self.slots, layout=self.fmt))
 
     def write(self, **route):
-        """(the whole storage after one call routed by ``fused.fast_paths(**route)``, how many calls a
+        """(the whole storage after one call routed by ``router.fast_paths(**route)``, how many calls a
         fast path ran)."""
         storage = self.poison.clone()
-        with kvfuse.use_backend("triton"), fused.fast_paths(**route) as choice:
+        with kvfuse.use_backend("triton"), router.fast_paths(**route) as choice:
             kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(**self.call_args(storage))
         torch.cuda.synchronize()
         return storage, choice.fast_calls
@@ -352,7 +352,7 @@ class ContiguousInputs:
 
     def write(self, **route):
         args, buffers = self.call_args()
-        with kvfuse.use_backend("triton"), fused.fast_paths(**route) as choice:
+        with kvfuse.use_backend("triton"), router.fast_paths(**route) as choice:
             kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(**args)
         torch.cuda.synchronize()
         return buffers, choice.fast_calls

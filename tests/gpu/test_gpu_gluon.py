@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvfuse
-from kvfuse.kernels import fused
+from kvfuse.kernels import router
 from kvfuse.kernels.gluon import main_latent as G
 from helpers import CountingKernel
 from kernel_cases import FAST_CASES, diff_bytes, diff_report, run_case
@@ -27,7 +27,7 @@ def case_id(entry):
 def test_fast_path_taken_and_exact(entry, monkeypatch):
     module_name, kernel_name, case = entry
     module = importlib.import_module(f"kvfuse.kernels.gluon.{module_name}")
-    assert fused.GLUON, "the fast paths should be on with Triton 3.6 on CUDA"
+    assert router.GLUON, "the fast paths should be on with Triton 3.6 on CUDA"
     counting = CountingKernel(getattr(module, kernel_name))
     monkeypatch.setattr(module, kernel_name, counting)
     kvfuse.clear_plan_cache()

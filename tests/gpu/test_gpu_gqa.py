@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvfuse
-from kvfuse.kernels import fused
+from kvfuse.kernels import config
 from gqa_cases import GQACase, gpu_against_cpu_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or kvfuse.backend.interpreter_enabled(),
@@ -30,7 +30,7 @@ def check(case: GQACase):
 
 
 def test_int64_slot_path(monkeypatch):
-    monkeypatch.setattr(fused, "_INT32_LIMIT", 4)
+    monkeypatch.setattr(config, "INT32_LIMIT", 4)
     check(GQACase(n=300, fp8=True, layout="HND", seed=1))
     check(GQACase(n=3, neox=False, seed=2))
 

@@ -4,10 +4,11 @@ launcher, and give the same bytes as the reference; a misaligned tensor goes bac
 (which compiles the misaligned specialization) and is still exact; store / load too."""
 import pytest
 import torch
+import triton
 
 import kvfuse
 from kvfuse import CastArgs, KVCacheOutArgs, NormArgs, RopeArgs, formats
-from kvfuse.kernels import fused
+from kvfuse.kernels import router
 from helpers import CountingKernel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or kvfuse.backend.interpreter_enabled(),
@@ -27,12 +28,12 @@ def call(x, w, pos, cs, cache, slots, backend):
 
 
 def test_direct_path_used_and_exact(monkeypatch):
-    if not fused.DIRECT_LAUNCH:
-        pytest.skip(f"no direct launch on triton {fused.triton.__version__}")
-    monkeypatch.setattr(fused, "GLUON", False)   # the plain kernel (the Gluon path: test_gpu_gluon.py)
+    if not router.DIRECT_LAUNCH:
+        pytest.skip(f"no direct launch on triton {triton.__version__}")
+    monkeypatch.setattr(router, "GLUON", False)   # the plain kernel (the Gluon path: test_gpu_gluon.py)
     kvfuse.clear_plan_cache()
-    counting = CountingKernel(fused.fused_kernel)
-    monkeypatch.setattr(fused, "fused_kernel", counting)
+    counting = CountingKernel(router.fused_kernel)
+    monkeypatch.setattr(router, "fused_kernel", counting)
     n = 777
     g = torch.Generator(device="cuda").manual_seed(3)
     big = (torch.randn(n * 512 + 8, generator=g, device="cuda") * 4).to(torch.bfloat16)

@@ -22,7 +22,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, globaltimer
 
 import kvfuse
-from kvfuse.kernels import fused
+from kvfuse.kernels import router
 from gpu_matrix import dispatch_of, fast_cases
 from kernel_cases import Case, build, diff_bytes, diff_report, plan_of, run_case
 
@@ -65,7 +65,7 @@ def _cases():
     for n in (1, 3000):
         c = Case(n=n, **base, num_blocks=n // 16 + 2)
         by_label.setdefault(dispatch_of(c), c)
-    for module in fused.FAST_PATH_MODULES:
+    for module in router.FAST_PATH_MODULES:
         if module.MIN_ROWS_PDL < module.MIN_ROWS:
             name = module.__name__.rsplit(".", 1)[1]
             c = Case(n=module.MIN_ROWS_PDL, heads=1, head_dim=128, rotary_dim=64, out_stage=None, neox=True,
@@ -148,7 +148,7 @@ def test_pdl_gqa_call_waits_for_the_producer(n):
 
 def test_cases_cover_every_fast_path_and_both_portable_programs():
     labels = {label for label, _ in CASES}
-    for module in fused.FAST_PATH_MODULES:
+    for module in router.FAST_PATH_MODULES:
         name = module.__name__.rsplit(".", 1)[1]
         assert any(label.startswith(name) for label in labels), name
     assert sum(label.startswith("plain") for label in labels) >= 2, labels

@@ -6,7 +6,7 @@ import torch
 
 import kvfuse
 from kvfuse import CastArgs, KVCacheOutArgs, NormArgs, RopeArgs, formats
-from kvfuse.kernels.fused import force_config
+from kvfuse.kernels.config import force_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or kvfuse.backend.interpreter_enabled(),
                                 reason="needs CUDA and compiled kernels (KVFUSE_TEST_GPU=1)")

@@ -8,27 +8,10 @@ module per cache served:
 | ``flashmla`` | FlashMLA's FLASHMLA_V32 and FLASHMLA_MODEL1 records (e4m3 columns + the bf16 RoPE tail) |
 | ``indexer`` | the lightning indexer: its 128-d K cache (four formats, the models' chains) and its Q's (q, sf) |
 
-``common`` holds what they share (shuffles, packing, slot addressing, scales, launch grids). The
-protocol, one function or constant per module:
-
-- ``NAME``: the module's name in ``KVFUSE_GLUON_SKIP`` (a comma list of fast paths to leave off;
-  ``KVFUSE_GLUON=0`` turns them all off);
-- ``enabled() -> bool``: on (Gluon available, not switched off);
-- ``MIN_ROWS``: calls with fewer rows (tokens x heads) stay on the portable kernel;
-- ``MIN_ROWS_PDL``: the same for calls launched with programmatic dependent launch (the fast path's
-  weights load before the wait, the portable kernel's after it, which moves the decode break-even);
-- ``eligible(plan) -> bool``: the plan is one this kernel writes;
-- ``call_guard(plan) -> (check, fields)``: a per-call check on the call's tensors of those plan fields
-  (x and the weight read as 4-byte words, say); a call that fails it takes the portable kernel;
-- ``plan_launch(plan, tensor, table=None) -> (kernel name, grid, args, keyword args, namespace)``:
-  the launch (``table``: n_rows -> (num_warps, rows, pipeline) in place of the module's
-  ``launch_table``; see ``kvfuse.kernels.fused.fast_paths``).
-
-``FAST_PATH_MODULES`` is the order in which ``kvfuse.kernels.fused.fast_path`` asks them: the first
-eligible one takes a plan. A new fast path: a module here, its entry in that tuple and in
-``common.FAST_PATH_NAMES``, and its test cases (the GPU tests read ``LAUNCH_TABLE`` and ``FORMATS``).
+``common`` holds what they share (shuffles, packing, slot addressing, scales, launch grids). What each
+module provides (NAME, FORMATS, LAUNCH_TABLE, MIN_ROWS, MIN_ROWS_PDL, enabled, eligible, call_guard,
+plan_launch) is the protocol ``kvfuse.kernels.router.FastPath``; the router's ``FAST_PATH_MODULES``
+registers them, checked against it at import, in the order ``router.fast_path`` asks them (the first
+eligible one takes a plan).
 """
-from . import common, flashmla, indexer, main_latent, main_latent_fp4
-
-FAST_PATH_MODULES = (main_latent, main_latent_fp4, flashmla, indexer)
-assert tuple(m.NAME for m in FAST_PATH_MODULES) == common.FAST_PATH_NAMES
+from . import common, flashmla, indexer, main_latent, main_latent_fp4  # noqa: F401

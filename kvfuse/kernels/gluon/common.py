@@ -1,6 +1,7 @@
 """What the Gluon fast paths (main_latent, main_latent_fp4, flashmla, indexer) share: the Gluon import,
 the host-side checks and switches, and the @gluon.jit helpers their kernels have in common (inline
-PTX shuffles and conversions, bf16 unpacking, offsets, index loads, slot addressing, UE8M0 scales).
+PTX shuffles and conversions, bf16 unpacking, offsets, index loads, slot addressing, group scales; the
+UE8M0 rule is the portable kernel's, kvfuse.kernels.numerics.ue8m0_exponent).
 
 Imports without a GPU and under any Triton: the jit helpers exist only where Gluon imports.
 """
@@ -13,6 +14,7 @@ import torch
 from ...backend import env_flag
 from ..codes import NO_FLOOR, SF_UE8M0, SF_UE8M0_FP32
 from ..launcher import PlanTensor
+from ..numerics import ue8m0_exponent
 
 try:
     import triton
@@ -281,21 +283,6 @@ if gluon is not None:
         return blk_at, tok
 
     @gluon.jit
-    def ue8m0_scale(amax, FMAX: gl.constexpr, FLOOR_E: gl.constexpr = NO_FLOOR):
-        """numerics.group_scales SF_UE8M0 for FMAX 448 (e4m3) or 6 (e2m1): the exponent e = ceil(log2(RN(amax
-        / FMAX))) without the division, at least FLOOR_E (a scale_floor's exponent; NO_FLOOR: none), and the
-        multiplier 2^-e as fp32 (amax > 0)."""
-        P2: gl.constexpr = 8 if FMAX == 448.0 else 2
-        FRAC: gl.constexpr = 0x600000 if FMAX == 448.0 else 0x400000
-        bits = amax.to(gl.int32, bitcast=True)
-        e = ((bits >> 23) - (127 + P2)) + ((bits & 0x7FFFFF) > FRAC).to(gl.int32)
-        e = gl.where((bits >> 23) == 255, 128, e)
-        if FLOOR_E != NO_FLOOR:
-            e = gl.maximum(e, FLOOR_E)
-        m = gl.where(e >= 127, 0x400000 >> gl.maximum(e - 127, 0), (127 - e) << 23).to(gl.float32, bitcast=True)
-        return e, m
-
-    @gluon.jit
     def e2m1_nibble(t):
         """fp32 -> e2m1 code 0..15 (sign in bit 3): numerics.encode_e2m1's bits for every fp32, the
         rounding done by one fp32 addition. a = min(|t|, 6) (NaN -> 6, as encode_e2m1's saturation);
@@ -334,10 +321,10 @@ if gluon is not None:
         """numerics.group_scales for SF_UE8M0, SF_UE8M0_FP32 and SF_E4M3: (multiplier m, the stored scale
         byte, or the fp32 bits of 2^e, as int32)."""
         if SF == SF_UE8M0:
-            e, m = ue8m0_scale(amax, FMAX)
+            e, m = ue8m0_exponent(amax, FMAX)
             stored = e + 127
         elif SF == SF_UE8M0_FP32:
-            e, m = ue8m0_scale(amax, FMAX)
+            e, m = ue8m0_exponent(amax, FMAX)
             stored = (e + 127) << 23                                    # 2^e as fp32 bits (amax >= 1e-4: normal)
         else:
             s = gl.minimum(gl.maximum(gl.div_rn(amax, gl.full_like(amax, FMAX)), 0.001953125), 448.0)

@@ -1,6 +1,6 @@
 """A Gluon fast path for the two FlashMLA KV-cache writes (SPEC §9): RMSNorm -> NEOX RoPE on the
 64-column bf16 tail -> e4m3 with UE8M0 scales on the quantized part -> the FlashMLA records, byte
-for byte what ``kvfuse.kernels.fused.fused_kernel`` writes for these chains (SPEC §2, §4, §9).
+for byte what ``kvfuse.kernels.portable.fused_kernel`` writes for these chains (SPEC §2, §4, §9).
 
 The two chains (``eligible`` checks every field; anything else goes to the plain kernel):
 - FLASHMLA_V32: head_dim 576 = 512 quantized (groups of 128, scale stored as the fp32 value 2^e,
@@ -49,8 +49,9 @@ SUPPORTED_RECORDS = {
 
 
 if gluon is not None:
+    from ..numerics import ue8m0_exponent  # the portable kernel's scale rule (Gluon calls it as it is)
     from .common import (as_offset, bf16x2, block_and_token, e4m3x4, hi_f32, lane_tree, lo_f32, load_indices,
-                               shfl_xor, ue8m0_scale, pdl_wait)
+                               shfl_xor, pdl_wait)
 
     ROPE_HALF_C = gl.constexpr(ROTARY_DIM // 2)     # the kernels read module globals only as constexprs
     TAIL_DIM_C = gl.constexpr(TAIL_DIM)
@@ -155,7 +156,7 @@ if gluon is not None:
         if GROUP_LANES == 8:
             amax = gl.maximum(amax, shfl_xor(amax, 4))
         amax = gl.maximum(amax, 1e-4)
-        e, m = ue8m0_scale(amax, 448.0, FLOOR_E)
+        e, m = ue8m0_exponent(amax, 448.0, FLOOR_E)
         m3 = gl.expand_dims(m, 2)
         # codes of columns 4q .. 4q + 3 = (lo, hi) of words 2q and 2q + 1
         t0, t2 = gl.split(gl.reshape(y_lo * m3, [R, 32, 4, 2]))
@@ -417,7 +418,7 @@ def plan_launch(plan, tensor, table=None) -> tuple:
     """(kernel name, grid, positional args, keyword args, namespace) of this kernel for an eligible
     plan; ``tensor(field)`` goes where the plan's tensor ``field`` goes (the tensor, or a
     launcher.PlanTensor for a Launch kept with the call signature); ``table`` replaces
-    ``launch_table`` (kvfuse.kernels.fused.fast_paths). Everything but the tensors is a function of
+    ``launch_table`` (kvfuse.kernels.router.fast_paths). Everything but the tensors is a function of
     the plan's signature and n."""
     num_warps, rows_per_warp, pipeline = (table or launch_table)(plan.x.shape[0])
     grid, args, constexprs, options = launch_parts(plan, tensor, num_warps, rows_per_warp, pipeline)

@@ -47,7 +47,7 @@ CACHE_ALIGN = {CAST_E4M3.value: 8, CAST_E2M1.value: 4}
 
 if gluon is not None:
     from .common import (b64, e4m3_scale, group_scale, as_offset, bf16x2, block_and_token, e2m1_nibble, e4m3x4, expand_rows, hi_f32, lo_f32,
-                               shfl_xor, ue8m0_scale, pdl_wait)
+                               shfl_xor, pdl_wait)
 
     @gluon.jit
     def _e2m1x2_bf16(yw, m2):
@@ -841,7 +841,7 @@ def contig_aligned(q_align: int, with_weight: bool):
 
 def call_guard(plan):
     """(check, fields): the per-call precondition of an eligible plan, on the call's tensors of those
-    fields (kvfuse.kernels.fused runs the plain kernel when it fails)."""
+    fields (kvfuse.kernels.router runs the plain kernel when it fails)."""
     if plan.kv_cache is not None:
         return word_aligned, ("x", "weight")
     with_weight = plan.weight is not None
@@ -853,7 +853,7 @@ def plan_launch(plan, tensor, table=None) -> tuple:
     """(kernel name, grid, positional args, keyword args, namespace) of this kernel for an eligible
     plan; ``tensor(field)`` goes where the plan's tensor ``field`` goes (the tensor, or a
     launcher.PlanTensor for a Launch kept with the call signature); ``table`` replaces
-    ``launch_table`` (kvfuse.kernels.fused.fast_paths)."""
+    ``launch_table`` (kvfuse.kernels.router.fast_paths)."""
     nw, rpt, pipe = (table or launch_table)(plan.x.shape[0] * plan.x.shape[1])
     args, constexprs, options = launch_args(plan, tensor, nw, rpt, pipe)
     return "index_write_kernel", _grid(plan, args, constexprs, options), args, {**constexprs, **options}, globals()

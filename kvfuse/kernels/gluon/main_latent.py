@@ -1,7 +1,7 @@
 """The Gluon fast path of the main latent cache: the MAIN_FP8 write (RMSNorm -> NEOX or GPT-J RoPE
 on the last 64 dims -> e4m3 with UE8M0 scales per 32 -> token-interleaved 532-byte records) and the
 cast alone (CAST_ONLY) of MAIN_FP8 and MAIN_FP4 records, byte for byte what
-``kvfuse.kernels.fused.fused_kernel`` writes (SPEC §2, §4).
+``kvfuse.kernels.portable.fused_kernel`` writes (SPEC §2, §4).
 
 Assumptions (``eligible`` checks them; anything else goes to the portable kernel): head_dim 512,
 num_heads 1, x bf16 [n, 512] with unit column stride, the MAIN_FP8 record (512 e4m3 codes | 16 UE8M0
@@ -17,7 +17,7 @@ docs/design.md ("The MAIN kernel").
 Numerics mirror the plain kernel exactly: fp32 ops rounded one by one (compile with
 enable_fp_fusion=False: no FMA), div_rn/sqrt_rn, native bf16 rounding (cvt.rn), the UE8M0
 exponent without division (``group_scales`` SF_UE8M0), the unguarded native e4m3 encode
-(cvt.rn.satfinite.e4m3x2.f32; NATIVE_UNGUARDED in fused.py) and NaN-ignoring max (max.f32) for amax.
+(cvt.rn.satfinite.e4m3x2.f32; NATIVE_UNGUARDED in portable.py) and NaN-ignoring max (max.f32) for amax.
 
 The kernel also writes main_latent_fp4's MAIN_FP4 records (FP4=True): the same loads, norm, RoPE and
 persistent loop, MAIN_FP4's cast and store (``_quantize_store_fp4``, kept here so that the kernel needs
@@ -57,8 +57,9 @@ ROTARY_DIM = 64
 
 
 if gluon is not None:
+    from ..numerics import ue8m0_exponent  # the portable kernel's scale rule (Gluon calls it as it is)
     from .common import (as_offset, bf16x2, block_and_token, e2m1_nibble, e4m3x4, expand_rows, hi_f32, lane_tree,
-                               lo_f32, load_indices, prefetch_l2, shfl_xor, slot_block, ue8m0_scale, pdl_wait)
+                               lo_f32, load_indices, prefetch_l2, shfl_xor, slot_block, pdl_wait)
     from .common import b64, group_scale
 
     @gluon.jit
@@ -177,7 +178,7 @@ if gluon is not None:
         y_hi = hi_f32(yw)
         amax = gl.max(gl.maximum(gl.abs(y_lo), gl.abs(y_hi)), axis=3)   # NaN-ignoring max, like tl.max
         amax = gl.maximum(gl.maximum(amax, shfl_xor(amax, 1)), 1e-4)
-        e, m = ue8m0_scale(amax, 448.0)
+        e, m = ue8m0_exponent(amax, 448.0)
         m4 = gl.expand_dims(m, 3)
         # codes of columns 4q .. 4q + 3 = (lo, hi) of words 2q and 2q + 1
         t0, t2 = gl.split(gl.reshape(y_lo * m4, [R, 8, 4, 4, 2]))
@@ -577,7 +578,7 @@ def plan_launch_parts(plan, tensor, table, launch_parts) -> tuple:
 
 def plan_launch(plan, tensor, table=None) -> tuple:
     """(kernel name, grid, positional args, keyword args, namespace) of this kernel for an eligible
-    plan (``plan_launch_parts``); ``table`` replaces ``launch_table`` (kvfuse.kernels.fused.fast_paths)."""
+    plan (``plan_launch_parts``); ``table`` replaces ``launch_table`` (kvfuse.kernels.router.fast_paths)."""
     grid, args, kwargs = plan_launch_parts(plan, tensor, table or launch_table, _launch_parts)
     return "main_fp8_kernel", grid, args, kwargs, globals()
 
@@ -590,7 +591,7 @@ def main_latent_write(x, weight, eps, positions, cos_sin, slot_mapping, kv_cache
     cos_sin, 64, is_neox), None, CastArgs.from_cache_format(MAIN_FP8), KVCacheOutArgs(kv_cache,
     slot_mapping, layout=MAIN_FP8))`` (block_size = kv_cache.shape[1]). kvfuse's fused entry point
     calls this kernel itself for such calls (``eligible``); this direct entry launches any variant
-    (fused.fast_paths(launch_table=...) does the same through the public call).
+    (router.fast_paths(launch_table=...) does the same through the public call).
 
     Launch: tiles of rows_per_warp * num_warps rows; one CTA per tile up to what fits on the GPU at
     once (ctas_per_sm per SM: default, the compiled variant's occupancy), then each CTA loops over

@@ -99,7 +99,7 @@ call_guard = gluon_common.x_weight_guard      # checked per call (the plan cache
 def plan_launch(plan, tensor, table=None) -> tuple:
     """(kernel name, grid, positional args, keyword args, namespace) of the kernel for an eligible plan
     (main_latent's ``plan_launch_parts`` with this module's table, or ``table``: see
-    kvfuse.kernels.fused.fast_paths; the name resolves here, to the kernel, so a stand-in put in its
+    kvfuse.kernels.router.fast_paths; the name resolves here, to the kernel, so a stand-in put in its
     place sees the launches)."""
     grid, args, kwargs = main.plan_launch_parts(plan, tensor, table or launch_table, _launch_parts)
     return "main_fp4_kernel", grid, args, kwargs, globals()
