@@ -38,8 +38,11 @@ if not torch.cuda.is_available():
 
 import kvfuse  # noqa: E402
 from kvfuse import bench, formats  # noqa: E402
-from kvfuse.plans import cache as kvplan  # noqa: E402
-from kvfuse.kernels import config, router, store_load  # noqa: E402
+
+try:
+    from kvfuse.plans import cache as kvplan  # noqa: E402
+except ImportError:   # a kvfuse from before kvfuse.plans (PYTHONPATH=<older checkout>), for an A/B
+    from kvfuse import plan as kvplan  # noqa: E402
 
 
 class _NoLaunch:
@@ -55,12 +58,26 @@ def _no_launch(*args, **kwargs):
 
 @contextlib.contextmanager
 def launches_mocked():
-    saved = router.fused_kernel, store_load.store_kernel, store_load.load_kernel
-    router.fused_kernel = store_load.store_kernel = store_load.load_kernel = _NoLaunch()
+    from kvfuse.kernels import qkv
+    try:
+        from kvfuse.kernels import router, store_load
+    except ImportError:   # an older kvfuse: one module held the portable, store and load kernels
+        from kvfuse.kernels import fused as router
+        store_load = router
+    saved = router.fused_kernel, store_load.store_kernel, store_load.load_kernel, qkv.qkv_kernel
+    router.fused_kernel = store_load.store_kernel = store_load.load_kernel = qkv.qkv_kernel = _NoLaunch()
     try:
         yield
     finally:
-        router.fused_kernel, store_load.store_kernel, store_load.load_kernel = saved
+        router.fused_kernel, store_load.store_kernel, store_load.load_kernel, qkv.qkv_kernel = saved
+
+
+def _direct_launch() -> bool:
+    try:
+        from kvfuse.kernels import config
+    except ImportError:   # an older kvfuse (kvfuse.kernels.fused held the switch)
+        from kvfuse.kernels import fused as config
+    return config.DIRECT_LAUNCH
 
 
 @contextlib.contextmanager
@@ -84,7 +101,7 @@ def calls(n: int, device) -> dict:
     """name -> a zero-argument public call (the exact calls of kvfuse.bench.fused_call, plus the
     (q, sf) path with new outputs and the store / load entry points)."""
     out = {}
-    for name in ("main_fp8", "q_pre", "index_q"):
+    for name in ("main_fp8", "q_pre", "index_q", "llama3_8b_fp8", "qwen3_8b_fp8"):   # the last two: GQA entry
         wl = bench.WORKLOADS[name]
         out[name] = bench.fused_call(wl, bench.build_inputs(wl, n, device))
     wl = bench.WORKLOADS["index_q"]
@@ -274,7 +291,7 @@ def main(argv=None):
                         us[on] = per_call_us_cuda(fn, 1000)
                 rows.append((name, us[False], us.get(True)))
             print()
-            direct = "on" if config.DIRECT_LAUNCH else "off"
+            direct = "on" if _direct_launch() else "off"
             print(table(f"eager wall time per call, real launches, {torch.cuda.get_device_name()}, "
                         f"n={args.n}, direct launch {direct} (us)", rows))
 

@@ -49,16 +49,32 @@ class _InterpreterLaunches:
 
     _lock = threading.Lock()  # one for the process (two threads that import the kernels at once build two wrappers)
 
-    def __init__(self, module):
-        self._module = module
+    def __init__(self, entry_points):
+        self._entry_points = entry_points
 
-    def __getattr__(self, name):
-        fn = getattr(self._module, name)
+    def run_template(self, template, tensors):
+        with self._lock:
+            return self._entry_points.run_template(template, tensors)
 
-        def locked(*args, **kwargs):
-            with self._lock:
-                return fn(*args, **kwargs)
-        return locked
+    def run_plan(self, plan):
+        with self._lock:
+            return self._entry_points.run_plan(plan)
+
+    def run_group(self, plans):
+        with self._lock:
+            return self._entry_points.run_group(plans)
+
+    def run_gqa(self, plan):
+        with self._lock:
+            return self._entry_points.run_gqa(plan)
+
+    def store(self, *args):
+        with self._lock:
+            return self._entry_points.store(*args)
+
+    def load(self, *args):
+        with self._lock:
+            return self._entry_points.load(*args)
 
 
 _kernels = None
@@ -187,10 +203,12 @@ def _run_gqa(plan: GQAPlan) -> None:
 def _run_store(plan: StorePlan) -> None:
     if plan.entry is None:   # back from op arguments: the plan-cache entry (and the aliasing check) again
         plan = cache_io.validate_store(plan.data, plan.sf, plan.kv_cache, plan.slot_mapping, plan.fmt, plan.tail)
-    if plan.n == 0 or plan.kv_cache.device.type == "meta":
+    kv_cache, slots = plan.kv_cache, plan.slot_mapping
+    dev = kv_cache.device
+    if slots.shape[0] == 0 or dev.type == "meta":
         return
-    if _triton(plan.kv_cache.device):
-        kernels().store(plan.kv_cache, plan.slot_mapping, plan.fmt, plan.data, plan.sf, plan.tail, plan.entry)
+    if _triton(dev):
+        kernels().store(kv_cache, slots, plan.fmt, plan.data, plan.sf, plan.tail, plan.entry)
         return
 
     def heads(t):  # validated: a 2-d payload is [n, ..] of a one-head cache

@@ -146,6 +146,8 @@ class GQAPlan:
 class _SlotsPlan:
     """What the cache store and load plans share: n is the slots' count, the device the cache's."""
 
+    __slots__ = ()
+
     @property
     def n(self) -> int:
         return self.slot_mapping.shape[0]
@@ -159,7 +161,7 @@ class _SlotsPlan:
         return self.kv_cache.shape[0] * self.kv_cache.shape[1]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class StorePlan(_SlotsPlan):
     """One validated call of :func:`kvfuse.store_kv_cache` (``entry``: its plan-cache entry, where the
     Triton launch parameters are kept; looked up again when the plan comes back from op arguments)."""
@@ -175,7 +177,7 @@ class StorePlan(_SlotsPlan):
     entry: Optional["CacheEntry"] = dataclasses.field(default=None, metadata=DERIVED)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class LoadPlan(_SlotsPlan):
     """One validated call of :func:`kvfuse.load_paged_kv_cache`. Through the custom op the outputs
     are allocated first (``out`` when dequantizing, else ``data_out`` and ``sf_out``) and the op
