@@ -171,9 +171,9 @@ def _gqa_data_checks(plan: GQAPlan) -> None:
     for name in ("k_scale", "v_scale"):
         s = getattr(plan, name)
         if s is not None and s.device.type != "meta":
-            value = float(s.reshape(()))
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must hold a finite number > 0, got {value}")
+            bad = ~(torch.isfinite(s) & (s > 0))
+            if bool(bad.any()):
+                raise ValueError(f"{name} must hold finite numbers > 0, got {float(s.reshape(-1)[bad.reshape(-1)][0])}")
 
 
 def _triton(device) -> bool:

@@ -38,8 +38,9 @@ def fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_norm_
             a slot < 0 or >= num_blocks * block_size writes nothing.
         q_norm_args, k_norm_args: NormArgs (kind "rms", weight [D] shared by the heads) or None.
         rope_args: RopeArgs or None (offset None means 0 here: RoPE on the first rotary_dim dims).
-        k_scale, v_scale: fp32 tensors of one element for float8_e4m3fn caches (None for bf16):
-            the cache holds e4m3(clamp(f(x) / f(scale), -448, 448)).
+        k_scale, v_scale: fp32 tensors for float8_e4m3fn caches (None for bf16), each of one element or
+            one per kv head ([Hkv], contiguous): the cache holds e4m3(clamp(f(x) / f(scale_h), -448, 448))
+            for head h.
         q_out: bf16 [n, Hq, D] receiving the transformed q; q itself for in place; None allocates it.
 
     Returns ``q_out`` (the tensor written). Raises ValueError / TypeError naming the argument before

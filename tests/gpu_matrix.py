@@ -265,6 +265,8 @@ GQA_VARIANTS = [
     dict(cache="vllm", layout="HND", neox=False, rotary_dim=0, inplace=True, idx32=True),
     dict(q_out_none=True, fp8=True, slots="contiguous", block_size=16),
     dict(dv=64, fp8=True, layout="HND", q_norm=None, k_norm=None),
+    dict(fp8=True, scale_per_head="kv"),                                        # one scale per kv head
+    dict(fp8=True, layout="HND", neox=False, scale_per_head="k", idx32=True),
 ]
 GQA_HEADS = {64: (12, 6), 128: (6, 3), 256: (4, 4)}   # partial groups: 64-d of 8 heads (q 8 + 4, kv 6), 128-d of 4 (q 4 + 2, kv 3)
 

@@ -49,6 +49,8 @@ class GQACase:
     idx32: bool = False                  # int32 slots and positions
     scales: tuple = (0.37, 0.11)         # k_scale, v_scale (fp8): the kernel divides by a reciprocal for
                                          # 2^-64 <= |scale| <= 2^64, else element by element
+    scale_per_head: str = ""             # "k", "v" or "kv": those scales one per kv head (fp8), head h's
+                                         # scale * (0.5 + h), the last of 3 or more heads 2^70 (divided)
     seed: int = 0
 
     @property
@@ -146,6 +148,12 @@ def build(case: GQACase, device="cpu"):
     if case.fp8:
         kw["k_scale"] = torch.tensor([case.scales[0]], device=device)
         kw["v_scale"] = torch.tensor(case.scales[1], device=device)
+        for which, name, base in (("k", "k_scale", case.scales[0]), ("v", "v_scale", case.scales[1])):
+            if which in case.scale_per_head:
+                per_head = [base * (0.5 + h) for h in range(case.hkv)]
+                if case.hkv >= 3:
+                    per_head[-1] = 2.0 ** 70
+                kw[name] = torch.tensor(per_head, dtype=torch.float32, device=device)
     if case.inplace:
         kw["q_out"] = q
         q_buf = None

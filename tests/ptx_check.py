@@ -99,10 +99,15 @@ def gqa_variants():
     by 16 as in an engine's calls."""
     base = dict(D=128, BLOCK_D=128, LOG2_BLOCK_D=7, DV=128, BLOCK_DV=128, VEC=8, BLOCK_M=1, G=1, Q_NORM=True,
                 QW_BF16=True, K_NORM=True, KW_BF16=True, ROPE=True, R=128, ROPE_OFF=0, NEOX=True, CONJ=False,
-                CS_BF16=False, FP8=True, SLOT32=True, NATIVE=2, PDL=False, HALVES=True)
+                CS_BF16=False, FP8=True, SLOT32=True, NATIVE=2, PDL=False, HALVES=True, K_SCALE_PER_HEAD=False,
+                V_SCALE_PER_HEAD=False)
     ptrs = {"q_ptr": "*bf16"}
     yield "gqa_fp8_neox_decode", base, ptrs
     yield "gqa_fp8_neox_heads4", {**base, "BLOCK_M": 2, "G": 4}, ptrs
+    yield "gqa_fp8_heads4_per_head_scales", {**base, "BLOCK_M": 2, "G": 4, "K_SCALE_PER_HEAD": True,
+                                             "V_SCALE_PER_HEAD": True}, ptrs
+    yield "gqa_fp8_rows_per_head_scales", {**base, "BLOCK_M": 4, "G": 2, "HALVES": False, "R": 64,
+                                           "K_SCALE_PER_HEAD": True, "V_SCALE_PER_HEAD": True}, ptrs
     yield "gqa_bf16_gptj_conj_multirow_slot64", {**base, "BLOCK_M": 8, "G": 2, "FP8": False, "NEOX": False,
                                                  "CONJ": True, "KW_BF16": False, "CS_BF16": True, "SLOT32": False,
                                                  "HALVES": False}, \

@@ -133,7 +133,7 @@ def test_fp8_cache_needs_both_scales():
     kw, buffers = _kw(fp8=True)
     before = _snapshot(buffers)
     for name, bad, exc, match in (("k_scale", None, ValueError, "k_scale: a float8_e4m3fn cache needs"),
-                                  ("v_scale", torch.ones(2), ValueError, "v_scale: expected one element"),
+                                  ("v_scale", torch.ones(3), ValueError, r"v_scale: expected one element \(shape \(\) or \(1,\)\) or one per kv head \(shape \(2,\)\)"),
                                   ("v_scale", torch.ones(1, dtype=torch.float64), TypeError, "v_scale: expected dtype"),
                                   ("k_scale", 0.5, TypeError, "k_scale must be a torch.Tensor")):
         with pytest.raises(exc, match=match):
@@ -216,7 +216,7 @@ def test_data_checks(monkeypatch):
     dup[1] = dup[0]
     with pytest.raises(ValueError, match="duplicate"):
         kvfuse.fused_qk_norm_rope_store_kv(**{**kw, "slot_mapping": dup})
-    with pytest.raises(ValueError, match="k_scale must hold a finite number > 0"):
+    with pytest.raises(ValueError, match="k_scale must hold finite numbers > 0"):
         kvfuse.fused_qk_norm_rope_store_kv(**{**kw, "k_scale": torch.tensor([0.0])})
     bad_pos = kvfuse.RopeArgs(torch.full((5,), 99), kw["rope_args"].cos_sin_cache, 128, True)
     with pytest.raises(ValueError, match="positions must lie in"):

@@ -12,7 +12,7 @@ import torch
 
 import kvfuse
 from kvfuse.kernels import config, qkv
-from gqa_cases import GQACase, diff_report, run_gqa_case
+from gqa_cases import GQACase, build, diff_report, run_gqa_case
 
 pytestmark = pytest.mark.skipif(not kvfuse.backend.interpreter_enabled(), reason="needs TRITON_INTERPRET=1")
 
@@ -39,7 +39,35 @@ CASES = {
     "d80_not_pow2": GQACase(d=80, hq=2, hkv=1, rotary_dim=40, fp8=True, seed=19),
     "heads_16_16": GQACase(n=3, hq=16, hkv=16, d=64, seed=20),
     "heads_16_1_contiguous_slots": GQACase(n=3, hq=16, hkv=1, d=64, slots="contiguous", block_size=1, seed=21),
+    "per_head_scales_kv": GQACase(hq=6, hkv=3, fp8=True, scale_per_head="kv", seed=22),
+    "per_head_k_scale_rows_hnd": GQACase(hq=4, hkv=4, d=64, rotary_dim=32, fp8=True, layout="HND",
+                                         scale_per_head="k", seed=23),
 }
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_per_head_scales_are_each_heads_per_tensor_cast(backend):
+    """A scale per kv head casts head h exactly as a call of that head alone with scale[h] as its one
+    per-tensor scale does (SPEC §11): the semantics, checked head by head on each backend."""
+    case = GQACase(n=6, hq=3, hkv=3, fp8=True, scale_per_head="kv", layout="NHD", seed=24, cache="guarded")
+    kw, _, _, _ = build(case)
+    with kvfuse.use_backend(backend):
+        kvfuse.fused_qk_norm_rope_store_kv(**kw)
+        for h in range(case.hkv):
+            one = {k: v for k, v in kw.items()}
+            kc, vc = (torch.full_like(kw[c][:, :, h:h + 1].contiguous().view(torch.uint8), 0xAB).view(torch.float8_e4m3fn)
+                      for c in ("k_cache", "v_cache"))
+            one.update(q=kw["q"][:, :0], q_out=None, k=kw["k"][:, h:h + 1], v=kw["v"][:, h:h + 1], k_cache=kc,
+                       v_cache=vc, k_scale=kw["k_scale"][h:h + 1], v_scale=kw["v_scale"][h:h + 1])
+            kvfuse.fused_qk_norm_rope_store_kv(**one)
+            slots = kw["slot_mapping"].long()
+            bs = kc.shape[1]
+            valid = (slots >= 0) & (slots < kc.shape[0] * bs)
+            s = slots[valid]
+            for name, alone in (("k_cache", kc), ("v_cache", vc)):
+                got = kw[name][s // bs, s % bs, h].view(torch.uint8)
+                want = alone[s // bs, s % bs, 0].view(torch.uint8)
+                assert torch.equal(got, want), f"{name} head {h}"
 
 
 @pytest.mark.parametrize("name", list(CASES))

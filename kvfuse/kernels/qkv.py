@@ -113,6 +113,16 @@ def _scale_rcp(sc):
 
 
 @triton.jit
+def _head_scales(scale_ptr, h0, H, G: tl.constexpr):
+    """The scales of heads h0 .. h0 + G - 1, one per head (a head past H reads head H - 1's: its values
+    are never stored)."""
+    scs = ()
+    for g in tl.static_range(G):
+        scs = scs + (tl.load(scale_ptr + tl.minimum(h0 + g, H - 1)),)
+    return scs
+
+
+@triton.jit
 def _record(slot, rmask, c_blk, c_tok, block_size, capacity, SLOT32: tl.constexpr):
     """(ok [M]: the token's loaded slot is valid, the element offset of its head-0 record, int64)."""
     ok, blk, off = block_offset_of_slot(slot, rmask, block_size, capacity, SLOT32)
@@ -142,23 +152,28 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
               BLOCK_M: tl.constexpr, G: tl.constexpr, HAS_NORM: tl.constexpr, W_BF16: tl.constexpr,
               ROPE: tl.constexpr, R: tl.constexpr, ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, CONJ: tl.constexpr,
               CS_BF16: tl.constexpr, HALVES: tl.constexpr, TO_CACHE: tl.constexpr, STORE_FP8: tl.constexpr,
-              SLOT32: tl.constexpr, NATIVE: tl.constexpr):
+              SLOT32: tl.constexpr, NATIVE: tl.constexpr, SCALE_PER_HEAD: tl.constexpr = False):
     """Heads h0 .. h0 + G - 1 (those < H) of q or k for BLOCK_M tokens: norm -> RoPE -> the row at dst_ptr:
     q_out (bf16; token stride dst_n, which may be q itself), or (TO_CACHE) the record of the token's slot
     in a cache of (block, token) strides (c_blk, dst_n), bf16 or e4m3 by the scale. Every load that waits
     on nothing (position, slot, scale, every head's rows) is issued before the
     first instruction that waits on a load: a warp issues in order, so each dependent step placed
     earlier would cost a DRAM round trip of its own. The positions, cos / sin and weights are loaded
-    once for the G heads."""
+    once for the G heads. SCALE_PER_HEAD: the e4m3 scale is scale_ptr[h] for head h (one per head, read
+    with the other early loads; its reciprocal per head), else scale_ptr[0] for every head."""
     pos = tok
     slot = tok
     sc = eps
+    scs = ()
     if ROPE:
         pos = tl.load(pos_ptr + tok * s_pos, mask=rmask, other=-1)
     if TO_CACHE:
         slot = tl.load(slot_ptr + tok * s_slot, mask=rmask, other=-1)
     if STORE_FP8:
-        sc = tl.load(scale_ptr)
+        if SCALE_PER_HEAD:
+            scs = _head_scales(scale_ptr, h0, H, G)
+        else:
+            sc = tl.load(scale_ptr)
     if HALVES:
         HALF: tl.constexpr = D // 2
         NH: tl.constexpr = HALF // VEC
@@ -194,8 +209,14 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
             # from it (a pair's partner is its own other half, not a reload)
             dst = (dst_tok + h.to(tl.int64) * dst_h)[:, None, None] + jj[None, :, :]
             mk = (ok & rm)[:, None, None] & (jj >= 0)[None, :, :]
-            _store_record(dst_ptr, dst, ya, mk, sc, rcp, fast, STORE_FP8, NATIVE)
-            _store_record(dst_ptr, dst + HALF, yb, mk, sc, rcp, fast, STORE_FP8, NATIVE)
+            if STORE_FP8 and SCALE_PER_HEAD:
+                sch = scs[g]
+                rch, fsh = _scale_rcp(sch)
+                _store_record(dst_ptr, dst, ya, mk, sch, rch, fsh, STORE_FP8, NATIVE)
+                _store_record(dst_ptr, dst + HALF, yb, mk, sch, rch, fsh, STORE_FP8, NATIVE)
+            else:
+                _store_record(dst_ptr, dst, ya, mk, sc, rcp, fast, STORE_FP8, NATIVE)
+                _store_record(dst_ptr, dst + HALF, yb, mk, sc, rcp, fast, STORE_FP8, NATIVE)
     else:
         NV: tl.constexpr = BLOCK_D // VEC
         col = tl.arange(0, NV)[:, None] * VEC + tl.arange(0, VEC)[None, :]              # [NV, VEC]
@@ -235,8 +256,14 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
             y = _qk_row(x, xp, rm, w, wp, eps, first, rot_mask, c, s, D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M,
                         HAS_NORM, ROPE, CONJ, NATIVE)
             dst = (dst_tok + h.to(tl.int64) * dst_h)[:, None, None] + col[None, :, :]
-            _store_record(dst_ptr, dst, y, (ok & rm)[:, None, None] & cmask[None, :, :], sc, rcp, fast, STORE_FP8,
-                          NATIVE)
+            if STORE_FP8 and SCALE_PER_HEAD:
+                sch = scs[g]
+                rch, fsh = _scale_rcp(sch)
+                _store_record(dst_ptr, dst, y, (ok & rm)[:, None, None] & cmask[None, :, :], sch, rch, fsh,
+                              STORE_FP8, NATIVE)
+            else:
+                _store_record(dst_ptr, dst, y, (ok & rm)[:, None, None] & cmask[None, :, :], sc, rcp, fast,
+                              STORE_FP8, NATIVE)
 
 
 @triton.jit
@@ -260,7 +287,7 @@ def _destination(sc, slot, tok, rmask, dst_n, c_blk, block_size, capacity, TO_CA
 @triton.jit
 def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, slot_ptr, s_slot, block_size,
              capacity, vs_ptr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, VEC: tl.constexpr, G: tl.constexpr,
-             FP8: tl.constexpr, SLOT32: tl.constexpr, NATIVE: tl.constexpr):
+             FP8: tl.constexpr, SLOT32: tl.constexpr, NATIVE: tl.constexpr, SCALE_PER_HEAD: tl.constexpr = False):
     """Heads h0 .. h0 + G - 1 (those < H) of v: copied (bf16 cache: the bits) or cast by v_scale into the
     records of the tokens' slots in vc_ptr ((block, token, head) strides c_blk, c_tok, dst_h). The slot,
     the scale and every head's values are loaded before anything waits on a load
@@ -270,8 +297,12 @@ def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, 
     vmask = colv < DV
     slot = tl.load(slot_ptr + tok * s_slot, mask=rmask, other=-1)
     sc = 1.0
+    scs = ()
     if FP8:
-        sc = tl.load(vs_ptr)
+        if SCALE_PER_HEAD:
+            scs = _head_scales(vs_ptr, h0, H, G)
+        else:
+            sc = tl.load(vs_ptr)
     vals = ()                                      # every head's loads before any store
     for g in tl.static_range(G):
         vals = vals + (_v_load(v_ptr, sv_n, sv_h, h0 + g, H, tok, rmask, colv, vmask, FP8),)
@@ -283,7 +314,12 @@ def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, 
         dst = (dst_tok + h.to(tl.int64) * dst_h)[:, None, None] + colv[None, :, :]
         okm = tl.where(h < H, ok, False)[:, None, None] & vmask[None, :, :]
         if FP8:
-            _store_record(vc_ptr, dst, val, okm, sc, rcp, fast, FP8, NATIVE)
+            if SCALE_PER_HEAD:
+                sch = scs[g]
+                rch, fsh = _scale_rcp(sch)
+                _store_record(vc_ptr, dst, val, okm, sch, rch, fsh, FP8, NATIVE)
+            else:
+                _store_record(vc_ptr, dst, val, okm, sc, rcp, fast, FP8, NATIVE)
         else:
             tl.store(vc_ptr.to(tl.pointer_type(tl.uint16)) + dst, val, mask=okm)
 
@@ -311,7 +347,7 @@ def qkv_kernel(
     slot_ptr, s_slot,                       # slot_mapping [n]
     kc_ptr, kc_blk, kc_tok, kc_head,        # k_cache: bf16, or uint8 (e4m3 codes); strides in elements
     vc_ptr, vc_blk, vc_tok, vc_head,        # v_cache: the same, last dim DV
-    ks_ptr, vs_ptr,                         # k_scale, v_scale: fp32 [1] (FP8)
+    ks_ptr, vs_ptr,                         # k_scale, v_scale: fp32 [1], or [HKV] (K_/V_SCALE_PER_HEAD) (FP8)
     block_size, capacity, n, HQ, HKV,
     QG, KG,                                 # head groups of G: cdiv(HQ, G), cdiv(HKV, G)
     D: tl.constexpr, BLOCK_D: tl.constexpr, LOG2_BLOCK_D: tl.constexpr, DV: tl.constexpr,
@@ -319,7 +355,7 @@ def qkv_kernel(
     Q_NORM: tl.constexpr, QW_BF16: tl.constexpr, K_NORM: tl.constexpr, KW_BF16: tl.constexpr,
     ROPE: tl.constexpr, R: tl.constexpr, ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, CONJ: tl.constexpr,
     CS_BF16: tl.constexpr, FP8: tl.constexpr, SLOT32: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr,
-    HALVES: tl.constexpr,
+    HALVES: tl.constexpr, K_SCALE_PER_HEAD: tl.constexpr, V_SCALE_PER_HEAD: tl.constexpr,
 ):
     """One program: BLOCK_M tokens of G heads of one kind (see the module docstring). PDL (programmatic
     dependent launch): wait for the previous kernel before the first read. No early launch_dependents:
@@ -342,10 +378,10 @@ def qkv_kernel(
         _qk_heads(k_ptr, sk_n, sk_h, (grp - QG) * G, HKV, kw_ptr, k_eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, rmask,
                   kc_ptr, kc_tok, kc_head, slot_ptr, s_slot, kc_blk, block_size, capacity, ks_ptr,
                   D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, G, K_NORM, KW_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16,
-                  HALVES, True, FP8, SLOT32, NATIVE)
+                  HALVES, True, FP8, SLOT32, NATIVE, K_SCALE_PER_HEAD)
     else:
         _v_heads(v_ptr, sv_n, sv_h, (grp - QG - KG) * G, HKV, tok, rmask, vc_ptr, vc_blk, vc_tok, vc_head, slot_ptr,
-                 s_slot, block_size, capacity, vs_ptr, DV, BLOCK_DV, VEC, G, FP8, SLOT32, NATIVE)
+                 s_slot, block_size, capacity, vs_ptr, DV, BLOCK_DV, VEC, G, FP8, SLOT32, NATIVE, V_SCALE_PER_HEAD)
 
 
 # --------------------------------------------------------------------------- launch configuration
@@ -425,7 +461,9 @@ def launch_args(plan):
         ROPE=rope, R=plan.rotary_dim if rope else 2, ROPE_OFF=plan.rope_offset if rope else 0,
         NEOX=plan.is_neox, CONJ=plan.conjugate, CS_BF16=rope and plan.cos_sin.dtype == torch.bfloat16,
         FP8=fp8, SLOT32=cap < config.INT32_LIMIT, NATIVE=native(INTERPRET), PDL=False,
-        HALVES=halves_mode(plan, d, block_d), num_warps=nw, num_stages=1,
+        HALVES=halves_mode(plan, d, block_d),
+        K_SCALE_PER_HEAD=fp8 and plan.k_scale.numel() > 1, V_SCALE_PER_HEAD=fp8 and plan.v_scale.numel() > 1,
+        num_warps=nw, num_stages=1,
         enable_fp_fusion=False,
     )
     return (cdiv(n, bm) * (qg + 2 * kg),), args, options

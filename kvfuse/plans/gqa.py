@@ -55,16 +55,20 @@ def _check_cache(cache, name, layout, nb_bs, heads, dim, dev):
     return nb, bs
 
 
-def _check_scale(scale, name, fp8, dev):
+def _check_scale(scale, name, fp8, dev, heads):
     if not fp8:
         if scale is not None:
             raise ValueError(f"{name} must be None for a bf16 cache, got a {type(scale).__name__}")
         return None
     if scale is None:
-        raise ValueError(f"{name}: a float8_e4m3fn cache needs its per-tensor fp32 scale, got None")
+        raise ValueError(f"{name}: a float8_e4m3fn cache needs its fp32 scale (one, or one per kv head), got None")
     check_tensor(scale, name, (torch.float32,), dev, last_contiguous=False)
-    if scale.numel() != 1 or scale.dim() > 1:
-        raise ValueError(f"{name}: expected one element (shape () or (1,)), got shape {tuple(scale.shape)}")
+    one = scale.numel() == 1 and scale.dim() <= 1
+    if not one and tuple(scale.shape) != (heads,):
+        raise ValueError(f"{name}: expected one element (shape () or (1,)) or one per kv head (shape ({heads},)), "
+                         f"got shape {tuple(scale.shape)}")
+    if not one and scale.stride(0) != 1:
+        raise ValueError(f"{name}: a per-head scale must be contiguous (stride 1), got stride {scale.stride(0)}")
     return scale
 
 
@@ -95,8 +99,8 @@ def validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_a
     check_index_vector(slot_mapping, "slot_mapping", n, dev)
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     plan = GQAPlan(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, layout=layout,
-                   k_scale=_check_scale(k_scale, "k_scale", fp8, dev),
-                   v_scale=_check_scale(v_scale, "v_scale", fp8, dev))
+                   k_scale=_check_scale(k_scale, "k_scale", fp8, dev, hkv),
+                   v_scale=_check_scale(v_scale, "v_scale", fp8, dev, hkv))
     plan.q_weight, plan.q_eps = check_rms_norm(q_norm_args, "q_norm_args", d, dev)
     plan.k_weight, plan.k_eps = check_rms_norm(k_norm_args, "k_norm_args", d, dev)
     if rope_args is not None:

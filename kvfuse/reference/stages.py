@@ -189,8 +189,9 @@ def canonical_nan(y: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """bf16 [...] -> e4m3 codes (uint8) with one fp32 scale for the whole tensor:
+    """bf16 [..., H, D] -> e4m3 codes (uint8) with one fp32 scale for the whole tensor or one per head:
     e4m3(clamp(f(x) / f(scale), -448, 448)), a correctly rounded division (by a tensor, also on CUDA),
-    round to nearest even. ``scale``: fp32 with one element."""
-    t = torch.div(x.to(F32), scale.reshape(()).to(F32))
+    round to nearest even. ``scale``: fp32 with one element, or [H] (head h divided by scale[h])."""
+    per_head = scale.numel() > 1
+    t = torch.div(x.to(F32), (scale[:, None] if per_head else scale.reshape(())).to(F32))
     return encode_e4m3(torch.clamp(t, -FMAX["e4m3"], FMAX["e4m3"]))
