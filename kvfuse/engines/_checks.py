@@ -7,7 +7,7 @@ import re
 
 import torch
 
-_LEADING_NAME = re.compile(r"^([\w.]+)(?=[:\s\[])")
+_LEADING_NAME = re.compile(r"^([\w.]+(?:\[\d+\])?)(?=[:\s\[])")
 
 
 def tensor(t, name: str) -> torch.Tensor:
