@@ -226,6 +226,23 @@ def test_concat_and_cache_mla(backend, kind, rank):
     assert_bytes_equal(got, want, f"mla cache {kind}")
 
 
+def test_byte_record_caches_as_float8_views():
+    """The indexer and fp8_ds_mla caches may come as float8_e4m3fn views of their bytes: same bytes."""
+    k = random_bf16((3, 128), seed=20)
+    kv_c, k_pe = random_bf16((3, 512), seed=21), random_bf16((3, 64), seed=22)
+    slots = torch.tensor([7, -1, 2])
+    written = []
+    for as_float8 in (False, True):
+        index, mla = _poisoned(2 * 16 * 132).view(2, 16, 132), _poisoned(2 * 16 * 656).view(2, 16, 656)
+        view = (lambda t: t.view(torch.float8_e4m3fn)) if as_float8 else (lambda t: t)
+        with kvfuse.use_backend("reference"):
+            vllm.indexer_k_quant_and_cache(k, view(index), slots, 128, "ue8m0")
+            vllm.concat_and_cache_mla(kv_c, k_pe, view(mla), slots, "fp8_ds_mla", torch.tensor(1.0))
+        written.append((index, mla))
+    assert torch.equal(written[0][0], written[1][0]) and torch.equal(written[0][1], written[1][1])
+    assert not torch.equal(written[0][0], _poisoned(2 * 16 * 132).view(2, 16, 132))
+
+
 # --------------------------------------------------------------------------- errors
 def _flash_args(**over):
     kw = dict(key=random_bf16((3, 2, 64), seed=1), value=random_bf16((3, 2, 64), seed=2),
@@ -284,6 +301,8 @@ ERRORS = [
      lambda: dict(k=torch.zeros(3, 256, dtype=torch.bfloat16)), ValueError, "k: head_dim 256 is not supported yet"),
     ("indexer fp16 k", vllm.indexer_k_quant_and_cache, _index_args,
      lambda: dict(k=torch.zeros(3, 128, dtype=torch.half)), TypeError, "k: dtype torch.float16 is not supported yet"),
+    ("indexer bf16 cache", vllm.indexer_k_quant_and_cache, _index_args,
+     lambda: dict(kv_cache=torch.zeros(2, 16, 66, dtype=torch.bfloat16)), TypeError, "kv_cache: expected a uint8 cache"),
     ("indexer short slots", vllm.indexer_k_quant_and_cache, _index_args,
      lambda: dict(slot_mapping=torch.tensor([1, 2])), ValueError, "slot_mapping: 2 slots for 3 tokens"),
     ("ds_mla rank 256", vllm.concat_and_cache_mla, _mla_args, lambda: dict(kv_c=torch.zeros(3, 256, dtype=torch.bfloat16)),

@@ -48,6 +48,17 @@ def fp8_cache(cache, name: str) -> torch.Tensor:
     raise TypeError(f"{name}: an fp8 e4m3 cache must be uint8 or float8_e4m3fn, got {cache.dtype}")
 
 
+def byte_cache(cache, name: str) -> torch.Tensor:
+    """A cache of byte records (per-group formats) as the engine allocates it: uint8, or a float8_e4m3fn
+    view of the same bytes, returned as uint8."""
+    tensor(cache, name)
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.view(torch.uint8)
+    if cache.dtype != torch.uint8:
+        raise TypeError(f"{name}: expected a uint8 cache of byte records, got {cache.dtype}")
+    return cache
+
+
 def per_tensor_scale(scale, name: str) -> torch.Tensor:
     """One fp32 scale for the whole tensor (per-head scales are not supported yet)."""
     tensor(scale, name)

@@ -100,15 +100,15 @@ def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale
     """vLLM's ``indexer_k_quant_and_cache`` (DeepSeek V3.2's indexer K) with ``scale_fmt="ue8m0"``: per
     token, s = 2^ceil(log2(max(amax, 1e-4) / 448)) stored as fp32, values ``e4m3(x / s)``.
 
-    k: bf16 [num_tokens, 128]; kv_cache: uint8 [num_blocks, block_size, 132], each block every token's 128
-    value bytes, then every token's 4 scale bytes; slot_mapping: [>= num_tokens] (token i uses slot i;
-    -1 skips it); quant_block_size: 128. scale_fmt None (scale amax / 448 as fp32, values divided by it)
+    k: bf16 [num_tokens, 128]; kv_cache: uint8 [num_blocks, block_size, 132] (or a float8_e4m3fn view of
+    it), each block every token's 128 value bytes, then every token's 4 scale bytes; slot_mapping:
+    [>= num_tokens] (token i uses slot i; -1 skips it); quant_block_size: 128. scale_fmt None (scale amax / 448 as fp32, values divided by it)
     is not supported yet: kvfuse's fp32-scale cast multiplies by 448 / amax, which differs in the last bit
     of some values (docs/engines.md).
     """
     _checks.bf16_input(k, "k", 2)
     _checks.slots(slot_mapping)
-    _checks.tensor(kv_cache, "kv_cache")
+    kv_cache = _checks.byte_cache(kv_cache, "kv_cache")
     if scale_fmt != "ue8m0":
         raise ValueError(f"scale_fmt {scale_fmt!r} is not supported yet: only 'ue8m0' (power-of-two scales) "
                          "is written byte for byte as vLLM writes it")
@@ -117,8 +117,6 @@ def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale
     if k.shape[1] != INDEX_FP8_UE8M0_FP32.head_dim:
         raise ValueError(f"k: head_dim {k.shape[1]} is not supported yet (kvfuse's indexer format has "
                          f"{INDEX_FP8_UE8M0_FP32.head_dim})")
-    if kv_cache.dtype == torch.float8_e4m3fn:
-        kv_cache = kv_cache.view(torch.uint8)
     if kv_cache.dim() != 3:
         raise ValueError(f"kv_cache: expected [num_blocks, block_size, 132], got shape {tuple(kv_cache.shape)}")
     n = k.shape[0]
@@ -140,7 +138,8 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, sca
     - "auto": kv_cache bf16 [num_blocks, block_size, kv_lora_rank + pe_dim], the bits of kv_c and k_pe;
     - "fp8" / "fp8_e4m3": kv_cache uint8 (or float8_e4m3fn) of the same shape, every element
       ``e4m3(x / scale)`` with ``scale`` one fp32 value;
-    - "fp8_ds_mla" (kv_lora_rank 512, pe_dim 64): kv_cache uint8 [num_blocks, block_size, 656], the
+    - "fp8_ds_mla" (kv_lora_rank 512, pe_dim 64): kv_cache uint8 [num_blocks, block_size, 656] (or a
+      float8_e4m3fn view of it), the
       FlashMLA record of ``formats.FLASHMLA_V32``: per 128 values of kv_c the scale
       2^ceil(log2(max(amax / 448, 1e-4))) (fp32), values ``e4m3(x / scale)``, then k_pe's bf16 bits;
       ``scale`` is not read. kvfuse takes the 576 values of the record as one input today, so this
@@ -157,9 +156,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, sca
     if kind == "fp8_ds_mla":
         if rank != 512 or pe_dim != 64:
             raise ValueError(f"kv_c, k_pe: fp8_ds_mla needs kv_lora_rank 512 and pe_dim 64, got {rank} and {pe_dim}")
-        _checks.tensor(kv_cache, "kv_cache")
-        if kv_cache.dtype != torch.uint8:
-            raise TypeError(f"kv_cache: fp8_ds_mla records are uint8 bytes, got {kv_cache.dtype}")
+        kv_cache = _checks.byte_cache(kv_cache, "kv_cache")
         if kv_cache.dim() != 3:
             raise ValueError(f"kv_cache: expected [num_blocks, block_size, 656], got shape {tuple(kv_cache.shape)}")
         record = torch.cat([kv_c[:m], k_pe[:m]], dim=-1)
