@@ -16,6 +16,7 @@ import math
 
 import torch
 
+import kvfuse
 from kvfuse.formats import KVCacheFormat
 from kvfuse.rope import cos_sin_cache as rope_table
 
@@ -212,3 +213,17 @@ def cache_at(fmt: KVCacheFormat, byte_offset: int, num_blocks: int = 4, block_si
     dense = fmt.allocate(num_blocks, block_size)
     storage = torch.zeros(dense.untyped_storage().nbytes() + 64, dtype=torch.uint8)
     return torch.as_strided(storage, dense.shape, dense.stride(), byte_offset)
+
+
+def assert_compiled_matches_eager(step, fresh) -> None:
+    """torch.compile(step, fullgraph=True) on one set of ``fresh()`` buffers writes and returns what the eager
+    ``step`` does on another (reference backend), and the eager step changed the first buffer."""
+    torch._dynamo.reset()
+    eager, compiled = fresh(), fresh()
+    with kvfuse.use_backend("reference"):
+        want = step(*eager)
+        got = torch.compile(step, fullgraph=True, backend="aot_eager")(*compiled)
+    assert torch.equal(want, got)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+    assert not torch.equal(eager[0], fresh()[0])

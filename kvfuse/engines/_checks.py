@@ -1,0 +1,84 @@
+"""Argument checks shared by the engine adapters: each raises TypeError / ValueError naming the
+engine's argument, and says "not supported yet" for what the engine allows and kvfuse does not."""
+from __future__ import annotations
+
+import contextlib
+import re
+
+import torch
+
+_LEADING_NAME = re.compile(r"^([\w.]+(?:\[\d+\])?)(?=[:\s\[])")
+
+
+def tensor(t, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def bf16_input(t, name: str, dims: int) -> torch.Tensor:
+    """A bf16 input of ``dims`` dimensions (kvfuse's inputs are bf16; fp16 / fp32 are not supported yet)."""
+    tensor(t, name)
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"{name}: dtype {t.dtype} is not supported yet (kvfuse takes bfloat16 inputs)")
+    if t.dim() != dims:
+        raise ValueError(f"{name}: expected {dims} dimensions, got shape {tuple(t.shape)}")
+    return t
+
+
+def head_size(size: int, name: str) -> None:
+    if size % 16:
+        raise ValueError(f"{name}: head size {size} is not supported yet (kvfuse needs a multiple of 16)")
+
+
+def slots(slot_mapping, name: str = "slot_mapping") -> torch.Tensor:
+    tensor(slot_mapping, name)
+    if slot_mapping.dim() != 1:
+        raise ValueError(f"{name}: expected shape [num_tokens], got {tuple(slot_mapping.shape)}")
+    return slot_mapping
+
+
+def fp8_cache(cache, name: str) -> torch.Tensor:
+    """An e4m3 cache as the engine allocates it (uint8, or float8_e4m3fn), viewed as float8_e4m3fn."""
+    tensor(cache, name)
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache
+    if cache.dtype == torch.uint8:
+        return cache.view(torch.float8_e4m3fn)
+    raise TypeError(f"{name}: an fp8 e4m3 cache must be uint8 or float8_e4m3fn, got {cache.dtype}")
+
+
+def byte_cache(cache, name: str) -> torch.Tensor:
+    """A cache of byte records (per-group formats) as the engine allocates it: uint8, or a float8_e4m3fn
+    view of the same bytes, returned as uint8."""
+    tensor(cache, name)
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.view(torch.uint8)
+    if cache.dtype != torch.uint8:
+        raise TypeError(f"{name}: expected a uint8 cache of byte records, got {cache.dtype}")
+    return cache
+
+
+def per_tensor_scale(scale, name: str) -> torch.Tensor:
+    """One fp32 scale for the whole tensor (per-head scales are not supported yet)."""
+    tensor(scale, name)
+    if scale.dtype != torch.float32:
+        raise TypeError(f"{name}: expected dtype torch.float32, got {scale.dtype}")
+    if scale.numel() != 1:
+        raise ValueError(f"{name}: {scale.numel()} scales (per-head scales) are not supported yet; "
+                         "kvfuse takes one per-tensor scale")
+    return scale.reshape(())
+
+
+@contextlib.contextmanager
+def engine_names(names: dict):
+    """Re-raise the errors of a kvfuse entry point with the engine's argument names: a message that
+    starts with kvfuse's name of an argument (``"k_cache: ..."``) starts with the engine's instead."""
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        m = _LEADING_NAME.match(msg)
+        if m is None or m.group(1) not in names:
+            raise
+        raise type(e)(names[m.group(1)] + msg[m.end():]) from e

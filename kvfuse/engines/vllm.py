@@ -1,0 +1,182 @@
+"""vLLM 0.33's KV-cache writers (``vllm._custom_ops``) with vLLM's signatures and semantics, each one
+call of a kvfuse entry point: swap ``from vllm import _custom_ops as ops`` for
+``from kvfuse.engines import vllm as ops`` at the call sites of these three functions.
+
+- :func:`reshape_and_cache_flash`: the flash-layout K/V cache write -> :func:`kvfuse.fused_qk_norm_rope_store_kv`
+  with zero q heads (no norm, no RoPE).
+- :func:`indexer_k_quant_and_cache`: DeepSeek V3.2's indexer K store, scale_fmt "ue8m0" ->
+  :func:`kvfuse.fused_norm_rope_hadamard_cast_store_kvcache` into ``models.INDEX_FP8_UE8M0_FP32``.
+- :func:`concat_and_cache_mla`: the MLA [kv_c | k_pe] record: "auto" and "fp8" -> the GQA entry (kv_c
+  and k_pe as K and V of one head, written into the two column ranges of the record); "fp8_ds_mla" ->
+  the fused entry into ``formats.FLASHMLA_V32``.
+
+Inputs are bf16; what vLLM accepts beyond kvfuse's domain (fp16 / fp32 inputs, per-head scales,
+fp8_e5m2, head sizes not a multiple of 16, fp32 indexer scales) raises TypeError / ValueError saying
+"not supported yet". Where vLLM's kernels read or write out of bounds (a slot past the cache) kvfuse
+writes nothing. docs/engines.md lists the differences.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..api import fused_norm_rope_hadamard_cast_store_kvcache
+from ..args import CastArgs, KVCacheOutArgs
+from ..formats import FLASHMLA_V32
+from ..gqa import fused_qk_norm_rope_store_kv
+from ..models import INDEX_FP8_UE8M0_FP32
+from . import _checks
+
+__all__ = ["reshape_and_cache_flash", "indexer_k_quant_and_cache", "concat_and_cache_mla", "FP8_KV_CACHE_DTYPES"]
+
+# vLLM's names of the e4m3 cache dtype (both select e4m3 in its DISPATCH_BY_KV_CACHE_DTYPE)
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+_GQA_NAMES = {"k": "key", "v": "value", "k_cache": "key_cache", "v_cache": "value_cache",
+              "k_scale": "k_scale", "v_scale": "v_scale", "slot_mapping": "slot_mapping"}
+_MLA_NAMES = {"k": "kv_c", "v": "k_pe", "k_cache": "kv_cache", "v_cache": "kv_cache", "k_scale": "scale",
+              "v_scale": "scale", "x": "kv_c", "out_args.kv_cache": "kv_cache",
+              "out_args.slot_mapping": "slot_mapping"}
+_INDEXER_NAMES = {"x": "k", "out_args.kv_cache": "kv_cache", "out_args.slot_mapping": "slot_mapping"}
+
+
+def _cache_dtype(kv_cache_dtype, allowed) -> str:
+    if not isinstance(kv_cache_dtype, str):
+        raise TypeError(f"kv_cache_dtype must be a str, got {type(kv_cache_dtype).__name__}")
+    if kv_cache_dtype.startswith("fp8") and kv_cache_dtype not in allowed:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported yet (kvfuse writes "
+                         f"{', '.join(repr(a) for a in allowed)})")
+    if kv_cache_dtype not in allowed:
+        raise ValueError(f"kv_cache_dtype: expected one of {allowed}, got {kv_cache_dtype!r}")
+    return "fp8" if kv_cache_dtype in FP8_KV_CACHE_DTYPES else kv_cache_dtype
+
+
+def _bf16_cache(cache, name: str) -> torch.Tensor:
+    _checks.tensor(cache, name)
+    if cache.dtype != torch.bfloat16:
+        raise TypeError(f"{name}: kv_cache_dtype 'auto' stores the input's dtype (bfloat16), got {cache.dtype}")
+    return cache
+
+
+def _leading_tokens(slot_mapping: torch.Tensor, num_tokens: int, what: str) -> int:
+    """vLLM writes the first slot_mapping.size(0) tokens (the batch may be padded past them)."""
+    m = slot_mapping.shape[0]
+    if m > num_tokens:
+        raise ValueError(f"slot_mapping: {m} slots for {num_tokens} tokens of {what}; vLLM writes the first "
+                         "slot_mapping.size(0) tokens, so it cannot be longer")
+    return m
+
+
+def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
+    """vLLM's ``reshape_and_cache_flash``: token i < slot_mapping.size(0) goes to block
+    ``slot // block_size``, offset ``slot % block_size`` of both caches (all heads); slot -1 skips it.
+
+    key, value: bf16 [num_tokens, num_heads, head_size] (head_size a multiple of 16). key_cache,
+    value_cache: [num_blocks, block_size, num_heads, head_size] with any strides whose last is 1 (vLLM's
+    ``kv_cache[:, 0]`` views and its HND-backed views). kv_cache_dtype "auto": bf16 caches, the bits of
+    key and value; "fp8" / "fp8_e4m3": uint8 or float8_e4m3fn caches holding
+    ``e4m3(x / scale)`` (saturated to +-448, round to nearest even) with k_scale / v_scale fp32 tensors of
+    one element (ignored for "auto").
+    """
+    _checks.bf16_input(key, "key", 3)
+    _checks.bf16_input(value, "value", 3)
+    _checks.slots(slot_mapping)
+    _checks.head_size(key.shape[-1], "key")
+    _checks.head_size(value.shape[-1], "value")
+    if value.shape[0] != key.shape[0]:
+        raise ValueError(f"value: expected {key.shape[0]} tokens like key, got {value.shape[0]}")
+    kind = _cache_dtype(kv_cache_dtype, ("auto",) + FP8_KV_CACHE_DTYPES)
+    if kind == "auto":
+        key_cache, value_cache = _bf16_cache(key_cache, "key_cache"), _bf16_cache(value_cache, "value_cache")
+        k_scale = v_scale = None
+    else:
+        key_cache, value_cache = _checks.fp8_cache(key_cache, "key_cache"), _checks.fp8_cache(value_cache, "value_cache")
+        k_scale, v_scale = _checks.per_tensor_scale(k_scale, "k_scale"), _checks.per_tensor_scale(v_scale, "v_scale")
+    m = _leading_tokens(slot_mapping, key.shape[0], "key")
+    with _checks.engine_names(_GQA_NAMES):
+        fused_qk_norm_rope_store_kv(key[:m, :0], key[:m], value[:m], key_cache, value_cache, slot_mapping,
+                                    k_scale=k_scale, v_scale=v_scale, layout="NHD")
+
+
+def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt):
+    """vLLM's ``indexer_k_quant_and_cache`` (DeepSeek V3.2's indexer K) with ``scale_fmt="ue8m0"``: per
+    token, s = 2^ceil(log2(max(amax, 1e-4) / 448)) stored as fp32, values ``e4m3(x / s)``.
+
+    k: bf16 [num_tokens, 128]; kv_cache: uint8 [num_blocks, block_size, 132] (or a float8_e4m3fn view of
+    it), each block every token's 128 value bytes, then every token's 4 scale bytes; slot_mapping:
+    [>= num_tokens] (token i uses slot i; -1 skips it); quant_block_size: 128. scale_fmt None (scale amax / 448 as fp32, values divided by it)
+    is not supported yet: kvfuse's fp32-scale cast multiplies by 448 / amax, which differs in the last bit
+    of some values (docs/engines.md).
+    """
+    _checks.bf16_input(k, "k", 2)
+    _checks.slots(slot_mapping)
+    kv_cache = _checks.byte_cache(kv_cache, "kv_cache")
+    if scale_fmt != "ue8m0":
+        raise ValueError(f"scale_fmt {scale_fmt!r} is not supported yet: only 'ue8m0' (power-of-two scales) "
+                         "is written byte for byte as vLLM writes it")
+    if isinstance(quant_block_size, bool) or quant_block_size != 128:
+        raise ValueError(f"quant_block_size {quant_block_size!r} is not supported yet (kvfuse writes 128)")
+    if k.shape[1] != INDEX_FP8_UE8M0_FP32.head_dim:
+        raise ValueError(f"k: head_dim {k.shape[1]} is not supported yet (kvfuse's indexer format has "
+                         f"{INDEX_FP8_UE8M0_FP32.head_dim})")
+    if kv_cache.dim() != 3:
+        raise ValueError(f"kv_cache: expected [num_blocks, block_size, 132], got shape {tuple(kv_cache.shape)}")
+    n = k.shape[0]
+    if slot_mapping.shape[0] < n:
+        raise ValueError(f"slot_mapping: {slot_mapping.shape[0]} slots for {n} tokens of k")
+    out = KVCacheOutArgs(kv_cache.unsqueeze(2), slot_mapping[:n], layout=INDEX_FP8_UE8M0_FP32)
+    with _checks.engine_names(_INDEXER_NAMES):
+        fused_norm_rope_hadamard_cast_store_kvcache(
+            k, cast_args=CastArgs.from_cache_format(INDEX_FP8_UE8M0_FP32), out_args=out)
+
+
+def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale):
+    """vLLM's ``concat_and_cache_mla``: token i < slot_mapping.size(0) writes the record [kv_c | k_pe] at
+    block ``slot // block_size``, offset ``slot % block_size``; slot -1 skips it.
+
+    kv_c: bf16 [num_tokens, kv_lora_rank]; k_pe: bf16 [num_tokens, pe_dim] (both multiples of 16).
+    kv_cache_dtype:
+
+    - "auto": kv_cache bf16 [num_blocks, block_size, kv_lora_rank + pe_dim], the bits of kv_c and k_pe;
+    - "fp8" / "fp8_e4m3": kv_cache uint8 (or float8_e4m3fn) of the same shape, every element
+      ``e4m3(x / scale)`` with ``scale`` one fp32 value;
+    - "fp8_ds_mla" (kv_lora_rank 512, pe_dim 64): kv_cache uint8 [num_blocks, block_size, 656] (or a
+      float8_e4m3fn view of it), the
+      FlashMLA record of ``formats.FLASHMLA_V32``: per 128 values of kv_c the scale
+      2^ceil(log2(max(amax / 448, 1e-4))) (fp32), values ``e4m3(x / scale)``, then k_pe's bf16 bits;
+      ``scale`` is not read. kvfuse takes the 576 values of the record as one input today, so this
+      path builds it with one ``torch.cat`` (one extra copy of [num_tokens, 576] bf16) before its launch.
+    """
+    _checks.bf16_input(kv_c, "kv_c", 2)
+    _checks.bf16_input(k_pe, "k_pe", 2)
+    _checks.slots(slot_mapping)
+    if k_pe.shape[0] != kv_c.shape[0]:
+        raise ValueError(f"k_pe: expected {kv_c.shape[0]} tokens like kv_c, got {k_pe.shape[0]}")
+    kind = _cache_dtype(kv_cache_dtype, ("auto",) + FP8_KV_CACHE_DTYPES + ("fp8_ds_mla",))
+    m = _leading_tokens(slot_mapping, kv_c.shape[0], "kv_c")
+    rank, pe_dim = kv_c.shape[1], k_pe.shape[1]
+    if kind == "fp8_ds_mla":
+        if rank != 512 or pe_dim != 64:
+            raise ValueError(f"kv_c, k_pe: fp8_ds_mla needs kv_lora_rank 512 and pe_dim 64, got {rank} and {pe_dim}")
+        kv_cache = _checks.byte_cache(kv_cache, "kv_cache")
+        if kv_cache.dim() != 3:
+            raise ValueError(f"kv_cache: expected [num_blocks, block_size, 656], got shape {tuple(kv_cache.shape)}")
+        record = torch.cat([kv_c[:m], k_pe[:m]], dim=-1)
+        out = KVCacheOutArgs(kv_cache.unsqueeze(2), slot_mapping, layout=FLASHMLA_V32)
+        with _checks.engine_names(_MLA_NAMES):
+            fused_norm_rope_hadamard_cast_store_kvcache(
+                record, cast_args=CastArgs.from_cache_format(FLASHMLA_V32), out_args=out)
+        return
+    _checks.head_size(rank, "kv_c")
+    _checks.head_size(pe_dim, "k_pe")
+    if kind == "auto":
+        kv_cache, scale = _bf16_cache(kv_cache, "kv_cache"), None
+    else:
+        kv_cache, scale = _checks.fp8_cache(kv_cache, "kv_cache"), _checks.per_tensor_scale(scale, "scale")
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != rank + pe_dim:
+        raise ValueError(f"kv_cache: expected [num_blocks, block_size, {rank + pe_dim}], got shape "
+                         f"{tuple(kv_cache.shape)}")
+    # the record's two column ranges as the K and V caches of one head: one launch, no concatenation
+    latent_cache, pe_cache = kv_cache[..., :rank].unsqueeze(2), kv_cache[..., rank:].unsqueeze(2)
+    kv_c3, k_pe3 = kv_c[:m].unsqueeze(1), k_pe[:m].unsqueeze(1)
+    with _checks.engine_names(_MLA_NAMES):
+        fused_qk_norm_rope_store_kv(kv_c3[:, :0], kv_c3, k_pe3, latent_cache, pe_cache, slot_mapping,
+                                    k_scale=scale, v_scale=scale, layout="NHD")
