@@ -1,11 +1,12 @@
 """model.generate with kvfuse's paged K/V write, on a tiny random Qwen3 built from a config (no download).
 
-Runs greedy generation on a left-padded batch of two prompts with: transformers as shipped (its
-DynamicCache), kvfuse's numerics with transformers' DynamicCache, and kvfuse's PagedCache in bf16 and
-fp8 (scales calibrated as amax / 448 of the bf16 prefill), plus transformers' own fp8 cache
-(QuantizedCache, backend "fp8") for comparison. Prints, against the stock run: the share of generated
-tokens that agree, the largest logit difference over the steps before the first differing token, and
-the time per generated token. CPU, well under a minute:
+Greedy generation on a batch of four prompts (two left-padded) with: transformers as shipped (its
+DynamicCache), transformers' fp8 cache (QuantizedCache, backend "fp8"), kvfuse's numerics with
+transformers' DynamicCache, and kvfuse's PagedCache in bf16 and in fp8 (scales: amax / 448 of the bf16
+prompt's K and V). Prints for each, against the stock run: the share of greedy tokens that agree (free
+running: after a first difference the contexts differ), the share of steps whose top token agrees and the
+largest logit difference when every run is fed the stock run's tokens (teacher forcing: the same context
+at every step), and the CPU time per generated token (one thread). CPU, well under a minute:
 
     python examples/generate_hf.py [--new-tokens 16] [--attn sdpa|eager] [--repeats 2]
 """
@@ -34,20 +35,18 @@ def build_model(attn: str) -> Qwen3ForCausalLM:
     return model
 
 
-def compare(name: str, stock, out, seconds: float, new_tokens: int) -> None:
-    """One line: token agreement with the stock run, max |logit diff| while the tokens agree, time."""
-    gen_stock, gen = stock.sequences[:, -new_tokens:], out.sequences[:, -new_tokens:]
-    agree = (gen_stock == gen).float().mean().item()
-    steps, worst, identical = 0, 0.0, True
-    for step in range(new_tokens):
-        worst = max(worst, (stock.logits[step].float() - out.logits[step].float()).abs().max().item())
-        identical &= torch.equal(stock.logits[step], out.logits[step])
-        steps += 1
-        if not torch.equal(gen_stock[:, step], gen[:, step]):
-            break
-    per_token = 1000 * seconds / new_tokens
-    print(f"{name:<34} tokens agree {100 * agree:5.1f}%  max |logit diff| {worst:.4f} over {steps} steps"
-          f"{' (identical)' if identical else ''}  {per_token:7.1f} ms/token")
+def forced_logits(model, ids, mask, tokens, cache):
+    """[steps, batch, vocab] last-position logits when the prompt is followed by ``tokens`` (teacher forcing)."""
+    position = (mask.cumsum(-1) - 1).clamp(min=0)
+    steps = []
+    with torch.no_grad():
+        steps.append(model(ids, attention_mask=mask, position_ids=position, cache=cache).logits[:, -1])
+        for i in range(tokens.shape[1] - 1):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            position = position[:, -1:] + 1
+            steps.append(model(tokens[:, i:i + 1], attention_mask=mask, position_ids=position,
+                               cache=cache).logits[:, -1])
+    return torch.stack(steps)
 
 
 def main() -> None:
@@ -56,47 +55,60 @@ def main() -> None:
     parser.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each path; the fastest one is timed")
     args = parser.parse_args()
+    torch.set_num_threads(1)        # one thread, timed in CPU seconds: steadier than wall time on a shared CPU
     model = build_model(args.attn)
     torch.manual_seed(1)
-    ids = torch.randint(3, 1024, (2, 12))
+    ids = torch.randint(3, 1024, (4, 12))
     mask = torch.ones_like(ids)
-    ids[1, :4], mask[1, :4] = 0, 0                      # the second prompt is left-padded by 4
+    pads = [0, 4, 0, 7]                                     # left padding of each prompt
+    for row, pad in enumerate(pads):
+        ids[row, :pad], mask[row, :pad] = 0, 0
     gen = dict(attention_mask=mask, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-               do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+               do_sample=False, return_dict_in_generate=True, pad_token_id=0)
+    new = args.new_tokens
+    block_size = 8
+    blocks = len(pads) * -(-(ids.shape[1] + new) // block_size) + 2    # room for every sequence, and spare
+    print(f"tiny Qwen3 ({args.attn}): 2 layers, hidden 256, 4 / 2 heads of 64, bf16; 4 prompts of 12 (two "
+          f"left-padded), {new} new tokens; paged caches of {blocks} blocks of {block_size}, shuffled")
+    print(f"{'path':<34} {'greedy agree':>12} {'forced top-1':>12} {'max |dlogit|':>12} {'CPU ms/token':>13}")
+    stock_tokens = stock_logits = None
 
-    def run(make_cache=None):
-        """The generation, its time (the fastest of --repeats runs: the CPU warms up) and its cache."""
-        best = None
+    def report(name, make_cache=None):
+        """Generate (timed in CPU time: the fastest of --repeats runs), then the teacher-forced logits; one line."""
+        nonlocal stock_tokens, stock_logits
+        seconds = []
         for _ in range(args.repeats):
             cache = None if make_cache is None else make_cache()
-            start = time.perf_counter()
+            start = time.process_time()
             out = model.generate(ids, **gen, **({} if cache is None else {"cache": cache}))
-            seconds = time.perf_counter() - start
-            best = (out, seconds, cache) if best is None or seconds < best[1] else best
-        return best
+            seconds.append(time.process_time() - start)
+        tokens = out.sequences[:, -new:]
+        if stock_tokens is None:
+            stock_tokens = tokens
+        cache = DynamicCache(config=model.config) if make_cache is None else make_cache()
+        logits = forced_logits(model, ids, mask, stock_tokens, cache)
+        if stock_logits is None:
+            stock_logits = logits
+        greedy = (tokens == stock_tokens).float().mean().item()
+        top1 = (logits.argmax(-1) == stock_tokens.T).float().mean().item()
+        worst = (logits.float() - stock_logits.float()).abs().max().item()
+        print(f"{name:<34} {100 * greedy:11.1f}% {100 * top1:11.1f}% {worst:12.4f} {1000 * min(seconds) / new:13.1f}")
+        return logits, cache
 
-    blocks, block_size = 16, 8
-    print(f"tiny Qwen3 ({args.attn}): 2 layers, hidden 256, 4 / 2 heads of 64, bf16; batch 2 (one left-padded), "
-          f"{args.new_tokens} new tokens; paged caches of {blocks} blocks of {block_size}, shuffled")
-    stock, t_stock, _ = run()
-    compare("transformers DynamicCache (stock)", stock, stock, t_stock, args.new_tokens)
-    fp8_hf, t, _ = run(lambda: QuantizedCache(backend="fp8", config=model.config))
-    compare("transformers QuantizedCache fp8", stock, fp8_hf, t, args.new_tokens)
+    report("transformers DynamicCache (stock)")
+    report("transformers QuantizedCache fp8", lambda: QuantizedCache(backend="fp8", config=model.config))
     with install(model):
-        numerics, t, _ = run(lambda: DynamicCache(config=model.config))
-        compare("kvfuse numerics, DynamicCache", stock, numerics, t, args.new_tokens)
-        bf16, t, bf16_cache = run(lambda: PagedCache(model, blocks, block_size, block_shuffle_seed=0))
-        compare("kvfuse paged bf16", stock, bf16, t, args.new_tokens)
-        same = torch.equal(bf16.sequences, numerics.sequences) and all(
-            torch.equal(a, b) for a, b in zip(bf16.logits, numerics.logits))
+        numerics, _ = report("kvfuse numerics, DynamicCache", lambda: DynamicCache(config=model.config))
+        paged, bf16_cache = report("kvfuse paged bf16",
+                                   lambda: PagedCache(model, blocks, block_size, block_shuffle_seed=0))
+        same = torch.equal(paged, numerics)
         print(f"  paged bf16 logits bit-identical to DynamicCache with kvfuse numerics: {'yes' if same else 'NO'}")
-        prompt_len = ids.shape[1]
-        scales = [max(bf16_cache.key_value(layer, b)[i][:, :prompt_len - 4 * b].float().abs().max().item()
-                      for layer in range(2) for b in range(2)) / 448 for i in (0, 1)]
-        fp8, t, _ = run(lambda: PagedCache(model, blocks, block_size, torch.float8_e4m3fn, scales[0], scales[1],
-                                           block_shuffle_seed=0))
-        compare("kvfuse paged fp8", stock, fp8, t, args.new_tokens)
-        print(f"  fp8 scales (amax / 448 of the bf16 prompt): k {scales[0]:.5f}, v {scales[1]:.5f}")
+        prompt = ids.shape[1]
+        scales = [max(bf16_cache.key_value(layer, row)[i][:, :prompt - pad].float().abs().max().item()
+                      for layer in range(2) for row, pad in enumerate(pads)) / 448 for i in (0, 1)]
+        report("kvfuse paged fp8", lambda: PagedCache(model, blocks, block_size, torch.float8_e4m3fn, scales[0],
+                                                      scales[1], block_shuffle_seed=0))
+        print(f"  fp8 scales (amax / 448 of the bf16 prompt's K and V): k {scales[0]:.5f}, v {scales[1]:.5f}")
 
 
 if __name__ == "__main__":
