@@ -223,6 +223,12 @@ def test_rejections():
             generate(model, 2, PagedCache(model, 2, 4))
         with pytest.raises(NotImplementedError, match="reorder_cache"):
             PagedCache(model, 8, 4).reorder_cache(torch.tensor([0]))
+        used = PagedCache(model, 8, 4)
+        generate(model, 1, used)
+        with pytest.raises(ValueError, match="one batch per cache"):
+            generate(model, 2, used)
+        with pytest.raises(NotImplementedError, match="static cache"):
+            generate(model, 1, tf.StaticCache(config=model.config, max_cache_len=16))
 
     class OwnAttention(type(model.model.layers[0].self_attn)):
         pass

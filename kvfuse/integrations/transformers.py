@@ -353,6 +353,7 @@ class PagedCache(Cache):
         self._free = order.tolist()[::-1]       # pop() hands out order[0] first
         self._tables = None                     # per row: its block ids, in position order
         self._columns = None                    # [rows, columns] slot of each column, -1 for pads (on device)
+        self._columns_host = None               # the same on the CPU, where the slots are assigned
         self._new_slots = None                  # [rows * new columns] slots of the current forward
 
     def reset(self):
@@ -369,13 +370,13 @@ class PagedCache(Cache):
         """Assign slots to the ``new`` columns of a forward of ``rows`` sequences: a block table per row,
         blocks taken from the free list as a row needs them; masked (pad) columns get slot -1."""
         past = self.layers[0].length
-        if self._columns is None:
+        if self._columns_host is None:
             self._tables = [[] for _ in range(rows)]
-            self._columns = torch.empty((rows, 0), dtype=torch.int64)
+            self._columns_host = torch.empty((rows, 0), dtype=torch.int64)
         elif rows != len(self._tables):
             raise ValueError(f"input: {rows} sequences, the PagedCache holds {len(self._tables)}: one batch per cache "
                              f"(beam search and a changing batch are not supported)")
-        columns = self._columns[:, :past].cpu()
+        columns = self._columns_host[:, :past]
         if attention_mask is None:
             valid = torch.ones((rows, new), dtype=torch.bool)
         else:
@@ -398,7 +399,8 @@ class PagedCache(Cache):
             table.extend(self._free.pop() for _ in range(need))
             idx = counts[r] + torch.arange(m)
             slots[r, valid[r]] = torch.tensor(table, dtype=torch.int64)[idx // bs] * bs + idx % bs
-        self._columns = torch.cat([columns, slots], dim=1).to(self.device)
+        self._columns_host = torch.cat([columns, slots], dim=1)
+        self._columns = self._columns_host.to(self.device)
         self._new_slots = slots.reshape(-1).to(self.device)
 
     def _write_and_read(self, layer_idx, q, k, v, q_norm, k_norm, rope, rows, new):
