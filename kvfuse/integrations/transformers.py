@@ -152,9 +152,10 @@ def install(model: torch.nn.Module, numerics: str = "stage") -> _Installation:
         layer_type = getattr(module, "layer_type", None)
         if layer_type not in tables:
             tables[layer_type] = _rope_table(rotary, layer_type, module.config.max_position_embeddings)
-        if tables[layer_type].shape[1] != module.head_dim:
-            raise TypeError(f"model: {type(module).__name__} rotates {tables[layer_type].shape[1]} of {module.head_dim} "
-                            f"dims (partial rotary) : not supported")
+        rotated = tables[layer_type].shape[1]
+        if rotated != module.head_dim:
+            raise TypeError(f"model: {type(module).__name__} rotates {rotated} of {module.head_dim} dims (partial "
+                            f"rotary): not supported")
         layers.append((module, _LayerSetup(kind, tables[layer_type], module.__dict__.get("forward", _NONE))))
     for module, setup in layers:
         module._kvfuse_setup = setup
