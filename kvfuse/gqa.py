@@ -6,7 +6,8 @@ q and k, writes q back as bf16 and scatters K and V by slot into paged caches of
 ("NHD": [num_blocks, block_size, num_kv_heads, head_dim]) or FlashInfer's ("HND": [num_blocks,
 num_kv_heads, block_size, head_dim]), bf16 or float8_e4m3fn with one fp32 scale per tensor. One
 Triton launch on the GPU; byte for byte the unfused chain of :mod:`kvfuse.reference`
-(:func:`kvfuse.reference.qk_norm_rope_store_kv`).
+(:func:`kvfuse.reference.qk_norm_rope_store_kv`). :func:`load_gqa_kv_cache` reads K and V back by
+slot (bf16, fp8 dequantized), for attention written in PyTorch and for tests.
 
 Validation (:mod:`kvfuse.plans.gqa`: every rule raises ValueError / TypeError naming the argument,
 before anything is written) produces a :class:`~kvfuse.plans.types.GQAPlan`, which
@@ -15,11 +16,12 @@ before anything is written) produces a :class:`~kvfuse.plans.types.GQAPlan`, whi
 from __future__ import annotations
 
 from . import dispatch as _dispatch
+from .reference.cache import load_gqa_kv as _load_gqa_kv
 from .plans import gqa as _gqa
 from .plans.gqa import CACHE_DTYPES
 from .plans.types import GQA_LAYOUTS as LAYOUTS, GQAPlan
 
-__all__ = ["fused_qk_norm_rope_store_kv", "GQAPlan", "LAYOUTS", "CACHE_DTYPES"]
+__all__ = ["fused_qk_norm_rope_store_kv", "load_gqa_kv_cache", "GQAPlan", "LAYOUTS", "CACHE_DTYPES"]
 
 
 def fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_args=None,
@@ -50,3 +52,18 @@ def fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_norm_
                         v_scale, layout, q_out)
     _dispatch.execute(plan)
     return plan.q_out
+
+
+def load_gqa_kv_cache(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_scale=None):
+    """K and V of the given slots, read back from the paged caches of :func:`fused_qk_norm_rope_store_kv`.
+
+    Args:
+        k_cache, v_cache, layout, k_scale, v_scale: as for :func:`fused_qk_norm_rope_store_kv`.
+        slot_mapping: int32 / int64 [n]; a slot < 0 or >= num_blocks * block_size reads zeros.
+
+    Returns (k, v): bf16 [n, Hkv, D] and [n, Hkv, Dv], new tensors on the caches' device. A bf16 cache
+    gives its stored bits; a float8_e4m3fn cache gives bf16(f(code) * f(scale)) (NaN codes as the
+    canonical bf16 NaN). Torch ops on any device. Raises ValueError / TypeError naming the argument.
+    """
+    _gqa.validate_load(k_cache, v_cache, slot_mapping, layout, k_scale, v_scale)
+    return _load_gqa_kv(k_cache, v_cache, slot_mapping, layout, k_scale, v_scale)

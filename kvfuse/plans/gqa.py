@@ -117,6 +117,28 @@ def validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_a
     return plan
 
 
+
+def validate_load(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_scale=None) -> None:
+    """Check the arguments of :func:`kvfuse.load_gqa_kv_cache` with the rules of the write (SPEC §11):
+    the caches' layout, shapes, dtypes and strides, slot_mapping, and the scales of fp8 caches."""
+    if not isinstance(layout, str) or layout not in GQA_LAYOUTS:
+        raise ValueError(f"layout must be one of {GQA_LAYOUTS}, got {layout!r}")
+    if not isinstance(k_cache, torch.Tensor):
+        raise TypeError(f"k_cache must be a torch.Tensor, got {type(k_cache).__name__}")
+    dev = k_cache.device
+    four_d = k_cache.dim() == 4
+    heads = (k_cache.shape[2] if layout == "NHD" else k_cache.shape[1]) if four_d else 0
+    nb_bs = _check_cache(k_cache, "k_cache", layout, None, heads, k_cache.shape[3] if four_d else 0, dev)
+    v_dim = v_cache.shape[3] if isinstance(v_cache, torch.Tensor) and v_cache.dim() == 4 else 0
+    _check_cache(v_cache, "v_cache", layout, nb_bs, heads, v_dim, dev)
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"v_cache: expected dtype {k_cache.dtype} (k_cache's), got {v_cache.dtype}")
+    n = slot_mapping.shape[0] if isinstance(slot_mapping, torch.Tensor) and slot_mapping.dim() == 1 else -1
+    check_index_vector(slot_mapping, "slot_mapping", n, dev)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    _check_scale(k_scale, "k_scale", fp8, dev)
+    _check_scale(v_scale, "v_scale", fp8, dev)
+
 # =============================================================================== aliasing (SPEC §5)
 _NAMES = ("q_out", "k_cache", "v_cache", "q", "k", "v", "slot_mapping", "q_norm_args.weight",
           "k_norm_args.weight", "rope_args.positions", "rope_args.cos_sin_cache", "k_scale", "v_scale")

@@ -16,5 +16,5 @@ from .numerics import (  # noqa: F401
 from .stages import (  # noqa: F401
     pairwise_sum, rmsnorm, layernorm, norm, rope, hadamard, group_scales, quantize, CANONICAL_NAN_BF16,
     dequant_scale, dequantize, canonical_nan, quantize_per_tensor)
-from .cache import record_addresses, store, load, GQA_LAYOUTS, store_paged  # noqa: F401
+from .cache import record_addresses, store, load, GQA_LAYOUTS, store_paged, load_paged, load_gqa_kv  # noqa: F401
 from .chain import transform, run_plan, qk_norm_rope, qk_norm_rope_store_kv, run_gqa_plan  # noqa: F401

@@ -1,5 +1,5 @@
 """The paged caches of the reference backend: record addresses of a format, store and load of records
-(SPEC §4), and the NHD / HND element caches of the GQA entry point (SPEC §11)."""
+(SPEC §4), and the NHD / HND element caches of the GQA entry point (SPEC §11): their store and load."""
 from __future__ import annotations
 
 from typing import Optional
@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from ..formats import KVCacheFormat, q_dtype, sf_dtype
+from .numerics import F32, round_to_bf16
 from .stages import canonical_nan, dequantize
 
 
@@ -96,3 +97,32 @@ def store_paged(cache: torch.Tensor, slot_mapping: torch.Tensor, data: torch.Ten
         elems[blk, off] = data[valid]
     else:
         elems[blk, :, off] = data[valid]                   # advanced indices around a slice: [m, H, D]
+
+
+def load_paged(cache: torch.Tensor, slot_mapping: torch.Tensor, layout: str) -> torch.Tensor:
+    """Gather the rows of the given slots from an ``"NHD"`` / ``"HND"`` paged cache (any strides):
+    [n, H, D] of the cache's dtype, zeros (all bits clear) for a slot outside
+    [0, num_blocks * block_size). The inverse of :func:`store_paged`."""
+    nb = cache.shape[0]
+    bs = cache.shape[1] if layout == "NHD" else cache.shape[2]
+    slots = slot_mapping.long()
+    valid = (slots >= 0) & (slots < nb * bs)
+    s = torch.where(valid, slots, torch.zeros_like(slots))
+    blk, off = s // bs, s % bs
+    bits = cache.view(torch.int16 if cache.element_size() == 2 else torch.uint8)
+    rows = bits[blk, off] if layout == "NHD" else bits[blk, :, off]        # [n, H, D] either way
+    rows = torch.where(valid[:, None, None], rows, torch.zeros_like(rows))
+    return rows.view(cache.dtype)
+
+
+def load_gqa_kv(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_scale=None):
+    """K and V of the given slots as bf16 [n, Hkv, D] / [n, Hkv, Dv] (validated arguments): a bf16
+    cache's bits as stored; a float8_e4m3fn cache dequantized as bf16(f(code) * f(scale)) (SPEC §11's
+    inverse; NaN codes read as the canonical bf16 NaN). Zeros for invalid slots."""
+    out = []
+    for cache, scale in ((k_cache, k_scale), (v_cache, v_scale)):
+        rows = load_paged(cache, slot_mapping, layout)
+        if cache.dtype == torch.float8_e4m3fn:
+            rows = canonical_nan(round_to_bf16(rows.to(F32) * scale.reshape(()).to(F32)))
+        out.append(rows)
+    return out[0], out[1]
