@@ -306,3 +306,24 @@ def test_compile_fullgraph_public_function():
     assert torch.equal(want, got)
     for a, b in zip(storages1, storages2):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_load_reads_per_head_scales_back(layout):
+    """load_gqa_kv_cache with one scale per kv head: head h's records read back as bf16(f(code) * scale[h])."""
+    case = GQACase(hq=4, hkv=2, fp8=True, layout=layout, scale_per_head="kv", seed=46)
+    kw, _, _, _ = build(case)
+    with kvfuse.use_backend("reference"):
+        kvfuse.fused_qk_norm_rope_store_kv(**kw)
+    k, v = kvfuse.load_gqa_kv_cache(kw["k_cache"], kw["v_cache"], kw["slot_mapping"], layout, kw["k_scale"],
+                                    kw["v_scale"])
+    slots = kw["slot_mapping"].long()
+    cache = kw["k_cache"] if layout == "NHD" else kw["k_cache"].transpose(1, 2)
+    bs = cache.shape[1]
+    for i, s in enumerate(slots.tolist()):
+        if 0 <= s < cache.shape[0] * bs:
+            codes = cache[s // bs, s % bs].float()                       # [Hkv, D]
+            want = (codes * kw["k_scale"][:, None]).to(torch.bfloat16)
+            assert torch.equal(k[i].view(torch.int16), want.view(torch.int16)), f"token {i}"
+        else:
+            assert not k[i].any() and not v[i].any()

@@ -136,8 +136,8 @@ def validate_load(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_
     n = slot_mapping.shape[0] if isinstance(slot_mapping, torch.Tensor) and slot_mapping.dim() == 1 else -1
     check_index_vector(slot_mapping, "slot_mapping", n, dev)
     fp8 = k_cache.dtype == torch.float8_e4m3fn
-    _check_scale(k_scale, "k_scale", fp8, dev)
-    _check_scale(v_scale, "v_scale", fp8, dev)
+    _check_scale(k_scale, "k_scale", fp8, dev, heads)
+    _check_scale(v_scale, "v_scale", fp8, dev, heads)
 
 # =============================================================================== aliasing (SPEC §5)
 _NAMES = ("q_out", "k_cache", "v_cache", "q", "k", "v", "slot_mapping", "q_norm_args.weight",

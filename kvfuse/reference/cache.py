@@ -117,12 +117,14 @@ def load_paged(cache: torch.Tensor, slot_mapping: torch.Tensor, layout: str) -> 
 
 def load_gqa_kv(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_scale=None):
     """K and V of the given slots as bf16 [n, Hkv, D] / [n, Hkv, Dv] (validated arguments): a bf16
-    cache's bits as stored; a float8_e4m3fn cache dequantized as bf16(f(code) * f(scale)) (SPEC §11's
-    inverse; NaN codes read as the canonical bf16 NaN). Zeros for invalid slots."""
+    cache's bits as stored; a float8_e4m3fn cache dequantized as bf16(f(code) * f(scale)), scale one per
+    tensor or head h's (SPEC §11's inverse; NaN codes read as the canonical bf16 NaN). Zeros for invalid
+    slots."""
     out = []
     for cache, scale in ((k_cache, k_scale), (v_cache, v_scale)):
         rows = load_paged(cache, slot_mapping, layout)
         if cache.dtype == torch.float8_e4m3fn:
-            rows = canonical_nan(round_to_bf16(rows.to(F32) * scale.reshape(()).to(F32)))
+            s = scale[:, None] if scale.numel() > 1 else scale.reshape(())
+            rows = canonical_nan(round_to_bf16(rows.to(F32) * s.to(F32)))
         out.append(rows)
     return out[0], out[1]
