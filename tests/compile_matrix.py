@@ -4,20 +4,23 @@ line naming each variant and its innermost error or findings, when any variant f
 
 Where the variants come from: the GPU matrix's calls (tests/gpu_matrix.py: every fast path x every
 launch-table entry x its formats and chains, an all-pairs cover of the portable kernel's features x
-its launch table, the GQA section), the group cases (tests/group_cases.py.gpu_cases) and a store
+its launch table, the GQA section), the group cases (group_cases.gpu_cases) and a store
 and two loads of every format (kernel_cases.ALL_FORMATS), each run once without and once with
 programmatic dependent launch. A call runs through kvfuse's public entry points as on the GPU,
-with every fast path allowed (``fused.fast_paths``), but each kernel is a recorder: Triton's own
+with every fast path allowed (``fused.fast_paths``) and its inputs unfilled (values choose no
+launch), but each kernel is a recorder (``recording``; ``recording_gaps`` fails the step when a
+kernel or a PDL value was never recorded, say after a refactor moved a name): Triton's own
 binder turns the launch into its compile key (parameter types, 16-divisibility, constexprs, options),
 and each distinct key is compiled once. So a new launch-table entry, format or constexpr the host
 code chooses is compiled here without being listed. One exception keeps the step short: the portable
 kernels' PDL constexpr only puts the wait at their entry, so their PDL variants are compiled once per
 launch configuration (num_warps, rows and heads per program), the Gluon kernels' all.
 
-Scan (ptx_check.py): no contracted fma (the GQA cast's explicit fma.rn told apart by a bf16 twin),
-no .approx, no div.full; griddepcontrol.wait exactly in the PDL variants (and before the first
-global load in the portable kernels: the Gluon ones load their weights first); record and output
-stores vectorized (``narrow_stores``). ``--list`` prints the variants without compiling them;
+Scan (ptx_check.py): no contracted fma (the explicit fma.rn of the GQA cast and of the indexer's
+Hadamard told apart by a twin without them), no .approx, no div.full; griddepcontrol.wait exactly in
+the PDL variants (and before the first global load in the portable kernels: the Gluon ones load
+their weights first); the portable kernel's cache records stored as wide as a lane's columns and
+their alignment allow (``wanted_store_bytes``). ``--list`` prints the variants without compiling them;
 ``--jobs N`` compiles in N processes (default: the CPU count). Never under TRITON_INTERPRET.
 """
 from __future__ import annotations
@@ -245,6 +248,25 @@ def record_variants(progress=None) -> Book:
     return book
 
 
+def recording_gaps(book: Book) -> list:
+    """What the recording should have seen and did not: a launched kernel of KERNEL_MODULES never
+    recorded, or a kernel with a PDL parameter recorded without both of its values (a launch path
+    that no longer looks its kernel or ``pdl_launch`` up where ``recording`` replaces them)."""
+    seen = {}
+    for v in book.variants.values():
+        seen.setdefault(v.name, set()).add(v.constexpr("PDL"))
+    gaps = []
+    for module in KERNEL_MODULES:
+        for name, value in vars(module).items():
+            if isinstance(value, JITFunction) and name.endswith("_kernel"):
+                want = {True, False} if "PDL" in value.arg_names else {None}
+                got = seen.get(value.fn.__name__, set())
+                if not want <= got:
+                    gaps.append(f"{module.__name__}.{name}: recorded with PDL {sorted(got, key=str)}, "
+                                f"want {sorted(want, key=str)}")
+    return gaps
+
+
 # --------------------------------------------------------------------------- compiling and scanning
 def compile_variant(v: Variant, **changes) -> str:
     """The PTX of a variant for sm_90; ``changes``: parameter name -> (signature type, constexpr value
@@ -359,10 +381,13 @@ def main() -> int:
           + ", ".join(f"{k} {c}" for k, c in sorted(counts.items()))
           + f" ({len(book.pdl_left_out)} PDL twins of portable variants left out: their launch configuration's is in)",
           flush=True)
+    gaps = recording_gaps(book)
+    for gap in gaps:
+        print(f"FAIL recording: {gap}")
     if opts.list:
         for v in _VARIANTS:
             print(f"{describe(v)}  <- {v.label}")
-        return 0
+        return 1 if gaps else 0
     failed, done, seconds = 0, 0, {}
     with multiprocessing.get_context("fork").Pool(max(1, opts.jobs)) as pool:
         for i, bad, error, size, secs in pool.imap_unordered(_check, range(len(_VARIANTS))):
@@ -378,7 +403,7 @@ def main() -> int:
     print("compile seconds (one process): " + ", ".join(f"{k} {t:.0f}" for k, t in sorted(seconds.items())))
     print(f"[{time.perf_counter() - t0:6.1f}s] {len(_VARIANTS) - failed} of {len(_VARIANTS)} variants compiled "
           f"clean for sm_90 under Triton {triton.__version__}; {failed} failed")
-    return 1 if failed else 0
+    return 1 if failed or gaps else 0
 
 
 if __name__ == "__main__":
