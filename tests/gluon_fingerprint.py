@@ -9,9 +9,10 @@ Each variant is a validated plan (tests/kernel_cases.py) put through its module'
 the grid given so that nothing queries a device), plus a few constexprs set by hand where no CPU
 plan reaches them (PDL, int64 slots or offsets, the fp32 e2m1 encoder). Compiled as a launch
 specializes them: pointer types from the plan's tensors, pointers and 16-divisible integers
-16-divisible. A variant that this Triton cannot compile prints ``n/a`` and its innermost error
-(Triton 3.9's Gluon has no gl.thread_barrier, which the MAIN kernel's RoPE uses). Run as a script,
-never under TRITON_INTERPRET; ``--constexprs`` also prints each variant's constexprs."""
+16-divisible. Needs Triton 3.6, the Gluon the kernels are written for (another refuses to run and
+exits 2); a variant that does not compile prints ``n/a`` and its innermost error, and the script
+exits 1. Run as a script, never under TRITON_INTERPRET; ``--constexprs`` also prints each variant's
+constexprs."""
 from __future__ import annotations
 
 import hashlib
@@ -152,10 +153,14 @@ def constexpr_fingerprint(consts: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+GLUON_TRITON = "3.6."         # the Triton whose Gluon API the fast paths are written for (gluon.common.available)
+
+
 def main() -> int:
-    if gluon is None:
-        print("this Triton has no Gluon")
-        return 1
+    if not triton.__version__.startswith(GLUON_TRITON) or gluon is None:
+        print(f"gluon_fingerprint.py: the Gluon fast paths are built for Triton {GLUON_TRITON}x; this is Triton "
+              f"{triton.__version__}{'' if gluon is not None else ' (no Gluon)'}: not fingerprinting")
+        return 2
     show = "--constexprs" in sys.argv
     print(f"triton {triton.__version__}")
     failed = 0
@@ -163,7 +168,7 @@ def main() -> int:
         kernel, plan, args, consts, options = build()
         try:
             code = code_fingerprint(compile_ptx(kernel, plan, args, consts, options))
-        except Exception as e:       # this Triton's Gluon lacks something the variant uses
+        except Exception as e:       # a variant that does not build: reported, and the exit status says so
             while e.__cause__ is not None:          # the compiler's errors wrap the one that says what
                 e = e.__cause__
             last = (str(e).strip().splitlines() or [""])[-1]
@@ -173,7 +178,7 @@ def main() -> int:
         if show:
             print("    ", consts)
     print(f"{failed} variant(s) not compiled")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -201,19 +201,25 @@ def jobs():
     return found
 
 
-def _gqa_fp8_fma_findings(ptx: str, consts: dict, ptrs: dict) -> list:
+def gqa_fp8_fma_findings(ptx: str, twin: str) -> list:
     """The GQA kernel's per-tensor cast divides by a reciprocal with explicit fma.rn (Markstein's
     correction, numerics.div_rn_by_reciprocal), which the scan cannot tell from a contracted one. So an
-    fp8 variant may hold fma.rn.f32 (a nonzero, even count: two per quotient), and its bf16-cache twin,
-    the same arithmetic but for the cast, must hold none; every other finding stands."""
+    fp8 variant may hold fma.rn.f32 (a nonzero, even count: two per quotient), and ``twin``, the PTX of
+    its bf16-cache twin (the same arithmetic but for the cast), must hold none; every other finding
+    stands."""
     bad = [b for b in sorted(set(BAD.findall(ptx))) if b != "fma."]
     fmas = len(re.findall(r"\bfma\.", ptx))
     if fmas != len(re.findall(r"\bfma\.rn\.f32\b", ptx)) or fmas == 0 or fmas % 2:
         bad.append(f"fma: {fmas}, want only fma.rn.f32 of the cast's quotients (a nonzero even count)")
-    twin = compile_ptx(Q.qkv_kernel, {**consts, "FP8": False}, num_warps=1,
-                       ptr_types={**ptrs, "kc_ptr": "*bf16", "vc_ptr": "*bf16"})
     bad += [f"bf16 twin: {b}" for b in sorted(set(BAD.findall(twin)))]
     return bad
+
+
+def _gqa_fp8_fma_findings(ptx: str, consts: dict, ptrs: dict) -> list:
+    """gqa_fp8_fma_findings with the twin compiled here."""
+    twin = compile_ptx(Q.qkv_kernel, {**consts, "FP8": False}, num_warps=1,
+                       ptr_types={**ptrs, "kc_ptr": "*bf16", "vc_ptr": "*bf16"})
+    return gqa_fp8_fma_findings(ptx, twin)
 
 
 def main() -> int:
