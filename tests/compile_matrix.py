@@ -7,7 +7,7 @@ launch-table entry x its formats and chains, an all-pairs cover of the portable 
 its launch table, the GQA section), the group cases (group_cases.gpu_cases) and a store
 and two loads of every format (kernel_cases.ALL_FORMATS), each run once without and once with
 programmatic dependent launch. A call runs through kvfuse's public entry points as on the GPU,
-with every fast path allowed (``fused.fast_paths``) and its inputs unfilled (values choose no
+with every fast path allowed (``router.fast_paths``) and its inputs unfilled (values choose no
 launch), but each kernel is a recorder (``recording``; ``recording_gaps`` fails the step when a
 kernel or a PDL value was never recorded, say after a refactor moved a name): Triton's own
 binder turns the launch into its compile key (parameter types, 16-divisibility, constexprs, options),
@@ -57,14 +57,14 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 
 import kvfuse  # noqa: E402
 from kvfuse import CastArgs, backend as kvfuse_backend  # noqa: E402
-from kvfuse.kernels import fused as F, grouped as G, qkv as Q  # noqa: E402
+from kvfuse.kernels import grouped as G, qkv as Q, router as R, store_load as SL  # noqa: E402
 from kvfuse.kernels.gluon import common as gluon_common  # noqa: E402
 
 from ptx_check import BAD, STORE, gqa_fp8_fma_findings  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SM_COUNT = 132               # the persistent grids' size is not part of the code: no device query
-KERNEL_MODULES = (F, Q, G) + tuple(F.FAST_PATH_MODULES)
+KERNEL_MODULES = (R, SL, Q, G) + tuple(R.FAST_PATH_MODULES)
 
 
 # --------------------------------------------------------------------------- recording the launches
@@ -164,14 +164,14 @@ def recording(book: Book, pdl: bool):
     """kvfuse's calls on CPU tensors launch as on an sm_90 GPU (the Triton backend, every fast path
     allowed, PDL as given, persistent grids without a device query) into ``book``'s recorders."""
     pairs = [(kvfuse_backend, "resolve_backend", lambda device, device_type=None: "triton"),
-             (F, "pdl_launch", lambda x: pdl)]
+             (R, "pdl_launch", lambda x: pdl), (Q, "pdl_launch", lambda x: pdl), (G, "pdl_launch", lambda x: pdl)]
     for module in KERNEL_MODULES:
         for name, value in vars(module).items():
             if isinstance(value, JITFunction) and name.endswith("_kernel"):
                 pairs.append((module, name, Recorder(value, book)))
         if "occupancy_grid" in vars(module):
             pairs.append((module, "occupancy_grid", _grid_without_device))
-    with _patched(pairs), F.fast_paths(only=F.FAST_PATH_MODULES):
+    with _patched(pairs), R.fast_paths(only=R.FAST_PATH_MODULES):
         yield
 
 
