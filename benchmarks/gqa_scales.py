@@ -50,6 +50,8 @@ def main(argv=None):
             kw = inputs(n, hq, hkv, d, qk_norm)
             one = torch.tensor([0.37], device="cuda")
             per_head_equal = torch.full((hkv,), 0.37, device="cuda")
+            for c in (kw["k_cache"], kw["v_cache"]):      # poisoned: the slots no token takes stay 0xAB
+                c.view(torch.uint8).fill_(0xAB)
             kvfuse.fused_qk_norm_rope_store_kv(**kw, k_scale=one, v_scale=one)
             want = [kw["k_cache"].view(torch.uint8).clone(), kw["v_cache"].view(torch.uint8).clone()]
             for c in (kw["k_cache"], kw["v_cache"]):
