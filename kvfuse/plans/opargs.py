@@ -25,6 +25,7 @@ from .types import GroupPlan, Plan
 
 _SCALARS = {int: "int", float: "float", bool: "bool", str: "str"}
 _PLACEHOLDER = {"int": 0, "float": 0.0, "bool": False, "str": ""}   # a required field of an absent dataclass
+_CAST = {"int": int, "float": float, "bool": bool}
 
 
 class Leaf(NamedTuple):
@@ -99,7 +100,7 @@ def _get(plan, leaf: Leaf):
         return v is not None
     if v is None or leaf.kind in ("Tensor", "str"):
         return v
-    return {"int": int, "float": float, "bool": bool}[leaf.kind](v)
+    return _CAST[leaf.kind](v)
 
 
 def flatten(plan) -> tuple:
@@ -108,31 +109,48 @@ def flatten(plan) -> tuple:
     return tuple(_get(plan, leaf) for leaf in _LEAVES[type(plan)])
 
 
-@functools.lru_cache(maxsize=256)
 def canonical_format(fmt: KVCacheFormat) -> KVCacheFormat:
     """The preset object itself when a rebuilt format equals one (kernels may compare by identity)."""
     preset = PRESETS.get(fmt.name)
     return preset if preset == fmt else fmt
 
 
-def _build(cls, values: dict):
-    obj = cls(**values)
+@functools.lru_cache(maxsize=256)
+def _nested(cls, items: tuple):
+    """A dataclass field's value (CastSpec, KVCacheFormat: frozen) from its fields, built once per values:
+    an op's implementation runs on every call of a compiled graph."""
+    obj = cls(**dict(items))
     return canonical_format(obj) if cls is KVCacheFormat else obj
+
+
+_RECIPES = {}   # plan type -> (the leaves' targets, the nested fields' types)
+
+
+def _recipe(cls):
+    found = _RECIPES.get(cls)
+    if found is None:
+        hints = typing.get_type_hints(cls)
+        targets = tuple(("has", leaf.path[0], None) if leaf.kind == "has" else
+                        ("top", leaf.path[0], None) if len(leaf.path) == 1 else
+                        ("nested", leaf.path[0], leaf.path[1]) for leaf in leaves(cls))
+        nested = {t[1]: _unwrap(hints[t[1]])[0] for t in targets if t[0] == "nested"}
+        found = _RECIPES[cls] = (targets, nested)
+    return found
 
 
 def unflatten(cls, args):
     """The plan of op arguments (inverse of :func:`flatten`), its derived fields recomputed."""
-    hints = typing.get_type_hints(cls)
+    targets, nested_types = _recipe(cls)
     top, nested, present = {}, {}, {}
-    for leaf, value in zip(leaves(cls), args):
-        if leaf.kind == "has":
-            present[leaf.path[0]] = value
-        elif len(leaf.path) == 1:
-            top[leaf.path[0]] = value
+    for (kind, name, sub), value in zip(targets, args):
+        if kind == "top":
+            top[name] = value
+        elif kind == "has":
+            present[name] = value
         else:
-            nested.setdefault(leaf.path[0], {})[leaf.path[1]] = value
-    for name, values in nested.items():
-        top[name] = _build(_unwrap(hints[name])[0], values) if present.get(name, True) else None
+            nested.setdefault(name, []).append((sub, value))
+    for name, items in nested.items():
+        top[name] = _nested(nested_types[name], tuple(items)) if present.get(name, True) else None
     plan = cls(**top)
     if hasattr(plan, "derive"):
         plan.derive()
