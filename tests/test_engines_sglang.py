@@ -221,6 +221,21 @@ def test_store_index_k_cache_against_sglang_formula():
     assert (step == 1).all()                      # same sign byte, neighbouring codes
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch_writes_nothing(backend):
+    """SGLang's launchers return at once for zero tokens; so do the adapters."""
+    pages, index = _poisoned((2, _page_bytes("v41_fp4", 8))), _poisoned((2, 132 * 8))
+    none32, none64 = torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int64)
+    with kvfuse.use_backend(backend):
+        sglang.fused_k_norm_rope_flashmla(torch.zeros(0, 512, dtype=torch.bfloat16),
+                                          torch.ones(512, dtype=torch.bfloat16), EPS, _freqs_cis(4), none32, none32,
+                                          pages, 8, "v41_fp4")
+        sglang.fused_k_indexer_norm_rope_store(torch.zeros(0, 128, dtype=torch.bfloat16), index, none64,
+                                               torch.ones(128), torch.zeros(128), EPS, cos_sin_cache(4, 64), none64, 8)
+        sglang.fused_store_index_k_cache(torch.zeros(0, 128, dtype=torch.bfloat16), index, none64, 8)
+    assert bool((pages == POISON).all()) and bool((index == POISON).all())
+
+
 # --------------------------------------------------------------------------- errors
 def _flashmla_args(**over):
     kw = dict(kv=random_bf16((3, 512), seed=1), kv_weight=torch.ones(512, dtype=torch.bfloat16), eps=EPS,
@@ -262,13 +277,18 @@ ERRORS = [
     ("kv_weight shape (kvfuse's check, SGLang's name)", F, _flashmla_args,
      lambda: dict(kv_weight=torch.ones(256, dtype=torch.bfloat16)), ValueError, "kv_weight"),
     ("eps 0 (kvfuse's check, SGLang's name)", F, _flashmla_args, lambda: dict(eps=0.0), ValueError, "eps"),
-    ("real freqs", F, _flashmla_args, lambda: dict(freqs_cis=torch.zeros(16, 64)), ValueError,
-     "freqs_cis: expected complex64 [max_position >= 1, 32]"),
+    ("real freqs", F, _flashmla_args, lambda: dict(freqs_cis=torch.zeros(16, 64)), TypeError,
+     "freqs_cis: expected dtype torch.complex64"),
+    ("empty freqs", F, _flashmla_args, lambda: dict(freqs_cis=_freqs_cis(0)), ValueError,
+     "freqs_cis: expected [max_position >= 1, 32]"),
     ("int64 out_loc", F, _flashmla_args, lambda: dict(out_loc=torch.tensor([1, 2, 3])), TypeError,
      "out_loc: expected dtype torch.int32"),
     ("short out_loc", F, _flashmla_args, lambda: dict(out_loc=torch.tensor([1, 2], dtype=torch.int32)), ValueError,
      "out_loc: expected 3 slots"),
-    ("float positions", F, _flashmla_args, lambda: dict(positions=torch.zeros(3)), ValueError, "positions: expected"),
+    ("float positions", F, _flashmla_args, lambda: dict(positions=torch.zeros(3)), TypeError,
+     "positions: expected dtype torch.int32 or torch.int64"),
+    ("2-d positions", F, _flashmla_args, lambda: dict(positions=torch.zeros(3, 1, dtype=torch.int32)), ValueError,
+     "positions: expected shape (3,)"),
     ("page size 3", F, _flashmla_args, lambda: dict(page_size=3), ValueError, "page_size: expected a power of two"),
     ("page bytes of another layout", F, _flashmla_args, lambda: dict(layout="v41"), ValueError,
      "kvcache: expected [num_pages, 2560]"),
@@ -287,7 +307,9 @@ ERRORS = [
     ("indexer int32 slots", I, _indexer_args, lambda: dict(out_cache_loc=torch.tensor([1, 2, 3], dtype=torch.int32)),
      TypeError, "out_cache_loc: expected dtype torch.int64"),
     ("indexer table width", I, _indexer_args, lambda: dict(cos_sin_cache=cos_sin_cache(16, 128)), ValueError,
-     "cos_sin_cache: expected fp32 [max_position, 64]"),
+     "cos_sin_cache: expected [max_position, 64]"),
+    ("indexer bf16 table", I, _indexer_args, lambda: dict(cos_sin_cache=cos_sin_cache(16, 64, torch.bfloat16)),
+     TypeError, "cos_sin_cache: expected dtype torch.float32"),
     ("indexer page bytes", I, _indexer_args, lambda: dict(page_size=16), ValueError,
      "cache: expected [num_pages, 2112]"),
     ("indexer page size 4", I, _indexer_args, lambda: dict(page_size=4, cache=_poisoned((2, 132 * 4))), ValueError,

@@ -101,8 +101,10 @@ def _int_slots(t, name: str, dtype: torch.dtype, num_tokens: int) -> torch.Tenso
 
 def _positions(t, num_tokens: int) -> torch.Tensor:
     _checks.tensor(t, "positions")
-    if t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (num_tokens,):
-        raise ValueError(f"positions: expected int32 / int64 [{num_tokens}], got {t.dtype} {tuple(t.shape)}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"positions: expected dtype torch.int32 or torch.int64, got {t.dtype}")
+    if tuple(t.shape) != (num_tokens,):
+        raise ValueError(f"positions: expected shape ({num_tokens},), got {tuple(t.shape)}")
     return t
 
 
@@ -162,10 +164,10 @@ def fused_k_norm_rope_flashmla(kv, kv_weight, eps, freqs_cis, positions, out_loc
         raise TypeError(f"kv_weight: dtype {kv_weight.dtype} is not supported yet (SGLang's kernel reads the "
                         "weight in kv's dtype, bfloat16)")
     _checks.tensor(freqs_cis, "freqs_cis")
-    if freqs_cis.dtype != torch.complex64 or freqs_cis.dim() != 2 or freqs_cis.shape[1] != 32 \
-            or freqs_cis.shape[0] == 0:
-        raise ValueError(f"freqs_cis: expected complex64 [max_position >= 1, 32], got {freqs_cis.dtype} "
-                         f"{tuple(freqs_cis.shape)}")
+    if freqs_cis.dtype != torch.complex64:
+        raise TypeError(f"freqs_cis: expected dtype torch.complex64 (SGLang's freqs_cis), got {freqs_cis.dtype}")
+    if freqs_cis.dim() != 2 or freqs_cis.shape[1] != 32 or freqs_cis.shape[0] == 0:
+        raise ValueError(f"freqs_cis: expected [max_position >= 1, 32], got shape {tuple(freqs_cis.shape)}")
     n = kv.shape[0]
     positions = _positions(positions, n)
     out_loc = _int_slots(out_loc, "out_loc", torch.int32, n)
@@ -213,10 +215,12 @@ def fused_k_indexer_norm_rope_store(k_input, cache, out_cache_loc, weight, bias,
     bias = _fp32_vector(bias, "bias", cfg.index_head_dim)
     positions = _positions(positions, n)
     _checks.tensor(cos_sin_cache, "cos_sin_cache")
-    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.dim() != 2 or \
-            cos_sin_cache.shape[1] != cfg.index_rope_head_dim:
-        raise ValueError(f"cos_sin_cache: expected fp32 [max_position, {cfg.index_rope_head_dim}], got "
-                         f"{cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}")
+    if cos_sin_cache.dtype != torch.float32:
+        raise TypeError(f"cos_sin_cache: expected dtype torch.float32 (SGLang's kernel reads fp32), got "
+                        f"{cos_sin_cache.dtype}")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != cfg.index_rope_head_dim:
+        raise ValueError(f"cos_sin_cache: expected [max_position, {cfg.index_rope_head_dim}], got shape "
+                         f"{tuple(cos_sin_cache.shape)}")
     pages = _index_pages(cache, "cache", page_size)
     fmt = cfg.index_format
     with _checks.engine_names(_INDEXER_NAMES):
