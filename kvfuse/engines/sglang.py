@@ -13,11 +13,11 @@ the import at the call sites of these three functions.
   cast alone.
 
 kvfuse computes each chain with its own numerics (SPEC §2: every stage rounded to bf16); where
-SGLang's kernels keep fp32 between stages or multiply by a rounded reciprocal, some bytes differ
+SGLang's kernels keep fp32 between stages or scale by a differently rounded factor, some bytes differ
 (docs/engines.md says which). What SGLang allows beyond kvfuse's domain (fp16 / fp32 inputs, the
 UNIFORM_FP8 layout, the ROCm query RoPE) raises TypeError / ValueError saying "not supported yet".
-A negative slot writes nothing, and so does a slot past the cache (SGLang's index-K kernels write
-out of bounds there).
+A negative slot writes nothing (SGLang's FlashMLA writer skips it too, its index-K writers write out
+of bounds), and so does a slot past the cache (where SGLang's kernels write out of bounds).
 """
 from __future__ import annotations
 
