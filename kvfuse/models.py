@@ -14,6 +14,7 @@ what was read in that code and what is inferred.
 | deepseek-v3 (V3.1) | 128 x 192, offset 128, GPT-J | FLASHMLA_V32 576 = latent 512 (RMSNorm) + k_pe 64 | GPT-J, tail | - | - | - | - |
 | deepseek-v3.2 | as V3 | as V3 | as V3 | LayerNorm (weight, bias) | first 64, NEOX | yes | INDEX_FP8_FP32 |
 | deepseek-v3.2-ue8m0 | as V3 | as V3 | as V3 | as V3.2 | as V3.2 | yes | INDEX_FP8_UE8M0_FP32 |
+| deepseek-v3.2-sglang | as V3 | as V3 | as V3 | as V3.2 | first 64, GPT-J | no | INDEX_FP8_FP32 |
 | deepseek-v4 | 64 x 512 (weightless RMSNorm), offset 448, GPT-J | MAIN_FP8 512 (RMSNorm) | GPT-J, tail | RMSNorm | tail 64, GPT-J | yes | INDEX_MXFP8 (also compressed KV) |
 | deepseek-v4-fp4 | as V4 | MAIN_FP4 | as V4 | as V4 | as V4 | yes | INDEX_MXFP4 (also compressed KV) |
 | deepseek-v4-flashmla | as V4 | FLASHMLA_MODEL1 | as V4 | as V4 | as V4 | yes | INDEX_FP8_FP32 (also compressed KV) |
@@ -34,7 +35,8 @@ from .mla import MLAConfig
 from .rope import cos_sin_cache
 
 __all__ = [
-    "DEEPSEEK_V3", "DEEPSEEK_V32", "DEEPSEEK_V32_UE8M0", "DEEPSEEK_V4", "DEEPSEEK_V4_FP4", "DEEPSEEK_V4_FLASHMLA",
+    "DEEPSEEK_V3", "DEEPSEEK_V32", "DEEPSEEK_V32_UE8M0", "DEEPSEEK_V32_SGLANG", "DEEPSEEK_V4", "DEEPSEEK_V4_FP4",
+    "DEEPSEEK_V4_FLASHMLA",
     "INDEX_FP8_UE8M0_FP32", "MODELS", "ALIASES", "get", "names",
     "GQAConfig", "LLAMA3_8B", "LLAMA3_70B", "QWEN3_8B", "QWEN3_32B", "GEMMA3_12B", "GQA_MODELS", "gqa_names", "get_gqa",
 ]
@@ -84,6 +86,22 @@ DEEPSEEK_V32_UE8M0 = dataclasses.replace(
 """DeepSeek V3.2 with the indexer's scales rounded up to powers of two (stored as fp32), as the
 shipped config (scale_fmt "ue8m0") and vLLM run it."""
 
+DEEPSEEK_V32_SGLANG = dataclasses.replace(
+    DEEPSEEK_V32, name="deepseek-v3.2-sglang", index_rope_is_neox=False, index_hadamard=False,
+    source=DEEPSEEK_V32.source + "; SGLang 0.5.23 (wheel) sglang/kernels/jit/csrc/deepseek_v32/indexer_k.cuh "
+    "(FusedKIndexerNormRopeStoreKernel: LayerNorm with fp32 weight and bias over 128, RoPE on the FIRST 64 dims "
+    "with adjacent (real, imag) pairs = GPT-J (load_rope_first_cos_sin: dims 2j, 2j+1 take cos_sin[j], "
+    "cos_sin[32 + j]), no Hadamard ('V3.2 drops the Hadamard incoherence rotation'), e4m3 with one fp32 scale "
+    "max(amax, 1e-4) / 448 per token), sglang/kernels/ops/attention/dsa/indexer_q.py "
+    "(fused_q_indexer_rope_first_quant: kRopeFirst=true, kHadamard=false) and "
+    "sglang/srt/layers/attention/dsa/dsa_indexer.py (Indexer: k_norm = LayerNorm(head_dim, fp32); "
+    "use_dsa_indexer_fusion, the fused K path, only when not is_neox_style)",
+)
+"""DeepSeek V3.2's indexer as SGLang's fused CUDA path runs it: K LayerNorm (weight and bias) ->
+RoPE on the first 64 dims, GPT-J pairs -> no Hadamard -> INDEX_FP8_FP32; Q the same RoPE, no
+Hadamard. Main cache and Q heads as V3.2. ``kvfuse.engines.sglang.fused_k_indexer_norm_rope_store``
+runs this configuration's indexer K chain."""
+
 _V4_SOURCE = (
     "SGLang python/sglang/jit_kernel/csrc/deepseek_v4/main_norm_rope.cuh (FusedKNormRopeFlashMLAKernel: RMSNorm "
     "with weight over 512, RoPE on the last 64 with adjacent (real, imag) pairs = GPT-J, FlashMLA MODEL1 record; "
@@ -118,8 +136,9 @@ DEEPSEEK_V4_FLASHMLA = dataclasses.replace(DEEPSEEK_V4, name="deepseek-v4-flashm
 (``fused_norm_rope_flashmla``) and e4m3 with an fp32 scale per 128 for the indexer and the
 compressed KV (``fused_norm_rope_indexer``)."""
 
-MODELS: Dict[str, MLAConfig] = {c.name: c for c in (DEEPSEEK_V3, DEEPSEEK_V32, DEEPSEEK_V32_UE8M0, DEEPSEEK_V4,
-                                                    DEEPSEEK_V4_FP4, DEEPSEEK_V4_FLASHMLA)}
+MODELS: Dict[str, MLAConfig] = {c.name: c for c in (DEEPSEEK_V3, DEEPSEEK_V32, DEEPSEEK_V32_UE8M0,
+                                                    DEEPSEEK_V32_SGLANG, DEEPSEEK_V4, DEEPSEEK_V4_FP4,
+                                                    DEEPSEEK_V4_FLASHMLA)}
 """Every named configuration, by name."""
 
 ALIASES: Dict[str, str] = {"deepseek-v3.1": "deepseek-v3"}

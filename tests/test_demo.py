@@ -275,7 +275,8 @@ def test_demo_model(capsys, tmp_path, name):
         else:
             assert parts[8] == "-"
     if cfg.index_format is not None and cfg.index_norm_kind == "layer":
-        assert "LayerNorm, RoPE 64 NEOX at 0, Hadamard" in text
+        style = "NEOX" if cfg.index_rope_is_neox else "GPT-J"
+        assert f"LayerNorm, RoPE 64 {style} at 0{', Hadamard' if cfg.index_hadamard else ')'}" in text
     assert (out / demo.PNG_NAME).read_bytes()[:8] == PNG_MAGIC
     with open(out / demo.CSV_NAME) as fh:
         table = list(csv.reader(fh))

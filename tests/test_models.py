@@ -15,7 +15,7 @@ from kvfuse import formats as F
 from kvfuse import mla
 from kvfuse import models as M
 
-V3_FAMILY = [M.DEEPSEEK_V3, M.DEEPSEEK_V32, M.DEEPSEEK_V32_UE8M0]
+V3_FAMILY = [M.DEEPSEEK_V3, M.DEEPSEEK_V32, M.DEEPSEEK_V32_UE8M0, M.DEEPSEEK_V32_SGLANG]
 V4_FAMILY = [M.DEEPSEEK_V4, M.DEEPSEEK_V4_FP4, M.DEEPSEEK_V4_FLASHMLA]
 
 
@@ -88,6 +88,23 @@ def test_v32_index_formats():
         assert getattr(M.DEEPSEEK_V32, f) == getattr(M.DEEPSEEK_V3, f), f
 
 
+def test_v32_as_sglang_runs_its_indexer():
+    """deepseek-v3.2-sglang: V3.2 with the indexer SGLang 0.5.23's fused CUDA path runs (indexer_k.cuh):
+    K LayerNorm (weight and bias), RoPE on the first 64 dims with GPT-J pairs, no Hadamard, e4m3 with
+    one fp32 scale per 128 (INDEX_FP8_FP32); Q the same RoPE, no Hadamard. Nothing else differs."""
+    c = M.DEEPSEEK_V32_SGLANG
+    assert c.index_rope_offset == 0 and c.index_rope_is_neox is False and c.index_rope_head_dim == 64
+    assert c.index_norm_kind == "layer" and c.index_hadamard is False and c.index_hadamard_args is None
+    assert c.index_format is F.INDEX_FP8_FP32
+    rope = c.index_rope_args(torch.zeros(1, dtype=torch.int64), torch.zeros(1, 64))
+    assert (rope.offset, rope.rotary_dim, rope.is_neox) == (0, 64, False)
+    assert dataclasses.replace(c, name="deepseek-v3.2", source=M.DEEPSEEK_V32.source, index_rope_is_neox=True,
+                               index_hadamard=True) == M.DEEPSEEK_V32
+    assert M.get("DeepSeek-V3.2-SGLang") is c
+    assert "deepseek_v32/indexer_k.cuh" in c.source and "FusedKIndexerNormRopeStoreKernel" in c.source
+    assert "dsa_indexer.py" in c.source and "kHadamard=false" in c.source
+
+
 # --------------------------------------------------------------------------- DeepSeek V4
 @pytest.mark.parametrize("cfg", V4_FAMILY, ids=_name)
 def test_v4(cfg):
@@ -122,8 +139,8 @@ def test_v4_formats():
 
 # --------------------------------------------------------------------------- registry, sources, frozen
 def test_registry():
-    assert set(M.MODELS) == {"deepseek-v3", "deepseek-v3.2", "deepseek-v3.2-ue8m0", "deepseek-v4",
-                             "deepseek-v4-fp4", "deepseek-v4-flashmla"}
+    assert set(M.MODELS) == {"deepseek-v3", "deepseek-v3.2", "deepseek-v3.2-ue8m0", "deepseek-v3.2-sglang",
+                             "deepseek-v4", "deepseek-v4-fp4", "deepseek-v4-flashmla"}
     for name, cfg in M.MODELS.items():
         assert cfg.name == name and M.get(name) is cfg
     assert M.get("DeepSeek-V3.2") is M.DEEPSEEK_V32
