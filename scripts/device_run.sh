@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One device call: every GPU test suite, side by side in five pytest processes, each with its own Triton
+# One device call: every GPU test suite, side by side in six pytest processes, each with its own Triton
 # cache: the GPU matrix (tests/gpu/test_gpu_matrix.py) in three slices (KVFUSE_MATRIX_SLICE; its GQA
 # section runs in each), the Gluon fast paths against the portable kernel (test_gpu_fast_paths.py), and
 # the grouped launch with the read side and engine allocations, PDL and the bench's GQA peers
-# (test_gpu_group.py, test_gpu_read_and_alloc.py, test_gpu_pdl.py, test_gpu_bench_peers.py); then, when
+# (test_gpu_group.py, test_gpu_read_and_alloc.py, test_gpu_pdl.py, test_gpu_bench_peers.py), the engine adapters
+# and the engines' own test grids (test_gpu_engines.py, test_gpu_engine_grids.py); then, when
 # BENCH_SECONDS > 0, benchmark points of BENCH_WL (fused peer).
 #   bash scripts/device_run.sh [LIMIT_SECONDS] [BENCH_SECONDS]
 # LIMIT_SECONDS (default 480) bounds each process; on an H200 (2026-12-01) the five took 430 s together,
@@ -31,8 +32,9 @@ suite matrix3 260: tests/gpu/test_gpu_matrix.py &
 suite fast_paths - tests/gpu/test_gpu_fast_paths.py &
 suite group_read_pdl - tests/gpu/test_gpu_group.py tests/gpu/test_gpu_read_and_alloc.py tests/gpu/test_gpu_pdl.py \
   tests/gpu/test_gpu_bench_peers.py &
+suite engines - tests/gpu/test_gpu_engines.py tests/gpu/test_gpu_engine_grids.py &
 wait
-for name in matrix1 matrix2 matrix3 fast_paths group_read_pdl; do
+for name in matrix1 matrix2 matrix3 fast_paths group_read_pdl engines; do
   echo "== $name: $(grep -E "passed|failed|error|skipped" "$OUT/gpu_$name.log" | tail -n 1 | cut -c1-300)"
   grep -E "^FAILED|^ERROR" "$OUT/gpu_$name.log" | cut -c1-300 | head -n 20
 done

@@ -1,0 +1,120 @@
+"""kvfuse.engines on the GPU: every adapter of every engine called with CUDA tensors (the Triton kernels and
+whatever Gluon fast path the dispatcher picks) writes the bytes the same call writes on the CPU with
+the reference backend, on poisoned caches compared whole. The CPU tests (tests/test_engines_*.py) tie
+the reference bytes to each engine's semantics; tests/gpu/test_gpu_engine_grids.py runs the engines'
+own grids. Sizes cross the fast paths' launch-table boundaries (1, 24 / 256, 4096 tokens)."""
+import pytest
+import torch
+
+import kvfuse
+from kvfuse.engines import flashinfer, sglang, vllm
+from helpers import cos_sin_cache, random_bf16
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or kvfuse.backend.interpreter_enabled(),
+                                reason="needs CUDA and compiled kernels (KVFUSE_TEST_GPU=1)")
+POISON = 0xAB
+SIZES = (1, 256, 4096)
+
+
+def _poisoned(shape):
+    return torch.full(shape, POISON, dtype=torch.uint8)
+
+
+def _slots(n, capacity, seed):
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randperm(capacity, generator=g)[:n]
+    if n > 3:
+        s[1] = -1
+    return s
+
+
+def _run_both(fn, args: dict):
+    """fn(**args) on CPU copies with the reference backend and on CUDA copies with the default backend;
+    every tensor argument (the caches and in-place outputs) and the result compared byte for byte."""
+    def copies(device):
+        return {k: (v.clone().to(device) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+
+    cpu, gpu = copies("cpu"), copies("cuda")
+    with kvfuse.use_backend("reference"):
+        r_cpu = fn(**cpu)
+    r_gpu = fn(**gpu)
+    torch.cuda.synchronize()
+    for k, v in cpu.items():
+        if isinstance(v, torch.Tensor):
+            a, b = v.reshape(-1).view(torch.uint8), gpu[k].cpu().reshape(-1).view(torch.uint8)
+            assert torch.equal(a, b), f"{fn.__name__}: {k} differs in {int((a != b).sum())} bytes"
+    outs = r_cpu if isinstance(r_cpu, (tuple, list)) else [r_cpu]
+    gouts = r_gpu if isinstance(r_gpu, (tuple, list)) else [r_gpu]
+    for a, b in zip(outs, gouts):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a.reshape(-1).view(torch.uint8), b.cpu().reshape(-1).view(torch.uint8)), fn.__name__
+
+
+# ------------------------------------------------------------------------------------------- SGLang
+SGL_PAGE = {"v4": (576 + 8, 576), "v41": (512 + 16, 512), "v41_new": (528, 528), "v41_fp4": (256 + 32, 256),
+            "v41_fp4_new": (288, 288)}
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("layout", list(SGL_PAGE))
+def test_sglang_fused_k_norm_rope_flashmla(layout, n):
+    page_size, row, align = 64, *SGL_PAGE[layout]
+    page_bytes = -(-page_size * row // align) * align
+    num_pages = n // page_size + 2
+    cs = cos_sin_cache(8192, 64)
+    args = dict(kv=random_bf16((n, 640), seed=n)[:, 64:576], kv_weight=random_bf16((512,), seed=2, outliers=False),
+                eps=1e-6, freqs_cis=torch.complex(cs[:, :32], cs[:, 32:]),
+                positions=torch.randint(0, 8192, (n,), generator=torch.Generator().manual_seed(n)).int(),
+                out_loc=_slots(n, num_pages * page_size, n).int(), kvcache=_poisoned((num_pages, page_bytes)),
+                page_size=page_size, layout=layout)
+    _run_both(sglang.fused_k_norm_rope_flashmla, args)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_sglang_indexer_k(n):
+    page_size = 64
+    num_pages = n // page_size + 2
+    args = dict(k_input=random_bf16((n, 256), seed=n)[:, :128], cache=_poisoned((num_pages, 132 * page_size)),
+                out_cache_loc=_slots(n, num_pages * page_size, n + 1), weight=1.0 + 0.2 * torch.randn(128),
+                bias=0.1 * torch.randn(128), eps=1e-6, cos_sin_cache=cos_sin_cache(4096, 64),
+                positions=torch.randint(0, 4096, (n,)), page_size=page_size)
+    _run_both(sglang.fused_k_indexer_norm_rope_store, args)
+    store = dict(key=args["k_input"], index_k_with_scale=args["cache"], out_cache_loc=args["out_cache_loc"])
+    _run_both(sglang.fused_store_index_k_cache, store)
+
+
+# ------------------------------------------------------------------------------------------- vLLM
+@pytest.mark.parametrize("n", SIZES)
+def test_vllm_indexer_k_quant_and_cache(n):
+    block_size = 64
+    blocks = n // block_size + 2
+    args = dict(k=random_bf16((n, 128), seed=n), kv_cache=_poisoned((blocks, block_size, 132)),
+                slot_mapping=_slots(n, blocks * block_size, n), quant_block_size=128, scale_fmt="ue8m0")
+    _run_both(vllm.indexer_k_quant_and_cache, args)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_ds_mla"])
+def test_vllm_concat_and_cache_mla(kv_cache_dtype, n):
+    block_size = 64
+    blocks = n // block_size + 2
+    latent = random_bf16((n, 576), seed=n)              # kv_c and k_pe: views of one projection output
+    record = 656 if kv_cache_dtype == "fp8_ds_mla" else 576
+    cache = _poisoned((blocks, block_size, record * (2 if kv_cache_dtype == "auto" else 1)))
+    if kv_cache_dtype == "auto":
+        cache = cache.view(torch.bfloat16)
+    args = dict(kv_c=latent[:, :512], k_pe=latent[:, 512:], kv_cache=cache,
+                slot_mapping=_slots(n, blocks * block_size, n), kv_cache_dtype=kv_cache_dtype,
+                scale=torch.tensor(0.05, dtype=torch.float32))
+    _run_both(vllm.concat_and_cache_mla, args)
+
+
+# ------------------------------------------------------------------------------------------- FlashInfer
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_flashinfer_apply_rope_with_cos_sin_cache(inplace, n):
+    qkv = random_bf16((n, (32 + 2 * 8) * 128), seed=n)
+    fn = flashinfer.apply_rope_with_cos_sin_cache_inplace if inplace else flashinfer.apply_rope_with_cos_sin_cache
+    args = dict(positions=torch.randint(0, 4096, (n,)), query=qkv[:, :32 * 128], key=qkv[:, 32 * 128:40 * 128],
+                head_size=128, cos_sin_cache=cos_sin_cache(4096, 128), is_neox=True)
+    _run_both(fn, args)
