@@ -40,7 +40,7 @@ def fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_norm_
             [num_blocks, block_size, Hkv, D]) or "HND" (FlashInfer: [num_blocks, Hkv, block_size, D]);
             v_cache's last dim is Dv. Any strides with stride(-1) == 1 (slices of a larger
             allocation, vLLM's kv_cache[:, 0] / [:, 1]). Both None: no cache is written, k's result goes
-            to ``k_out`` and v is not read (slot_mapping and the scales None too).
+            to ``k_out`` and v is not read (it may be None; slot_mapping and the scales None too).
         slot_mapping: int32 / int64 [n]; slot s goes to block s // block_size, offset s % block_size;
             a slot < 0 or >= num_blocks * block_size writes nothing.
         q_norm_args, k_norm_args: NormArgs (kind "rms", weight [D] bf16 / fp32 shared by the heads) or None.

@@ -526,7 +526,8 @@ def halves_mode(plan, d: int, block_d: int) -> bool:
 
 def launch_args(plan):
     """(grid, positional args, keyword args) of qkv_kernel for a validated kvfuse.gqa.GQAPlan."""
-    q, k, v = plan.q, plan.k, plan.v
+    q, k = plan.q, plan.k
+    v = k if plan.v is None else plan.v        # without caches v is not read
     n, hq, d = q.shape
     hkv, dv = k.shape[1], v.shape[2]
     block_d, block_dv = next_pow2(d), next_pow2(dv)

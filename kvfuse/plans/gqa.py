@@ -87,12 +87,13 @@ def validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_a
     act = q.dtype
     n, hq, d = q.shape
     _check_heads(k, "k", dev, n, dtypes=(act,))
-    _check_heads(v, "v", dev, n, dtypes=(act,))
     hkv = k.shape[1]
     if k.shape[2] != d:
         raise ValueError(f"k: expected head_dim {d} (q's), got shape {tuple(k.shape)}")
-    if v.shape[1] != hkv:
-        raise ValueError(f"v: expected {hkv} heads (k's), got shape {tuple(v.shape)}")
+    if v is not None or k_cache is not None or v_cache is not None:     # v may be None without caches
+        _check_heads(v, "v", dev, n, dtypes=(act,))
+        if v.shape[1] != hkv:
+            raise ValueError(f"v: expected {hkv} heads (k's), got shape {tuple(v.shape)}")
     if hq % hkv:
         raise ValueError(f"q: num_heads {hq} must be a multiple of k's num_heads {hkv} (GQA / MHA)")
     if not isinstance(layout, str) or layout not in GQA_LAYOUTS:

@@ -97,7 +97,7 @@ class GQAPlan:
 
     q: torch.Tensor                           # bf16 / fp16 / fp32 [n, Hq, D], stride(-1) == 1
     k: torch.Tensor                           # q's dtype [n, Hkv, D], stride(-1) == 1
-    v: torch.Tensor                           # q's dtype [n, Hkv, Dv], stride(-1) == 1 (not read without caches)
+    v: Optional[torch.Tensor]                 # q's dtype [n, Hkv, Dv], stride(-1) == 1 (without caches: not read, may be None)
     k_cache: Optional[torch.Tensor]           # q's dtype / float8_e4m3fn, NHD [NB, BS, Hkv, D] or HND [NB, Hkv, BS, D]
     v_cache: Optional[torch.Tensor]           # the same dtype and layout, last dim Dv (both None: no cache write)
     slot_mapping: Optional[torch.Tensor]      # int32 / int64 [n] (None without caches)
