@@ -72,8 +72,9 @@ def _e4m3(v: np.ndarray, scale: float) -> torch.Tensor:
 @pytest.mark.parametrize("fp8", [False, True], ids=["plain_cache", "fp8"])
 @pytest.mark.parametrize("act", ACTIVATION_DTYPES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("numerics", NUMERICS)
-@pytest.mark.parametrize("d,rdim", [(128, 128), (72, 40)], ids=["d128", "d72_partial"])
-def test_profile_equals_spec_restated(numerics, act, fp8, backend, d, rdim):
+@pytest.mark.parametrize("d,rdim,norms", [(128, 128, True), (72, 40, True), (64, 64, False)],
+                         ids=["d128", "d72_partial", "d64_no_norms"])
+def test_profile_equals_spec_restated(numerics, act, fp8, backend, d, rdim, norms):
     profile = PROFILES[numerics]
     n, hq, hkv, bs = 3, 2, 1, 4
     g = torch.Generator().manual_seed(d + 3 * fp8)
@@ -90,18 +91,21 @@ def test_profile_equals_spec_restated(numerics, act, fp8, backend, d, rdim):
     slots = torch.tensor([5, 0, 2])
     ks, vs = 0.0371, 0.0213
     scales = dict(k_scale=torch.tensor([ks]), v_scale=torch.tensor(vs)) if fp8 else {}
+    norm_q, norm_k = (kvfuse.NormArgs(wq, 1e-6), kvfuse.NormArgs(wk, 1e-5)) if norms else (None, None)
     with kvfuse.use_backend(backend):
         q_out = kvfuse.fused_qk_norm_rope_store_kv(
-            q, k, v, k_cache, v_cache, slots, kvfuse.NormArgs(wq, 1e-6), kvfuse.NormArgs(wk, 1e-5),
-            kvfuse.RopeArgs(pos, cs, rdim, True), layout="NHD", numerics=numerics, **scales)
+            q, k, v, k_cache, v_cache, slots, norm_q, norm_k, kvfuse.RopeArgs(pos, cs, rdim, True), layout="NHD",
+            numerics=numerics, **scales)
     assert q_out.dtype == act
     for t in range(n):
         c, s = cs[pos[t], :rdim // 2].numpy(), cs[pos[t], rdim // 2:].numpy()
         for h in range(hq):
-            want, _ = _row(q[t, h].float().numpy(), wq.float().numpy(), 1e-6, c, s, rdim, act, profile)
+            want, _ = _row(q[t, h].float().numpy(), wq.float().numpy() if norms else None, 1e-6, c, s, rdim, act,
+                           profile)
             assert np.array_equal(q_out[t, h].float().numpy().view(np.uint32), want.view(np.uint32)), (t, h)
         blk, off = int(slots[t]) // bs, int(slots[t]) % bs
-        stored, cast_in = _row(k[t, 0].float().numpy(), wk.numpy(), 1e-5, c, s, rdim, act, profile)
+        stored, cast_in = _row(k[t, 0].float().numpy(), wk.numpy() if norms else None, 1e-5, c, s, rdim, act,
+                               profile)
         vv = v[t, 0].float().numpy()
         if fp8:
             assert torch.equal(k_cache[blk, off, 0].view(torch.uint8), _e4m3(cast_in, ks)), t
@@ -119,9 +123,9 @@ def test_profiles_differ_where_they_should():
     assert diff_report(runs["staged"], runs["fused"])
     assert "q_out" not in diff_report(runs["fused"], runs["fused_fp32_cast"])
     assert "cache_storage0" in diff_report(runs["fused"], runs["fused_fp32_cast"])
-    plain = {p: run_gqa_case(GQACase(numerics=p, q_norm=None, k_norm=None, **base), "reference")
-             for p in ("staged", "fused")}
+    plain = {p: run_gqa_case(GQACase(numerics=p, q_norm=None, k_norm=None, **base), "reference") for p in NUMERICS}
     assert not diff_report(plain["staged"], plain["fused"])
+    assert diff_report(plain["fused"], plain["fused_fp32_cast"]).startswith("cache_storage0")   # RoPE's fp32 value
     fp32 = {p: run_gqa_case(GQACase(numerics=p, dtype="fp32", **base), "reference") for p in ("staged", "fused")}
     assert not diff_report(fp32["staged"], fp32["fused"])     # nothing to round in fp32
 
@@ -135,6 +139,9 @@ CASES = {
     "fused_bf16_fp8_gptj": GQACase(numerics="fused", fp8=True, neox=False, seed=54),
     "fused_fp16_partial_offset": GQACase(numerics="fused", dtype="fp16", rotary_dim=64, rope_offset=32, seed=55),
     "fp32_cast_fp8_inplace": GQACase(numerics="fused_fp32_cast", fp8=True, inplace=True, seed=56),
+    "fp32_cast_fp8_no_norms": GQACase(numerics="fused_fp32_cast", fp8=True, q_norm=None, k_norm=None, seed=68),
+    "fp32_cast_fp8_no_norms_rows": GQACase(numerics="fused_fp32_cast", fp8=True, q_norm=None, k_norm=None,
+                                           rotary_dim=64, neox=False, dtype="fp16", seed=69),
     "fp32_cast_fp16_fp8_rows": GQACase(numerics="fused_fp32_cast", dtype="fp16", fp8=True, rotary_dim=32,
                                        neox=False, seed=57),
     "d120_fp8": GQACase(d=120, rotary_dim=64, fp8=True, seed=58),

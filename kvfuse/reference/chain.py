@@ -64,7 +64,10 @@ def qk_norm_rope(x: torch.Tensor, weight=None, eps: float = 1e-6, positions=None
     None). "staged" rounds each stage to x's dtype; the fused profiles (kvfuse.numerics_profiles) keep the
     norm's result in fp32 through RoPE and return fp32 values, which the caller rounds once."""
     staged = profile(numerics).round_each_stage
-    y = x if weight is None else rmsnorm(x, weight, eps, out_dtype=x.dtype if staged else F32)
+    if weight is not None:
+        y = rmsnorm(x, weight, eps, out_dtype=x.dtype if staged else F32)
+    else:
+        y = x if staged else x.to(F32)          # fused: RoPE's result stays fp32 without a norm too
     if positions is not None:
         y = rope(y, positions, cos_sin, rotary_dim, is_neox, rope_offset, conjugate)
     return y
