@@ -114,15 +114,6 @@ def gqa_variants():
         {**ptrs, "kc_ptr": "*bf16", "vc_ptr": "*bf16", "kw_ptr": "*fp32", "cs_ptr": "*bf16"}
     yield "gqa_fp8_d256_partial_rotary", {**base, "D": 256, "BLOCK_D": 256, "LOG2_BLOCK_D": 8, "DV": 256,
                                           "BLOCK_DV": 256, "BLOCK_M": 4, "R": 64, "ROPE_OFF": 32, "HALVES": False}, ptrs
-    # the activations' dtypes and numerics profiles (kvfuse.numerics_profiles), head_dim 120, no caches
-    yield "gqa_fp16_fused_fp8_d120", {**base, "D": 120, "DV": 120, "BLOCK_M": 2, "G": 2, "R": 64, "HALVES": False,
-                                      "ACT": 1, "NUMERICS": 1}, \
-        {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "qo_ptr": "*fp16"}
-    yield "gqa_fp32_fused_fp32_cast_heads4", {**base, "BLOCK_M": 2, "G": 4, "ACT": 2, "NUMERICS": 2, "KW_BF16": False,
-                                              "QW_BF16": False}, \
-        {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "qo_ptr": "*fp32", "qw_ptr": "*fp32", "kw_ptr": "*fp32"}
-    yield "gqa_bf16_fused_no_cache", {**base, "FP8": False, "NUMERICS": 1, "KV_CACHE": False, "BLOCK_M": 2, "G": 2},\
-        {**ptrs, "kc_ptr": "*bf16", "vc_ptr": "*bf16"}
 
 
 def grouped_variants():

@@ -33,8 +33,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from . import config
-from .blocks import (block_offset_of_slot, cs_rows, normed, reciprocal_std, rope1_pairs, rotate, store_bf16,
-                     tree_sum)
+from .blocks import block_offset_of_slot, cs_rows, reciprocal_std, rope1_pairs, rotate, store_bf16, tree_sum
 from .codes import NATIVE_INTEGER
 from ..numerics_profiles import ACTIVATION_CODES, PROFILES
 from .config import FORCED, INTERPRET, cdiv, native, next_pow2
@@ -89,12 +88,9 @@ def _qk_row_loads(x_ptr, xrow, rm, col, cmask, rot_mask, partner, ROPE: tl.const
 def _normed_act(v, r3, w, ACT: tl.constexpr, NUMERICS: tl.constexpr, NATIVE: tl.constexpr):
     """The RMSNorm of values v given the rows' 1 / std r3: (v * r3) * w, rounded to the activations' dtype
     under the staged profile, kept in fp32 under the fused ones (SPEC §2)."""
-    if ACT == ACT_BF16 and NUMERICS == NUMERICS_STAGED:
-        y = normed(v, r3, r3, w, w, False, False, NATIVE)
-    elif NUMERICS == NUMERICS_STAGED:
-        y = _round_act((v * r3) * w, ACT, NATIVE)
-    else:
-        y = (v * r3) * w
+    y = (v * r3) * w
+    if NUMERICS == NUMERICS_STAGED:
+        y = _round_act(y, ACT, NATIVE)
     return y
 
 
@@ -102,13 +98,9 @@ def _normed_act(v, r3, w, ACT: tl.constexpr, NUMERICS: tl.constexpr, NATIVE: tl.
 def _rope_round(v, ACT: tl.constexpr, NUMERICS: tl.constexpr, NATIVE: tl.constexpr):
     """RoPE's result: rounded to the activations' dtype under the staged profile (the fused ones round once,
     in _finish)."""
-    if ACT == ACT_BF16 and NUMERICS == NUMERICS_STAGED:
-        r = round_bf16(v, NATIVE)
-    elif NUMERICS == NUMERICS_STAGED:
-        r = _round_act(v, ACT, NATIVE)
-    else:
-        r = v
-    return r
+    if NUMERICS == NUMERICS_STAGED:
+        v = _round_act(v, ACT, NATIVE)
+    return v
 
 
 @triton.jit
