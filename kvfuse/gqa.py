@@ -1,13 +1,14 @@
 """K and V of GQA / MHA attention (SPEC §11): :func:`fused_qk_norm_rope_store_kv`.
 
 For the models that are not MLA (Llama, Qwen3, Gemma 3, ...): one call takes the q, k, v heads of a
-batch of tokens (views of one packed QKV projection allowed), applies the per-head QK-norm and RoPE to
-q and k, writes q back as bf16 and scatters K and V by slot into paged caches of vLLM's layout
-("NHD": [num_blocks, block_size, num_kv_heads, head_dim]) or FlashInfer's ("HND": [num_blocks,
-num_kv_heads, block_size, head_dim]), bf16 or float8_e4m3fn with one fp32 scale per tensor. One
-Triton launch on the GPU; byte for byte the unfused chain of :mod:`kvfuse.reference`
-(:func:`kvfuse.reference.qk_norm_rope_store_kv`). :func:`load_gqa_kv_cache` reads K and V back by
-slot (bf16, fp8 dequantized), for attention written in PyTorch and for tests.
+batch of tokens (views of one packed QKV projection allowed; bf16, fp16 or fp32), applies the per-head
+QK-norm and RoPE to q and k, writes q back and scatters K and V by slot into paged caches of vLLM's
+layout ("NHD": [num_blocks, block_size, num_kv_heads, head_dim]) or FlashInfer's ("HND": [num_blocks,
+num_kv_heads, block_size, head_dim]), of the activations' dtype or float8_e4m3fn with fp32 scales (one
+per tensor or per kv head); without caches k is written back like q. ``numerics`` picks where the chain
+rounds (:mod:`kvfuse.numerics_profiles`). One Triton launch on the GPU; byte for byte the unfused chain
+of :mod:`kvfuse.reference` (:func:`kvfuse.reference.qk_norm_rope_store_kv`). :func:`load_gqa_kv_cache`
+reads K and V back by slot, for attention written in PyTorch and for tests.
 
 Validation (:mod:`kvfuse.plans.gqa`: every rule raises ValueError / TypeError naming the argument,
 before anything is written) produces a :class:`~kvfuse.plans.types.GQAPlan`, which
@@ -18,40 +19,50 @@ from __future__ import annotations
 from . import dispatch as _dispatch
 from .reference.cache import load_gqa_kv as _load_gqa_kv
 from .plans import gqa as _gqa
+from .numerics_profiles import NUMERICS
 from .plans.gqa import CACHE_DTYPES
 from .plans.types import GQA_LAYOUTS as LAYOUTS, GQAPlan
 
-__all__ = ["fused_qk_norm_rope_store_kv", "load_gqa_kv_cache", "GQAPlan", "LAYOUTS", "CACHE_DTYPES"]
+__all__ = ["fused_qk_norm_rope_store_kv", "load_gqa_kv_cache", "GQAPlan", "LAYOUTS", "CACHE_DTYPES", "NUMERICS"]
 
 
 def fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_args=None,
-                                rope_args=None, k_scale=None, v_scale=None, layout="NHD", q_out=None):
+                                rope_args=None, k_scale=None, v_scale=None, layout="NHD", q_out=None,
+                                numerics="staged", k_out=None):
     """QK-norm -> RoPE on q and k, q written back, K and V scattered into paged caches: one launch.
 
     Args:
-        q: bf16 [n, Hq, D]; k: bf16 [n, Hkv, D]; v: bf16 [n, Hkv, Dv] (stride(-1) == 1, other strides
-            free: views of one packed QKV projection [n, (Hq + 2 Hkv) D] are fine). Hq a multiple of Hkv,
-            or 0: K and V alone (an engine's cache write without q).
-        k_cache, v_cache: bf16 or float8_e4m3fn (both the same), ``layout`` "NHD" (vLLM:
+        q: bf16, fp16 or fp32 [n, Hq, D]; k: [n, Hkv, D]; v: [n, Hkv, Dv], all three of one dtype (the
+            activations'), D and Dv positive multiples of 8 (stride(-1) == 1, other strides free: views of
+            one packed QKV projection [n, (Hq + 2 Hkv) D] are fine). Hq a multiple of Hkv, or 0: K and V
+            alone (an engine's cache write without q).
+        k_cache, v_cache: the activations' dtype or float8_e4m3fn (both the same), ``layout`` "NHD" (vLLM:
             [num_blocks, block_size, Hkv, D]) or "HND" (FlashInfer: [num_blocks, Hkv, block_size, D]);
             v_cache's last dim is Dv. Any strides with stride(-1) == 1 (slices of a larger
-            allocation, vLLM's kv_cache[:, 0] / [:, 1]).
+            allocation, vLLM's kv_cache[:, 0] / [:, 1]). Both None: no cache is written, k's result goes
+            to ``k_out`` and v is not read (it may be None; slot_mapping and the scales None too).
         slot_mapping: int32 / int64 [n]; slot s goes to block s // block_size, offset s % block_size;
             a slot < 0 or >= num_blocks * block_size writes nothing.
-        q_norm_args, k_norm_args: NormArgs (kind "rms", weight [D] shared by the heads) or None.
+        q_norm_args, k_norm_args: NormArgs (kind "rms", weight [D] bf16 / fp32 shared by the heads) or None.
         rope_args: RopeArgs or None (offset None means 0 here: RoPE on the first rotary_dim dims).
-        k_scale, v_scale: fp32 tensors for float8_e4m3fn caches (None for bf16), each of one element or
+        k_scale, v_scale: fp32 tensors for float8_e4m3fn caches (None otherwise), each of one element or
             one per kv head ([Hkv], contiguous): the cache holds e4m3(clamp(f(x) / f(scale_h), -448, 448))
             for head h.
-        q_out: bf16 [n, Hq, D] receiving the transformed q; q itself for in place; None allocates it.
+        q_out: [n, Hq, D] of the activations' dtype receiving the transformed q; q itself for in place;
+            None allocates it.
+        numerics: "staged" (every stage rounded to the activations' dtype), "fused" (fp32 from the norm's
+            input through RoPE, one rounding) or "fused_fp32_cast" (as "fused"; an fp8 cache's cast reads
+            the fp32 value): :data:`kvfuse.numerics_profiles.PROFILES`, SPEC §2.
+        k_out: without caches, [n, Hkv, D] of the activations' dtype receiving the transformed k; k itself
+            for in place; None allocates it. Must be None with caches.
 
-    Returns ``q_out`` (the tensor written). Raises ValueError / TypeError naming the argument before
-    anything is written.
+    Returns ``q_out`` (the tensor written); without caches ``(q_out, k_out)``. Raises ValueError /
+    TypeError naming the argument before anything is written.
     """
     plan = _gqa.prepare(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale,
-                        v_scale, layout, q_out)
+                        v_scale, layout, q_out, numerics, k_out)
     _dispatch.execute(plan)
-    return plan.q_out
+    return plan.q_out if plan.has_cache else (plan.q_out, plan.k_out)
 
 
 def load_gqa_kv_cache(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_scale=None):
@@ -61,9 +72,9 @@ def load_gqa_kv_cache(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None
         k_cache, v_cache, layout, k_scale, v_scale: as for :func:`fused_qk_norm_rope_store_kv`.
         slot_mapping: int32 / int64 [n]; a slot < 0 or >= num_blocks * block_size reads zeros.
 
-    Returns (k, v): bf16 [n, Hkv, D] and [n, Hkv, Dv], new tensors on the caches' device. A bf16 cache
-    gives its stored bits; a float8_e4m3fn cache gives bf16(f(code) * f(scale)) (NaN codes as the
-    canonical bf16 NaN). Torch ops on any device. Raises ValueError / TypeError naming the argument.
+    Returns (k, v): [n, Hkv, D] and [n, Hkv, Dv], new tensors on the caches' device. A bf16, fp16 or fp32
+    cache gives its stored bits (its dtype); a float8_e4m3fn cache gives bf16(f(code) * f(scale)) (NaN
+    codes as the canonical bf16 NaN). Torch ops on any device. Raises ValueError / TypeError naming the argument.
     """
     _gqa.validate_load(k_cache, v_cache, slot_mapping, layout, k_scale, v_scale)
     return _load_gqa_kv(k_cache, v_cache, slot_mapping, layout, k_scale, v_scale)

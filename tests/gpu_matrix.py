@@ -267,6 +267,19 @@ GQA_VARIANTS = [
     dict(dv=64, fp8=True, layout="HND", q_norm=None, k_norm=None),
     dict(fp8=True, scale_per_head="kv"),                                        # one scale per kv head
     dict(fp8=True, layout="HND", neox=False, scale_per_head="k", idx32=True),
+    # activations' dtypes x numerics profiles (kvfuse.numerics_profiles), calls without caches
+    dict(dtype="fp16", fp8=True, numerics="fused"),
+    dict(dtype="fp32", layout="HND", fp8=True, numerics="fused_fp32_cast", scale_per_head="kv"),
+    dict(dtype="fp16", numerics="fused_fp32_cast", neox=False, cache="vllm"),
+    dict(kv_cache=False, inplace=True, numerics="fused"),
+    dict(kv_cache=False, dtype="fp16", rotary_dim=32, rope_offset=16, neox=False),
+]
+# head_dims that are not a multiple of 16 (the tile is their power of two): (d, n, features)
+GQA_ODD_HEAD_DIMS = [
+    (120, 1, dict(fp8=True, rotary_dim=64)),
+    (120, 200, dict(dtype="fp16", numerics="fused")),
+    (72, 3, dict(layout="HND", fp8=True, numerics="fused_fp32_cast", dv=40)),
+    (8, 192, dict(rotary_dim=8, neox=False, kv_cache=False, inplace=True)),
 ]
 GQA_HEADS = {64: (12, 6), 128: (6, 3), 256: (4, 4)}   # partial groups: 64-d of 8 heads (q 8 + 4, kv 6), 128-d of 4 (q 4 + 2, kv 3)
 
@@ -299,4 +312,7 @@ def gqa_cases():
                 hq, hkv = GQA_HEADS[d]
                 case = GQACase(n=n, hq=hq, hkv=hkv, d=d, seed=n * 7 + d, **v)
                 out.append((f"gqa d{d}_n{n}_bm{cfg[0]}_g{cfg[1]}_w{cfg[2]}_" + "_".join(f"{k}={v[k]}" for k in v), case))
+    for d, n, v in GQA_ODD_HEAD_DIMS:
+        case = GQACase(n=n, hq=6, hkv=3, d=d, seed=n * 7 + d, **v)
+        out.append((f"gqa d{d}_n{n}_" + "_".join(f"{k}={v[k]}" for k in v), case))
     return out

@@ -20,6 +20,17 @@ from helpers import cos_sin_cache, random_bf16
 
 GUARD = 48        # elements before and after a cache view in its storage
 MAX_POS = 40      # rows of the cos/sin table
+ACT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def random_act(shape, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """random_bf16's values (outliers, tiny values, signed zeros) in ``dtype``; fp16 / fp32 values get
+    mantissa bits past bf16's (a relative perturbation of about 2^-10)."""
+    v = random_bf16(shape, seed)
+    if dtype == torch.bfloat16:
+        return v
+    g = torch.Generator().manual_seed(seed + 77)
+    return (v.float() * (1.0 + 2.0 ** -10 * torch.randn(shape, generator=g))).to(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +62,15 @@ class GQACase:
                                          # 2^-64 <= |scale| <= 2^64, else element by element
     scale_per_head: str = ""             # "k", "v" or "kv": those scales one per kv head (fp8), head h's
                                          # scale * (0.5 + h), the last of 3 or more heads 2^70 (divided)
+    dtype: str = "bf16"                  # the activations' dtype: "bf16" / "fp16" / "fp32" (q, k, v, q_out and
+                                         # an unquantized cache)
+    numerics: str = "staged"             # the profile (kvfuse.numerics_profiles.NUMERICS)
+    kv_cache: bool = True                # False: no caches, k written to k_out (k itself when inplace)
     seed: int = 0
+
+    @property
+    def act(self) -> torch.dtype:
+        return ACT_DTYPES[self.dtype]
 
     @property
     def v_dim(self) -> int:
@@ -72,11 +91,11 @@ def _cache_views(case: GQACase, g: torch.Generator, device):
     """(k_cache, v_cache, [storages]) for the case: bf16 or fp8 views into random bytes."""
     nb = -(-case.n // case.block_size) + case.extra_blocks
     bs, h, d, dv = case.block_size, case.hkv, case.d, case.v_dim
-    dt = torch.float8_e4m3fn if case.fp8 else torch.bfloat16
-    raw = torch.uint8 if case.fp8 else torch.int16
+    dt = torch.float8_e4m3fn if case.fp8 else case.act
+    raw = torch.uint8 if case.fp8 else {2: torch.int16, 4: torch.int32}[dt.itemsize]
 
     def rand(count):
-        lim = 256 if case.fp8 else 1 << 15
+        lim = 256 if case.fp8 else 1 << (8 * dt.itemsize - 1)
         return torch.randint(-lim if not case.fp8 else 0, lim, (count,), generator=g, dtype=torch.int64).to(raw)
 
     def inner(dim):     # the shape and strides of one block in elements, dense
@@ -109,15 +128,15 @@ def build(case: GQACase, device="cpu"):
     n, hq, hkv, d, dv = case.n, case.hq, case.hkv, case.d, case.v_dim
     width = hq * d + hkv * d + hkv * dv
     if case.packed:
-        qkv = random_bf16((n, width + 8), case.seed).to(device)     # 8 spare columns: a row stride != width
+        qkv = random_act((n, width + 8), case.seed, case.act).to(device)   # 8 spare columns: a row stride != width
         q = qkv[:, :hq * d].view(n, hq, d)
         k = qkv[:, hq * d:(hq + hkv) * d].view(n, hkv, d)
         v = qkv[:, (hq + hkv) * d:width].view(n, hkv, dv)
         inputs = [qkv]
     else:
-        q = random_bf16((n, hq, d), case.seed).to(device)
-        k = random_bf16((n, hkv, d), case.seed + 1).to(device)
-        v = random_bf16((n, hkv, dv), case.seed + 2).to(device)
+        q = random_act((n, hq, d), case.seed, case.act).to(device)
+        k = random_act((n, hkv, d), case.seed + 1, case.act).to(device)
+        v = random_act((n, hkv, dv), case.seed + 2, case.act).to(device)
         inputs = [q, k, v]
     k_cache, v_cache, storages = _cache_views(case, g, device)
     cap = k_cache.shape[0] * case.block_size
@@ -129,7 +148,7 @@ def build(case: GQACase, device="cpu"):
         bad = torch.tensor([-1, cap, -5, cap + 7, -(2 ** 31) if case.idx32 else -(2 ** 40)])
         slots[1::3] = bad.repeat(n)[: slots[1::3].numel()]
     kw = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots.to(idx).to(device),
-              layout=case.layout)
+              layout=case.layout, numerics=case.numerics)
 
     def weight(kind):
         if kind is None:
@@ -160,8 +179,17 @@ def build(case: GQACase, device="cpu"):
     elif case.q_out_none:
         q_buf = None
     else:
-        q_buf = torch.full((n, hq * d + 24), float("nan"), dtype=torch.bfloat16, device=device)
+        q_buf = torch.full((n, hq * d + 24), float("nan"), dtype=case.act, device=device)
         kw["q_out"] = q_buf[:, :hq * d].view(n, hq, d)
+    if not case.kv_cache:       # no caches: k to k_out (k itself in place, else a NaN-poisoned buffer)
+        kw.update(k_cache=None, v_cache=None, slot_mapping=None, k_scale=None, v_scale=None)
+        storages = []
+        if case.inplace:
+            kw["k_out"] = k
+        else:
+            k_buf = torch.full((n, hkv * d + 40), float("nan"), dtype=case.act, device=device)
+            kw["k_out"] = k_buf[:, :hkv * d].view(n, hkv, d)
+            storages = [k_buf]
     return kw, storages, inputs, q_buf
 
 
@@ -175,6 +203,9 @@ def run_gqa_case(case: GQACase, backend: str, device="cpu", fn=None) -> dict:
     call = kvfuse.fused_qk_norm_rope_store_kv if fn is None else fn
     with kvfuse.use_backend(backend):
         result = call(**kw)
+    if not case.kv_cache and fn is None:
+        result, k_result = result
+        assert k_result is kw["k_out"]
     if case.inplace:
         assert result is kw["q"]
     elif not case.q_out_none:

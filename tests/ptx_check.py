@@ -100,7 +100,7 @@ def gqa_variants():
     base = dict(D=128, BLOCK_D=128, LOG2_BLOCK_D=7, DV=128, BLOCK_DV=128, VEC=8, BLOCK_M=1, G=1, Q_NORM=True,
                 QW_BF16=True, K_NORM=True, KW_BF16=True, ROPE=True, R=128, ROPE_OFF=0, NEOX=True, CONJ=False,
                 CS_BF16=False, FP8=True, SLOT32=True, NATIVE=2, PDL=False, HALVES=True, K_SCALE_PER_HEAD=False,
-                V_SCALE_PER_HEAD=False)
+                V_SCALE_PER_HEAD=False, ACT=0, NUMERICS=0, KV_CACHE=True)
     ptrs = {"q_ptr": "*bf16"}
     yield "gqa_fp8_neox_decode", base, ptrs
     yield "gqa_fp8_neox_heads4", {**base, "BLOCK_M": 2, "G": 4}, ptrs

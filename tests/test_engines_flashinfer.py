@@ -38,8 +38,8 @@ def _batch(append_lens, kv_lens, page_size, max_num_pages, seed):
     return batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len
 
 
-def _caches(storage, max_num_pages, page_size, num_kv_heads, head_dim, layout, single):
-    t = storage.view(torch.bfloat16)
+def _caches(storage, max_num_pages, page_size, num_kv_heads, head_dim, layout, single, dtype=torch.bfloat16):
+    t = storage.view(dtype)
     inner = (page_size, num_kv_heads, head_dim) if layout == "NHD" else (num_kv_heads, page_size, head_dim)
     if single:
         whole = t.view(max_num_pages, 2, *inner)
@@ -83,6 +83,29 @@ def test_append_paged_kv_cache(backend, layout, single, page_size, head_dim, num
     _, ek, ev = _caches(want, max_num_pages, page_size, num_kv_heads, head_dim, layout, single)
     _append_expected(key, value, ek, ev, batch_indices, positions, kv_indices, kv_indptr, layout)
     assert_bytes_equal(got, want, f"paged cache {layout}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("head_dim", [72, 128])
+def test_append_paged_kv_cache_fp16(backend, layout, head_dim):
+    """fp16 entries into fp16 caches (FlashInfer's kernel is templated on the one dtype): their bits at the
+    pages and offsets of FlashInfer's addressing; head_dim 72 (a multiple of 8)."""
+    meta = _batch([3, 1], [3, 6], 4, 6, seed=head_dim)
+    batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len = meta
+    g = torch.Generator().manual_seed(head_dim)
+    key = (torch.randn(4, 2, head_dim, generator=g) * 5).half()
+    value = torch.randn(4, 2, head_dim, generator=g).half()
+    nbytes = 2 * 6 * 4 * 2 * head_dim * 2
+    got = torch.full((nbytes,), POISON, dtype=torch.uint8)
+    want = got.clone()
+    paged, _, _ = _caches(got, 6, 4, 2, head_dim, layout, False, torch.float16)
+    with kvfuse.use_backend(backend):
+        flashinfer.append_paged_kv_cache(key, value, batch_indices, positions, paged, kv_indices, kv_indptr,
+                                         kv_last_page_len, kv_layout=layout)
+    _, ek, ev = _caches(want, 6, 4, 2, head_dim, layout, False, torch.float16)
+    _append_expected(key, value, ek, ev, batch_indices, positions, kv_indices, kv_indptr, layout)
+    assert_bytes_equal(got, want, f"fp16 paged cache {layout}")
 
 
 def test_append_paged_kv_cache_int64_metadata():
@@ -183,16 +206,22 @@ def _rope_args(**over):
 
 
 ERRORS = [
-    ("fp16 key", flashinfer.append_paged_kv_cache, _append_args,
+    ("fp32 key", flashinfer.append_paged_kv_cache, _append_args,
+     lambda: dict(append_key=torch.zeros(3, 2, 64)), TypeError,
+     "append_key: dtype torch.float32 is not supported yet"),
+    ("fp16 key, bf16 value", flashinfer.append_paged_kv_cache, _append_args,
      lambda: dict(append_key=torch.zeros(3, 2, 64, dtype=torch.half)), TypeError,
-     "append_key: dtype torch.float16 is not supported yet"),
+     "append_value: expected append_key's dtype torch.float16, got torch.bfloat16"),
+    ("fp16 entries, bf16 cache", flashinfer.append_paged_kv_cache, _append_args,
+     lambda: dict(append_key=torch.zeros(3, 2, 64, dtype=torch.half), append_value=torch.zeros(3, 2, 64, dtype=torch.half)),
+     TypeError, "paged_kv_cache: dtype torch.bfloat16 is not supported yet (kvfuse appends torch.float16"),
     ("fp8 cache", flashinfer.append_paged_kv_cache, _append_args,
      lambda: dict(paged_kv_cache=torch.zeros(4, 2, 4, 2, 64, dtype=torch.float8_e4m3fn)), TypeError,
      "paged_kv_cache: dtype torch.float8_e4m3fn is not supported yet"),
-    ("head_dim 40", flashinfer.append_paged_kv_cache, _append_args,
-     lambda: dict(append_key=torch.zeros(3, 2, 40, dtype=torch.bfloat16),
-                  append_value=torch.zeros(3, 2, 40, dtype=torch.bfloat16)), ValueError,
-     "append_key: head size 40 is not supported yet"),
+    ("head_dim 36", flashinfer.append_paged_kv_cache, _append_args,
+     lambda: dict(append_key=torch.zeros(3, 2, 36, dtype=torch.bfloat16),
+                  append_value=torch.zeros(3, 2, 36, dtype=torch.bfloat16)), ValueError,
+     "append_key: head size 36 is not supported yet"),
     ("layout", flashinfer.append_paged_kv_cache, _append_args, lambda: dict(kv_layout="NDH"), ValueError,
      "kv_layout: expected one of"),
     ("cache not a pair", flashinfer.append_paged_kv_cache, _append_args, lambda: dict(paged_kv_cache=[1, 2, 3]),

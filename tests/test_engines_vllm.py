@@ -1,7 +1,9 @@
-"""kvfuse.engines.vllm against vLLM 0.33's documented semantics of its cache writers, written here as
-small torch loops (never from kvfuse's output): slot -> (block, offset), slot -1 skips, a slot_mapping
-shorter than the batch writes only its tokens, fp8 = e4m3(x / scale) saturated to +-448 with round to
-nearest even, the indexer's and fp8_ds_mla's power-of-two scales and byte layouts. Every cache sits in
+"""kvfuse.engines.vllm against vLLM 0.33's documented semantics of its cache writers and QK-norm RoPE,
+written here as small torch loops (never from kvfuse's output): slot -> (block, offset), slot -1 skips,
+a slot_mapping shorter than the batch writes only its tokens, fp8 = e4m3(x / scale) saturated to +-448
+with round to nearest even (per tensor or per head), "auto" caches of the input's dtype (bf16 / fp16 /
+fp32), the indexer's and fp8_ds_mla's power-of-two scales and byte layouts; fused_qk_norm_rope in fp32
+with one rounding, against vLLM's own test reference within its tolerance. Every cache sits in
 a storage poisoned with 0xAB bytes and the whole storage is compared, so a stray or missing write
 shows. Run on the reference backend and in Triton's interpreter; plus the errors for what is not
 supported yet, and torch.compile(fullgraph=True)."""
@@ -124,6 +126,45 @@ def test_reshape_and_cache_flash_fp8_edges(backend, scale):
         assert neg.item() == 0x80                                  # negative zero keeps its sign
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16], ids=["fp16", "fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["auto", "fp8_per_tensor", "fp8_per_head"])
+@pytest.mark.parametrize("head_size", [8, 72, 120])
+def test_reshape_and_cache_flash_dtypes_scales_head_sizes(backend, dtype, kind, head_size):
+    """vLLM's template over the input type: "auto" stores the input's dtype (its bits); fp8 divides each
+    head by its scale, ``k_scale[head]`` when the scales hold one value per head, else the one value."""
+    num_heads, num_blocks, block_size, num_tokens = 3, 3, 4, 7
+    g = torch.Generator().manual_seed(head_size + len(kind))
+    key = (torch.randn(num_tokens, num_heads, head_size, generator=g) * 7).to(dtype)
+    value = (torch.randn(num_tokens, num_heads, head_size, generator=g) * 3).to(dtype)
+    slot_mapping = torch.tensor([5, -1, 0, 11, 3, 8, -1])
+    fp8 = kind != "auto"
+    cache_dtype = torch.uint8 if fp8 else dtype
+    esize = 1 if fp8 else dtype.itemsize
+    nbytes = num_blocks * 2 * block_size * num_heads * head_size * esize
+    per_head = kind == "fp8_per_head"
+    k_scale = torch.tensor([0.05, 0.2, 1.5] if per_head else [0.07])
+    v_scale = torch.tensor([0.5, 0.01, 0.03] if per_head else [0.02])
+    got, want = _poisoned(nbytes), _poisoned(nbytes)
+    kc, vc = _flash_caches(got, num_blocks, block_size, num_heads, head_size, "NHC", cache_dtype)
+    with kvfuse.use_backend(backend):
+        vllm.reshape_and_cache_flash(key, value, kc, vc, slot_mapping, "fp8" if fp8 else "auto", k_scale, v_scale)
+    ekc, evc = _flash_caches(want, num_blocks, block_size, num_heads, head_size, "NHC", cache_dtype)
+    for i, s in enumerate(slot_mapping.tolist()):
+        if s < 0:
+            continue
+        b, o = divmod(s, block_size)
+        for h in range(num_heads):
+            ks, vs = (k_scale[h], v_scale[h]) if per_head else (k_scale[0], v_scale[0])
+            if fp8:
+                ekc[b, o, h] = _e4m3_div(key[i, h], ks.item())
+                evc[b, o, h] = _e4m3_div(value[i, h], vs.item())
+            else:
+                ekc[b, o, h] = key[i, h]
+                evc[b, o, h] = value[i, h]
+    assert_bytes_equal(got, want, f"{kind} {dtype} head_size {head_size}")
+
+
 def test_reshape_and_cache_flash_float8_cache_and_bf16_scale_shapes():
     """A float8_e4m3fn cache is written like vLLM's uint8 one; scales of shape () and (1,) alike."""
     key = random_bf16((4, 2, 64), seed=3)
@@ -138,6 +179,125 @@ def test_reshape_and_cache_flash_float8_cache_and_bf16_scale_shapes():
                                      slot_mapping, "fp8_e4m3", torch.tensor([0.25]), torch.tensor([0.5]))
     assert torch.equal(a, b)
     assert not torch.equal(a, _poisoned(a.numel()))
+
+
+# --------------------------------------------------------------------------- fused_qk_norm_rope
+def _f32_tree(p: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim in adjacent pairs (zero-padded to a power of two), fp32 adds one by one."""
+    width = 1 << (p.shape[-1] - 1).bit_length()
+    p = torch.cat([p, p.new_zeros(p.shape[:-1] + (width - p.shape[-1],))], dim=-1)
+    while p.shape[-1] > 1:
+        p = p[..., 0::2] + p[..., 1::2]
+    return p[..., 0]
+
+
+def _qk_norm_rope_fused(x, w, eps, cos, sin, rotary_dim, is_neox):
+    """One token's heads x [H, D] under the semantics kvfuse documents for vLLM's op (numerics "fused"): RMSNorm
+    in fp32 (pairwise sum of squares, / D, + eps, correctly rounded sqrt, 1 / that, (x * rstd) * w), RoPE in
+    fp32 on the first rotary_dim dims, one rounding to x's dtype."""
+    xf = x.float()
+    den = torch.sqrt((_f32_tree(xf * xf) / torch.tensor(float(x.shape[-1])) + torch.tensor(eps, dtype=torch.float32))
+                     .double()).float()
+    y = (xf * (torch.ones_like(den) / den)[:, None]) * w.float()
+    return _rotated(y, cos, sin, rotary_dim, is_neox).to(x.dtype)
+
+
+def _rotated(y, c, s, rotary_dim, is_neox):
+    """y [H, D] with its first rotary_dim dims rotated in y's dtype: pairs (i, i + rotary_dim / 2) (NEOX) or
+    (2i, 2i + 1), y0 = a c - b s, y1 = a s + b c."""
+    h = rotary_dim // 2
+    idx0 = torch.arange(h) if is_neox else 2 * torch.arange(h)
+    idx1 = idx0 + h if is_neox else idx0 + 1
+    a, b = y[:, idx0].clone(), y[:, idx1].clone()
+    y[:, idx0] = a * c - b * s
+    y[:, idx1] = a * s + b * c
+    return y
+
+
+def _vllm_native_reference(x, w, eps, cos, sin, rotary_dim, is_neox):
+    """vLLM's own test reference (RMSNorm.forward_native, RotaryEmbedding.forward_native): the norm in fp32
+    rounded to x's dtype before the weight, the rotation in x's dtype."""
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+    return _rotated(y, cos.to(x.dtype), sin.to(x.dtype), rotary_dim, is_neox)
+
+
+def _within_vllm_tolerance_or_closer(got, x, w, eps, cos, sin, rotary_dim, is_neox, tol):
+    """vLLM's test: got within (atol, rtol) of its reference; that reference rounds after each bf16 / fp16 op,
+    so where got misses the tolerance (a few elements of cancelling products), got must be the closer of
+    the two to the fp64 chain."""
+    native = _vllm_native_reference(x, w, eps, cos, sin, rotary_dim, is_neox).double()
+    xd = x.double()
+    exact = _vllm_native_reference(xd, w.double(), eps, cos.double(), sin.double(), rotary_dim, is_neox)
+    g = got.double()
+    miss = (g - native).abs() > tol["atol"] + tol["rtol"] * native.abs()
+    assert miss.sum() <= max(1, got.numel() // 500), int(miss.sum())
+    assert ((g - exact).abs()[miss] < (native - exact).abs()[miss]).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("rotary_ratio,cs_dtype", [(1.0, None), (0.5, None), (0.25, None), (1.0, torch.float32),
+                                                   (0.5, torch.float16)],
+                         ids=["full", "half", "quarter", "full_fp32_table_far", "half_fp16_table_far"])
+def test_fused_qk_norm_rope(backend, dtype, is_neox, rotary_ratio, cs_dtype):
+    """vLLM's test's shapes (16 q, 4 k, 4 v heads of 128, 4 tokens, weights ~ N(1, 0.1), base 10000): in place,
+    v untouched, q and k byte-equal to the fused semantics restated here. With vLLM's test's table (qkv's
+    dtype) and positions (0..3), also within its tolerance of its own reference; the other tables are
+    read at a far position too (3000), where that reference's rounded cos / sin are no yardstick."""
+    num_heads, num_kv_heads, head_dim, num_tokens, eps = 16, 4, 128, 4, 1e-6
+    g = torch.Generator().manual_seed(13)
+    total = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(num_tokens, total, generator=g).to(dtype)
+    before = qkv.clone()
+    q_weight = (1.0 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype)
+    k_weight = (1.0 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype)
+    rotary_dim = int(head_dim * rotary_ratio)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+    freqs = torch.outer(torch.arange(4096, dtype=torch.float), inv_freq)
+    cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(cs_dtype or dtype)
+    vllm_test = cs_dtype is None
+    positions = torch.tensor([0, 1, 2, 3] if vllm_test else [0, 1, 2, 3000])
+    with kvfuse.use_backend(backend):
+        assert vllm.fused_qk_norm_rope(qkv, num_heads, num_kv_heads, num_kv_heads, head_dim, eps, q_weight, k_weight,
+                                       cos_sin_cache, is_neox, positions) is None
+    qs, ks = num_heads * head_dim, num_kv_heads * head_dim
+    assert torch.equal(qkv[:, qs + ks:], before[:, qs + ks:])                       # v
+    tol = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float16 else dict(atol=1e-2, rtol=1e-2)
+    for t in range(num_tokens):
+        row = cos_sin_cache[positions[t]].float()
+        cos, sin = row[:rotary_dim // 2], row[rotary_dim // 2:]
+        for lo, heads, w in ((0, num_heads, q_weight), (qs, num_kv_heads, k_weight)):
+            x = before[t, lo:lo + heads * head_dim].view(heads, head_dim)
+            got = qkv[t, lo:lo + heads * head_dim].view(heads, head_dim)
+            want = _qk_norm_rope_fused(x, w, eps, cos, sin, rotary_dim, is_neox)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (t, lo)
+            if vllm_test:
+                _within_vllm_tolerance_or_closer(got, x, w, eps, cos, sin, rotary_dim, is_neox, tol)
+
+
+def test_fused_qk_norm_rope_fused_is_closer_than_staged():
+    """The reason for the fused profile: against an fp64 chain, vLLM's semantics (one rounding) err less than
+    kvfuse's staged chain on the same inputs (bf16, vLLM's test's shapes)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 8, 128, generator=g).to(torch.bfloat16)
+    w = (1.0 + 0.1 * torch.randn(128, generator=g)).to(torch.bfloat16)
+    pos = torch.arange(64) * 37
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128))
+    freqs = torch.outer(torch.arange(4096, dtype=torch.float64), inv_freq)
+    cs = torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+    xd, wd, csd = x.double(), w.double(), cs.double()[pos][:, None, :]
+    y = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * wd
+    c, s = csd[..., :64], csd[..., 64:]
+    exact = torch.cat([y[..., :64] * c - y[..., 64:] * s, y[..., :64] * s + y[..., 64:] * c], dim=-1)
+    errs = {}
+    for numerics in ("staged", "fused"):
+        out = kvfuse.fused_qk_norm_rope_store_kv(x, x[:, :1], None, None, None, None, kvfuse.NormArgs(w),
+                                                 kvfuse.NormArgs(w), kvfuse.RopeArgs(pos, cs, 128, True),
+                                                 numerics=numerics)[0]
+        errs[numerics] = (out.double() - exact).abs().mean().item()
+    assert errs["fused"] < errs["staged"], errs
 
 
 # --------------------------------------------------------------------------- indexer_k_quant_and_cache
@@ -261,6 +421,14 @@ def _index_args(**over):
     return kw
 
 
+def _qk_args(**over):
+    kw = dict(qkv=random_bf16((3, 6 * 64), seed=5), num_heads_q=4, num_heads_k=1, num_heads_v=1, head_dim=64,
+              eps=1e-6, q_weight=torch.ones(64, dtype=torch.bfloat16), k_weight=torch.ones(64, dtype=torch.bfloat16),
+              cos_sin_cache=torch.zeros(16, 64), is_neox=True, position_ids=torch.arange(3))
+    kw.update(over)
+    return kw
+
+
 def _mla_args(**over):
     kw = dict(kv_c=random_bf16((3, 512), seed=1), k_pe=random_bf16((3, 64), seed=2),
               kv_cache=torch.full((2, 16, 656), POISON, dtype=torch.uint8), slot_mapping=torch.tensor([1, 2, 3]),
@@ -270,19 +438,25 @@ def _mla_args(**over):
 
 
 ERRORS = [
-    ("fp16 key", vllm.reshape_and_cache_flash, _flash_args, lambda: dict(key=torch.zeros(3, 2, 64, dtype=torch.half)),
-     TypeError, "key: dtype torch.float16 is not supported yet"),
-    ("fp32 value", vllm.reshape_and_cache_flash, _flash_args, lambda: dict(value=torch.zeros(3, 2, 64)),
-     TypeError, "value: dtype torch.float32 is not supported yet"),
-    ("head size 72", vllm.reshape_and_cache_flash, _flash_args,
-     lambda: dict(key=torch.zeros(3, 2, 72, dtype=torch.bfloat16), value=torch.zeros(3, 2, 72, dtype=torch.bfloat16)),
-     ValueError, "key: head size 72 is not supported yet"),
+    ("fp64 key", vllm.reshape_and_cache_flash, _flash_args, lambda: dict(key=torch.zeros(3, 2, 64, dtype=torch.double)),
+     TypeError, "key: dtype torch.float64 is not supported yet"),
+    ("fp32 value, bf16 key", vllm.reshape_and_cache_flash, _flash_args, lambda: dict(value=torch.zeros(3, 2, 64)),
+     TypeError, "value: expected key's dtype torch.bfloat16, got torch.float32"),
+    ("head size 20", vllm.reshape_and_cache_flash, _flash_args,
+     lambda: dict(key=torch.zeros(3, 2, 20, dtype=torch.bfloat16), value=torch.zeros(3, 2, 20, dtype=torch.bfloat16)),
+     ValueError, "key: head size 20 is not supported yet"),
+    ("auto fp16 key, bf16 cache", vllm.reshape_and_cache_flash, _flash_args,
+     lambda: dict(key=torch.zeros(3, 2, 64, dtype=torch.half), value=torch.zeros(3, 2, 64, dtype=torch.half),
+                  kv_cache_dtype="auto", key_cache=torch.zeros(2, 8, 2, 64, dtype=torch.bfloat16)),
+     TypeError, "key_cache: kv_cache_dtype 'auto' stores the input's dtype (torch.float16)"),
     ("fp8_e5m2", vllm.reshape_and_cache_flash, _flash_args, lambda: dict(kv_cache_dtype="fp8_e5m2"),
      ValueError, "kv_cache_dtype 'fp8_e5m2' is not supported yet"),
     ("nvfp4", vllm.reshape_and_cache_flash, _flash_args, lambda: dict(kv_cache_dtype="nvfp4"),
      ValueError, "kv_cache_dtype: expected one of"),
-    ("per-head scales", vllm.reshape_and_cache_flash, _flash_args, lambda: dict(k_scale=torch.ones(2)),
-     ValueError, "k_scale: 2 scales (per-head scales) are not supported yet"),
+    ("three scales for two heads", vllm.reshape_and_cache_flash, _flash_args, lambda: dict(k_scale=torch.ones(3)),
+     ValueError, "k_scale: expected one value or one per head (2), got 3"),
+    ("k_scale per head, v_scale per tensor", vllm.reshape_and_cache_flash, _flash_args,
+     lambda: dict(k_scale=torch.ones(2)), ValueError, "v_scale: expected k_scale's shape (2,), got ()"),
     ("fp64 scale", vllm.reshape_and_cache_flash, _flash_args, lambda: dict(v_scale=torch.tensor(1.0, dtype=torch.float64)),
      TypeError, "v_scale: expected dtype torch.float32"),
     ("long slot mapping", vllm.reshape_and_cache_flash, _flash_args, lambda: dict(slot_mapping=torch.arange(4)),
@@ -317,6 +491,29 @@ ERRORS = [
     ("mla pe 40", vllm.concat_and_cache_mla, _mla_args,
      lambda: dict(kv_cache_dtype="auto", k_pe=torch.zeros(3, 40, dtype=torch.bfloat16),
                   kv_cache=torch.zeros(2, 16, 552, dtype=torch.bfloat16)), ValueError, "k_pe: head size 40 is not supported yet"),
+    ("qk fp32 qkv", vllm.fused_qk_norm_rope, _qk_args, lambda: dict(qkv=torch.zeros(3, 6 * 64)), TypeError,
+     "qkv: dtype torch.float32 is not supported yet"),
+    ("qk columns", vllm.fused_qk_norm_rope, _qk_args, lambda: dict(num_heads_v=2), ValueError,
+     "qkv: expected 448 columns"),
+    ("qk weight dtype", vllm.fused_qk_norm_rope, _qk_args, lambda: dict(k_weight=torch.ones(64)), TypeError,
+     "k_weight: expected qkv's dtype torch.bfloat16, got torch.float32"),
+    ("qk weight shape (kvfuse's check, vLLM's name)", vllm.fused_qk_norm_rope, _qk_args,
+     lambda: dict(q_weight=torch.ones(32, dtype=torch.bfloat16)), ValueError, "q_weight: expected shape (64,)"),
+    ("qk eps", vllm.fused_qk_norm_rope, _qk_args, lambda: dict(eps=0.0), ValueError, "eps must be a finite number > 0"),
+    ("qk rotary odd", vllm.fused_qk_norm_rope, _qk_args, lambda: dict(cos_sin_cache=torch.zeros(16, 7)), ValueError,
+     "cos_sin_cache: its rotary_dim (size(1)) must be even and in (0, head_dim=64], got 7"),
+    ("qk rotary wide", vllm.fused_qk_norm_rope, _qk_args, lambda: dict(cos_sin_cache=torch.zeros(16, 80)),
+     ValueError, "cos_sin_cache: its rotary_dim (size(1)) must be even and in (0, head_dim=64], got 80"),
+    ("qk positions int32", vllm.fused_qk_norm_rope, _qk_args,
+     lambda: dict(position_ids=torch.arange(3, dtype=torch.int32)), TypeError, "position_ids: expected dtype torch.int64"),
+    ("qk positions count", vllm.fused_qk_norm_rope, _qk_args, lambda: dict(position_ids=torch.arange(2)), ValueError,
+     "position_ids: expected shape (3,)"),
+    ("qk head_dim 12", vllm.fused_qk_norm_rope, _qk_args,
+     lambda: dict(head_dim=12, qkv=torch.zeros(3, 6 * 12, dtype=torch.bfloat16), q_weight=torch.ones(12, dtype=torch.bfloat16)),
+     ValueError, "head_dim: head size 12 is not supported yet"),
+    ("qk gqa ratio", vllm.fused_qk_norm_rope, _qk_args, lambda: dict(num_heads_q=3, num_heads_k=2, num_heads_v=1),
+     ValueError, "qkv: num_heads 3 must be a multiple of k's num_heads 2"),
+    ("qk is_neox", vllm.fused_qk_norm_rope, _qk_args, lambda: dict(is_neox=1), TypeError, "is_neox must be a bool"),
     ("mla auto cache width", vllm.concat_and_cache_mla, _mla_args,
      lambda: dict(kv_cache_dtype="auto", kv_cache=torch.zeros(2, 16, 512, dtype=torch.bfloat16)),
      ValueError, "kv_cache: expected [num_blocks, block_size, 576]"),
@@ -326,7 +523,7 @@ ERRORS = [
 @pytest.mark.parametrize("label,fn,args,change,exc,match", ERRORS, ids=[e[0] for e in ERRORS])
 def test_errors_name_the_argument_and_write_nothing(label, fn, args, change, exc, match):
     kw = args(**change())
-    caches = [v for k, v in kw.items() if "cache" in k and isinstance(v, torch.Tensor)]
+    caches = [v for k, v in kw.items() if ("cache" in k or k == "qkv") and isinstance(v, torch.Tensor)]
     before = [c.clone() for c in caches]
     with kvfuse.use_backend("reference"), pytest.raises(exc) as info:
         fn(**kw)
@@ -354,3 +551,17 @@ def test_compile_fullgraph():
                 _poisoned(4 * 16 * 132).view(4, 16, 132))
 
     assert_compiled_matches_eager(step, fresh)
+
+
+def test_compile_fullgraph_fused_qk_norm_rope():
+    """fused_qk_norm_rope in place on the packed qkv under torch.compile(fullgraph=True): q and k are both
+    the op's inputs and (q_out, k_out) its mutated outputs, views of the one buffer."""
+    w = torch.full((64,), 1.125, dtype=torch.bfloat16)
+    cs = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
+    pos = torch.tensor([1, 5, 9])
+
+    def step(qkv):
+        vllm.fused_qk_norm_rope(qkv, 4, 1, 1, 64, 1e-6, w, w, cs, True, pos)
+        return qkv.float().sum()
+
+    assert_compiled_matches_eager(step, lambda: (random_bf16((3, 6 * 64), seed=3),))

@@ -49,9 +49,42 @@ def _bad_calls():
 
     return [
         ("q not a tensor", lambda kw: kw.update(q=[1]), TypeError, "q must be a torch.Tensor"),
-        ("q fp16", lambda kw: kw.update(q=kw["q"].half()), TypeError, "q: expected dtype torch.bfloat16"),
+        ("q fp64", lambda kw: kw.update(q=kw["q"].double()), TypeError,
+         "q: expected dtype torch.bfloat16 or torch.float16 or torch.float32, got torch.float64"),
+        ("k fp16 with bf16 q", lambda kw: kw.update(k=kw["k"].half()), TypeError,
+         "k: expected dtype torch.bfloat16, got torch.float16"),
+        ("v fp32 with bf16 q", lambda kw: kw.update(v=kw["v"].float()), TypeError,
+         "v: expected dtype torch.bfloat16, got torch.float32"),
         ("q 2-d", lambda kw: kw.update(q=kw["q"][:, 0]), ValueError, "q: expected shape [n, num_heads, head_dim]"),
-        ("q head_dim 8", lambda kw: kw.update(q=kw["q"][..., :8]), ValueError, "q: head_dim must be"),
+        ("q head_dim 12", lambda kw: kw.update(q=kw["q"][..., :12]), ValueError,
+         "q: head_dim must be a positive multiple of 8, got 12"),
+        ("v head_dim 20", lambda kw: kw.update(v=torch.zeros(n, 2, 20, dtype=torch.bfloat16)), ValueError,
+         "v: head_dim must be a positive multiple of 8, got 20"),
+        ("numerics", lambda kw: kw.update(numerics="fp32"), ValueError,
+         "numerics must be one of ('staged', 'fused', 'fused_fp32_cast'), got 'fp32'"),
+        ("numerics type", lambda kw: kw.update(numerics=None), ValueError, "numerics must be one of"),
+        ("v_cache None alone", lambda kw: kw.update(v_cache=None), ValueError,
+         "v_cache: None with k_cache given; pass both caches, or neither"),
+        ("slots without caches", lambda kw: kw.update(k_cache=None, v_cache=None), ValueError,
+         "slot_mapping must be None without caches"),
+        ("scale without caches", lambda kw: kw.update(k_cache=None, v_cache=None, slot_mapping=None,
+                                                      k_scale=torch.ones(1)), ValueError,
+         "k_scale must be None without caches"),
+        ("k_out with caches", lambda kw: kw.update(k_out=kw["k"]), ValueError, "k_out must be None when k goes"),
+        ("k_out shape", lambda kw: kw.update(k_cache=None, v_cache=None, slot_mapping=None,
+                                             k_out=torch.zeros(n, 2, 64, dtype=torch.bfloat16)), ValueError,
+         "k_out: expected shape (5, 2, 128)"),
+        ("k_out dtype", lambda kw: kw.update(k_cache=None, v_cache=None, slot_mapping=None,
+                                             k_out=torch.zeros(n, 2, d)), TypeError, "k_out: expected dtype"),
+        ("k_out overlaps q", lambda kw: kw.update(k_cache=None, v_cache=None, slot_mapping=None,
+                                                  k_out=torch.as_strided(kw["q"], (n, 2, d), kw["k"].stride())),
+         ValueError, "k_out overlaps q in memory"),
+        ("k_out shifted k", lambda kw: kw.update(k_cache=None, v_cache=None, slot_mapping=None,
+                                                 k_out=torch.as_strided(kw["k"], (n, 2, d), kw["k"].stride(),
+                                                                        kw["k"].storage_offset() + 1)),
+         ValueError, "k_out overlaps k in memory: an output must not overlap an input (k_out may be k itself"),
+        ("fp16 cache for bf16", lambda kw: kw.update(k_cache=cache_like(kw, "k_cache", dtype=torch.float16)),
+         TypeError, "k_cache: expected dtype torch.bfloat16 or torch.float8_e4m3fn, got torch.float16"),
         ("q strided last dim", lambda kw: kw.update(q=torch.zeros(n, 4, 2 * d, dtype=torch.bfloat16)[..., ::2]), ValueError,
          "q: expected stride(-1) == 1"),
         ("k tokens", lambda kw: kw.update(k=kw["k"][:3]), ValueError, "k: expected 5 tokens"),
@@ -255,7 +288,10 @@ def _op_args(**case):
     return opargs.flatten(gqa.prepare(**kw))
 
 
-@pytest.mark.parametrize("case", [dict(), dict(layout="HND", q_norm=None, rotary_dim=0)], ids=["nhd_bf16", "hnd_plain"])
+@pytest.mark.parametrize("case", [dict(), dict(layout="HND", q_norm=None, rotary_dim=0),
+                                  dict(kv_cache=False, numerics="fused", dtype="fp16"),
+                                  dict(numerics="fused_fp32_cast", dtype="fp32", d=120, rotary_dim=64)],
+                         ids=["nhd_bf16", "hnd_plain", "no_cache_fused_fp16", "fp32_cast_fp32_d120"])
 def test_opcheck(case):
     with kvfuse.use_backend("reference"):
         torch.library.opcheck(OP, _op_args(**case))
@@ -275,7 +311,7 @@ def test_opcheck_fp8():
         if isinstance(a, torch.Tensor) and i not in mutable:
             assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8)
                                if b.element_size() == 1 else b), OP._schema.arguments[i].name
-    assert {OP._schema.arguments[i].name for i in mutable} == {"k_cache", "v_cache", "q_out"}
+    assert {OP._schema.arguments[i].name for i in mutable} == {"k_cache", "v_cache", "q_out", "k_out"}
 
 
 @pytest.mark.skipif(not kvfuse.backend.interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (CPU tensors)")

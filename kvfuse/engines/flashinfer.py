@@ -10,8 +10,9 @@ swap to ``from kvfuse.engines import flashinfer``.
 Numerics: FlashInfer's CUDA RoPE is compiled with FMA contraction (``a * cos + b * sin`` in one rounding
 or two, as the compiler chose), so its bytes cannot be reproduced by an exact chain. kvfuse's RoPE rounds
 each product and the sum on its own (SPEC §2): its bytes equal :func:`kvfuse.reference.rope`, and it
-agrees with an fp64 RoPE within FlashInfer's own test tolerance. Inputs are bf16; what FlashInfer accepts
-beyond kvfuse's domain (fp16 inputs, fp8 caches, head sizes not a multiple of 16) raises TypeError /
+agrees with an fp64 RoPE within FlashInfer's own test tolerance. The append takes bf16 or fp16 inputs
+(caches of their dtype), the RoPE bf16; what FlashInfer accepts beyond kvfuse's domain (fp16 RoPE
+inputs, fp8 caches, head sizes not a multiple of 8 in the append, of 16 in the RoPE) raises TypeError /
 ValueError saying "not supported yet". docs/engines.md lists the differences.
 """
 from __future__ import annotations
@@ -27,12 +28,13 @@ __all__ = ["append_paged_kv_cache", "apply_rope_with_cos_sin_cache", "apply_rope
            "KV_LAYOUTS"]
 
 KV_LAYOUTS = ("NHD", "HND")
+_APPEND_DTYPES = (torch.bfloat16, torch.float16)
 _APPEND_NAMES = {"k": "append_key", "v": "append_value", "k_cache": "paged_kv_cache", "v_cache": "paged_kv_cache"}
 _ROPE_NAMES = {"calls[0]": "query", "calls[1]": "key"}
 
 
-def _paged_caches(paged_kv_cache, kv_layout):
-    """(k_cache, v_cache) from FlashInfer's tuple or its single [num_pages, 2, ...] tensor."""
+def _paged_caches(paged_kv_cache, kv_layout, dtype):
+    """(k_cache, v_cache) from FlashInfer's tuple or its single [num_pages, 2, ...] tensor, of the inputs' dtype."""
     if isinstance(paged_kv_cache, torch.Tensor):
         if paged_kv_cache.dim() != 5 or paged_kv_cache.shape[1] != 2:
             raise ValueError(f"paged_kv_cache: a single tensor must be [max_num_pages, 2, ...] ({kv_layout}), "
@@ -44,9 +46,9 @@ def _paged_caches(paged_kv_cache, kv_layout):
         raise TypeError("paged_kv_cache must be a (k_cache, v_cache) tuple or one 5-d tensor, got "
                         f"{type(paged_kv_cache).__name__}")
     for c in (k_cache, v_cache):
-        if c.dtype != torch.bfloat16:
-            raise TypeError(f"paged_kv_cache: dtype {c.dtype} is not supported yet (kvfuse appends bfloat16 "
-                            "inputs into bfloat16 caches)")
+        if c.dtype != dtype:
+            raise TypeError(f"paged_kv_cache: dtype {c.dtype} is not supported yet (kvfuse appends {dtype} "
+                            f"inputs into {dtype} caches)")
         if c.dim() != 4:
             raise ValueError(f"paged_kv_cache: expected 4-d k/v caches, got shape {tuple(c.shape)}")
     return k_cache, v_cache
@@ -66,19 +68,25 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     ``positions[i] % page_size`` (FlashInfer's AppendPagedKVCacheKernel; ``kv_last_page_len`` is not
     read by the write).
 
-    append_key, append_value: bf16 [nnz, num_kv_heads, head_dim] (head_dim a multiple of 16).
-    paged_kv_cache: a (k_cache, v_cache) tuple of bf16 [max_num_pages, page_size, num_kv_heads, head_dim]
+    append_key, append_value: bf16 or fp16 (the same) [nnz, num_kv_heads, head_dim] (head_dim a multiple of 8).
+    paged_kv_cache: a (k_cache, v_cache) tuple of the inputs' dtype [max_num_pages, page_size, num_kv_heads, head_dim]
     ("NHD") or [max_num_pages, num_kv_heads, page_size, head_dim] ("HND"), or one
     [max_num_pages, 2, ...] tensor whose [:, 0] / [:, 1] are they. batch_indices, positions, kv_indices,
     kv_indptr: int32 / int64. The caller has reserved the pages (as FlashInfer requires).
     """
-    _checks.bf16_input(append_key, "append_key", 3)
-    _checks.bf16_input(append_value, "append_value", 3)
-    _checks.head_size(append_key.shape[-1], "append_key")
-    _checks.head_size(append_value.shape[-1], "append_value")
+    for t, name in ((append_key, "append_key"), (append_value, "append_value")):
+        _checks.tensor(t, name)
+        if t.dtype not in _APPEND_DTYPES:
+            raise TypeError(f"{name}: dtype {t.dtype} is not supported yet (kvfuse appends bfloat16 or float16)")
+        if t.dim() != 3:
+            raise ValueError(f"{name}: expected 3 dimensions, got shape {tuple(t.shape)}")
+        if t.shape[-1] % 8:
+            raise ValueError(f"{name}: head size {t.shape[-1]} is not supported yet (kvfuse needs a multiple of 8)")
+    if append_value.dtype != append_key.dtype:
+        raise TypeError(f"append_value: expected append_key's dtype {append_key.dtype}, got {append_value.dtype}")
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout: expected one of {KV_LAYOUTS}, got {kv_layout!r}")
-    k_cache, v_cache = _paged_caches(paged_kv_cache, kv_layout)
+    k_cache, v_cache = _paged_caches(paged_kv_cache, kv_layout, append_key.dtype)
     batch_indices, positions = _int_vector(batch_indices, "batch_indices"), _int_vector(positions, "positions")
     kv_indices, kv_indptr = _int_vector(kv_indices, "kv_indices"), _int_vector(kv_indptr, "kv_indptr")
     _checks.tensor(kv_last_page_len, "kv_last_page_len")

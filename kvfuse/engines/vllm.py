@@ -1,18 +1,20 @@
-"""vLLM 0.33's KV-cache writers (``vllm._custom_ops``) with vLLM's signatures and semantics, each one
-call of a kvfuse entry point: swap ``from vllm import _custom_ops as ops`` for
-``from kvfuse.engines import vllm as ops`` at the call sites of these three functions.
+"""vLLM 0.33's KV-cache writers and QK-norm RoPE (``vllm._custom_ops``) with vLLM's signatures and
+semantics, each one call of a kvfuse entry point: swap ``from vllm import _custom_ops as ops`` for
+``from kvfuse.engines import vllm as ops`` at the call sites of these functions.
 
 - :func:`reshape_and_cache_flash`: the flash-layout K/V cache write -> :func:`kvfuse.fused_qk_norm_rope_store_kv`
-  with zero q heads (no norm, no RoPE).
+  with zero q heads (no norm, no RoPE); bf16 / fp16 / fp32 inputs, per-tensor or per-head scales.
+- :func:`fused_qk_norm_rope`: per-head RMSNorm and RoPE of q and k in place on the packed QKV ->
+  :func:`kvfuse.fused_qk_norm_rope_store_kv` without caches, ``numerics="fused"``.
 - :func:`indexer_k_quant_and_cache`: DeepSeek V3.2's indexer K store, scale_fmt "ue8m0" ->
   :func:`kvfuse.fused_norm_rope_hadamard_cast_store_kvcache` into ``models.INDEX_FP8_UE8M0_FP32``.
 - :func:`concat_and_cache_mla`: the MLA [kv_c | k_pe] record: "auto" and "fp8" -> the GQA entry (kv_c
   and k_pe as K and V of one head, written into the two column ranges of the record); "fp8_ds_mla" ->
   the fused entry into ``formats.FLASHMLA_V32``.
 
-Inputs are bf16; what vLLM accepts beyond kvfuse's domain (fp16 / fp32 inputs, per-head scales,
-fp8_e5m2, head sizes not a multiple of 16, fp32 indexer scales) raises TypeError / ValueError saying
-"not supported yet". Where vLLM's kernels read or write out of bounds (a slot past the cache) kvfuse
+What vLLM accepts beyond kvfuse's domain (fp8_e5m2, head sizes not a multiple of 8 in
+reshape_and_cache_flash, and for the MLA and indexer writers fp16 / fp32 inputs, per-head scales, head
+sizes not a multiple of 16, fp32 indexer scales) raises TypeError / ValueError saying "not supported yet". Where vLLM's kernels read or write out of bounds (a slot past the cache) kvfuse
 writes nothing. docs/engines.md lists the differences.
 """
 from __future__ import annotations
@@ -20,13 +22,14 @@ from __future__ import annotations
 import torch
 
 from ..api import fused_norm_rope_hadamard_cast_store_kvcache
-from ..args import CastArgs, KVCacheOutArgs
+from ..args import CastArgs, KVCacheOutArgs, NormArgs, RopeArgs
 from ..formats import FLASHMLA_V32
 from ..gqa import fused_qk_norm_rope_store_kv
 from ..models import INDEX_FP8_UE8M0_FP32
 from . import _checks
 
-__all__ = ["reshape_and_cache_flash", "indexer_k_quant_and_cache", "concat_and_cache_mla", "FP8_KV_CACHE_DTYPES"]
+__all__ = ["reshape_and_cache_flash", "fused_qk_norm_rope", "indexer_k_quant_and_cache", "concat_and_cache_mla",
+           "FP8_KV_CACHE_DTYPES"]
 
 # vLLM's names of the e4m3 cache dtype (both select e4m3 in its DISPATCH_BY_KV_CACHE_DTYPE)
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
@@ -36,6 +39,11 @@ _MLA_NAMES = {"k": "kv_c", "v": "k_pe", "k_cache": "kv_cache", "v_cache": "kv_ca
               "v_scale": "scale", "x": "kv_c", "out_args.kv_cache": "kv_cache",
               "out_args.slot_mapping": "slot_mapping"}
 _INDEXER_NAMES = {"x": "k", "out_args.kv_cache": "kv_cache", "out_args.slot_mapping": "slot_mapping"}
+_QK_NORM_ROPE_NAMES = {"q": "qkv", "k": "qkv", "q_out": "qkv", "k_out": "qkv", "q_norm_args.weight": "q_weight",
+                       "k_norm_args.weight": "k_weight", "q_norm_args.eps": "eps", "k_norm_args.eps": "eps",
+                       "rope_args.positions": "position_ids", "rope_args.cos_sin_cache": "cos_sin_cache"}
+# reshape_and_cache_flash's key / value dtypes ("auto": caches of the same dtype)
+_FLASH_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _cache_dtype(kv_cache_dtype, allowed) -> str:
@@ -65,35 +73,134 @@ def _leading_tokens(slot_mapping: torch.Tensor, num_tokens: int, what: str) -> i
     return m
 
 
+def _activations(t, name: str, dims: int, dtypes) -> torch.Tensor:
+    _checks.tensor(t, name)
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: dtype {t.dtype} is not supported yet (kvfuse takes "
+                        f"{', '.join(str(d) for d in dtypes)})")
+    if t.dim() != dims:
+        raise ValueError(f"{name}: expected {dims} dimensions, got shape {tuple(t.shape)}")
+    return t
+
+
+def _head_size8(size: int, name: str) -> None:
+    if size % 8 or size <= 0:
+        raise ValueError(f"{name}: head size {size} is not supported yet (kvfuse needs a positive multiple of 8)")
+
+
+def _auto_cache(cache, name: str, dtype: torch.dtype) -> torch.Tensor:
+    _checks.tensor(cache, name)
+    if cache.dtype != dtype:
+        raise TypeError(f"{name}: kv_cache_dtype 'auto' stores the input's dtype ({dtype}), got {cache.dtype}")
+    return cache
+
+
+def _flash_scales(k_scale, v_scale, num_heads: int):
+    """vLLM's k_scale / v_scale of an fp8 cache: fp32, the same shape, one element or one per kv head
+    (``numel() == num_heads``: head h divided by scale[h])."""
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        _checks.tensor(sc, name)
+        if sc.dtype != torch.float32:
+            raise TypeError(f"{name}: expected dtype torch.float32, got {sc.dtype}")
+        if sc.numel() not in (1, num_heads):
+            raise ValueError(f"{name}: expected one value or one per head ({num_heads}), got {sc.numel()}")
+    if k_scale.shape != v_scale.shape:
+        raise ValueError(f"v_scale: expected k_scale's shape {tuple(k_scale.shape)}, got {tuple(v_scale.shape)}")
+    if k_scale.numel() == 1:
+        return k_scale.reshape(()), v_scale.reshape(())
+    return k_scale.reshape(-1), v_scale.reshape(-1)
+
+
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
     """vLLM's ``reshape_and_cache_flash``: token i < slot_mapping.size(0) goes to block
     ``slot // block_size``, offset ``slot % block_size`` of both caches (all heads); slot -1 skips it.
 
-    key, value: bf16 [num_tokens, num_heads, head_size] (head_size a multiple of 16). key_cache,
-    value_cache: [num_blocks, block_size, num_heads, head_size] with any strides whose last is 1 (vLLM's
-    ``kv_cache[:, 0]`` views and its HND-backed views). kv_cache_dtype "auto": bf16 caches, the bits of
-    key and value; "fp8" / "fp8_e4m3": uint8 or float8_e4m3fn caches holding
+    key, value: bf16, fp16 or fp32 (the same) [num_tokens, num_heads, head_size] (head_size a multiple of
+    8). key_cache, value_cache: [num_blocks, block_size, num_heads, head_size] with any strides whose last
+    is 1 (vLLM's ``kv_cache[:, 0]`` views and its HND-backed views). kv_cache_dtype "auto": caches of the
+    input's dtype, the bits of key and value; "fp8" / "fp8_e4m3": uint8 or float8_e4m3fn caches holding
     ``e4m3(x / scale)`` (saturated to +-448, round to nearest even) with k_scale / v_scale fp32 tensors of
-    one element (ignored for "auto").
+    one shape, one element (per tensor) or num_heads elements (head h divided by scale[h], as vLLM's
+    kernel reads ``k_scale[head]`` when ``k_scale.numel() > 1``); the scales are ignored for "auto".
     """
-    _checks.bf16_input(key, "key", 3)
-    _checks.bf16_input(value, "value", 3)
+    _activations(key, "key", 3, _FLASH_DTYPES)
+    _checks.tensor(value, "value")
+    if value.dtype != key.dtype:
+        raise TypeError(f"value: expected key's dtype {key.dtype}, got {value.dtype}")
+    _activations(value, "value", 3, _FLASH_DTYPES)
     _checks.slots(slot_mapping)
-    _checks.head_size(key.shape[-1], "key")
-    _checks.head_size(value.shape[-1], "value")
+    _head_size8(key.shape[-1], "key")
+    _head_size8(value.shape[-1], "value")
     if value.shape[0] != key.shape[0]:
         raise ValueError(f"value: expected {key.shape[0]} tokens like key, got {value.shape[0]}")
     kind = _cache_dtype(kv_cache_dtype, ("auto",) + FP8_KV_CACHE_DTYPES)
     if kind == "auto":
-        key_cache, value_cache = _bf16_cache(key_cache, "key_cache"), _bf16_cache(value_cache, "value_cache")
+        key_cache = _auto_cache(key_cache, "key_cache", key.dtype)
+        value_cache = _auto_cache(value_cache, "value_cache", key.dtype)
         k_scale = v_scale = None
     else:
         key_cache, value_cache = _checks.fp8_cache(key_cache, "key_cache"), _checks.fp8_cache(value_cache, "value_cache")
-        k_scale, v_scale = _checks.per_tensor_scale(k_scale, "k_scale"), _checks.per_tensor_scale(v_scale, "v_scale")
+        k_scale, v_scale = _flash_scales(k_scale, v_scale, key.shape[1])
     m = _leading_tokens(slot_mapping, key.shape[0], "key")
     with _checks.engine_names(_GQA_NAMES):
         fused_qk_norm_rope_store_kv(key[:m, :0], key[:m], value[:m], key_cache, value_cache, slot_mapping,
                                     k_scale=k_scale, v_scale=v_scale, layout="NHD")
+
+
+def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight, cos_sin_cache,
+                       is_neox, position_ids):
+    """vLLM's ``fused_qk_norm_rope``: in place on the packed ``qkv`` [num_tokens, (num_heads_q + num_heads_k +
+    num_heads_v) * head_dim] (bf16 or fp16, stride(-1) == 1), each q and k head gets RMSNorm (``q_weight`` /
+    ``k_weight`` [head_dim] of qkv's dtype, ``eps``) then RoPE on its first rotary_dim dims, where
+    ``cos_sin_cache`` [max_position, rotary_dim] (fp32, fp16 or bf16; rotary_dim even, <= head_dim) holds
+    cos | sin per position; ``is_neox`` pairs (i, i + rotary_dim / 2), else (2i, 2i + 1); ``position_ids``
+    int64 [num_tokens]. The v heads are neither read nor written.
+
+    Numerics "fused" (SPEC §2): fp32 from the norm's input through RoPE, one rounding to qkv's dtype, each
+    fp32 operation rounded on its own (kvfuse's order, so not vLLM kernel's bits: its warp-shuffle sum and
+    rsqrtf differ in the last bits; docs/engines.md). One launch. fp16 weights and an fp16 cos_sin_cache
+    are widened to fp32 (exact) first, one small copy each. num_heads_q must be a multiple of num_heads_k;
+    a position outside [0, max_position) leaves the token's rotation out (vLLM reads past the table).
+    """
+    _activations(qkv, "qkv", 2, (torch.bfloat16, torch.float16))
+    for name, v in (("num_heads_q", num_heads_q), ("num_heads_k", num_heads_k), ("num_heads_v", num_heads_v),
+                    ("head_dim", head_dim)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "num_heads_v" else 1):
+            raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    _head_size8(head_dim, "head_dim")
+    n, hq, hk, d = qkv.shape[0], num_heads_q, num_heads_k, head_dim
+    if qkv.shape[1] != (hq + hk + num_heads_v) * d:
+        raise ValueError(f"qkv: expected {(hq + hk + num_heads_v) * d} columns ((num_heads_q + num_heads_k + "
+                         f"num_heads_v) * head_dim), got shape {tuple(qkv.shape)}")
+    weights = []
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        _checks.tensor(w, name)
+        if w.dtype != qkv.dtype:
+            raise TypeError(f"{name}: expected qkv's dtype {qkv.dtype}, got {w.dtype}")
+        weights.append(w.float() if w.dtype == torch.float16 else w)
+    _checks.tensor(cos_sin_cache, "cos_sin_cache")
+    if cos_sin_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"cos_sin_cache: expected dtype torch.float32, torch.float16 or torch.bfloat16, got "
+                        f"{cos_sin_cache.dtype}")
+    if cos_sin_cache.dim() != 2:
+        raise ValueError(f"cos_sin_cache: expected shape [max_position, rotary_dim], got {tuple(cos_sin_cache.shape)}")
+    rotary_dim = cos_sin_cache.shape[1]
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"cos_sin_cache: its rotary_dim (size(1)) must be even and in (0, head_dim={head_dim}], "
+                         f"got {rotary_dim}")
+    cs = cos_sin_cache.float() if cos_sin_cache.dtype == torch.float16 else cos_sin_cache
+    _checks.tensor(position_ids, "position_ids")
+    if position_ids.dtype != torch.int64:
+        raise TypeError(f"position_ids: expected dtype torch.int64, got {position_ids.dtype}")
+    if not isinstance(is_neox, bool):
+        raise TypeError(f"is_neox must be a bool, got {type(is_neox).__name__}")
+    q = qkv[:, :hq * d].unflatten(1, (hq, d))
+    k = qkv[:, hq * d:(hq + hk) * d].unflatten(1, (hk, d))
+    with _checks.engine_names(_QK_NORM_ROPE_NAMES):
+        fused_qk_norm_rope_store_kv(
+            q, k, None, None, None, None, NormArgs(weights[0], eps=eps), NormArgs(weights[1], eps=eps),
+            RopeArgs(position_ids, cs, rotary_dim, is_neox, offset=0), q_out=q, numerics="fused",
+            k_out=k)
 
 
 def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt):

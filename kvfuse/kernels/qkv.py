@@ -8,9 +8,14 @@ uniform over the program; its G heads are unrolled, their rows all loaded before
 and what depends only on the token (position, cos / sin, norm weights, slot, the cast's scale and
 reciprocal) is loaded once for them:
 
-* q: RMSNorm (optional) -> RoPE (optional) -> bf16 into q_out (which may be q itself);
-* k: the same with k's weight -> the cache record of the token's slot (bf16, or e4m3 by k_scale);
-* v: copied (bf16 cache: the bits) or quantized by v_scale into its record.
+* q: RMSNorm (optional) -> RoPE (optional) -> q_out (which may be q itself);
+* k: the same with k's weight -> the cache record of the token's slot (the activations' dtype, or e4m3
+  by k_scale), or without caches (KV_CACHE False) k_out (which may be k itself);
+* v: copied (a cache of the activations' dtype: the bits) or quantized by v_scale into its record.
+
+ACT (bf16 / fp16 / fp32 activations) and NUMERICS (the profile: where values are rounded to ACT) come
+from kvfuse.numerics_profiles; their defaults (bf16, "staged") compile to the same code as before they
+existed.
 
 A q / k row with NEOX RoPE over all of it goes as its two halves (a pair in one thread); any other as
 [BLOCK_D / VEC, VEC] with each rotated element's partner reloaded. The norm's adjacent-pairs tree, the
@@ -28,9 +33,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from . import config
-from .blocks import (block_offset_of_slot, cs_rows, normed, reciprocal_std, rope1_pairs, rotate, store_bf16,
-                     tree_sum)
+from .blocks import block_offset_of_slot, cs_rows, reciprocal_std, rope1_pairs, rotate, store_bf16, tree_sum
 from .codes import NATIVE_INTEGER
+from ..numerics_profiles import ACTIVATION_CODES, PROFILES
 from .config import FORCED, INTERPRET, cdiv, native, next_pow2
 from .router import pdl_launch, with_pdl
 from .gluon.common import table_entry
@@ -38,59 +43,119 @@ from .numerics import div_rn_by_reciprocal, encode_e4m3, load_f32, round_bf16
 
 __all__ = ["qkv_kernel", "launch_table", "launch_config", "launch_args", "run", "INTERPRET"]
 
+# the ACT and NUMERICS constexprs, from kvfuse.numerics_profiles' table
+ACT_BF16 = tl.constexpr(ACTIVATION_CODES[torch.bfloat16])
+ACT_FP16 = tl.constexpr(ACTIVATION_CODES[torch.float16])
+ACT_FP32 = tl.constexpr(ACTIVATION_CODES[torch.float32])
+NUMERICS_STAGED = tl.constexpr(PROFILES["staged"].code)
+NUMERICS_FP32_CAST = tl.constexpr(PROFILES["fused_fp32_cast"].code)
+
 
 @triton.jit
-def _qk_row_loads(x_ptr, xrow, rm, col, cmask, rot_mask, partner, ROPE: tl.constexpr):
+def _load_act(ptr, offs, mask, ACT: tl.constexpr):
+    """Activations of dtype ACT (ACT_BF16 / ACT_FP16 / ACT_FP32) -> fp32 (exact)."""
+    if ACT == ACT_BF16:
+        v = load_f32(ptr, offs, mask, True)
+    else:
+        v = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _round_act(v, ACT: tl.constexpr, NATIVE: tl.constexpr):
+    """fp32 -> the nearest-even value of the activations' dtype, as fp32 (fp32: v itself)."""
+    if ACT == ACT_BF16:
+        r = round_bf16(v, NATIVE)
+    elif ACT == ACT_FP16:
+        r = v.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
+    else:
+        r = v
+    return r
+
+
+@triton.jit
+def _qk_row_loads(x_ptr, xrow, rm, col, cmask, rot_mask, partner, ROPE: tl.constexpr, ACT: tl.constexpr = 0):
     """The whole-row form's loads of BLOCK_M rows at x_ptr + xrow (live where rm): the row [M, NV, VEC]
     and, for RoPE, each rotated element's partner (the same row, reloaded at column ``partner``)."""
-    x = load_f32(x_ptr, xrow[:, None, None] + col[None, :, :], rm[:, None, None] & cmask[None, :, :], True)
+    x = _load_act(x_ptr, xrow[:, None, None] + col[None, :, :], rm[:, None, None] & cmask[None, :, :], ACT)
     xp = x
     if ROPE:
-        xp = load_f32(x_ptr, xrow[:, None, None] + partner[None, :, :], rot_mask & rm[:, None, None], True)
+        xp = _load_act(x_ptr, xrow[:, None, None] + partner[None, :, :], rot_mask & rm[:, None, None], ACT)
     return x, xp
+
+
+@triton.jit
+def _normed_act(v, r3, w, ACT: tl.constexpr, NUMERICS: tl.constexpr, NATIVE: tl.constexpr):
+    """The RMSNorm of values v given the rows' 1 / std r3: (v * r3) * w, rounded to the activations' dtype
+    under the staged profile, kept in fp32 under the fused ones (SPEC §2)."""
+    y = (v * r3) * w
+    if NUMERICS == NUMERICS_STAGED:
+        y = _round_act(y, ACT, NATIVE)
+    return y
+
+
+@triton.jit
+def _rope_round(v, ACT: tl.constexpr, NUMERICS: tl.constexpr, NATIVE: tl.constexpr):
+    """RoPE's result: rounded to the activations' dtype under the staged profile (the fused ones round once,
+    in _finish)."""
+    if NUMERICS == NUMERICS_STAGED:
+        v = _round_act(v, ACT, NATIVE)
+    return v
+
+
+@triton.jit
+def _finish(y, ACT: tl.constexpr, NUMERICS: tl.constexpr, KEEP_F32: tl.constexpr, NATIVE: tl.constexpr):
+    """The fused profiles' one rounding to the activations' dtype, left out where the fp8 cast reads the fp32
+    value (KEEP_F32: "fused_fp32_cast" into an fp8 cache); staged values are already rounded."""
+    if NUMERICS != NUMERICS_STAGED and not KEEP_F32:
+        y = _round_act(y, ACT, NATIVE)
+    return y
 
 
 @triton.jit
 def _qk_row(x, xp, rm, w, wp, eps, first, rot_mask, c, s, D: tl.constexpr, BLOCK_D: tl.constexpr,
             LOG2_BLOCK_D: tl.constexpr, VEC: tl.constexpr, BLOCK_M: tl.constexpr, HAS_NORM: tl.constexpr,
-            ROPE: tl.constexpr, CONJ: tl.constexpr, NATIVE: tl.constexpr):
+            ROPE: tl.constexpr, CONJ: tl.constexpr, NATIVE: tl.constexpr, ACT: tl.constexpr = 0,
+            NUMERICS: tl.constexpr = 0, KEEP_F32: tl.constexpr = False):
     """RMSNorm -> RoPE of the rows x [M, NV, VEC] (live where rm; _qk_row_loads), each rotated element
     from itself and its renormalized partner xp (the same arithmetic gives the same bits). w, wp: the
-    weight at each column and at its partner's; first .. s: rope1_pairs."""
+    weight at each column and at its partner's; first .. s: rope1_pairs. ACT, NUMERICS, KEEP_F32: where the
+    values are rounded (_normed_act, _rope_round, _finish)."""
     LOG2_VEC: tl.constexpr = 3 if VEC == 8 else 2
     NV: tl.constexpr = BLOCK_D // VEC
     y = x
     if HAS_NORM:
         ss = tree_sum(x * x, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC, NATIVE == NATIVE_INTEGER)
         r3 = reciprocal_std(ss, eps, D, BLOCK_M)[:, None, None]
-        y = normed(x, r3, r3, w[None, :, :], w[None, :, :], False, False, NATIVE)
+        y = _normed_act(x, r3, w[None, :, :], ACT, NUMERICS, NATIVE)
     if ROPE:
         rmk = rot_mask & rm[:, None, None]
         yp = xp
         if HAS_NORM:
-            yp = normed(xp, r3, r3, wp[None, :, :], wp[None, :, :], False, False, NATIVE)
+            yp = _normed_act(xp, r3, wp[None, :, :], ACT, NUMERICS, NATIVE)
         firstb = first[None, :, :]
         r0, r1 = rotate(tl.where(firstb, y, yp), tl.where(firstb, yp, y), c, s, CONJ)
-        y = tl.where(rmk, round_bf16(tl.where(firstb, r0, r1), NATIVE), y)
-    return y
+        y = tl.where(rmk, _rope_round(tl.where(firstb, r0, r1), ACT, NUMERICS, NATIVE), y)
+    return _finish(y, ACT, NUMERICS, KEEP_F32, NATIVE)
 
 
 @triton.jit
-def _halves_loads(x_ptr, xrow, rm, jj, HALF: tl.constexpr):
+def _halves_loads(x_ptr, xrow, rm, jj, HALF: tl.constexpr, ACT: tl.constexpr = 0):
     """The halves form's loads of BLOCK_M rows at x_ptr + xrow (live where rm): columns jj and HALF + jj."""
     row = xrow[:, None, None] + jj[None, :, :]
     ld = rm[:, None, None] & (jj >= 0)[None, :, :]
-    return load_f32(x_ptr, row, ld, True), load_f32(x_ptr, row + HALF, ld, True)
+    return _load_act(x_ptr, row, ld, ACT), _load_act(x_ptr, row + HALF, ld, ACT)
 
 
 @triton.jit
 def _qk_halves(a, b, wa, wb, eps, pm, c, s, D: tl.constexpr, LOG2_BLOCK_D: tl.constexpr, VEC: tl.constexpr,
-               BLOCK_M: tl.constexpr, HAS_NORM: tl.constexpr, CONJ: tl.constexpr, NATIVE: tl.constexpr):
+               BLOCK_M: tl.constexpr, HAS_NORM: tl.constexpr, CONJ: tl.constexpr, NATIVE: tl.constexpr,
+               ACT: tl.constexpr = 0, NUMERICS: tl.constexpr = 0, KEEP_F32: tl.constexpr = False):
     """HALVES (NEOX RoPE over the whole row, D a power of two): RMSNorm -> RoPE of BLOCK_M rows held as
     their two halves a = columns jj, b = columns D / 2 + jj, each [M, D / 2 / VEC, VEC] in one layout, so
     a pair sits in one thread: no partner reload. The norm's adjacent-pairs tree over the row is
     tree(a) + tree(b) (its last level). wa, wb: the halves' weights; pm [M, .., ..]: the token's position
-    is in range."""
+    is in range. ACT, NUMERICS, KEEP_F32: as in _qk_row."""
     NH: tl.constexpr = D // 2 // VEC
     LOG2_VEC: tl.constexpr = 3 if VEC == 8 else 2
     if HAS_NORM:
@@ -98,10 +163,12 @@ def _qk_halves(a, b, wa, wb, eps, pm, c, s, D: tl.constexpr, LOG2_BLOCK_D: tl.co
         ss = tree_sum(a * a, BLOCK_M, NH, LOG2_BLOCK_D - 1 - LOG2_VEC, VEC, LOG2_VEC, split) + \
             tree_sum(b * b, BLOCK_M, NH, LOG2_BLOCK_D - 1 - LOG2_VEC, VEC, LOG2_VEC, split)
         r3 = reciprocal_std(ss, eps, D, BLOCK_M)[:, None, None]
-        a = normed(a, r3, r3, wa[None, :, :], wa[None, :, :], False, False, NATIVE)
-        b = normed(b, r3, r3, wb[None, :, :], wb[None, :, :], False, False, NATIVE)
+        a = _normed_act(a, r3, wa[None, :, :], ACT, NUMERICS, NATIVE)
+        b = _normed_act(b, r3, wb[None, :, :], ACT, NUMERICS, NATIVE)
     r0, r1 = rotate(a, b, c, s, CONJ)
-    return tl.where(pm, round_bf16(r0, NATIVE), a), tl.where(pm, round_bf16(r1, NATIVE), b)
+    ya = tl.where(pm, _rope_round(r0, ACT, NUMERICS, NATIVE), a)
+    yb = tl.where(pm, _rope_round(r1, ACT, NUMERICS, NATIVE), b)
+    return _finish(ya, ACT, NUMERICS, KEEP_F32, NATIVE), _finish(yb, ACT, NUMERICS, KEEP_F32, NATIVE)
 
 
 @triton.jit
@@ -130,8 +197,10 @@ def _record(slot, rmask, c_blk, c_tok, block_size, capacity, SLOT32: tl.constexp
 
 
 @triton.jit
-def _store_record(c_ptr, addr, y, mask, sc, rcp, fast, FP8: tl.constexpr, NATIVE: tl.constexpr):
-    """bf16 values y (in fp32) at element offsets addr: their bits, or (FP8; c_ptr a byte pointer)
+def _store_record(c_ptr, addr, y, mask, sc, rcp, fast, FP8: tl.constexpr, NATIVE: tl.constexpr,
+                  ACT: tl.constexpr = 0):
+    """Values y of the activations' dtype ACT (in fp32) at element offsets addr: their bits (bf16; fp16 /
+    fp32 converted exactly), or (FP8; c_ptr a byte pointer)
     e4m3(f(y) / f(scale)) with the division's bits (sc, rcp, fast: _scale). Both encoders saturate at
     448, so the clamp of SPEC §11 changes no byte of a finite input and is left out (as in the portable
     kernel)."""
@@ -141,8 +210,12 @@ def _store_record(c_ptr, addr, y, mask, sc, rcp, fast, FP8: tl.constexpr, NATIVE
         else:
             t = tl.div_rn(y, tl.zeros_like(y) + sc)
         tl.store(c_ptr + addr, encode_e4m3(t, NATIVE), mask=mask)
-    else:
+    elif ACT == ACT_BF16:
         store_bf16(c_ptr, addr, y, mask)
+    elif ACT == ACT_FP16:
+        tl.store(c_ptr + addr, y.to(tl.float16), mask=mask)
+    else:
+        tl.store(c_ptr + addr, y, mask=mask)
 
 
 @triton.jit
@@ -152,7 +225,8 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
               BLOCK_M: tl.constexpr, G: tl.constexpr, HAS_NORM: tl.constexpr, W_BF16: tl.constexpr,
               ROPE: tl.constexpr, R: tl.constexpr, ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, CONJ: tl.constexpr,
               CS_BF16: tl.constexpr, HALVES: tl.constexpr, TO_CACHE: tl.constexpr, STORE_FP8: tl.constexpr,
-              SLOT32: tl.constexpr, NATIVE: tl.constexpr, SCALE_PER_HEAD: tl.constexpr = False):
+              SLOT32: tl.constexpr, NATIVE: tl.constexpr, SCALE_PER_HEAD: tl.constexpr = False,
+              ACT: tl.constexpr = 0, NUMERICS: tl.constexpr = 0):
     """Heads h0 .. h0 + G - 1 (those < H) of q or k for BLOCK_M tokens: norm -> RoPE -> the row at dst_ptr:
     q_out (bf16; token stride dst_n, which may be q itself), or (TO_CACHE) the record of the token's slot
     in a cache of (block, token) strides (c_blk, dst_n), bf16 or e4m3 by the scale. Every load that waits
@@ -160,7 +234,10 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
     first instruction that waits on a load: a warp issues in order, so each dependent step placed
     earlier would cost a DRAM round trip of its own. The positions, cos / sin and weights are loaded
     once for the G heads. SCALE_PER_HEAD: the e4m3 scale is scale_ptr[h] for head h (one per head, read
-    with the other early loads; its reciprocal per head), else scale_ptr[0] for every head."""
+    with the other early loads; its reciprocal per head), else scale_ptr[0] for every head. ACT: the
+    activations' dtype (of x and of a destination that is not fp8); NUMERICS: the profile's code
+    (kvfuse.numerics_profiles)."""
+    KEEP_F32: tl.constexpr = STORE_FP8 and NUMERICS == NUMERICS_FP32_CAST
     pos = tok
     slot = tok
     sc = eps
@@ -184,7 +261,7 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
         xb = ()
         for g in tl.static_range(G):
             a, b = _halves_loads(x_ptr, tok * s_n + (h0 + g).to(tl.int64) * s_h, tl.where(h0 + g < H, rmask, False),
-                                 jj, HALF)
+                                 jj, HALF, ACT)
             xa = xa + (a,)
             xb = xb + (b,)
         wa = tl.zeros([NH, VEC], tl.float32)
@@ -204,7 +281,7 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
             a = xa[g]
             b = xb[g]
             ya, yb = _qk_halves(a, b, wa, wb, eps, pm, c, s, D, LOG2_BLOCK_D, VEC, BLOCK_M, HAS_NORM, CONJ,
-                                NATIVE)
+                                NATIVE, ACT, NUMERICS, KEEP_F32)
             # no barrier even in place: the value stored at an address is computed from the value loaded
             # from it (a pair's partner is its own other half, not a reload)
             dst = (dst_tok + h.to(tl.int64) * dst_h)[:, None, None] + jj[None, :, :]
@@ -215,8 +292,8 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
                 _store_record(dst_ptr, dst, ya, mk, sch, rch, fsh, STORE_FP8, NATIVE)
                 _store_record(dst_ptr, dst + HALF, yb, mk, sch, rch, fsh, STORE_FP8, NATIVE)
             else:
-                _store_record(dst_ptr, dst, ya, mk, sc, rcp, fast, STORE_FP8, NATIVE)
-                _store_record(dst_ptr, dst + HALF, yb, mk, sc, rcp, fast, STORE_FP8, NATIVE)
+                _store_record(dst_ptr, dst, ya, mk, sc, rcp, fast, STORE_FP8, NATIVE, ACT)
+                _store_record(dst_ptr, dst + HALF, yb, mk, sc, rcp, fast, STORE_FP8, NATIVE, ACT)
     else:
         NV: tl.constexpr = BLOCK_D // VEC
         col = tl.arange(0, NV)[:, None] * VEC + tl.arange(0, VEC)[None, :]              # [NV, VEC]
@@ -240,7 +317,7 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
         xps = ()
         for g in tl.static_range(G):
             x, xp = _qk_row_loads(x_ptr, tok * s_n + (h0 + g).to(tl.int64) * s_h, tl.where(h0 + g < H, rmask, False),
-                                  col, cmask, rot_mask, partner, ROPE)
+                                  col, cmask, rot_mask, partner, ROPE, ACT)
             xs = xs + (x,)
             xps = xps + (xp,)
         in_place_safe: tl.constexpr = ROPE and not TO_CACHE      # q_out may be q
@@ -254,7 +331,7 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
             x = xs[g]
             xp = xps[g]
             y = _qk_row(x, xp, rm, w, wp, eps, first, rot_mask, c, s, D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M,
-                        HAS_NORM, ROPE, CONJ, NATIVE)
+                        HAS_NORM, ROPE, CONJ, NATIVE, ACT, NUMERICS, KEEP_F32)
             dst = (dst_tok + h.to(tl.int64) * dst_h)[:, None, None] + col[None, :, :]
             if STORE_FP8 and SCALE_PER_HEAD:
                 sch = scs[g]
@@ -263,7 +340,7 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
                               STORE_FP8, NATIVE)
             else:
                 _store_record(dst_ptr, dst, y, (ok & rm)[:, None, None] & cmask[None, :, :], sc, rcp, fast,
-                              STORE_FP8, NATIVE)
+                              STORE_FP8, NATIVE, ACT)
 
 
 @triton.jit
@@ -287,7 +364,8 @@ def _destination(sc, slot, tok, rmask, dst_n, c_blk, block_size, capacity, TO_CA
 @triton.jit
 def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, slot_ptr, s_slot, block_size,
              capacity, vs_ptr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, VEC: tl.constexpr, G: tl.constexpr,
-             FP8: tl.constexpr, SLOT32: tl.constexpr, NATIVE: tl.constexpr, SCALE_PER_HEAD: tl.constexpr = False):
+             FP8: tl.constexpr, SLOT32: tl.constexpr, NATIVE: tl.constexpr, SCALE_PER_HEAD: tl.constexpr = False,
+             ACT: tl.constexpr = 0):
     """Heads h0 .. h0 + G - 1 (those < H) of v: copied (bf16 cache: the bits) or cast by v_scale into the
     records of the tokens' slots in vc_ptr ((block, token, head) strides c_blk, c_tok, dst_h). The slot,
     the scale and every head's values are loaded before anything waits on a load
@@ -305,7 +383,7 @@ def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, 
             sc = tl.load(vs_ptr)
     vals = ()                                      # every head's loads before any store
     for g in tl.static_range(G):
-        vals = vals + (_v_load(v_ptr, sv_n, sv_h, h0 + g, H, tok, rmask, colv, vmask, FP8),)
+        vals = vals + (_v_load(v_ptr, sv_n, sv_h, h0 + g, H, tok, rmask, colv, vmask, FP8, ACT),)
     rcp, fast, ok, dst_tok = _destination(sc, slot, tok, rmask, c_tok, c_blk, block_size, capacity, True, FP8,
                                           SLOT32)
     for g in tl.static_range(G):
@@ -320,17 +398,22 @@ def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, 
                 _store_record(vc_ptr, dst, val, okm, sch, rch, fsh, FP8, NATIVE)
             else:
                 _store_record(vc_ptr, dst, val, okm, sc, rcp, fast, FP8, NATIVE)
+        elif ACT == ACT_FP32:
+            tl.store(vc_ptr.to(tl.pointer_type(tl.uint32)) + dst, val, mask=okm)
         else:
             tl.store(vc_ptr.to(tl.pointer_type(tl.uint16)) + dst, val, mask=okm)
 
 
 @triton.jit
-def _v_load(v_ptr, sv_n, sv_h, h, H, tok, rmask, colv, vmask, FP8: tl.constexpr):
-    """Head h of v for the program's tokens (live where rmask and h < H): fp32 values (FP8), else the bits."""
+def _v_load(v_ptr, sv_n, sv_h, h, H, tok, rmask, colv, vmask, FP8: tl.constexpr, ACT: tl.constexpr = 0):
+    """Head h of v for the program's tokens (live where rmask and h < H): fp32 values (FP8), else the bits
+    (32 of them for fp32 activations)."""
     src = (tok * sv_n + h.to(tl.int64) * sv_h)[:, None, None] + colv[None, :, :]
     okm = tl.where(h < H, rmask, False)[:, None, None] & vmask[None, :, :]
     if FP8:
-        val = load_f32(v_ptr, src, okm, True)
+        val = _load_act(v_ptr, src, okm, ACT)
+    elif ACT == ACT_FP32:
+        val = tl.load(v_ptr.to(tl.pointer_type(tl.uint32)) + src, mask=okm, other=0)
     else:
         val = tl.load(v_ptr.to(tl.pointer_type(tl.uint16)) + src, mask=okm, other=0)
     return val
@@ -356,15 +439,22 @@ def qkv_kernel(
     ROPE: tl.constexpr, R: tl.constexpr, ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, CONJ: tl.constexpr,
     CS_BF16: tl.constexpr, FP8: tl.constexpr, SLOT32: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr,
     HALVES: tl.constexpr, K_SCALE_PER_HEAD: tl.constexpr, V_SCALE_PER_HEAD: tl.constexpr,
+    ACT: tl.constexpr = 0, NUMERICS: tl.constexpr = 0, KV_CACHE: tl.constexpr = True,
 ):
     """One program: BLOCK_M tokens of G heads of one kind (see the module docstring). PDL (programmatic
     dependent launch): wait for the previous kernel before the first read. No early launch_dependents:
     with thousands of small programs, dependents scheduled early take SMs from this kernel's later
-    waves (measured: 5.3 -> 7.7 us at n = 256); the implicit trigger at exit remains."""
+    waves (measured: 5.3 -> 7.7 us at n = 256); the implicit trigger at exit remains. ACT: the activations'
+    dtype (ACT_BF16 / ACT_FP16 / ACT_FP32); NUMERICS: the profile (NUMERICS_STAGED / _FUSED / _FP32_CAST);
+    not KV_CACHE: no caches, k's programs write k_out (passed as kc_ptr, token / head strides kc_tok /
+    kc_head) and no program reads v."""
     if PDL:
         gdc_wait()
     pid = tl.program_id(0)
-    groups = QG + 2 * KG
+    if KV_CACHE:
+        groups = QG + 2 * KG
+    else:
+        groups = QG + KG
     tb = pid // groups
     grp = pid - tb * groups
     tok = tb.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -373,15 +463,16 @@ def qkv_kernel(
         _qk_heads(q_ptr, sq_n, sq_h, grp * G, HQ, qw_ptr, q_eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, rmask,
                   qo_ptr, so_n, so_h, slot_ptr, s_slot, kc_blk, block_size, capacity, ks_ptr,
                   D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, G, Q_NORM, QW_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16,
-                  HALVES, False, False, SLOT32, NATIVE)
+                  HALVES, False, False, SLOT32, NATIVE, False, ACT, NUMERICS)
     elif grp < QG + KG:
         _qk_heads(k_ptr, sk_n, sk_h, (grp - QG) * G, HKV, kw_ptr, k_eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, rmask,
                   kc_ptr, kc_tok, kc_head, slot_ptr, s_slot, kc_blk, block_size, capacity, ks_ptr,
                   D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, G, K_NORM, KW_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16,
-                  HALVES, True, FP8, SLOT32, NATIVE, K_SCALE_PER_HEAD)
-    else:
+                  HALVES, KV_CACHE, FP8, SLOT32, NATIVE, K_SCALE_PER_HEAD, ACT, NUMERICS)
+    elif KV_CACHE:
         _v_heads(v_ptr, sv_n, sv_h, (grp - QG - KG) * G, HKV, tok, rmask, vc_ptr, vc_blk, vc_tok, vc_head, slot_ptr,
-                 s_slot, block_size, capacity, vs_ptr, DV, BLOCK_DV, VEC, G, FP8, SLOT32, NATIVE, V_SCALE_PER_HEAD)
+                 s_slot, block_size, capacity, vs_ptr, DV, BLOCK_DV, VEC, G, FP8, SLOT32, NATIVE, V_SCALE_PER_HEAD,
+                 ACT)
 
 
 # --------------------------------------------------------------------------- launch configuration
@@ -427,31 +518,40 @@ def halves_mode(plan, d: int, block_d: int) -> bool:
 
 def launch_args(plan):
     """(grid, positional args, keyword args) of qkv_kernel for a validated kvfuse.gqa.GQAPlan."""
-    q, k, v = plan.q, plan.k, plan.v
+    q, k = plan.q, plan.k
+    v = k if plan.v is None else plan.v        # without caches v is not read
     n, hq, d = q.shape
     hkv, dv = k.shape[1], v.shape[2]
     block_d, block_dv = next_pow2(d), next_pow2(dv)
     bm, g, nw = launch_config(n, block_d, max(hq, hkv))
     qg, kg = cdiv(hq, g), cdiv(hkv, g)
     fp8 = plan.fp8
-    kc = plan.k_cache.view(torch.uint8) if fp8 else plan.k_cache   # e4m3 codes written as bytes
-    vc = plan.v_cache.view(torch.uint8) if fp8 else plan.v_cache
     rope = plan.positions is not None
 
     def or_q(t):   # q stands in for a tensor the call does not have (never dereferenced)
         return q if t is None else t
 
-    cap = plan.capacity
+    if plan.has_cache:
+        kc = plan.k_cache.view(torch.uint8) if fp8 else plan.k_cache   # e4m3 codes written as bytes
+        vc = plan.v_cache.view(torch.uint8) if fp8 else plan.v_cache
+        k_dst = (kc, *plan.cache_strides(plan.k_cache))
+        v_dst = (vc, *plan.cache_strides(plan.v_cache))
+        slots = (plan.slot_mapping, plan.slot_mapping.stride(0))
+        cap = plan.capacity
+    else:          # k's programs write k_out (token and head strides in the cache's token and head slots)
+        k_dst = (plan.k_out, 0, plan.k_out.stride(0), plan.k_out.stride(1))
+        v_dst = (q, 0, 0, 0)
+        slots = (q, 0)
+        cap = 0
     args = (
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         plan.q_out, plan.q_out.stride(0), plan.q_out.stride(1),
         or_q(plan.q_weight), plan.q_eps, or_q(plan.k_weight), plan.k_eps,
         or_q(plan.positions), plan.positions.stride(0) if rope else 0, or_q(plan.cos_sin),
         plan.cos_sin.stride(0) if rope else 0, plan.cos_sin.shape[0] if rope else 0,
-        plan.slot_mapping, plan.slot_mapping.stride(0),
-        kc, *plan.cache_strides(plan.k_cache), vc, *plan.cache_strides(plan.v_cache),
+        *slots, *k_dst, *v_dst,
         or_q(plan.k_scale), or_q(plan.v_scale),
-        plan.block_size, cap, n, hq, hkv, qg, kg,
+        max(plan.block_size, 1), cap, n, hq, hkv, qg, kg,
     )
     options = dict(
         D=d, BLOCK_D=block_d, LOG2_BLOCK_D=block_d.bit_length() - 1, DV=dv, BLOCK_DV=block_dv, VEC=8, BLOCK_M=bm,
@@ -466,7 +566,16 @@ def launch_args(plan):
         num_warps=nw, num_stages=1,
         enable_fp_fusion=False,
     )
-    return (cdiv(n, bm) * (qg + 2 * kg),), args, options
+    # the defaults of the kernel (bf16, staged, caches) are left out: those launches keep their cache keys
+    act, profile = ACTIVATION_CODES[q.dtype], PROFILES[plan.numerics].code
+    if act != ACT_BF16.value:
+        options["ACT"] = act
+    if profile != NUMERICS_STAGED.value:
+        options["NUMERICS"] = profile
+    if not plan.has_cache:
+        options["KV_CACHE"] = False
+    groups = qg + (2 * kg if plan.has_cache else kg)
+    return (cdiv(n, bm) * groups,), args, options
 
 
 def run(plan) -> None:

@@ -93,15 +93,15 @@ PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(Plan))
 class GQAPlan:
     """One validated call of :func:`kvfuse.fused_qk_norm_rope_store_kv`. Tensors are the caller's."""
     OP: ClassVar[str] = "fused_qk_norm_rope_store_kv"
-    WRITES: ClassVar[tuple] = ("k_cache", "v_cache", "q_out")
+    WRITES: ClassVar[tuple] = ("k_cache", "v_cache", "q_out", "k_out")
 
-    q: torch.Tensor                           # bf16 [n, Hq, D], stride(-1) == 1
-    k: torch.Tensor                           # bf16 [n, Hkv, D], stride(-1) == 1
-    v: torch.Tensor                           # bf16 [n, Hkv, Dv], stride(-1) == 1
-    k_cache: torch.Tensor                     # bf16 / float8_e4m3fn, NHD [NB, BS, Hkv, D] or HND [NB, Hkv, BS, D]
-    v_cache: torch.Tensor                     # the same dtype and layout, last dim Dv
-    slot_mapping: torch.Tensor                # int32 / int64 [n]
-    q_out: Optional[torch.Tensor] = None      # bf16 [n, Hq, D], stride(-1) == 1 (may be q itself)
+    q: torch.Tensor                           # bf16 / fp16 / fp32 [n, Hq, D], stride(-1) == 1
+    k: torch.Tensor                           # q's dtype [n, Hkv, D], stride(-1) == 1
+    v: Optional[torch.Tensor]                 # q's dtype [n, Hkv, Dv], stride(-1) == 1 (without caches: not read, may be None)
+    k_cache: Optional[torch.Tensor]           # q's dtype / float8_e4m3fn, NHD [NB, BS, Hkv, D] or HND [NB, Hkv, BS, D]
+    v_cache: Optional[torch.Tensor]           # the same dtype and layout, last dim Dv (both None: no cache write)
+    slot_mapping: Optional[torch.Tensor]      # int32 / int64 [n] (None without caches)
+    q_out: Optional[torch.Tensor] = None      # q's dtype [n, Hq, D], stride(-1) == 1 (may be q itself)
     q_weight: Optional[torch.Tensor] = None   # [D] bf16 / fp32 (q norm on iff given)
     q_eps: float = 1e-6
     k_weight: Optional[torch.Tensor] = None   # [D] bf16 / fp32 (k norm on iff given)
@@ -112,9 +112,11 @@ class GQAPlan:
     rope_offset: int = 0
     is_neox: bool = True
     conjugate: bool = False
-    k_scale: Optional[torch.Tensor] = None    # fp32, one element (fp8 caches only)
+    k_scale: Optional[torch.Tensor] = None    # fp32, one element or [Hkv] (fp8 caches only)
     v_scale: Optional[torch.Tensor] = None
     layout: str = "NHD"
+    numerics: str = "staged"                  # a kvfuse.numerics_profiles.PROFILES name
+    k_out: Optional[torch.Tensor] = None      # without caches: q's dtype [n, Hkv, D] receiving k (may be k)
 
     @property
     def n(self) -> int:
@@ -125,17 +127,23 @@ class GQAPlan:
         return self.q.device
 
     @property
+    def has_cache(self) -> bool:
+        return self.k_cache is not None
+
+    @property
     def fp8(self) -> bool:
-        return self.k_cache.dtype == torch.float8_e4m3fn
+        return self.k_cache is not None and self.k_cache.dtype == torch.float8_e4m3fn
 
     @property
     def block_size(self) -> int:
+        if self.k_cache is None:
+            return 0
         return self.k_cache.shape[1] if self.layout == "NHD" else self.k_cache.shape[2]
 
     @property
-    def capacity(self) -> int:
-        """Slots of the caches: num_blocks * block_size."""
-        return self.k_cache.shape[0] * self.block_size
+    def capacity(self) -> Optional[int]:
+        """Slots of the caches: num_blocks * block_size (None without caches)."""
+        return None if self.k_cache is None else self.k_cache.shape[0] * self.block_size
 
     def cache_strides(self, cache: torch.Tensor) -> tuple:
         """(block, token, head) strides in elements of ``cache`` under the plan's layout."""

@@ -78,16 +78,19 @@ def load(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, fmt: KVCacheFormat,
 
 
 GQA_LAYOUTS = ("NHD", "HND")
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}   # an element's bits by its size
 
 
 def store_paged(cache: torch.Tensor, slot_mapping: torch.Tensor, data: torch.Tensor, layout: str) -> None:
     """Scatter rows into a paged cache of vLLM's layout ``"NHD"`` [num_blocks, block_size, H, D] or
     FlashInfer's ``"HND"`` [num_blocks, H, block_size, D] (any strides): ``data`` [n, H, D] holds
-    the elements' bytes (int16 bf16 bits or uint8 e4m3 codes, the element size of the cache). Slot s
+    the elements (of the cache's element size: its values, or their bits as int16 / int32, or uint8 e4m3
+    codes). Slot s
     writes (s // block_size, s % block_size); a slot outside [0, num_blocks * block_size) writes
     nothing."""
     nb = cache.shape[0]
     bs = cache.shape[1] if layout == "NHD" else cache.shape[2]
+    data = data.view(_BITS[data.element_size()])          # copied as bits: no value is touched
     slots = slot_mapping.long()
     valid = (slots >= 0) & (slots < nb * bs)
     s = slots[valid]
@@ -109,15 +112,15 @@ def load_paged(cache: torch.Tensor, slot_mapping: torch.Tensor, layout: str) -> 
     valid = (slots >= 0) & (slots < nb * bs)
     s = torch.where(valid, slots, torch.zeros_like(slots))
     blk, off = s // bs, s % bs
-    bits = cache.view(torch.int16 if cache.element_size() == 2 else torch.uint8)
+    bits = cache.view(_BITS[cache.element_size()])
     rows = bits[blk, off] if layout == "NHD" else bits[blk, :, off]        # [n, H, D] either way
     rows = torch.where(valid[:, None, None], rows, torch.zeros_like(rows))
     return rows.view(cache.dtype)
 
 
 def load_gqa_kv(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_scale=None):
-    """K and V of the given slots as bf16 [n, Hkv, D] / [n, Hkv, Dv] (validated arguments): a bf16
-    cache's bits as stored; a float8_e4m3fn cache dequantized as bf16(f(code) * f(scale)), scale one per
+    """K and V of the given slots as [n, Hkv, D] / [n, Hkv, Dv] (validated arguments): a bf16 / fp16 /
+    fp32 cache's bits as stored (its dtype); a float8_e4m3fn cache dequantized as bf16(f(code) * f(scale)), scale one per
     tensor or head h's (SPEC §11's inverse; NaN codes read as the canonical bf16 NaN). Zeros for invalid
     slots."""
     out = []

@@ -6,7 +6,9 @@ from typing import Optional
 
 import torch
 
+from ..numerics_profiles import profile
 from ..plans.types import CastSpec, Plan
+from .numerics import F32
 from .stages import dequantize, hadamard, norm, quantize, quantize_per_tensor, rmsnorm, rope
 from .cache import store, store_paged
 
@@ -55,10 +57,17 @@ def run_plan(plan: Plan) -> None:
 
 
 def qk_norm_rope(x: torch.Tensor, weight=None, eps: float = 1e-6, positions=None, cos_sin=None, rotary_dim: int = 0,
-                 rope_offset: int = 0, is_neox: bool = True, conjugate: bool = False) -> torch.Tensor:
-    """The Q / K transform of SPEC §11 on bf16 [n, H, D]: per-head :func:`rmsnorm` (weight [D] shared by
-    the heads; skipped when ``weight`` is None), then :func:`rope` (skipped when ``positions`` is None)."""
-    y = x if weight is None else rmsnorm(x, weight, eps)
+                 rope_offset: int = 0, is_neox: bool = True, conjugate: bool = False,
+                 numerics: str = "staged") -> torch.Tensor:
+    """The Q / K transform of SPEC §11 on [n, H, D] (bf16, fp16 or fp32): per-head :func:`rmsnorm` (weight [D]
+    shared by the heads; skipped when ``weight`` is None), then :func:`rope` (skipped when ``positions`` is
+    None). "staged" rounds each stage to x's dtype; the fused profiles (kvfuse.numerics_profiles) keep the
+    norm's result in fp32 through RoPE and return fp32 values, which the caller rounds once."""
+    staged = profile(numerics).round_each_stage
+    if weight is not None:
+        y = rmsnorm(x, weight, eps, out_dtype=x.dtype if staged else F32)
+    else:
+        y = x if staged else x.to(F32)          # fused: RoPE's result stays fp32 without a norm too
     if positions is not None:
         y = rope(y, positions, cos_sin, rotary_dim, is_neox, rope_offset, conjugate)
     return y
@@ -66,18 +75,28 @@ def qk_norm_rope(x: torch.Tensor, weight=None, eps: float = 1e-6, positions=None
 
 def qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_out, q_weight=None, q_eps=1e-6, k_weight=None,
                           k_eps=1e-6, positions=None, cos_sin=None, rotary_dim=0, rope_offset=0, is_neox=True,
-                          conjugate=False, k_scale=None, v_scale=None, layout="NHD") -> None:
+                          conjugate=False, k_scale=None, v_scale=None, layout="NHD", numerics="staged",
+                          k_out=None) -> None:
     """The unfused chain of :func:`kvfuse.fused_qk_norm_rope_store_kv` (validated arguments): q -> norm ->
-    RoPE -> q_out (bf16); k -> norm -> RoPE -> (e4m3 by k_scale) -> k_cache; v -> (e4m3 by v_scale) ->
-    v_cache. fp8 caches when the scales are given, else bf16 caches."""
-    qy = qk_norm_rope(q, q_weight, q_eps, positions, cos_sin, rotary_dim, rope_offset, is_neox, conjugate)
-    ky = qk_norm_rope(k, k_weight, k_eps, positions, cos_sin, rotary_dim, rope_offset, is_neox, conjugate)
-    if k_scale is None:
-        kb, vb = ky.view(torch.int16), v.view(torch.int16)
+    RoPE -> q_out; k -> norm -> RoPE -> (e4m3 by k_scale) -> k_cache (or k_out without caches); v -> (e4m3
+    by v_scale) -> v_cache. Values are rounded to the activations' dtype (q's) as ``numerics`` says; an
+    fp8 cast reads the rounded k, or its fp32 value under "fused_fp32_cast". fp8 caches when the scales
+    are given, else caches of the activations' dtype."""
+    prof = profile(numerics)
+    act = q.dtype
+    qy = qk_norm_rope(q, q_weight, q_eps, positions, cos_sin, rotary_dim, rope_offset, is_neox, conjugate,
+                      numerics).to(act)
+    k32 = qk_norm_rope(k, k_weight, k_eps, positions, cos_sin, rotary_dim, rope_offset, is_neox, conjugate,
+                       numerics)
+    ky = k32.to(act)
+    if k_cache is None:
+        k_out.copy_(ky)
+    elif k_scale is None:
+        store_paged(k_cache, slot_mapping, ky, layout)
+        store_paged(v_cache, slot_mapping, v, layout)
     else:
-        kb, vb = quantize_per_tensor(ky, k_scale), quantize_per_tensor(v, v_scale)
-    store_paged(k_cache, slot_mapping, kb, layout)
-    store_paged(v_cache, slot_mapping, vb, layout)
+        store_paged(k_cache, slot_mapping, quantize_per_tensor(k32 if prof.cast_reads_fp32 else ky, k_scale), layout)
+        store_paged(v_cache, slot_mapping, quantize_per_tensor(v, v_scale), layout)
     q_out.copy_(qy)
 
 
@@ -88,4 +107,4 @@ def run_gqa_plan(plan) -> None:
     qk_norm_rope_store_kv(plan.q, plan.k, plan.v, plan.k_cache, plan.v_cache, plan.slot_mapping, plan.q_out,
                           plan.q_weight, plan.q_eps, plan.k_weight, plan.k_eps, plan.positions, plan.cos_sin,
                           plan.rotary_dim, plan.rope_offset, plan.is_neox, plan.conjugate, plan.k_scale,
-                          plan.v_scale, plan.layout)
+                          plan.v_scale, plan.layout, plan.numerics, plan.k_out)

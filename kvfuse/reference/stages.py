@@ -23,14 +23,16 @@ def pairwise_sum(p: torch.Tensor) -> torch.Tensor:
     return p[..., 0]
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """bf16 [..., D] -> bf16: y = bf16((f(x) * rstd) * f(w)), rstd = 1 / sqrt(tree(x^2) / D + eps)."""
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+            out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """bf16 [..., D] -> bf16: y = bf16((f(x) * rstd) * f(w)), rstd = 1 / sqrt(tree(x^2) / D + eps).
+    x may be fp16 / fp32 too; ``out_dtype`` is the rounding of y (torch.float32: none, the fused profiles)."""
     xf = x.to(F32)
     ss = pairwise_sum(xf * xf)
     mean = torch.div(ss, _f32(x.shape[-1], x))
     den = torch.sqrt((mean + _f32(eps, x)).to(torch.float64)).to(F32)   # correctly rounded fp32 sqrt
     rstd = torch.div(torch.ones_like(den), den)
-    return round_to_bf16((xf * rstd[..., None]) * weight.to(F32))
+    return ((xf * rstd[..., None]) * weight.to(F32)).to(out_dtype)
 
 
 def layernorm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -61,7 +63,8 @@ def norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, kind: str = "
 def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int,
          is_neox: bool, offset: Optional[int] = None, conjugate: bool = False) -> torch.Tensor:
     """bf16 [n, D] or [n, H, D] -> bf16; rotates pairs of dims in [offset, offset + rotary_dim).
-    A position outside [0, max_position) leaves the token unchanged."""
+    A position outside [0, max_position) leaves the token unchanged. fp16 / fp32 x: the rotated values
+    are rounded to x's dtype (fp32: not narrowed)."""
     x3 = x.unsqueeze(1) if x.dim() == 2 else x
     if cos_sin_cache.shape[0] == 0:
         return x.clone()  # no position is in range: identity
@@ -82,8 +85,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, 
         y0, y1 = (a * c) - (b * s), (a * s) + (b * c)
     keep = ~ok[:, None, None]
     y = x3.clone()
-    y[..., i0] = torch.where(keep, x3[..., i0], round_to_bf16(y0))
-    y[..., i1] = torch.where(keep, x3[..., i1], round_to_bf16(y1))
+    y[..., i0] = torch.where(keep, x3[..., i0], y0.to(x.dtype))
+    y[..., i1] = torch.where(keep, x3[..., i1], y1.to(x.dtype))
     return y.view(x.shape)
 
 
@@ -189,7 +192,7 @@ def canonical_nan(y: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """bf16 [..., H, D] -> e4m3 codes (uint8) with one fp32 scale for the whole tensor or one per head:
+    """bf16 / fp16 / fp32 [..., H, D] -> e4m3 codes (uint8) with one fp32 scale for the whole tensor or one per head:
     e4m3(clamp(f(x) / f(scale), -448, 448)), a correctly rounded division (by a tensor, also on CUDA),
     round to nearest even. ``scale``: fp32 with one element, or [H] (head h divided by scale[h])."""
     per_head = scale.numel() > 1
