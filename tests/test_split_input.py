@@ -191,3 +191,102 @@ def test_plan_cache_keys_the_second_input():
     y2 = _call((a[:, :32], b[:, :32].clone()), w)
     assert_bytes_equal(y1, _expected((a[:, :32], a[:, 32:]), w))
     assert_bytes_equal(y2, _expected((a[:, :32], b[:, :32]), w))
+
+
+# =============================================================================== kvfuse.mla, the vLLM adapter
+def _v3():
+    import dataclasses
+    from kvfuse import models
+    return dataclasses.replace(models.get("deepseek-v3"), num_heads=4)
+
+
+def _count_calls(monkeypatch, module, name):
+    """Record the x of every call of ``module.name`` (the fused entry point as that module sees it)."""
+    seen = []
+    real = getattr(module, name)
+
+    def counted(x, *args, **kwargs):
+        seen.append(x)
+        return real(x, *args, **kwargs)
+    monkeypatch.setattr(module, name, counted)
+    return seen
+
+
+@pytest.mark.parametrize("stage", [None, "norm", "transform", "cast_back"])
+def test_mla_v3_main_write_is_one_launch_from_kv_c_k_pe(backend, monkeypatch, stage):
+    """write_main_cache from (kv_c, k_pe) views of one [n, 576] buffer, from the buffer itself and the
+    former two-call chain: the same bytes; one entry-point call, on the caller's views."""
+    from kvfuse import mla
+    cfg = _v3()
+    n = 21
+    buf, kv_c, k_pe = _v32_inputs(n, 8)
+    w = _weight(512, 9)
+    pos = torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(1))
+    cs = cos_sin_cache(64, 64)
+    slots = torch.randperm(64)[:n]
+    seen = _count_calls(monkeypatch, mla, "_fused")
+    results = []
+    for kv in ((kv_c, k_pe), buf):
+        cache, storage = guarded_cache(F.FLASHMLA_V32, 4, 16)
+        out = None if stage is None else torch.empty(n, 576, dtype=torch.bfloat16)
+        mla.write_main_cache(cfg, kv, pos, cs, w, cache, slots, out=out, out_stage=stage)
+        results.append((storage, out))
+    assert len(seen) == 2 and seen[0][0] is kv_c and seen[0][1] is k_pe and seen[1] is buf
+    cache, storage = guarded_cache(F.FLASHMLA_V32, 4, 16)
+    out = None if stage in (None, "norm") else torch.empty(n, 576, dtype=torch.bfloat16)
+    with kvfuse.use_backend("reference"):
+        latent = kvfuse.reference.rmsnorm(kv_c, w, cfg.norm_eps)
+        _call(torch.cat([latent, k_pe], -1), None, cfg.main_rope_args(pos, cs, F.FLASHMLA_V32), None,
+              CastArgs.from_cache_format(F.FLASHMLA_V32),
+              KVCacheOutArgs(cache, slots, out=out, out_stage=None if stage == "norm" else stage, layout=F.FLASHMLA_V32))
+    if stage == "norm":   # the norm stage: the normalized latent, then k_pe as it came
+        out = torch.cat([latent, k_pe], -1)
+    for storage_i, out_i in results:
+        assert_bytes_equal(storage_i, storage, "cache buffer")
+        if stage is not None:
+            assert_bytes_equal(out_i, out, f"out ({stage})")
+
+
+def test_mla_write_layer_and_flashmla_v32_take_the_pair(backend):
+    from kvfuse import mla
+    cfg = _v3()
+    n = 13
+    buf, kv_c, k_pe = _v32_inputs(n, 4)
+    w = _weight(512, 5)
+    pos = torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(2))
+    cs = cos_sin_cache(64, 64)
+    slots = torch.randperm(64)[:n]
+    storages = []
+    for write in ("main", "layer", "v32"):
+        cache, storage = guarded_cache(F.FLASHMLA_V32, 4, 16)
+        if write == "main":
+            mla.write_main_cache(cfg, buf, pos, cs, w, cache, slots)
+        elif write == "layer":
+            q = random_bf16((n, 4, cfg.qk_head_dim), 6)
+            res = mla.write_layer(cfg, pos, cs, q=q, kv=(kv_c, k_pe), kv_norm_weight=w, kv_cache=cache,
+                                  slot_mapping=slots)
+            assert_bytes_equal(res["q"], mla.q_preprocess(cfg, q, pos, cs), "write_layer q")
+        else:
+            mla.write_flashmla_v32(cfg, kv_c, k_pe, pos, cs, cache, slots, norm_weight=w)
+        storages.append(storage)
+    assert_bytes_equal(storages[1], storages[0], "write_layer((kv_c, k_pe))")
+    assert_bytes_equal(storages[2], storages[0], "write_flashmla_v32(norm_weight=)")
+
+
+def test_vllm_fp8_ds_mla_reads_kv_c_and_k_pe_in_place(backend, monkeypatch):
+    """concat_and_cache_mla "fp8_ds_mla": one entry-point call on the caller's kv_c / k_pe (no
+    concatenation), the bytes of the record [kv_c | k_pe] written through the reference chain."""
+    from kvfuse.engines import vllm
+    n = 10
+    buf, kv_c, k_pe = _v32_inputs(n, 12)
+    slots = torch.randperm(64)[:n]
+    slots[2] = -1
+    seen = _count_calls(monkeypatch, vllm, "fused_norm_rope_hadamard_cast_store_kvcache")
+    cache, storage = guarded_cache(F.FLASHMLA_V32, 4, 16)
+    vllm.concat_and_cache_mla(kv_c, k_pe, cache[:, :, 0], slots, "fp8_ds_mla", torch.tensor(1.0))
+    assert len(seen) == 1 and isinstance(seen[0], tuple)
+    assert seen[0][0].data_ptr() == kv_c.data_ptr() and seen[0][1].data_ptr() == k_pe.data_ptr()
+    cache2, storage2 = guarded_cache(F.FLASHMLA_V32, 4, 16)
+    _expected((kv_c, k_pe), None, None, None, CastArgs.from_cache_format(F.FLASHMLA_V32),
+              KVCacheOutArgs(cache2, slots, layout=F.FLASHMLA_V32))
+    assert_bytes_equal(storage, storage2, "fp8_ds_mla cache buffer")
