@@ -200,6 +200,13 @@ def _v3():
     return dataclasses.replace(models.get("deepseek-v3"), num_heads=4)
 
 
+def _v3_write_inputs(n, seed):
+    """(buf [n, 576], kv_c, k_pe views, latent norm weight [512], positions, cos_sin, slots) of a V3 main write."""
+    buf, kv_c, k_pe = _v32_inputs(n, seed)
+    pos = torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed))
+    return buf, kv_c, k_pe, _weight(512, seed + 1), pos, cos_sin_cache(64, 64), torch.randperm(64)[:n]
+
+
 def _count_calls(monkeypatch, module, name):
     """Record the x of every call of ``module.name`` (the fused entry point as that module sees it)."""
     seen = []
@@ -219,11 +226,7 @@ def test_mla_v3_main_write_is_one_launch_from_kv_c_k_pe(backend, monkeypatch, st
     from kvfuse import mla
     cfg = _v3()
     n = 21
-    buf, kv_c, k_pe = _v32_inputs(n, 8)
-    w = _weight(512, 9)
-    pos = torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(1))
-    cs = cos_sin_cache(64, 64)
-    slots = torch.randperm(64)[:n]
+    buf, kv_c, k_pe, w, pos, cs, slots = _v3_write_inputs(n, 8)
     seen = _count_calls(monkeypatch, mla, "_fused")
     results = []
     for kv in ((kv_c, k_pe), buf):
@@ -251,11 +254,7 @@ def test_mla_write_layer_and_flashmla_v32_take_the_pair(backend):
     from kvfuse import mla
     cfg = _v3()
     n = 13
-    buf, kv_c, k_pe = _v32_inputs(n, 4)
-    w = _weight(512, 5)
-    pos = torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(2))
-    cs = cos_sin_cache(64, 64)
-    slots = torch.randperm(64)[:n]
+    buf, kv_c, k_pe, w, pos, cs, slots = _v3_write_inputs(n, 4)
     storages = []
     for write in ("main", "layer", "v32"):
         cache, storage = guarded_cache(F.FLASHMLA_V32, 4, 16)
