@@ -204,7 +204,8 @@ def _v3_write_inputs(n, seed):
     """(buf [n, 576], kv_c, k_pe views, latent norm weight [512], positions, cos_sin, slots) of a V3 main write."""
     buf, kv_c, k_pe = _v32_inputs(n, seed)
     pos = torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed))
-    return buf, kv_c, k_pe, _weight(512, seed + 1), pos, cos_sin_cache(64, 64), torch.randperm(64)[:n]
+    slots = torch.randperm(64, generator=torch.Generator().manual_seed(seed))[:n]
+    return buf, kv_c, k_pe, _weight(512, seed + 1), pos, cos_sin_cache(64, 64), slots
 
 
 def _count_calls(monkeypatch, module, name):
@@ -241,7 +242,8 @@ def test_mla_v3_main_write_is_one_launch_from_kv_c_k_pe(backend, monkeypatch, st
         latent = kvfuse.reference.rmsnorm(kv_c, w, cfg.norm_eps)
         _call(torch.cat([latent, k_pe], -1), None, cfg.main_rope_args(pos, cs, F.FLASHMLA_V32), None,
               CastArgs.from_cache_format(F.FLASHMLA_V32),
-              KVCacheOutArgs(cache, slots, out=out, out_stage=None if stage == "norm" else stage, layout=F.FLASHMLA_V32))
+              KVCacheOutArgs(cache, slots, out=out, out_stage=None if stage == "norm" else stage,
+                             layout=F.FLASHMLA_V32))
     if stage == "norm":   # the norm stage: the normalized latent, then k_pe as it came
         out = torch.cat([latent, k_pe], -1)
     for storage_i, out_i in results:
@@ -289,3 +291,41 @@ def test_vllm_fp8_ds_mla_reads_kv_c_and_k_pe_in_place(backend, monkeypatch):
     _expected((kv_c, k_pe), None, None, None, CastArgs.from_cache_format(F.FLASHMLA_V32),
               KVCacheOutArgs(cache2, slots, layout=F.FLASHMLA_V32))
     assert_bytes_equal(storage, storage2, "fp8_ds_mla cache buffer")
+
+
+# =============================================================================== the custom op, torch.compile
+def _v3_step(kv_c, k_pe, w, pos, cs, cache, slots, out):
+    kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(
+        (kv_c, k_pe), NormArgs(w), RopeArgs(pos, cs, 64, False), None, CastArgs.from_cache_format(F.FLASHMLA_V32),
+        KVCacheOutArgs(cache, slots, out=out, out_stage="norm", layout=F.FLASHMLA_V32))
+    return out
+
+
+def _v3_step_inputs():
+    buf, kv_c, k_pe, w, pos, cs, slots = _v3_write_inputs(9, 21)
+    cache, storage = guarded_cache(F.FLASHMLA_V32, 4, 16)
+    return (kv_c, k_pe, w, pos, cs, cache, slots, torch.empty(9, 576, dtype=torch.bfloat16)), storage
+
+
+def test_the_custom_op_takes_the_second_input():
+    """Through kvfuse.dispatch.via_ops (the plan's fields as op arguments, x_tail among them): the eager bytes."""
+    from kvfuse import dispatch
+    (args, storage), (args2, storage2) = _v3_step_inputs(), _v3_step_inputs()
+    with kvfuse.use_backend("reference"):
+        with dispatch.via_ops():
+            _v3_step(*args)
+        _v3_step(*args2)
+    assert_bytes_equal(storage, storage2, "cache buffer through the op")
+    assert_bytes_equal(args[-1], args2[-1], "out through the op")
+
+
+def test_compile_fullgraph_with_two_inputs():
+    torch._dynamo.reset()
+    (args, storage), (args2, storage2) = _v3_step_inputs(), _v3_step_inputs()
+    before = storage.clone()
+    with kvfuse.use_backend("reference"):
+        got = torch.compile(_v3_step, fullgraph=True, backend="aot_eager")(*args)
+        want = _v3_step(*args2)
+    assert_bytes_equal(got, want, "out (norm stage)")
+    assert_bytes_equal(storage, storage2, "cache buffer")
+    assert not torch.equal(storage, before)

@@ -331,7 +331,8 @@ def fused_rows(
     # folds the plain widening and its narrowing away
     WNAT: tl.constexpr = NATIVE if (BLOCK_M >= 2 and BLOCK_M <= 4) else NATIVE_INTEGER
     XNAT: tl.constexpr = WNAT if (HAS_NORM or HAS_HAD) else NATIVE_INTEGER
-    x = _load_x(x_ptr, xrow[:, None, None], xt_ptr, xtrow[:, None, None], col[None, :, :], m3, SPLIT, XNAT)  # [M, NV, VEC]
+    x = _load_x(x_ptr, xrow[:, None, None], xt_ptr, xtrow[:, None, None], col[None, :, :], m3, SPLIT,
+                XNAT)                                                     # [M, NV, VEC]
     y = x
 
     # ---- the loads that do not depend on x's values. EARLY (one-row programs): issued up front, so
