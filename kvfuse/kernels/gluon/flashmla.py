@@ -63,16 +63,27 @@ if gluon is not None:
     def _load_x(x_ptr, sx_w, xt_ptr, sxt_w, rows, n_rows, word, lane, TAIL_WORD0: gl.constexpr,
                 OFFSETS32: gl.constexpr, SPLIT_X: gl.constexpr):
         """x of the rows: columns 0..511 as int32 words [R, 32, 8] (two bf16 each) and the tail
-        columns as one word per lane [R, 32] (tail columns 2 l, 2 l + 1 on lane l); SPLIT_X: the tail
-        columns from the second input xt_ptr (row stride sxt_w words), x_ptr holding the quantized part."""
+        columns as one word per lane [R, 32] (tail columns 2 l, 2 l + 1 on lane l); SPLIT_X: x_ptr holds
+        the quantized columns and xt_ptr (row stride sxt_w words) the tail, which the word tile also
+        reads where it covers the tail (MODEL1: columns 448..511, lanes 28..31, the norm's)."""
         rmask = gl.expand_dims(rows < n_rows, 1)                        # [R, 1]
         x_row = gl.expand_dims(as_offset(rows, OFFSETS32) * sx_w, 1)    # [R, 1] in words
         x_words = x_ptr.to(gl.pointer_type(gl.int32))
-        xw = gl.load(x_words + gl.expand_dims(x_row, 2) + word, mask=gl.expand_dims(rmask, 2), other=0)
         if SPLIT_X:
+            xt_words = xt_ptr.to(gl.pointer_type(gl.int32))
             xt_row = gl.expand_dims(as_offset(rows, OFFSETS32) * sxt_w, 1)
-            xt = gl.load(xt_ptr.to(gl.pointer_type(gl.int32)) + xt_row + lane, mask=rmask, other=0)
+            rmask3 = gl.expand_dims(rmask, 2)
+            if TAIL_WORD0 < 256:
+                lead = word < TAIL_WORD0
+                xw_lead = gl.load(x_words + gl.expand_dims(x_row, 2) + word, mask=rmask3 & lead, other=0)
+                xw_tail = gl.load(xt_words + gl.expand_dims(xt_row, 2) + (word - TAIL_WORD0),
+                                  mask=rmask3 & (word >= TAIL_WORD0), other=0)
+                xw = gl.where(lead, xw_lead, xw_tail)
+            else:
+                xw = gl.load(x_words + gl.expand_dims(x_row, 2) + word, mask=rmask3, other=0)
+            xt = gl.load(xt_words + xt_row + lane, mask=rmask, other=0)
         else:
+            xw = gl.load(x_words + gl.expand_dims(x_row, 2) + word, mask=gl.expand_dims(rmask, 2), other=0)
             xt = gl.load(x_words + x_row + TAIL_WORD0 + lane, mask=rmask, other=0)
         return xw, xt
 
