@@ -19,7 +19,8 @@ def fused_norm_rope_hadamard_cast_store_kvcache(x, norm_args=None, rope_args=Non
     """RMSNorm -> RoPE -> Hadamard -> quantize -> paged-cache write, any sub-chain, one launch.
 
     Args:
-        x: bf16 [n, head_dim] or [n, num_heads, head_dim], x.stride(-1) == 1 (any other strides).
+        x: bf16 [n, head_dim] or [n, num_heads, head_dim], x.stride(-1) == 1 (any other strides); or a
+            tuple (x_main, x_tail) of its columns held apart (as torch.cat(x, -1), read in place).
         norm_args / rope_args / hadamard_args / cast_args: the stages (None switches one off);
             the stages that are on run in that order, each rounding its output to bf16.
         out_args: None | Tensor | ContiguousOutArgs | KVCacheOutArgs (see SPEC §3).

@@ -15,15 +15,16 @@ from .formats import POWER_OF_TWO_SF_FORMATS, KVCacheFormat
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class NormArgs:
-    """A norm over head_dim (SPEC §2), of each (token, head) row.
+    """A norm over head_dim, or over its first k dims (SPEC §2), of each (token, head) row.
 
     kind "rms" (RMSNorm): ``y = bf16((x * rstd) * w)``, ``rstd = 1 / sqrt(mean(x^2) + eps)``.
     kind "layer" (LayerNorm, DeepSeek V3.2's indexer K): ``d = x - mean(x)``,
     ``y = bf16(((d * rstd) * w) + b)``, ``rstd = 1 / sqrt(mean(d^2) + eps)``; without a bias the
     ``+ b`` is left out. Sums use the adjacent-pairs tree.
 
-    weight (and bias): [head_dim], bf16 or fp32, contiguous. eps: a finite float > 0 (used as
-    fp32). bias: only with kind "layer".
+    weight (and bias): [k], 1 <= k <= head_dim, bf16 or fp32, contiguous: the norm covers the first k
+    dims, the others pass through it unchanged (k = head_dim: the whole row). eps: a finite float > 0
+    (used as fp32). bias: only with kind "layer".
     """
     weight: torch.Tensor
     eps: float = 1e-6

@@ -8,7 +8,7 @@ models (DeepSeek V3 / V3.1, V3.2, V4).
 | call site | norm | RoPE (style: the config's) | Hadamard | cast | destination | shape |
 |---|---|---|---|---|---|---|
 | :func:`q_preprocess` | optional (cfg.q_norm) | offset qk_head_dim - qk_rope_head_dim | - | - | bf16 | n x num_heads x qk_head_dim |
-| :func:`write_main_cache` | RMSNorm (latent only for a [latent, k_pe] record) | tail | - | the cache's | main cache (MAIN_FP8 / MAIN_FP4 / FLASHMLA_MODEL1 / FLASHMLA_V32) | n x record |
+| :func:`write_main_cache` | RMSNorm (latent only for a [latent, k_pe] record) | tail | - | the cache's | main cache (MAIN_FP8 / MAIN_FP4 / FLASHMLA_MODEL1 / FLASHMLA_V32) | n x record, or (kv_c, k_pe) |
 | :func:`cp_local_kv` (context parallel) | yes | tail 64 | - | the cache's, cast_back | bf16 for all_gather | n x 512 |
 | :func:`write_main_cache_gathered` (CP, 2nd pass) | - | - | - | the cache's | main cache | n x 512 |
 | :func:`write_draft_kv` (DFlash draft) | yes | tail | - | draft format | main cache, draft slots | n x record |
@@ -16,7 +16,10 @@ models (DeepSeek V3 / V3.1, V3.2, V4).
 | :func:`write_indexer_k` | cfg.index_norm_kind (V3.2: LayerNorm with bias) | index RoPE (V3.2: first 64) | cfg.index_hadamard | from_cache_format | index cache | n x 128 |
 | :func:`quantize_indexer_q` | - | index RoPE | same as K | from_cache_format (same format as K) | (q, sf) | n x heads x 128 |
 | :func:`write_layer` | the calls above that are given: Q, main cache, indexer K, indexer Q | | | | | one launch (:func:`kvfuse.fused_group`) |
-| :func:`write_flashmla_v32` | optional (latent only) | tail 64 | - | FLASHMLA_V32 | 576 = 512 e4m3 + 64 bf16 | n x 576 |
+| :func:`write_flashmla_v32` | optional (latent only) | tail 64 | - | FLASHMLA_V32 | 576 = 512 e4m3 + 64 bf16 | (n x 512, n x 64) |
+
+Each row is one launch, a [latent | k_pe] record too: its norm covers the latent only (a norm over
+the leading dims, SPEC §2) and kv_c / k_pe may be two tensors (the entry point's x as a pair).
 
 Context parallelism: :func:`cp_local_kv_quantized` + all_gather of the (q, sf) bytes +
 :func:`store_gathered` is the byte-exact recipe for every format; the cast_back recipe
@@ -233,50 +236,42 @@ def q_preprocess_call(cfg: MLAConfig, q: torch.Tensor, positions: torch.Tensor, 
 
 
 # --------------------------------------------------------------------------- main cache
-def write_main_cache(cfg: MLAConfig, kv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+def write_main_cache(cfg: MLAConfig, kv, positions: torch.Tensor, cos_sin: torch.Tensor,
                      norm_weight: Optional[torch.Tensor], kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                      fmt: Optional[KVCacheFormat] = None, out: Optional[torch.Tensor] = None,
                      out_stage: Optional[str] = None) -> Optional[torch.Tensor]:
     """attn.py SWA / main cache write: RMSNorm -> RoPE (tail, cfg.rope_is_neox) -> the cache
-    format's cast -> pages.
+    format's cast -> pages, one launch.
 
-    kv bf16 [n, record] with record = fmt.head_dim; ``fmt`` defaults to cfg.main_format (MAIN_FP8:
-    e4m3 values, UE8M0 scales per 32; MAIN_FP4; FLASHMLA_MODEL1 keeps the RoPE tail in bf16).
-    When the record is [latent | k_pe] (:meth:`MLAConfig.splits_k_pe`, FLASHMLA_V32 in V3 / V3.2)
-    the RMSNorm covers the kv_lora_rank latent only (DeepSeek's ``kv_norm`` / vLLM's
-    ``kv_a_layernorm``): a norm-only call on the latent, then RoPE + cast + store in a second one.
-    Returns ``out`` (the bf16 of ``out_stage``) or None."""
-    fmt = _fmt(fmt, cfg.main_format)
-    if not cfg.splits_k_pe(fmt):
-        return _run(main_cache_call(cfg, kv, positions, cos_sin, norm_weight, kv_cache, slot_mapping, fmt, out,
-                                    out_stage))
-    if out_stage == "norm":
-        raise ValueError(f"out_stage='norm' is not available for a [latent | k_pe] record ({fmt.name}): the "
-                         "norm covers the latent only; use 'transform' or 'cast_back'")
-    if kv.shape[-1] != fmt.head_dim:
-        raise ValueError(f"kv must have {fmt.head_dim} = kv_lora_rank + qk_rope_head_dim dims for {fmt.name}, "
-                         f"got {kv.shape[-1]}")
-    latent = kv[..., :cfg.kv_lora_rank]
-    norm = cfg.norm_args(norm_weight)
-    if norm is not None:
-        latent = _fused(latent, norm_args=norm)
-    x = torch.cat([latent, kv[..., cfg.kv_lora_rank:]], dim=-1)
-    return _fused(x, rope_args=cfg.main_rope_args(positions, cos_sin, fmt), cast_args=CastArgs.from_cache_format(fmt),
-                  out_args=KVCacheOutArgs(kv_cache, slot_mapping, out=out, out_stage=out_stage, layout=fmt))
+    kv bf16 [n, record] with record = fmt.head_dim, or the record's columns as two tensors (kv_c [n, d1],
+    k_pe [n, record - d1]: e.g. the two column views of one projection output, no copy); ``fmt``
+    defaults to cfg.main_format (MAIN_FP8: e4m3 values, UE8M0 scales per 32; MAIN_FP4; FLASHMLA_MODEL1
+    keeps the RoPE tail in bf16). When the record is [latent | k_pe] (:meth:`MLAConfig.splits_k_pe`,
+    FLASHMLA_V32 in V3 / V3.2) the RMSNorm covers the kv_lora_rank latent only (DeepSeek's ``kv_norm``
+    / vLLM's ``kv_a_layernorm``; norm_weight [kv_lora_rank]): k_pe passes through it into RoPE, and
+    out_stage "norm" is the normalized latent followed by k_pe as it came. Returns ``out`` (the bf16 of
+    ``out_stage``) or None."""
+    return _run(main_cache_call(cfg, kv, positions, cos_sin, norm_weight, kv_cache, slot_mapping, fmt, out,
+                                out_stage))
 
 
-def main_cache_call(cfg: MLAConfig, kv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+def main_cache_call(cfg: MLAConfig, kv, positions: torch.Tensor, cos_sin: torch.Tensor,
                     norm_weight: Optional[torch.Tensor], kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                     fmt: Optional[KVCacheFormat] = None, out: Optional[torch.Tensor] = None,
                     out_stage: Optional[str] = None) -> FusedCall:
-    """The call of :func:`write_main_cache`. A [latent | k_pe] record (:meth:`MLAConfig.splits_k_pe`)
-    is one call only without ``norm_weight`` (kv's latent already normalized, as engines hand it to
-    the FlashMLA write); with one it takes two calls (the norm covers the latent only): ValueError."""
+    """The call of :func:`write_main_cache` (kv one tensor or the pair (kv_c, k_pe)). The norm weight
+    is [kv_lora_rank] for a [latent | k_pe] record (:meth:`MLAConfig.splits_k_pe`), else [record]."""
     fmt = _fmt(fmt, cfg.main_format)
-    if cfg.splits_k_pe(fmt) and norm_weight is not None:
-        raise ValueError(f"a [latent | k_pe] record ({fmt.name}) with norm_weight is written by two calls (the norm "
-                         "covers the latent only): use write_main_cache, or pass the normalized latent without "
-                         "norm_weight")
+    if norm_weight is not None:
+        k = cfg.kv_lora_rank if cfg.splits_k_pe(fmt) else fmt.head_dim
+        if not isinstance(norm_weight, torch.Tensor):
+            raise TypeError(f"norm_weight must be a torch.Tensor or None, got {type(norm_weight).__name__}")
+        if tuple(norm_weight.shape) != (k,):
+            what = "the latent: the norm covers it only" if k != fmt.head_dim else "the record"
+            raise ValueError(f"norm_weight: expected shape ({k},) for {fmt.name} ({what}), got "
+                             f"{tuple(norm_weight.shape)}")
+    if isinstance(kv, list):
+        kv = tuple(kv)
     return FusedCall(kv, norm_args=cfg.norm_args(norm_weight), rope_args=cfg.main_rope_args(positions, cos_sin, fmt),
                      cast_args=CastArgs.from_cache_format(fmt),
                      out_args=KVCacheOutArgs(kv_cache, slot_mapping, out=out, out_stage=out_stage, layout=fmt))
@@ -413,8 +408,8 @@ def write_layer(cfg: MLAConfig, positions: torch.Tensor, cos_sin: torch.Tensor, 
                 index_q: Optional[torch.Tensor] = None, index_q_out: Optional[torch.Tensor] = None,
                 index_sf_out: Optional[torch.Tensor] = None) -> dict:
     """The layer's calls that are given, in ONE launch (:func:`kvfuse.fused_group`): Q preprocessing
-    (``q``: :func:`q_preprocess`), the main cache write (``kv``: :func:`write_main_cache`, a record
-    normalized whole), the indexer K write (``index_k``: :func:`write_indexer_k`) and the indexer Q
+    (``q``: :func:`q_preprocess`), the main cache write (``kv``: :func:`write_main_cache`, one tensor or
+    the pair (kv_c, k_pe)), the indexer K write (``index_k``: :func:`write_indexer_k`) and the indexer Q
     quantization (``index_q``: :func:`quantize_indexer_q`); same arguments as those functions, all
     at the same ``positions`` (``index_slot_mapping`` defaults to ``slot_mapping``). Returns
     {"q": bf16, "index_q": (q, sf)} for the calls made (the cache writes return nothing), each
@@ -454,16 +449,17 @@ def write_flashmla_v32(cfg: MLAConfig, kv_c_normed: torch.Tensor, k_pe: torch.Te
     latent (kv_lora_rank = 512, quantized e4m3, fp32 power-of-two scales per 128) followed by the
     rotated k_pe (64 dims, raw bf16, pairing cfg.rope_is_neox). As in ``concat_and_cache_mla`` the
     latent arrives already normalized (V3.2's RMSNorm covers the latent only, not k_pe); with
-    ``norm_weight`` it is normalized here first (a norm-only call). RoPE on the tail and the cast
-    run fused. kv_c_normed bf16 [n, kv_lora_rank], k_pe bf16 [n, qk_rope_head_dim]."""
+    ``norm_weight`` [kv_lora_rank] it is normalized here. One launch from the two tensors (no
+    concatenation). kv_c_normed bf16 [n, kv_lora_rank], k_pe bf16 [n, qk_rope_head_dim]."""
     fmt = FLASHMLA_V32
     if kv_c_normed.shape[-1] + k_pe.shape[-1] != fmt.head_dim:
         raise ValueError(f"kv_c_normed and k_pe must concatenate to {fmt.head_dim} dims, got "
                          f"{kv_c_normed.shape[-1]} + {k_pe.shape[-1]}")
-    if norm_weight is not None:
-        kv_c_normed = _fused(kv_c_normed, norm_args=cfg.norm_args(norm_weight))
-    x = torch.cat([kv_c_normed, k_pe], dim=-1)
-    _fused(x, rope_args=RopeArgs(positions, cos_sin, k_pe.shape[-1], cfg.rope_is_neox),
+    if norm_weight is not None and tuple(norm_weight.shape) != (kv_c_normed.shape[-1],):
+        raise ValueError(f"norm_weight: expected shape ({kv_c_normed.shape[-1]},) (the norm covers the latent "
+                         f"only), got {tuple(norm_weight.shape)}")
+    _fused((kv_c_normed, k_pe), norm_args=cfg.norm_args(norm_weight),
+           rope_args=RopeArgs(positions, cos_sin, k_pe.shape[-1], cfg.rope_is_neox),
            cast_args=CastArgs.from_cache_format(fmt), out_args=KVCacheOutArgs(kv_cache, slot_mapping, layout=fmt))
 
 

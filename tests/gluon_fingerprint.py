@@ -16,6 +16,7 @@ constexprs."""
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import sys
 
@@ -105,6 +106,12 @@ def variants():
     yield "mla_model1_w32_bs24", lambda: _mla(Case(n=5, **model1, seed=25, w_fp32=True, block_size=24,
                                                    num_blocks=16))
     yield "mla_model1_slot64", lambda: _mla(Case(n=5, **model1, seed=26), SLOT32=False, OFFSETS32=False)
+    # x as two inputs (the quantized columns, the tail) and V32's norm over the latent only
+    yield "mla_v32_split", lambda: _mla(Case(n=1, **v32, seed=27, split=512))
+    yield "mla_v32_latent_norm_gptj", lambda: _mla(Case(n=5, **{**v32, "neox": False}, seed=28, norm_dim=512))
+    yield "mla_v32_split_latent_norm_2rows", lambda: _mla(Case(n=5, **v32, seed=29, split=512, norm_dim=512),
+                                                          rpw=2)
+    yield "mla_model1_split_pipeline", lambda: _mla(Case(n=5, **model1, seed=30, split=448), pipe=True)
     for fmt in (F.INDEX_FP8_FP32, F.INDEX_MXFP8, F.INDEX_MXFP4, F.INDEX_NVFP4):
         yield f"index_{fmt.name}", lambda fmt=fmt: _index(Case(n=5, **ix, fmt=fmt, seed=31))
         yield f"index_{fmt.name}_v32_chain", lambda fmt=fmt: _index(Case(**{**ix, **v32_indexer}, n=5, fmt=fmt, seed=32))
@@ -126,10 +133,18 @@ def compile_ptx(kernel, plan, args, consts, options):
     the ones it has not) and ``consts``."""
     from triton.experimental.gluon._runtime import GluonASTSource
     names = list(kernel.arg_names)
-    assert names[len(args):] == list(consts), (names[len(args):], list(consts))
+    # the constexprs after the positional arguments: named by the launch, or left to the kernel's defaults
+    later = names[len(args):]
+    assert [k for k in later if k in consts] == list(consts) and all(
+        kernel.params[len(args) + i].default is not inspect.Parameter.empty
+        for i, k in enumerate(later) if k not in consts), (names, list(consts))
     sig, attrs = {}, {}
+    consts = {k: consts[k] if k in consts else kernel.params[len(args) + i].default for i, k in enumerate(later)}
     for i, (name, value) in enumerate(zip(names, args)):
-        if isinstance(value, PlanTensor):
+        if value is None:                 # a None argument: a constexpr of its own (Triton's specialization)
+            sig[name] = "constexpr"
+            consts[name] = None
+        elif isinstance(value, PlanTensor):
             t = getattr(plan, value.field, None)
             sig[name] = "*" + TYPES[(plan.x if t is None else t).dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]

@@ -9,8 +9,9 @@ of a signature, the direct launcher instead of Triton's. The matrix holds
 1. for every fast path, every entry of its launch table, with each RoPE style it serves, each of
    its formats, weight and cos/sin dtypes and int32 / int64 indices (``fast_cases``);
 2. an all-pairs cover of the features that change the generated code (``FACTORS``: the format or
-   contiguous destination, RoPE style x offset x conjugate, the norm kind, Hadamard, each out_stage
-   including in place, heads, index and parameter dtypes) crossed with the launch the dispatcher
+   contiguous destination, RoPE style x offset x conjugate, the norm kind and the dims it covers,
+   Hadamard, each out_stage including in place, heads, x as one or two inputs, index and parameter
+   dtypes) crossed with the launch the dispatcher
    takes (every plain-kernel table entry of every tile width and cast), chosen greedily from
    random valid cases (``pairwise_cases``).
 
@@ -57,6 +58,8 @@ FACTORS = {
     "w_fp32": [False, True],
     "cs_bf16": [False, True],
     "rows": ["decode", "multi", "large"],
+    "input": ["one", "split"],              # x as one tensor, or its columns as two (split 64 before the end)
+    "norm_dim": ["whole", "leading"],       # the norm over head_dim, or over all but the last 64 dims
 }
 ROWS = {"decode": (1, 3, 300), "multi": (600, 2049, 4097), "large": (16384, 20000)}
 
@@ -133,11 +136,17 @@ def fast_cases() -> list:
         variants = INDEX_CHAINS if module is indexer else [dict(neox=neox) for neox in styles]
         if module in (main_latent, main_latent_fp4):
             variants = variants + [dict(norm=False, rope=False)]           # the cast alone (CAST_ONLY)
+        if module is flashmla:    # x as two inputs split at the quantized part; V32's norm over the latent only
+            variants = variants + [dict(neox=True, split="quant"), dict(neox=False, split="quant"),
+                                   dict(neox=True, norm_dim="quant"), dict(neox=False, split="quant", norm_dim="quant")]
         for i, variant in itertools.product(range(len(table)), variants):
             for k, fmt in enumerate(fmts):
+                if variant.get("norm_dim") and fmt.head_dim != 576:
+                    continue                                           # the latent-only norm: V32's record
+                chosen = {key: fmt.quant_dim if v == "quant" else v for key, v in variant.items()}
                 seed += 1
                 n = _fast_n(table, i, module.MIN_ROWS) + (seed % 3)
-                base = {**(chain or dict(heads=1, head_dim=fmt.head_dim, rotary_dim=64, out_stage=None)), **variant}
+                base = {**(chain or dict(heads=1, head_dim=fmt.head_dim, rotary_dim=64, out_stage=None)), **chosen}
                 bs = (16, 64, 24)[seed % 3]
                 cases.append(Case(n=n, **base, fmt=fmt, seed=seed, idx32=bool(seed % 2),
                                   w_fp32=(seed // 2) % 2 == 1, cs_bf16=(seed // 4) % 2 == 1, block_size=bs,
@@ -191,6 +200,9 @@ def _candidate(rng: random.Random, seed: int):
         stage, in_place = "none", False
     if in_place and pick["heads"] != heads:
         in_place = False
+    lead = D - 64 if D > 64 else D // 2           # the latent of a [latent | k_pe] record, say
+    split = lead if pick["input"] == "split" and not in_place else None
+    norm_dim = lead if norm and pick["norm_dim"] == "leading" else None
     rows = pick["rows"]
     n = rng.choice(ROWS[rows])
     bs = rng.choice([16, 64, 24])
@@ -202,12 +214,13 @@ def _candidate(rng: random.Random, seed: int):
                 block_padding=rng.choice([0, 64]), slot_kind=rng.choice(["continuous", "cross_page", "random", "invalid"]),
                 seed=seed, idx32=pick["idx32"], x2d=heads == 1 and rng.random() < 0.3,
                 x_row_pad=rng.choice([0, 0, 16, 8]), norm_kind="layer" if norm_kind.startswith("layer") else "rms",
-                bias=norm_kind == "layer+bias", in_place=in_place)
+                bias=norm_kind == "layer+bias", in_place=in_place, split=split, norm_dim=norm_dim)
     realized = dict(dest=dest, rope=pick["rope"], offset=pick["offset"] if rope else "-",
                     conjugate=case.conjugate if rope else "-", norm=norm_kind, hadamard=had,
                     stage=("none" if case.out_stage is None else case.out_stage) + (" in place" if in_place else ""),
                     heads=heads, idx32=pick["idx32"], w_fp32=case.w_fp32 if norm else "-",
-                    cs_bf16=case.cs_bf16 if rope else "-", launch=dispatch_of(case))
+                    cs_bf16=case.cs_bf16 if rope else "-", input="one" if split is None else "split",
+                    norm_dim=("whole" if norm_dim is None else "leading") if norm else "-", launch=dispatch_of(case))
     return case, realized
 
 

@@ -54,13 +54,17 @@ class Case:
     norm_kind: str = "rms"            # "rms" | "layer"
     bias: bool = False                # a LayerNorm bias (needs norm_kind "layer")
     in_place: bool = False            # the stage copy goes into x itself (out = x; needs out_stage)
+    split: Optional[int] = None       # x passed as two inputs, its columns [0, split) and [split, D) (not in place)
+    norm_dim: Optional[int] = None    # the norm over the first norm_dim dims only (weight [norm_dim])
 
     def describe(self):
         f = self.fmt.name if self.fmt else f"contig:{self.cast}"
         return (f"n={self.n} H={self.heads} D={self.head_dim} {f} norm={self.norm} rope={self.rope}"
                 f"(r={self.rotary_dim},off={self.rope_offset},neox={self.neox},conj={self.conjugate}) "
                 f"had={self.hadamard} stage={self.out_stage}{' in place' if self.in_place else ''} slots={self.slot_kind} "
-                f"norm_kind={self.norm_kind}{'+bias' if self.bias else ''} seed={self.seed}")
+                f"norm_kind={self.norm_kind}{'+bias' if self.bias else ''}"
+                f"{'' if self.split is None else f' split={self.split}'}"
+                f"{'' if self.norm_dim is None else f' norm_dim={self.norm_dim}'} seed={self.seed}")
 
 
 def _bf16_data(shape, gen, device):
@@ -105,10 +109,11 @@ def build(case: Case, device):
         x = x[:, 0]
     norm = rope = had = None
     if case.norm:
-        w = (torch.rand(D, generator=gen) * 2).to(torch.float32 if case.w_fp32 else torch.bfloat16).to(device)
+        k = D if case.norm_dim is None else case.norm_dim
+        w = (torch.rand(k, generator=gen) * 2).to(torch.float32 if case.w_fp32 else torch.bfloat16).to(device)
         b = None
         if case.bias:
-            b = (torch.randn(D, generator=gen) * 0.5).to(torch.float32 if case.w_fp32 else torch.bfloat16).to(device)
+            b = (torch.randn(k, generator=gen) * 0.5).to(torch.float32 if case.w_fp32 else torch.bfloat16).to(device)
         norm = NormArgs(w, eps=1e-6 if case.seed % 2 else 1e-5, bias=b, kind=case.norm_kind)
     if case.rope:
         P = 64
@@ -151,6 +156,8 @@ def build(case: Case, device):
                                dtype=torch.uint8).to(device).view(st)
             outs["q"], outs["sf"] = q, sf
             out_args = ContiguousOutArgs(q, sf)
+    if case.split is not None:
+        x = (x[..., :case.split], x[..., case.split:])
     args = dict(x=x, norm_args=norm, rope_args=rope, hadamard_args=had, cast_args=cast, out_args=out_args)
     return args, outs, storage
 
@@ -271,6 +278,14 @@ FAST_CASES = [(*where, case) for where, case in [
                 slot_kind="random", idx32=True)),
     (_MLA, Case(n=20000, head_dim=512, fmt=formats.FLASHMLA_MODEL1, **FAST_CHAIN, seed=23, block_size=64,
                 num_blocks=330, slot_kind="cross_page", w_fp32=True)),
+    # DeepSeek V3's write from (kv_c, k_pe) with the norm over the latent only; MODEL1 from two inputs
+    (_MLA, Case(n=1, head_dim=576, fmt=formats.FLASHMLA_V32, **FAST_CHAIN, seed=24, split=512, norm_dim=512)),
+    (_MLA, Case(n=20000, head_dim=576, fmt=formats.FLASHMLA_V32, **FAST_CHAIN, seed=25, split=512, norm_dim=512,
+                block_size=64, num_blocks=330, slot_kind="random", x_row_pad=16, idx32=True)),
+    (_MLA, Case(n=300, head_dim=576, fmt=formats.FLASHMLA_V32, **{**FAST_CHAIN, "neox": False}, seed=26,
+                norm_dim=512, slot_kind="invalid", block_size=24, num_blocks=16)),
+    (_MLA, Case(n=4097, head_dim=512, fmt=formats.FLASHMLA_MODEL1, **FAST_CHAIN, seed=27, split=448, block_size=64,
+                num_blocks=70, w_fp32=True)),
     (_IX, Case(n=300, head_dim=128, fmt=formats.INDEX_NVFP4, **FAST_CHAIN, seed=31, block_size=24, num_blocks=16,
                slot_kind="invalid")),
     (_IX, Case(n=70000, head_dim=128, fmt=formats.INDEX_MXFP4, **FAST_CHAIN, seed=32, block_size=64, num_blocks=1100,

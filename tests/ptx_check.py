@@ -29,12 +29,12 @@ from kvfuse.kernels import store_load as SL  # noqa: E402
 BAD = re.compile(r"\bfma\.|\.approx|div\.full")
 PTR_TYPES = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32", "out_ptr": "*bf16",
              "q_ptr": "*u8", "sf_ptr": "*u8", "slot_ptr": "*i64", "cache_ptr": "*u8", "data_ptr": "*u8",
-             "tail_ptr": "*u8", "sf_out_ptr": "*u8",
+             "tail_ptr": "*u8", "sf_out_ptr": "*u8", "xt_ptr": "*bf16",
              # the GQA kernel (kvfuse/kernels/qkv.py)
              "k_ptr": "*bf16", "v_ptr": "*bf16", "qo_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
              "kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
 FLOATS = ("eps", "had_scale", "q_eps", "k_eps")
-DIVISIBLE_BY_16 = ("sx_n", "sx_h", "s_cs", "so_n", "so_h", "sq_n", "sq_h", "s_blk",   # as in the benchmark's calls
+DIVISIBLE_BY_16 = ("sx_n", "sx_h", "sxt_n", "sxt_h", "s_cs", "so_n", "so_h", "sq_n", "sq_h", "s_blk",   # as in the benchmark's calls
                    "sk_n", "sk_h", "sv_n", "sv_h", "kc_blk", "kc_tok", "kc_head", "vc_blk", "vc_tok", "vc_head")
 STORE = re.compile(r"\b(st\.global(?:\.[a-z0-9]+)+)")
 # variant -> (the store that must be there, at least how many, at most how many byte stores)
@@ -46,13 +46,17 @@ WIDE_STORES = {"main_fp8": ("st.global.b32", 8, 4), "main_fp8_decode": ("st.glob
                "gqa_fp8_d256_partial_rotary": ("st.global.v2.b32", 4, 0)}
 
 
+# x's second input: None (a constexpr) for one input, as the launch passes it
+ONE_INPUT = {"xt_ptr": None, "sxt_n": None, "sxt_h": None}
+
+
 def compile_ptx(fn, consts, num_warps=4, ptr_types=None):
     ptr_types = {**PTR_TYPES, **(ptr_types or {})}
     sig, attrs = {}, {}
     for p in fn.params:
         name = p.name
         sig[name] = "constexpr" if name in consts else ptr_types.get(name, "fp32" if name in FLOATS else "i32")
-        if name in ptr_types or name in DIVISIBLE_BY_16:
+        if (name in ptr_types or name in DIVISIBLE_BY_16) and name not in consts:
             attrs[(fn.arg_names.index(name),)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
@@ -65,7 +69,7 @@ def fused_variants():
     base = dict(D=512, BLOCK_D=512, LOG2_BLOCK_D=9, VEC=4, BLOCK_M=2, ONE_HEAD=True, ROWS32=True, HAS_NORM=True,
                 W_BF16=True, LAYER=False, HAS_BIAS=False, B_BF16=True, ROPE=2, R=64, ROPE_OFF=448, NEOX=True, CONJ=False, CS_BF16=False, HAS_HAD=False, CAST=1,
                 G=32, SF=0, FMAX=448.0, DQ=512, OUT_STAGE=0, DEST=2, NATIVE=2, SLOT32=True, QALIGN=4, SFALIGN=4,
-                TALIGN=4, EARLY=False, FLOOR_E=-999, PDL=False)
+                TALIGN=4, EARLY=False, FLOOR_E=-999, SPLIT=0, NORM_DIM=0, PDL=False, **ONE_INPUT)
     yield "main_fp8", base
     yield "main_fp8_decode", {**base, "BLOCK_M": 1, "EARLY": True}
     yield "main_fp8_decode_pdl", {**base, "BLOCK_M": 1, "EARLY": True, "PDL": True}
@@ -92,6 +96,21 @@ def fused_variants():
                                                    "FMAX": 6.0, "DQ": 128, "DEST": 1}
     yield "contiguous_fp32_sf", {**base, "SF": 3, "DEST": 1, "HAS_NORM": False, "VEC": 8}
     yield "bf16_out_rope_only", {**base, "HAS_NORM": False, "CAST": 0, "DEST": 0, "OUT_STAGE": 2, "VEC": 8}
+    # two inputs (x's columns from SPLIT on held apart) and norms over the leading dims
+    split = {k: v for k, v in base.items() if k not in ONE_INPUT}
+    yield "v32_split_latent_norm_decode", {**split, "D": 576, "BLOCK_D": 1024, "LOG2_BLOCK_D": 10, "VEC": 8,
+                                           "ROPE_OFF": 512, "G": 128, "SF": 1, "DQ": 512, "FLOOR_E": -13,
+                                           "QALIGN": 16, "SFALIGN": 16, "TALIGN": 16, "BLOCK_M": 1, "EARLY": True,
+                                           "SPLIT": 512, "NORM_DIM": 512}
+    yield "main_fp8_split_layernorm_leading_copy", {**split, "LAYER": True, "HAS_BIAS": True, "OUT_STAGE": 1,
+                                                    "SPLIT": 448, "NORM_DIM": 448}
+    yield "v32_leading_norm_one_input", {**base, "D": 576, "BLOCK_D": 1024, "LOG2_BLOCK_D": 10, "VEC": 8,
+                                         "ROPE_OFF": 512, "G": 128, "SF": 1, "DQ": 512, "FLOOR_E": -13,
+                                         "QALIGN": 16, "SFALIGN": 16, "TALIGN": 16, "BLOCK_M": 1, "EARLY": True,
+                                         "NORM_DIM": 512}
+    yield "bf16_out_split_gptj_tile_had", {**split, "D": 128, "BLOCK_D": 128, "LOG2_BLOCK_D": 7, "VEC": 8,
+                                           "CAST": 0, "DEST": 0, "OUT_STAGE": 2, "ROPE": 1, "ROPE_OFF": 32,
+                                           "NEOX": False, "HAS_HAD": True, "SPLIT": 48, "NORM_DIM": 96}
 
 
 def gqa_variants():
@@ -123,6 +142,8 @@ def grouped_variants():
                                           fused["contiguous_fp32_sf"]], False
     yield "grouped_main_index_q_pdl", [fused["main_fp8"], fused["index_layernorm_offset0_had_fp32"],
                                        fused["bf16_out_rope_only"], fused["contiguous_nvfp4_interleaved_subtile"]], True
+    yield "grouped_q_v32_split_index", [fused["bf16_out_rope_only"], fused["v32_split_latent_norm_decode"],
+                                        fused["contiguous_fp32_sf"]], False
 
 
 def compile_grouped_ptx(members, pdl):
@@ -135,6 +156,10 @@ def compile_grouped_ptx(members, pdl):
         if m < len(members):
             types = []
             for k, name in enumerate(G.TUPLE_NAMES):
+                if name in members[m] and members[m][name] is None:
+                    types.append("constexpr")
+                    consts[(a_at, k)] = None
+                    continue
                 types.append(PTR_TYPES.get(name, "fp32" if name in FLOATS else "i32"))
                 if name in PTR_TYPES or name in DIVISIBLE_BY_16:
                     attrs[(a_at, k)] = [["tt.divisibility", 16]]

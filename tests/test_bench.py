@@ -778,3 +778,25 @@ def test_the_record_layouts_hold_the_same_codes_and_scales(name):
         assert torch.equal(sf, first[2]), label
         assert moved == first[3], label
     assert [fmt.bytes_per_token for _, fmt in bench.RECORD_LAYOUTS[:3]] == [532, 528, 544]
+
+
+def test_dsv3_kv_c_k_pe_workloads_pass_two_views_of_one_projection(monkeypatch):
+    """DeepSeek V3's main write from (kv_c, k_pe): the fused call takes two column views of x (no copy) and
+    the norm weight covers the latent only (512 dims in the byte model too)."""
+    wl = bench.WORKLOADS["dsv3_main_kv_c_k_pe"]
+    inp = bench.build_inputs(wl, 7, "cpu", seed=3)
+    seen = []
+    real = kvfuse.api.fused_norm_rope_hadamard_cast_store_kvcache
+
+    def spy(x, *args):
+        seen.append(x)
+        return real(x, *args)
+    monkeypatch.setattr(kvfuse.api, "fused_norm_rope_hadamard_cast_store_kvcache", spy)
+    with use_backend("reference"):
+        bench.make_peer("fused", wl, inp)()
+    kv_c, k_pe = seen[0]
+    assert kv_c.data_ptr() == inp.x.data_ptr() and k_pe.data_ptr() == inp.x[:, 512:].data_ptr()
+    assert tuple(inp.weight.shape) == (512,)
+    assert bench.moved_bytes(wl, 1)["norm_weight"] == 512 * 2
+    assert bench.moved_bytes(bench.WORKLOADS["dsv3_main_kv_c_k_pe_nonorm"], 1)["total"] == \
+        bench.moved_bytes(wl, 1)["total"] - 512 * 2

@@ -126,7 +126,8 @@ def test_launch_parts_fill_every_parameter_in_order(fmt):
     grid, args, constexprs, options = G.launch_parts(plan, tensor_arg, *G.launch_table(300), ctas_per_sm=4,
                                                      sm_count=132)
     assert len(args) == n_args
-    assert set(constexprs) == set(names[n_args:])
+    # one input, the norm over the whole record: the two input constexprs left to the kernel's defaults
+    assert set(constexprs) == set(names[n_args:]) - {"SPLIT_X", "LATENT_NORM"}
     assert options["enable_fp_fusion"] is False and options["num_stages"] == 1
     fields = {a.field for a in args if isinstance(a, PlanTensor)}
     assert fields == TENSOR_FIELDS
@@ -145,7 +146,7 @@ def test_launch_parts_fill_every_parameter_in_order(fmt):
     plan24 = plan_of(mla_case(fmt, n=50, block_size=24))
     _, args24, constexprs24, _ = G.launch_parts(plan24, tensor_arg, 1, 1, False, ctas_per_sm=1, sm_count=8)
     assert constexprs24["LOG2_BLOCK"] == -1
-    assert all(isinstance(v, (int, float, PlanTensor)) for v in args24)
+    assert all(isinstance(v, (int, float, PlanTensor)) for v in args24[:-2]) and args24[-2:] == (None, None)
 
 
 @BOTH
@@ -157,6 +158,47 @@ def test_plan_launch_shape(fmt, monkeypatch):
     name, grid, args, kwargs, namespace = G.plan_launch(plan, tensor_arg)
     assert name == "mla_tail_kernel" and namespace[name] is G.mla_tail_kernel
     assert grid == (4,) and kwargs["num_warps"] == 2 and kwargs["PIPELINE"] is False   # 7 rows, tiles of 2
+    # every constexpr named (kvfuse.kernels.launcher's direct launch takes them by name), defaults included
+    names, is_constexpr = _kernel_params()
+    assert {k for k, c in zip(names, is_constexpr) if c} <= set(kwargs)
+    assert kwargs["SPLIT_X"] is False and kwargs["LATENT_NORM"] is False
+
+
+@BOTH
+def test_two_inputs_split_at_the_quantized_part_are_eligible(fmt):
+    q = fmt.quant_dim
+    assert G.eligible(plan_of(mla_case(fmt, split=q)))
+    assert G.eligible(plan_of(mla_case(fmt, split=q, neox=False, x2d=True, w_fp32=True, x_row_pad=16)))
+    assert not G.eligible(plan_of(mla_case(fmt, split=q - 64)))           # the tail's words from x's pointer
+    assert not G.eligible(plan_of(mla_case(fmt, split=q, x_row_pad=1)))   # odd row strides
+    plan = plan_of(mla_case(fmt, split=q, n=300, block_size=16, num_blocks=30))
+    grid, args, constexprs, _ = G.launch_parts(plan, tensor_arg, *G.launch_table(300), ctas_per_sm=4, sm_count=132)
+    by_name = dict(zip(_kernel_params()[0], args))
+    assert by_name["xt_ptr"] == tensor_arg("x_tail") and by_name["sxt_w"] * 2 == plan.x_tail.stride(0)
+    assert constexprs["SPLIT_X"] is True and "LATENT_NORM" not in constexprs
+
+
+def test_the_latent_only_norm_is_eligible_for_v32_only():
+    for kw in (dict(norm_dim=512), dict(norm_dim=512, split=512), dict(norm_dim=512, neox=False, w_fp32=True)):
+        plan = plan_of(mla_case(V32, **kw))
+        assert G.eligible(plan), kw
+        _, _, constexprs, _ = G.launch_parts(plan, tensor_arg, 2, 1, False, ctas_per_sm=1, sm_count=8)
+        assert constexprs["LATENT_NORM"] is True and constexprs.get("SPLIT_X", False) == ("split" in kw)
+    for norm_dim in (448, 480, 64):
+        assert not G.eligible(plan_of(mla_case(V32, norm_dim=norm_dim))), norm_dim
+    assert not G.eligible(plan_of(mla_case(MODEL1, norm_dim=448)))
+
+
+def test_two_inputs_need_every_pointer_word_aligned():
+    """x, its tail input and the weight are read as 4-byte words: the call guard checks all three."""
+    plan = plan_of(mla_case(V32, split=512))
+    check, fields = G.call_guard(plan)
+    assert fields == ("x", "weight", "x_tail")
+    x, w, xt = plan.x, plan.weight, plan.x_tail
+    assert check(x, w, xt)
+    buf = torch.zeros(2 * 600, dtype=torch.bfloat16)
+    assert not check(x, w, buf[1:65])
+    assert G.call_guard(plan_of(mla_case(V32)))[1] == ("x", "weight")
 
 
 def test_dispatch_takes_both_formats_but_not_a_conjugate_rope():

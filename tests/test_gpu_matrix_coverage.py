@@ -51,6 +51,25 @@ def test_every_fast_path_entry_runs_each_chain_it_serves(built):
                 assert len(got["format"]) == 5, (i, got["format"])
 
 
+def test_every_flashmla_entry_runs_two_inputs_and_the_latent_norm(built):
+    """Every entry of the FlashMLA fast path runs x as two inputs (both formats, both RoPE styles) and
+    V32's norm over the latent only, alone and with two inputs."""
+    from kvfuse.kernels.gluon import flashmla
+    fast, _, _ = built
+    seen = collections.defaultdict(set)
+    for c in fast:
+        label = M.dispatch_of(c)
+        if label.startswith("flashmla "):
+            seen[label].add((c.fmt.name, c.neox, c.split is not None, c.norm_dim is not None))
+    for i in range(len(flashmla.LAUNCH_TABLE)):
+        got = seen[f"flashmla entry {i}"]
+        for fmt in ("FLASHMLA_V32", "FLASHMLA_MODEL1"):
+            assert {(neox, True) for f, neox, split, _ in got if f == fmt and split} == {(True, True), (False, True)}, \
+                (i, fmt, got)
+        assert {(split, leading) for f, _, split, leading in got if f == "FLASHMLA_V32" and leading} == \
+            {(False, True), (True, True)}, (i, got)
+
+
 def test_every_row_threshold_of_a_fast_path_has_its_chains_past_it(built):
     """A fast path whose constexprs change past a row count (ROW_THRESHOLDS: main_latent's reserved-sector
     prefetch, FILL_MIN_ROWS) runs every chain it serves past that count and below it."""

@@ -482,9 +482,10 @@ def test_model_call_errors(backend):
     g.check("nothing written")
     v = Guarded(F.FLASHMLA_V32)
     kv = random_bf16((N, 576), seed=63)
-    with pytest.raises(ValueError, match="out_stage='norm'"):
-        mla.write_main_cache(v3, kv, pos, cs, _weight(512, 64), v.cache, torch.tensor(SLOTS), out=torch.empty_like(kv),
-                             out_stage="norm")
+    with pytest.raises(ValueError, match=r"norm_weight: expected shape \(512,\) for FLASHMLA_V32 \(the latent"):
+        mla.write_main_cache(v3, kv, pos, cs, _weight(576, 64), v.cache, torch.tensor(SLOTS))
+    with pytest.raises(ValueError, match=r"norm_weight: expected shape \(512,\) \(the norm covers the latent"):
+        mla.write_flashmla_v32(v3, kv[:, :512], kv[:, 512:], pos, cs, v.cache, torch.tensor(SLOTS), _weight(576, 64))
     with pytest.raises(ValueError, match="576"):
         mla.write_main_cache(v3, kv[:, :512].contiguous(), pos, cs, _weight(512, 64), v.cache, torch.tensor(SLOTS))
     with pytest.raises(ValueError, match="bf16 tail"):

@@ -358,7 +358,7 @@ MUTATIONS = [
                                                                                       torch.int32])))),
     Mutation("weight shape", ["weight"], _has("norm_args"),
              lambda c, d: _norm(c, weight=_pick(d, "shape", [torch.ones(c.D + 16), torch.ones(1, c.D),
-                                                            torch.ones(c.D // 2), torch.ones(())]))),
+                                                            torch.ones(0), torch.ones(())]))),   # [k <= D]: valid
     Mutation("weight not a tensor", ["weight"], _has("norm_args"), lambda c, d: _norm(c, weight=[1.0] * c.D)),
     Mutation("weight stride", ["weight"], _has("norm_args"), lambda c, d: _norm(c, weight=torch.ones(2 * c.D)[::2])),
     Mutation("weight on meta", ["weight"], _has("norm_args"), lambda c, d: _norm(c, weight=_meta(c.kw["norm_args"].weight))),

@@ -57,7 +57,7 @@ def moved_bytes(wl: Workload, n: int, index_bytes: int = 4, cos_sin_bytes: int =
         cos_sin_rows = min(tokens, MAX_POSITION)
     b = {"x": rows * wl.head_dim * 2}
     if wl.norm:
-        b["norm_weight"] = wl.head_dim * weight_bytes * (2 if wl.norm_bias else 1)
+        b["norm_weight"] = wl.norm_width * weight_bytes * (2 if wl.norm_bias else 1)
     if wl.rope:
         b["cos_sin"] = cos_sin_rows * wl.rotary_dim * cos_sin_bytes
         b["positions"] = tokens * index_bytes

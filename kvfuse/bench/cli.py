@@ -28,7 +28,11 @@ def parse_config(argv: Optional[Sequence[str]]) -> Config:
     p = argparse.ArgumentParser(prog="kvfuse bench", description="Time the fused KV write against its peers "
                                 "(eager reference, torch.compile, kvfuse stage by stage) on a CUDA device.")
     p.add_argument("--workloads", default=None, help=f"comma list or 'all' (default all; --quick: "
-                   f"{','.join(QUICK_WORKLOADS)}); names: {','.join(WORKLOADS)}")
+                   f"{','.join(QUICK_WORKLOADS)}); names: {','.join(WORKLOADS)}. DeepSeek V3's main write from "
+                   f"kv_c [n, 512] and k_pe [n, 64] (views of one projection output) in one launch: "
+                   f"dsv3_main_kv_c_k_pe (RMSNorm over the latent only), dsv3_main_kv_c_k_pe_nonorm (kv_c "
+                   f"normalized already); e.g. --workloads dsv3_main_kv_c_k_pe,dsv3_main_kv_c_k_pe_nonorm "
+                   f"--n 1,256,4096,65536")
     p.add_argument("--n", default=None, help=f"comma list of sizes (default {','.join(map(str, DEFAULT_SIZES))})")
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma list (default {','.join(PEERS)}; a peer "
                    f"that has no meaning for a workload is recorded as skipped)")

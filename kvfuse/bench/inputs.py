@@ -194,9 +194,10 @@ def build_inputs(wl: Workload, n: int, device, seed: int = 0, slots: str = "page
     inp = Inputs(n=n, x=x, cos_sin=cos_sin_cache(MAX_POSITION, wl.rotary_dim, device=device),
                  positions=positions.to(device), regime=regime)
     if wl.norm:
-        inp.weight = (torch.randn(D, generator=g, device=device) * 0.1 + 1.0).to(torch.bfloat16)
+        k = wl.norm_width
+        inp.weight = (torch.randn(k, generator=g, device=device) * 0.1 + 1.0).to(torch.bfloat16)
         if wl.norm_bias:
-            inp.bias = (torch.randn(D, generator=g, device=device) * 0.1).to(torch.bfloat16)
+            inp.bias = (torch.randn(k, generator=g, device=device) * 0.1).to(torch.bfloat16)
         inp.norm_buf = torch.empty_like(x)
     if wl.kind == "write":
         fmt = wl.fmt

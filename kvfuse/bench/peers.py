@@ -64,7 +64,8 @@ def _call_args(wl: Workload, inp: Inputs) -> tuple:
         out = ContiguousOutArgs(out=inp.out)
     else:
         out = ContiguousOutArgs(out=inp.q, sf=inp.sf)
-    return inp.x, norm, rope, had, wl.cast_args, out
+    x = inp.x if wl.split is None else (inp.x[..., :wl.split], inp.x[..., wl.split:])
+    return x, norm, rope, had, wl.cast_args, out
 
 
 def _gqa_args(wl: Workload, inp: Inputs):

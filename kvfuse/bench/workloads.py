@@ -42,6 +42,14 @@ class Workload:
     gqa: Optional[GQAConfig] = None      # kind "gqa": the model
     cache_fp8: bool = False              # kind "gqa": float8_e4m3fn caches with per-tensor scales (else bf16)
     members: Tuple[str, ...] = ()        # kind "group": the workloads run as one kvfuse.fused_group launch
+    split: Optional[int] = None          # x passed as two inputs, its columns [0, split) and the rest: two
+                                         # column views of one projection output (DeepSeek V3's kv_c, k_pe)
+    norm_dim: Optional[int] = None       # the norm over the first norm_dim dims only (V3: the latent)
+
+    @property
+    def norm_width(self) -> int:
+        """The norm weight's length: the dims the norm covers."""
+        return self.head_dim if self.norm_dim is None else self.norm_dim
 
     @property
     def hadamard_args(self) -> Optional[HadamardArgs]:
@@ -102,6 +110,14 @@ WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
     # the models' own calls (kvfuse.models): DeepSeek V3 / V3.1 / V3.2 main cache, the V3.2 indexer K,
     # the V4 main caches and indexer K
     _write("dsv3_main_v32", FLASHMLA_V32, "DeepSeek V3 main KV 576 (latent normalized)", is_neox=False),
+    # DeepSeek V3's main write as engines hold it: kv_c [n, 512] and k_pe [n, 64], column views of one
+    # [n, 576] projection output, in one launch (kvfuse.mla.write_main_cache((kv_c, k_pe), ...))
+    Workload("dsv3_main_kv_c_k_pe", "write", 576, FLASHMLA_V32, is_neox=False, split=512, norm_dim=512,
+             description="DeepSeek V3 main KV from (kv_c [n, 512], k_pe [n, 64]) views of one projection: "
+                         "RMSNorm over the latent only + GPT-J rope on k_pe -> FLASHMLA_V32, one launch"),
+    Workload("dsv3_main_kv_c_k_pe_nonorm", "write", 576, FLASHMLA_V32, is_neox=False, split=512, norm=False,
+             description="DeepSeek V3 main KV from (kv_c, k_pe) with kv_c normalized already (FlashInfer's MLA "
+                         "rope + fp8 append): GPT-J rope on k_pe -> FLASHMLA_V32, one launch"),
     Workload("dsv32_index_k", "write", 128, INDEX_FP8_FP32, rope_offset=0, norm_kind="layer", norm_bias=True,
              hadamard=True, description="DeepSeek V3.2 indexer K: LayerNorm + bias, NEOX rope (first 64), "
                                          "Hadamard -> INDEX_FP8_FP32"),

@@ -249,8 +249,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, sca
       float8_e4m3fn view of it), the
       FlashMLA record of ``formats.FLASHMLA_V32``: per 128 values of kv_c the scale
       2^ceil(log2(max(amax / 448, 1e-4))) (fp32), values ``e4m3(x / scale)``, then k_pe's bf16 bits;
-      ``scale`` is not read. kvfuse takes the 576 values of the record as one input today, so this
-      path builds it with one ``torch.cat`` (one extra copy of [num_tokens, 576] bf16) before its launch.
+      ``scale`` is not read. One launch reads kv_c and k_pe where they are (no concatenation).
     """
     _checks.bf16_input(kv_c, "kv_c", 2)
     _checks.bf16_input(k_pe, "k_pe", 2)
@@ -266,11 +265,10 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, sca
         kv_cache = _checks.byte_cache(kv_cache, "kv_cache")
         if kv_cache.dim() != 3:
             raise ValueError(f"kv_cache: expected [num_blocks, block_size, 656], got shape {tuple(kv_cache.shape)}")
-        record = torch.cat([kv_c[:m], k_pe[:m]], dim=-1)
         out = KVCacheOutArgs(kv_cache.unsqueeze(2), slot_mapping, layout=FLASHMLA_V32)
-        with _checks.engine_names(_MLA_NAMES):
+        with _checks.engine_names({**_MLA_NAMES, "x[0]": "kv_c", "x[1]": "k_pe"}):
             fused_norm_rope_hadamard_cast_store_kvcache(
-                record, cast_args=CastArgs.from_cache_format(FLASHMLA_V32), out_args=out)
+                (kv_c[:m], k_pe[:m]), cast_args=CastArgs.from_cache_format(FLASHMLA_V32), out_args=out)
         return
     _checks.head_size(rank, "kv_c")
     _checks.head_size(pe_dim, "k_pe")

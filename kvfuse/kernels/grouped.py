@@ -30,8 +30,8 @@ assert MAX_CALLS == 4, "grouped_kernel has four member slots"
 SEPARATE = ("P", "capacity", "n_rows")
 TUPLE_NAMES = tuple(name for name in RUNTIME_NAMES if name not in SEPARATE)
 # _member passes A and C by position
-assert RUNTIME_NAMES[10] == "P" and RUNTIME_NAMES[32:34] == ("capacity", "n_rows") and len(TUPLE_NAMES) == 32
-assert len(CONSTEXPR_NAMES) == 33
+assert RUNTIME_NAMES[10] == "P" and RUNTIME_NAMES[32:34] == ("capacity", "n_rows") and len(TUPLE_NAMES) == 35
+assert len(CONSTEXPR_NAMES) == 35
 
 
 @triton.jit
@@ -39,9 +39,10 @@ def _member(pid, A, C: tl.constexpr, n_rows, P, capacity):
     """fused_rows for program ``pid`` of one member: A = its TUPLE_NAMES values, C = its CONSTEXPR_NAMES."""
     fused_rows(pid, A[0], A[1], A[2], A[3], A[4], A[5], A[6], A[7], A[8], A[9], P, A[10], A[11], A[12], A[13],
                A[14], A[15], A[16], A[17], A[18], A[19], A[20], A[21], A[22], A[23], A[24], A[25], A[26],
-               A[27], A[28], A[29], A[30], capacity, n_rows, A[31], C[0], C[1], C[2], C[3], C[4], C[5], C[6],
-               C[7], C[8], C[9], C[10], C[11], C[12], C[13], C[14], C[15], C[16], C[17], C[18], C[19], C[20],
-               C[21], C[22], C[23], C[24], C[25], C[26], C[27], C[28], C[29], C[30], C[31], C[32])
+               A[27], A[28], A[29], A[30], capacity, n_rows, A[31], A[32], A[33], A[34], C[0], C[1], C[2], C[3],
+               C[4], C[5], C[6], C[7], C[8], C[9], C[10], C[11], C[12], C[13], C[14], C[15], C[16], C[17], C[18],
+               C[19], C[20], C[21], C[22], C[23], C[24], C[25], C[26], C[27], C[28], C[29], C[30], C[31], C[32],
+               C[33], C[34])
 
 
 @triton.jit(do_not_specialize=["N0", "P0", "CAP0", "N1", "P1", "CAP1", "N2", "P2", "CAP2", "N3", "P3", "CAP3",

@@ -139,28 +139,48 @@ def _record_addresses(slot_ptr, s_slot, tok, head, rows, rmask, s_blk, data_tok,
 
 
 @triton.jit
-def _rope1_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, col, HALF: tl.constexpr, R: tl.constexpr,
-                 ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, HAS_NORM: tl.constexpr, W_BF16: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, B_BF16: tl.constexpr, CS_BF16: tl.constexpr):
-    """ROPE 1, over the whole tile [M, NV, VEC]: (first: the column is a pair's first element,
-    rot_mask: the element rotates, cos, sin, the partner's x, the partner's weight and bias (x again
-    where there is none))."""
-    first, in_rope, rot_mask, partner, c, s = rope1_pairs(cs_ptr, csrow, pok, col, HALF, R, ROPE_OFF, NEOX, CS_BF16)
-    yp = load_f32(x_ptr, xrow[:, None, None] + partner[None, :, :], rot_mask, True)
-    wp = yp
-    bp = yp
-    if HAS_NORM:
-        wp = load_f32(w_ptr, partner, in_rope, W_BF16)
-        if HAS_BIAS:
-            bp = load_f32(b_ptr, partner, in_rope, B_BF16)
-    return first, rot_mask, c, s, yp, wp, bp
+def _load_x(x_ptr, xrow, xt_ptr, xtrow, cols, mask, SPLIT: tl.constexpr, NAT: tl.constexpr):
+    """x at the columns ``cols`` of the rows at ``xrow`` (offsets broadcast against each other) as fp32;
+    SPLIT > 0: x's columns are held apart, [0, SPLIT) by x_ptr and the rest by xt_ptr (rows at xtrow)."""
+    if SPLIT == 0:
+        v = load_f32_native(x_ptr, xrow + cols, mask, True, NAT)
+    else:
+        lead = cols < SPLIT
+        main = load_f32_native(x_ptr, xrow + cols, mask & lead, True, NAT)
+        tail = load_f32_native(xt_ptr, xtrow + (cols - SPLIT), mask & (cols >= SPLIT), True, NAT)
+        v = tl.where(lead, main, tail)
+    return v
 
 
 @triton.jit
-def _rope2_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, rmask, HALF: tl.constexpr, ROPE_OFF: tl.constexpr,
-                 NEOX: tl.constexpr, HAS_NORM: tl.constexpr, W_BF16: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 B_BF16: tl.constexpr, CS_BF16: tl.constexpr, CAST: tl.constexpr, G: tl.constexpr, DQ: tl.constexpr,
-                 VEC: tl.constexpr, BLOCK_M: tl.constexpr):
+def _rope1_loads(x_ptr, xrow, xt_ptr, xtrow, w_ptr, b_ptr, cs_ptr, csrow, pok, col, HALF: tl.constexpr,
+                 R: tl.constexpr, ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, HAS_NORM: tl.constexpr,
+                 W_BF16: tl.constexpr, HAS_BIAS: tl.constexpr, B_BF16: tl.constexpr, CS_BF16: tl.constexpr,
+                 SPLIT: tl.constexpr, NORM_DIM: tl.constexpr):
+    """ROPE 1, over the whole tile [M, NV, VEC]: (first: the column is a pair's first element,
+    rot_mask: the element rotates, cos, sin, the partner column, the partner's x, the partner's weight
+    and bias (x again where there is none; zero where the partner is past a leading-dims norm's NORM_DIM))."""
+    first, in_rope, rot_mask, partner, c, s = rope1_pairs(cs_ptr, csrow, pok, col, HALF, R, ROPE_OFF, NEOX, CS_BF16)
+    yp = _load_x(x_ptr, xrow[:, None, None], xt_ptr, xtrow[:, None, None], partner[None, :, :], rot_mask, SPLIT,
+                 NATIVE_INTEGER)
+    wp = yp
+    bp = yp
+    if HAS_NORM:
+        wmask = in_rope
+        if NORM_DIM > 0:
+            wmask = in_rope & (partner < NORM_DIM)
+        wp = load_f32(w_ptr, partner, wmask, W_BF16)
+        if HAS_BIAS:
+            bp = load_f32(b_ptr, partner, wmask, B_BF16)
+    return first, rot_mask, partner, c, s, yp, wp, bp
+
+
+@triton.jit
+def _rope2_loads(x_ptr, xrow, xt_ptr, xtrow, w_ptr, b_ptr, cs_ptr, csrow, pok, rmask, HALF: tl.constexpr,
+                 ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, HAS_NORM: tl.constexpr, W_BF16: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, B_BF16: tl.constexpr, CS_BF16: tl.constexpr, CAST: tl.constexpr,
+                 G: tl.constexpr, DQ: tl.constexpr, VEC: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
+                 NORM_DIM: tl.constexpr):
     """ROPE_SUBTILE, the sub-tile [M, NS, GS / VEC, VEC]: x, weight and bias (x again where there is
     none) of the columns c0 and of their partners c1, and the cos, sin of each c0's rotation index j.
     NEOX: c0 = the first-half columns (j = c0 - ROPE_OFF), c1 = c0 + HALF (NS = HALF / GS groups).
@@ -168,7 +188,8 @@ def _rope2_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, rmask, HALF: tl.
     (c0 - ROPE_OFF) >> 1: every column is rotated where it lies, with no tl.join of the pairs
     (interleaving the two halves by tl.join + reshape gave wrong bytes in multi-row programs on the
     H200, Triton 3.6); c1's values are c0's, moved within each pair (pair_partner), and a pair's
-    cos / sin are loaded once and given to both its columns (pair_dup)."""
+    cos / sin are loaded once and given to both its columns (pair_dup). SPLIT: x held apart (_load_x);
+    NORM_DIM > 0: the weights (and bias) read as zeros from that column on (the norm covers the columns before)."""
     GS: tl.constexpr = G if (CAST != CAST_NONE and ROPE_OFF < DQ) else 8
     if NEOX:
         jj = grid3(HALF // GS, GS // VEC, VEC)                     # rotation index j
@@ -191,9 +212,11 @@ def _rope2_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, rmask, HALF: tl.
     else:
         c0m = c0
         c1m = c1
-    xa = load_f32(x_ptr, xrow[:, None, None, None] + c0[None, :, :, :], ld, True)
+    xa = _load_x(x_ptr, xrow[:, None, None, None], xt_ptr, xtrow[:, None, None, None], c0[None, :, :, :], ld, SPLIT,
+                 NATIVE_INTEGER)
     if NEOX:
-        xb = load_f32(x_ptr, xrow[:, None, None, None] + c1[None, :, :, :], ld, True)
+        xb = _load_x(x_ptr, xrow[:, None, None, None], xt_ptr, xtrow[:, None, None, None], c1[None, :, :, :], ld,
+                     SPLIT, NATIVE_INTEGER)
     else:
         # the partners (column ^ 1) are in the lane's own vector: moved there by their bits (a load of c0 ^ 1
         # had a layout of its own, and a shuffle between the two)
@@ -203,15 +226,21 @@ def _rope2_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, rmask, HALF: tl.
     ba = xa
     bb = xb
     if HAS_NORM:   # [M or 1, NSB, GS / VEC, VEC]
-        wa = load_f32(w_ptr, c0m, c0m >= 0, W_BF16)
+        if NORM_DIM > 0:
+            wma = c0m < NORM_DIM
+            wmb = c1m < NORM_DIM
+        else:
+            wma = c0m >= 0
+            wmb = c1m >= 0
+        wa = load_f32(w_ptr, c0m, wma, W_BF16)
         if NEOX:
-            wb = load_f32(w_ptr, c1m, c1m >= 0, W_BF16)
+            wb = load_f32(w_ptr, c1m, wmb, W_BF16)
         else:
             wb = pair_partner(wa, BLOCK_M, NSB, GS // VEC, VEC)
         if HAS_BIAS:
-            ba = load_f32(b_ptr, c0m, c0m >= 0, B_BF16)
+            ba = load_f32(b_ptr, c0m, wma, B_BF16)
             if NEOX:
-                bb = load_f32(b_ptr, c1m, c1m >= 0, B_BF16)
+                bb = load_f32(b_ptr, c1m, wmb, B_BF16)
             else:
                 bb = pair_partner(ba, BLOCK_M, NSB, GS // VEC, VEC)
         if not WTILE:
@@ -249,6 +278,7 @@ def fused_rows(
     slot_ptr, s_slot,                         # slot_mapping [n]
     cache_ptr, s_blk, data_tok, sf_tok, head_stride, data_off, sf_off, tail_off, block_size, capacity,
     n_rows, H,
+    xt_ptr, sxt_n, sxt_h,                     # x's columns SPLIT.. held apart [n, H, D - SPLIT] (None: SPLIT 0)
     D: tl.constexpr, BLOCK_D: tl.constexpr, LOG2_BLOCK_D: tl.constexpr, VEC: tl.constexpr, BLOCK_M: tl.constexpr,
     ONE_HEAD: tl.constexpr, ROWS32: tl.constexpr,
     HAS_NORM: tl.constexpr, W_BF16: tl.constexpr, LAYER: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -259,7 +289,7 @@ def fused_rows(
     CAST: tl.constexpr, G: tl.constexpr, SF: tl.constexpr, FMAX: tl.constexpr, DQ: tl.constexpr,
     OUT_STAGE: tl.constexpr, DEST: tl.constexpr, NATIVE: tl.constexpr,
     SLOT32: tl.constexpr, QALIGN: tl.constexpr, SFALIGN: tl.constexpr, TALIGN: tl.constexpr,
-    EARLY: tl.constexpr, FLOOR_E: tl.constexpr,
+    EARLY: tl.constexpr, FLOOR_E: tl.constexpr, SPLIT: tl.constexpr, NORM_DIM: tl.constexpr,
 ):
     """ROPE: ROPE_NONE off; ROPE_TILE on the whole tile (each rotated element computed from itself
     and its partner, reloaded and renormalized: the same arithmetic gives the same bits); ROPE_SUBTILE
@@ -267,6 +297,9 @@ def fused_rows(
     to be whole quantization groups, or outside the quantized part, and no Hadamard). LAYER: the norm
     is LayerNorm (HAS_BIAS: with a bias), else RMSNorm. A stage copy of the norm (STAGE_NORM) with
     RoPE is stored last, after a barrier, because the RoPE reloads x and `out` may be x (in place).
+    SPLIT > 0: x's columns [SPLIT, D) come from xt_ptr (two inputs, one row). NORM_DIM > 0: the norm covers
+    the columns [0, NORM_DIM) only (its sums the tree with the other columns as zeros, divided by NORM_DIM);
+    the others keep x's values; 0: the whole head.
     The rows of program ``pid``: rows [pid * BLOCK_M, (pid + 1) * BLOCK_M) of the n * H rows (fused_kernel,
     and each member of kvfuse/kernels/grouped.py)."""
     LOG2_VEC: tl.constexpr = 3 if VEC == 8 else 2
@@ -288,6 +321,9 @@ def fused_rows(
     cmask = col < D
     m3 = rmask[:, None, None] & cmask[None, :, :]
     xrow = tok * sx_n + head * sx_h
+    xtrow = xrow
+    if SPLIT > 0:
+        xtrow = tok * sxt_n + head * sxt_h
     # x and the norm weights of the main tile widened by load_f32_native's shift and mask in programs of 2 to 4 rows
     # (Triton 3.6 offline: fewer instructions everywhere, but more registers, past an allocation step, for
     # one-row programs and at 8 rows; likewise for the RoPE sub-tile's loads), and x only where every value
@@ -295,7 +331,8 @@ def fused_rows(
     # folds the plain widening and its narrowing away
     WNAT: tl.constexpr = NATIVE if (BLOCK_M >= 2 and BLOCK_M <= 4) else NATIVE_INTEGER
     XNAT: tl.constexpr = WNAT if (HAS_NORM or HAS_HAD) else NATIVE_INTEGER
-    x = load_f32_native(x_ptr, xrow[:, None, None] + col[None, :, :], m3, True, XNAT)    # [M, NV, VEC]
+    x = _load_x(x_ptr, xrow[:, None, None], xt_ptr, xtrow[:, None, None], col[None, :, :], m3, SPLIT,
+                XNAT)                                                     # [M, NV, VEC]
     y = x
 
     # ---- the loads that do not depend on x's values. EARLY (one-row programs): issued up front, so
@@ -304,46 +341,55 @@ def fused_rows(
     # raise the register count of multi-row programs (104 vs 64 for MAIN_FP8 at BLOCK_M 2), which
     # costs more in occupancy at large n than it saves in latency (docs/performance.md).
     HALF: tl.constexpr = R // 2
+    KN: tl.constexpr = NORM_DIM if NORM_DIM > 0 else D          # the columns the norm covers
+    wcmask = cmask
+    if NORM_DIM > 0:
+        wcmask = col < NORM_DIM
     if EARLY:
         if HAS_NORM:
-            w = load_f32(w_ptr, col, cmask, W_BF16)
+            w = load_f32(w_ptr, col, wcmask, W_BF16)
             bias = w
             if HAS_BIAS:
-                bias = load_f32(b_ptr, col, cmask, B_BF16)
+                bias = load_f32(b_ptr, col, wcmask, B_BF16)
         if ROPE != ROPE_NONE:
             pok, csrow = load_cs_rows(pos_ptr, s_pos, tok, rmask, P, s_cs)
         ok, qbase, sfbase, tailbase = _record_addresses(
             slot_ptr, s_slot, tok, head, rows, rmask, s_blk, data_tok, sf_tok, head_stride, data_off, sf_off,
             tail_off, block_size, capacity, DEST, SLOT32, QALIGN, SFALIGN, TALIGN)
         if ROPE == ROPE_TILE:
-            first, rot_mask, c, s, yp, wp, bp = _rope1_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, col, HALF,
-                                                             R, ROPE_OFF, NEOX, HAS_NORM, W_BF16, HAS_BIAS, B_BF16,
-                                                             CS_BF16)
+            first, rot_mask, partner, c, s, yp, wp, bp = _rope1_loads(
+                x_ptr, xrow, xt_ptr, xtrow, w_ptr, b_ptr, cs_ptr, csrow, pok, col, HALF, R, ROPE_OFF, NEOX, HAS_NORM,
+                W_BF16, HAS_BIAS, B_BF16, CS_BF16, SPLIT, NORM_DIM)
         if ROPE == ROPE_SUBTILE:
-            xa, xb, wa, wb, ba, bb, c, s = _rope2_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, rmask, HALF,
-                                                        ROPE_OFF, NEOX, HAS_NORM, W_BF16, HAS_BIAS, B_BF16, CS_BF16,
-                                                        CAST, G, DQ, VEC, BLOCK_M)
+            xa, xb, wa, wb, ba, bb, c, s = _rope2_loads(x_ptr, xrow, xt_ptr, xtrow, w_ptr, b_ptr, cs_ptr, csrow, pok,
+                                                        rmask, HALF, ROPE_OFF, NEOX, HAS_NORM, W_BF16, HAS_BIAS,
+                                                        B_BF16, CS_BF16, CAST, G, DQ, VEC, BLOCK_M, SPLIT, NORM_DIM)
 
     # ---- RMSNorm / LayerNorm (mu: the LayerNorm mean; RMSNorm leaves it unused)
     if HAS_NORM:
+        nm3 = m3                              # the columns the norm's sums cover (the rest as zeros)
+        xs = x
+        if NORM_DIM > 0:
+            nm3 = m3 & (col < NORM_DIM)[None, :, :]
+            xs = tl.where(nm3, x, 0.0)
         if LAYER:
-            mu = tree_sum(x, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC, NATIVE == NATIVE_INTEGER)
-            if (D & (D - 1)) == 0:
-                mu = mu * (1.0 / D)           # exact: the same bits as mu / D for a power of two
+            mu = tree_sum(xs, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC, NATIVE == NATIVE_INTEGER)
+            if (KN & (KN - 1)) == 0:
+                mu = mu * (1.0 / KN)          # exact: the same bits as mu / KN for a power of two
             else:
-                mu = tl.div_rn(mu, D * 1.0)
-            dev = tl.where(m3, x - mu[:, None, None], 0.0)   # the tree's zero padding stays zero
+                mu = tl.div_rn(mu, KN * 1.0)
+            dev = tl.where(nm3, x - mu[:, None, None], 0.0)   # the tree's zero padding stays zero
             ss = tree_sum(dev * dev, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC, NATIVE == NATIVE_INTEGER)
         else:
-            ss = tree_sum(x * x, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC, NATIVE == NATIVE_INTEGER)
+            ss = tree_sum(xs * xs, BLOCK_M, NV, LOG2_BLOCK_D - LOG2_VEC, VEC, LOG2_VEC, NATIVE == NATIVE_INTEGER)
             mu = ss
-        rstd = reciprocal_std(ss, eps, D, BLOCK_M)
+        rstd = reciprocal_std(ss, eps, KN, BLOCK_M)
         if not EARLY:
             # loaded as the tile [M, NV, VEC] (each row's lanes load the weights; the tile's layout puts rows on
             # lanes first): loaded as [NV, VEC] the compiler spread them over the warp's lanes and shuffled them
             # into the tile's layout
             wcol = tl.broadcast_to(col[None, :, :], [BLOCK_M, NV, VEC])
-            wmask = tl.broadcast_to(cmask[None, :, :], [BLOCK_M, NV, VEC])
+            wmask = tl.broadcast_to(wcmask[None, :, :], [BLOCK_M, NV, VEC])
             w = load_f32_native(w_ptr, wcol, wmask, W_BF16, WNAT)
             bias = w
             if HAS_BIAS:
@@ -352,6 +398,8 @@ def fused_rows(
             w = w[None, :, :]
             bias = bias[None, :, :]
         y = normed(x, mu[:, None, None], rstd[:, None, None], w, bias, LAYER, HAS_BIAS, NATIVE)
+        if NORM_DIM > 0:
+            y = tl.where((col < NORM_DIM)[None, :, :], y, x)
         if OUT_STAGE == STAGE_NORM:
             if ROPE == ROPE_NONE:
                 store_bf16(out_ptr, (tok * so_n + head * so_h)[:, None, None] + col[None, :, :], y, m3,
@@ -363,13 +411,16 @@ def fused_rows(
         if ROPE != ROPE_NONE:
             pok, csrow = load_cs_rows(pos_ptr, s_pos, tok, rmask, P, s_cs)
         if ROPE == ROPE_TILE:
-            first, rot_mask, c, s, yp, wp, bp = _rope1_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, col, HALF,
-                                                             R, ROPE_OFF, NEOX, HAS_NORM, W_BF16, HAS_BIAS, B_BF16,
-                                                             CS_BF16)
+            first, rot_mask, partner, c, s, yp, wp, bp = _rope1_loads(
+                x_ptr, xrow, xt_ptr, xtrow, w_ptr, b_ptr, cs_ptr, csrow, pok, col, HALF, R, ROPE_OFF, NEOX, HAS_NORM,
+                W_BF16, HAS_BIAS, B_BF16, CS_BF16, SPLIT, NORM_DIM)
     if ROPE == ROPE_TILE:
         if HAS_NORM:
-            yp = normed(yp, mu[:, None, None], rstd[:, None, None], wp[None, :, :], bp[None, :, :], LAYER, HAS_BIAS,
+            ypn = normed(yp, mu[:, None, None], rstd[:, None, None], wp[None, :, :], bp[None, :, :], LAYER, HAS_BIAS,
                          NATIVE)
+            if NORM_DIM > 0:
+                ypn = tl.where((partner < NORM_DIM)[None, :, :], ypn, yp)
+            yp = ypn
         firstb = first[None, :, :]
         r0, r1 = rotate(tl.where(firstb, y, yp), tl.where(firstb, yp, y), c, s, CONJ)
         y = tl.where(rot_mask, round_bf16(tl.where(firstb, r0, r1), NATIVE), y)
@@ -399,7 +450,7 @@ def fused_rows(
     # ---- outputs: the main tile (without the sub-tile's columns under ROPE_SUBTILE). RND: every value stored
     # as bf16 came out of a native round_bf16 (the norm's, the Hadamard's; the RoPE's where it rotates), so
     # the stores may convert again (bf16_out_bits); without them some columns are x's own bits
-    RND: tl.constexpr = NATIVE != NATIVE_INTEGER and (HAS_NORM or HAS_HAD)
+    RND: tl.constexpr = NATIVE != NATIVE_INTEGER and ((HAS_NORM and NORM_DIM == 0) or HAS_HAD)
     # without a cast the group is the lane's vector: a wider group would make the store's layout hold
     # G / VEC vectors a lane, a shuffle of the whole tile from the one the values are computed in
     GE: tl.constexpr = G if CAST != CAST_NONE else VEC
@@ -417,17 +468,24 @@ def fused_rows(
         NS: tl.constexpr = HALF // GS
         GSV: tl.constexpr = GS // VEC
         if not EARLY:
-            xa, xb, wa, wb, ba, bb, c, s = _rope2_loads(x_ptr, xrow, w_ptr, b_ptr, cs_ptr, csrow, pok, rmask, HALF,
-                                                        ROPE_OFF, NEOX, HAS_NORM, W_BF16, HAS_BIAS, B_BF16, CS_BF16,
-                                                        CAST, G, DQ,VEC, BLOCK_M)
+            xa, xb, wa, wb, ba, bb, c, s = _rope2_loads(x_ptr, xrow, xt_ptr, xtrow, w_ptr, b_ptr, cs_ptr, csrow, pok,
+                                                        rmask, HALF, ROPE_OFF, NEOX, HAS_NORM, W_BF16, HAS_BIAS,
+                                                        B_BF16, CS_BF16, CAST, G, DQ, VEC, BLOCK_M, SPLIT, NORM_DIM)
         pm = pok[:, None, None, None]
         a = xa
         b = xb
         if HAS_NORM:
             mu4 = mu[:, None, None, None]
             r4 = rstd[:, None, None, None]
-            a = normed(a, mu4, r4, wa, ba, LAYER, HAS_BIAS, NATIVE)
-            b = normed(b, mu4, r4, wb, bb, LAYER, HAS_BIAS, NATIVE)
+            a = normed(xa, mu4, r4, wa, ba, LAYER, HAS_BIAS, NATIVE)
+            b = normed(xb, mu4, r4, wb, bb, LAYER, HAS_BIAS, NATIVE)
+            if NORM_DIM > 0:
+                # the columns of a and b (NEOX: c0 and c0 + HALF; interleaved: c0 and its partner c0 ^ 1)
+                ka = grid3(NS if NEOX else 2 * NS, GSV, VEC)
+                ca = ROPE_OFF + ka
+                cb = ca + HALF if NEOX else ROPE_OFF + (ka ^ 1)
+                a = tl.where((ca < NORM_DIM)[None, :, :, :], a, xa)
+                b = tl.where((cb < NORM_DIM)[None, :, :, :], b, xb)
         if NEOX:
             r0, r1 = rotate(a, b, c, s, CONJ)
             r0 = tl.where(pm, round_bf16(r0, NATIVE), a)
@@ -469,6 +527,7 @@ def fused_kernel(
     slot_ptr, s_slot,                         # slot_mapping [n]
     cache_ptr, s_blk, data_tok, sf_tok, head_stride, data_off, sf_off, tail_off, block_size, capacity,
     n_rows, H,
+    xt_ptr, sxt_n, sxt_h,                     # x's columns SPLIT.. held apart [n, H, D - SPLIT] (None: SPLIT 0)
     D: tl.constexpr, BLOCK_D: tl.constexpr, LOG2_BLOCK_D: tl.constexpr, VEC: tl.constexpr, BLOCK_M: tl.constexpr,
     ONE_HEAD: tl.constexpr, ROWS32: tl.constexpr,
     HAS_NORM: tl.constexpr, W_BF16: tl.constexpr, LAYER: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -479,7 +538,7 @@ def fused_kernel(
     CAST: tl.constexpr, G: tl.constexpr, SF: tl.constexpr, FMAX: tl.constexpr, DQ: tl.constexpr,
     OUT_STAGE: tl.constexpr, DEST: tl.constexpr, NATIVE: tl.constexpr,
     SLOT32: tl.constexpr, QALIGN: tl.constexpr, SFALIGN: tl.constexpr, TALIGN: tl.constexpr,
-    EARLY: tl.constexpr, FLOOR_E: tl.constexpr, PDL: tl.constexpr,
+    EARLY: tl.constexpr, FLOOR_E: tl.constexpr, SPLIT: tl.constexpr, NORM_DIM: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per BLOCK_M rows of x's n * H (token, head) rows (fused_rows). PDL (launched with
     programmatic dependent launch): wait for the previous kernel on the stream before the first
@@ -490,9 +549,9 @@ def fused_kernel(
     fused_rows(tl.program_id(0), x_ptr, sx_n, sx_h, w_ptr, b_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, P,
                had_scale, out_ptr, so_n, so_h, q_ptr, sq_n, sq_h, sf_ptr, ss_n, ss_h, slot_ptr, s_slot,
                cache_ptr, s_blk, data_tok, sf_tok, head_stride, data_off, sf_off, tail_off, block_size,
-               capacity, n_rows, H, D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, ONE_HEAD, ROWS32, HAS_NORM, W_BF16,
-               LAYER, HAS_BIAS, B_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16, HAS_HAD, CAST, G, SF, FMAX, DQ,
-               OUT_STAGE, DEST, NATIVE, SLOT32, QALIGN, SFALIGN, TALIGN, EARLY, FLOOR_E)
+               capacity, n_rows, H, xt_ptr, sxt_n, sxt_h, D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, ONE_HEAD, ROWS32,
+               HAS_NORM, W_BF16, LAYER, HAS_BIAS, B_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16, HAS_HAD, CAST, G, SF,
+               FMAX, DQ, OUT_STAGE, DEST, NATIVE, SLOT32, QALIGN, SFALIGN, TALIGN, EARLY, FLOOR_E, SPLIT, NORM_DIM)
 
 
 # --------------------------------------------------------------------------- the signature as data
@@ -598,7 +657,8 @@ def fused_args(plan: Plan, tensor) -> tuple:
     table, in its order. ``tensor(field)`` is what goes where the plan's tensor ``field`` goes: the
     tensor itself (run_plan) or a PlanTensor (a Launch kept for the signature)."""
     x = plan.x
-    n, H, D = x.shape
+    n, H = x.shape[:2]
+    D = plan.head_dim
     block_d = next_pow2(D)
     interpret = config.INTERPRET
     bm, nw = launch_config(n * H, D, block_d, interpret, plan.cast.cast_fmt if plan.cast else None)
@@ -634,6 +694,8 @@ def fused_args(plan: Plan, tensor) -> tuple:
         a.data_offset if a else 0, a.sf_offset if a else 0, a.tail_offset if a else 0,
         cache.shape[1] if cache is not None else 1, cap,
         n * H, H,
+        # x's second input: None without one (a constexpr None: the variants of one input keep their code)
+        *((T("x_tail"), plan.x_tail.stride(0), plan.x_tail.stride(1)) if plan.x_tail is not None else (None,) * 3),
     )
     options = dict(
         D=D, BLOCK_D=block_d, LOG2_BLOCK_D=block_d.bit_length() - 1, VEC=vec, BLOCK_M=bm,
@@ -649,7 +711,8 @@ def fused_args(plan: Plan, tensor) -> tuple:
         DQ=plan.quant_dim if cast else D,
         OUT_STAGE=STAGE_CODES[plan.out_stage], DEST=dest, NATIVE=native(interpret),
         SLOT32=cap < config.INT32_LIMIT, QALIGN=qal, SFALIGN=sfal, TALIGN=tal, EARLY=bm == 1,
-        FLOOR_E=NO_FLOOR.value if cast is None or cast.floor_exp is None else cast.floor_exp, PDL=False,
+        FLOOR_E=NO_FLOOR.value if cast is None or cast.floor_exp is None else cast.floor_exp,
+        SPLIT=plan.split, NORM_DIM=plan.norm_dim if plan.norm_dim < D else 0, PDL=False,
         num_warps=nw, num_stages=1, enable_fp_fusion=False,
     )
     return (cdiv(n * H, bm),), args, options

@@ -16,11 +16,12 @@ from .cache import NO_KEY, number_key, optional_rows_key, optional_tensor_key, r
     tensor_key, validated
 from .rules import check_cast_args, check_index_vector, check_rope_args, check_tensor, infer_layout, is_real
 from .types import (BIAS, COS_SIN, NORM_KINDS, NUM_CALL_TENSORS, OUT_ARG0, OUT_ARG1, OUT_ARG2, OUT_STAGES,
-                    POSITIONS, WEIGHT, X, Plan, PlanTemplate)
+                    POSITIONS, WEIGHT, X, X_TAIL, Plan, PlanTemplate)
 
 
 def call_tensors(x, norm_args, rope_args, out_args) -> tuple:
     """The tensors of a validated call, in the order above."""
+    x, x_tail = x if isinstance(x, tuple) else (x, None)
     w, b = (None, None) if norm_args is None else (norm_args.weight, norm_args.bias)
     pos, cs = (None, None) if rope_args is None else (rope_args.positions, rope_args.cos_sin_cache)
     if isinstance(out_args, KVCacheOutArgs):
@@ -29,31 +30,22 @@ def call_tensors(x, norm_args, rope_args, out_args) -> tuple:
         outs = (out_args.out, out_args.sf, None)
     else:
         outs = (out_args, None, None)
-    return (x, w, pos, cs) + outs + (b,)
+    return (x, w, pos, cs) + outs + (b, x_tail)
 
 
 # =============================================================================== validation
 def validate(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=None, out_args=None) -> PlanTemplate:
     """Check every argument (SPEC §1-§5; ValueError/TypeError naming it) and return the call's template."""
     # ---- x
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"x: expected dtype torch.bfloat16, got {x.dtype}")
-    if x.dim() not in (2, 3):
-        raise ValueError(f"x: expected [n, head_dim] or [n, num_heads, head_dim], got shape {tuple(x.shape)}")
-    if x.shape[-1] % 16 or x.shape[-1] == 0:
-        raise ValueError(f"x: head_dim must be a positive multiple of 16, got {x.shape[-1]}")
-    if x.dim() == 3 and x.shape[1] == 0:
-        raise ValueError("x: num_heads must be >= 1, got 0")
-    if x.stride(-1) != 1:
-        raise ValueError(f"x: expected stride(-1) == 1, got {x.stride(-1)}")
+    x, x_tail, user_shape = _check_x(x)
     dev = x.device
     two_d = x.dim() == 2  # the Plan's tensors get the head axis [n, 1, D]
-    n, D = x.shape[0], x.shape[-1]
+    n, D = x.shape[0], user_shape[-1]
     H = 1 if two_d else x.shape[1]
     plan = Plan(x=None)
     sources = [("x", X, two_d)]
+    if x_tail is not None:
+        sources.append(("x_tail", X_TAIL, two_d))
 
     # ---- a cache whose format disagrees with x: say so first (the norm weight, shaped for the cache's
     # head_dim, would otherwise be blamed for the mismatch)
@@ -68,7 +60,11 @@ def validate(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=No
             raise TypeError(f"norm_args must be a NormArgs or None, got {type(norm_args).__name__}")
         if not isinstance(norm_args.kind, str) or norm_args.kind not in NORM_KINDS:
             raise ValueError(f"norm_args.kind must be one of {NORM_KINDS}, got {norm_args.kind!r}")
-        check_tensor(norm_args.weight, "norm_args.weight", (torch.bfloat16, torch.float32), dev, shape=(D,))
+        check_tensor(norm_args.weight, "norm_args.weight", (torch.bfloat16, torch.float32), dev)
+        if norm_args.weight.dim() != 1 or not 1 <= norm_args.weight.shape[0] <= D:
+            raise ValueError(f"norm_args.weight: expected shape (k,) with 1 <= k <= head_dim ({D}) (the norm covers "
+                             f"the first k dims), got {tuple(norm_args.weight.shape)}")
+        k = norm_args.weight.shape[0]
         # eps > 0: a zero row would otherwise divide by sqrt(0) and write NaN for finite inputs
         if not is_real(norm_args.eps) or norm_args.eps <= 0:
             raise ValueError(f"norm_args.eps must be a finite number > 0, got {norm_args.eps!r}")
@@ -78,7 +74,7 @@ def validate(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=No
         if norm_args.bias is not None:
             if norm_args.kind != "layer":
                 raise ValueError(f"norm_args.bias needs kind='layer', got kind={norm_args.kind!r}")
-            check_tensor(norm_args.bias, "norm_args.bias", (torch.bfloat16, torch.float32), dev, shape=(D,))
+            check_tensor(norm_args.bias, "norm_args.bias", (torch.bfloat16, torch.float32), dev, shape=(k,))
             sources.append(("bias", BIAS, False))
 
     # ---- rope
@@ -105,13 +101,51 @@ def validate(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=No
         raise TypeError(f"out_args must be None, a Tensor, ContiguousOutArgs or KVCacheOutArgs, "
                         f"got {type(out_args).__name__}")
     if isinstance(out_args, KVCacheOutArgs):
-        allocations, result = _validate_cache(plan, sources, cast_args, out_args, x.shape, (n, H, D), dev,
+        allocations, result = _validate_cache(plan, sources, cast_args, out_args, user_shape, (n, H, D), dev,
                                               has_norm=norm_args is not None)
     else:
-        allocations, result = _validate_contiguous(plan, sources, cast_args, out_args, x.shape, dev)
+        allocations, result = _validate_contiguous(plan, sources, cast_args, out_args, user_shape, dev)
     template = PlanTemplate(plan, sources, allocations, dev, result)
-    template.overlap = overlap_check(template, call_tensors(x, norm_args, rope_args, out_args), out_args)
+    x_arg = x if x_tail is None else (x, x_tail)
+    template.overlap = overlap_check(template, call_tensors(x_arg, norm_args, rope_args, out_args), out_args)
     return template
+
+
+def _check_x(x) -> tuple:
+    """(x, x_tail or None, the shape of the rows x stands for) of a valid x: one bf16 tensor [n, D] /
+    [n, H, D], or a tuple of two holding its columns apart ([.., d1] and [.., d2], d1 + d2 = D), each
+    with stride(-1) == 1; TypeError / ValueError naming x otherwise."""
+    pair = isinstance(x, tuple)
+    if pair and len(x) != 2:
+        raise ValueError(f"x: a tuple must hold two tensors (the columns [0, d1) and [d1, head_dim)), got {len(x)}")
+    parts, names = (x, ("x[0]", "x[1]")) if pair else ((x,), ("x",))
+    for t, name in zip(parts, names):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor{'' if pair else ' or a tuple of two'}, "
+                            f"got {type(t).__name__}")
+        if t.dtype != torch.bfloat16:
+            raise TypeError(f"{name}: expected dtype torch.bfloat16, got {t.dtype}")
+        if t.dim() not in (2, 3):
+            raise ValueError(f"{name}: expected [n, head_dim] or [n, num_heads, head_dim], got shape {tuple(t.shape)}")
+        if t.dim() == 3 and t.shape[1] == 0:
+            raise ValueError(f"{name}: num_heads must be >= 1, got 0")
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected stride(-1) == 1, got {t.stride(-1)}")
+    main, tail = parts[0], None
+    D = main.shape[-1]
+    if pair:
+        tail = parts[1]
+        if tuple(tail.shape[:-1]) != tuple(main.shape[:-1]):
+            raise ValueError(f"x[1]: expected the leading dims of x[0] {tuple(main.shape[:-1])}, got "
+                             f"{tuple(tail.shape[:-1])}")
+        if tail.device != main.device:
+            raise ValueError(f"x[1]: expected device {main.device}, got {tail.device}")
+        if main.shape[-1] == 0 or tail.shape[-1] == 0:
+            raise ValueError(f"x: each part needs columns, got {main.shape[-1]} and {tail.shape[-1]}")
+        D += tail.shape[-1]
+    if D % 16 or D == 0:
+        raise ValueError(f"x: head_dim must be a positive multiple of 16, got {D}")
+    return main, tail, tuple(main.shape[:-1]) + (D,)
 
 
 def _validate_contiguous(plan, sources, cast_args, out_args, user_shape, dev):
@@ -208,9 +242,9 @@ def _validate_cache(plan, sources, cast_args, oa: KVCacheOutArgs, user_shape, x3
 
 
 # =============================================================================== aliasing (SPEC §5)
-ROW_FIELDS = frozenset(("x", "positions", "slot_mapping", "out", "q_out", "sf_out"))   # validated [n, ...]
+ROW_FIELDS = frozenset(("x", "x_tail", "positions", "slot_mapping", "out", "q_out", "sf_out"))   # validated [n, ...]
 OUTPUT_FIELDS = frozenset(Plan.WRITES)
-_INPUT_NAMES = {"x": "x", "weight": "norm_args.weight", "bias": "norm_args.bias", "positions": "rope_args.positions",
+_INPUT_NAMES = {"x": "x", "x_tail": "x[1]", "weight": "norm_args.weight", "bias": "norm_args.bias", "positions": "rope_args.positions",
                 "cos_sin": "rope_args.cos_sin_cache"}
 _ARGUMENT_NAMES = {  # Plan tensor field -> the call argument it comes from, per kind of out_args
     "tensor": {**_INPUT_NAMES, "out": "out_args", "q_out": "out_args"},
@@ -293,7 +327,14 @@ def build_plan(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=
 def call_signature(x, norm_args, rope_args, hadamard_args, cast_args, out_args):
     """(key, pinned) of a fused-operator call (see "plan cache" above); key None for an argument
     object of a class kvfuse does not key. May raise for arguments of the wrong types."""
-    n = x.shape[0]
+    if type(x) is tuple:
+        if len(x) != 2:
+            return NO_KEY
+        n = x[0].shape[0]
+        x_key = (tuple, rows_key(x[0], n), rows_key(x[1], n))
+    else:
+        n = x.shape[0]
+        x_key = rows_key(x, n)
     if norm_args is None:
         norm_key = None
     elif type(norm_args) is NormArgs:
@@ -338,4 +379,4 @@ def call_signature(x, norm_args, rope_args, hadamard_args, cast_args, out_args):
         out_key = rows_key(out_args, n)
     else:
         return NO_KEY
-    return ("fused", rows_key(x, n), norm_key, rope_key, hadamard_key, cast_key, out_key), pinned
+    return ("fused", x_key, norm_key, rope_key, hadamard_key, cast_key, out_key), pinned

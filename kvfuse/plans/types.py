@@ -39,11 +39,12 @@ class Plan:
     OP: ClassVar[str] = "fused_norm_rope_hadamard_cast_store"
     WRITES: ClassVar[tuple] = ("out", "q_out", "sf_out", "kv_cache")
 
-    x: torch.Tensor                          # bf16 [n, H, D], stride(-1) == 1
-    weight: Optional[torch.Tensor] = None    # [D] bf16/fp32 contiguous (norm on iff not None)
+    x: torch.Tensor                          # bf16 [n, H, D] (or its first d1 columns), stride(-1) == 1
+    x_tail: Optional[torch.Tensor] = None    # bf16 [n, H, D - d1]: x's columns d1.. held apart (two inputs)
+    weight: Optional[torch.Tensor] = None    # [k] bf16/fp32 contiguous, k <= D (norm on iff not None)
     eps: float = 0.0
     norm_kind: str = "rms"                   # "rms" | "layer" (NORM_KINDS)
-    bias: Optional[torch.Tensor] = None      # [D] bf16/fp32 contiguous (LayerNorm only)
+    bias: Optional[torch.Tensor] = None      # [k] bf16/fp32 contiguous (LayerNorm only)
     positions: Optional[torch.Tensor] = None  # int32/int64 [n] (rope on iff not None)
     cos_sin: Optional[torch.Tensor] = None   # [P, rotary_dim] fp32/bf16, stride(-1) == 1
     rotary_dim: int = 0
@@ -75,7 +76,17 @@ class Plan:
 
     @property
     def head_dim(self) -> int:
-        return self.x.shape[2]
+        return self.x.shape[2] + (0 if self.x_tail is None else self.x_tail.shape[2])
+
+    @property
+    def split(self) -> int:
+        """The columns x holds when a second input holds the rest (x_tail), else 0."""
+        return 0 if self.x_tail is None else self.x.shape[2]
+
+    @property
+    def norm_dim(self) -> int:
+        """The leading dims the norm covers (the others pass through it), 0 without a norm."""
+        return 0 if self.weight is None else self.weight.shape[0]
 
     @property
     def device(self) -> torch.device:
@@ -226,11 +237,12 @@ class GroupPlan:
 
 
 # =============================================================================== the plan cache's entries
-# The tensors of one fused-operator call, by position: x, the norm weight, positions, cos_sin, then
-# out_args' tensors (a Tensor: itself; ContiguousOutArgs: out, sf; KVCacheOutArgs: kv_cache,
-# slot_mapping, out), then the norm bias; None where absent. The outputs a call allocates follow them.
-X, WEIGHT, POSITIONS, COS_SIN, OUT_ARG0, OUT_ARG1, OUT_ARG2, BIAS = range(8)
-NUM_CALL_TENSORS = 8
+# The tensors of one fused-operator call, by position: x (its first input when x is a pair), the norm
+# weight, positions, cos_sin, then out_args' tensors (a Tensor: itself; ContiguousOutArgs: out, sf;
+# KVCacheOutArgs: kv_cache, slot_mapping, out), then the norm bias, then x's second input; None where
+# absent. The outputs a call allocates follow them.
+X, WEIGHT, POSITIONS, COS_SIN, OUT_ARG0, OUT_ARG1, OUT_ARG2, BIAS, X_TAIL = range(9)
+NUM_CALL_TENSORS = 9
 LAUNCHES_PER_TEMPLATE = 64
 
 

@@ -31,7 +31,8 @@ def run_plan(plan: Plan) -> None:
     """Execute a validated plan with the unfused chain (the "reference" backend)."""
     if plan.n == 0:
         return
-    normed, y = transform(plan.x, plan.weight, plan.eps, plan.positions, plan.cos_sin, plan.rotary_dim,
+    x = plan.x if plan.x_tail is None else torch.cat([plan.x, plan.x_tail], dim=-1)   # one row, two inputs
+    normed, y = transform(x, plan.weight, plan.eps, plan.positions, plan.cos_sin, plan.rotary_dim,
                           plan.rope_offset, plan.is_neox, plan.conjugate, plan.hadamard_scale, plan.norm_kind,
                           plan.bias)
     stages = {"norm": normed, "transform": y}

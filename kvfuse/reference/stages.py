@@ -54,10 +54,39 @@ def layernorm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
 
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, kind: str = "rms",
          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The norm stage: :func:`rmsnorm` (kind "rms") or :func:`layernorm` (kind "layer")."""
+    """The norm stage: :func:`rmsnorm` (kind "rms") or :func:`layernorm` (kind "layer") over the first
+    k = weight.shape[0] dims of x [..., D]; the other dims keep their bits (a norm over the leading
+    dims, SPEC §2: its sums are the head's tree with the dims >= k as zeros, divided by k)."""
+    k, D = weight.shape[-1], x.shape[-1]
+    if k < D:
+        return torch.cat([_leading_norm(x, weight, eps, kind, bias), x[..., k:]], dim=-1)
     if kind == "layer":
         return layernorm(x, weight, bias, eps)
     return rmsnorm(x, weight, eps)
+
+
+def _leading_norm(x, weight, eps, kind, bias):
+    """The normalized first k dims of x [..., D] (k = weight.shape[0] < D): SPEC §2's sums over the
+    head's tree (width next_pow2(D)) with the dims >= k as zeros, the means divided by k."""
+    k = weight.shape[-1]
+    xf = x.to(F32)
+    keep = torch.arange(x.shape[-1], device=x.device) < k
+    zero = xf.new_zeros(())
+    dim = _f32(k, x)
+    if kind == "layer":
+        mean = torch.div(pairwise_sum(torch.where(keep, xf, zero)), dim)
+        d = xf[..., :k] - mean[..., None]
+        sq = torch.where(keep, torch.cat([d, xf[..., k:]], dim=-1), zero)
+        var = torch.div(pairwise_sum(sq * sq), dim)
+    else:
+        d = xf[..., :k]
+        var = torch.div(pairwise_sum(torch.where(keep, xf * xf, zero)), dim)
+    den = torch.sqrt((var + _f32(eps, x)).to(torch.float64)).to(F32)   # correctly rounded fp32 sqrt
+    rstd = torch.div(torch.ones_like(den), den)
+    y = (d * rstd[..., None]) * weight.to(F32)
+    if kind == "layer" and bias is not None:
+        y = y + bias.to(F32)
+    return round_to_bf16(y)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int,

@@ -10,7 +10,10 @@ The two chains (``eligible`` checks every field; anything else goes to the plain
   reserved byte never written) + 64 bf16 tail columns 448..511 = the RoPE columns (pairs (448 + j,
   480 + j)); block-wide: inside a block, every token's [448 codes | 128 tail bytes], then every
   token's 8 scale bytes.
-Both: num_heads 1, x bf16 [n, D] with an even row stride (read as int32 words), no Hadamard, no
+Both: num_heads 1, x bf16 [n, D] with an even row stride (read as int32 words), or x as two inputs
+held apart at the quantized part ([n, QUANT_DIM] and the tail [n, 64], each with an even row stride);
+V32 also with the norm over the 512 quantized columns only (DeepSeek V3's kv_norm: the tail's tree
+is not added, mean = ss / 512, the tail words go into RoPE as they came); no Hadamard, no
 stage copy; every data / tail / fp32-scale address a multiple of 4 (``eligible``), so codes and
 the tail leave as 32-bit words, or 16-byte vectors where Triton's 16-divisibility specialization
 proves it (the launcher and the plan cache key by ``data_ptr() % 16``).
@@ -57,14 +60,31 @@ if gluon is not None:
     TAIL_DIM_C = gl.constexpr(TAIL_DIM)
 
     @gluon.jit
-    def _load_x(x_ptr, sx_w, rows, n_rows, word, lane, TAIL_WORD0: gl.constexpr, OFFSETS32: gl.constexpr):
+    def _load_x(x_ptr, sx_w, xt_ptr, sxt_w, rows, n_rows, word, lane, TAIL_WORD0: gl.constexpr,
+                OFFSETS32: gl.constexpr, SPLIT_X: gl.constexpr):
         """x of the rows: columns 0..511 as int32 words [R, 32, 8] (two bf16 each) and the tail
-        columns as one word per lane [R, 32] (tail columns 2 l, 2 l + 1 on lane l)."""
+        columns as one word per lane [R, 32] (tail columns 2 l, 2 l + 1 on lane l); SPLIT_X: x_ptr holds
+        the quantized columns and xt_ptr (row stride sxt_w words) the tail, which the word tile also
+        reads where it covers the tail (MODEL1: columns 448..511, lanes 28..31, the norm's)."""
         rmask = gl.expand_dims(rows < n_rows, 1)                        # [R, 1]
         x_row = gl.expand_dims(as_offset(rows, OFFSETS32) * sx_w, 1)    # [R, 1] in words
         x_words = x_ptr.to(gl.pointer_type(gl.int32))
-        xw = gl.load(x_words + gl.expand_dims(x_row, 2) + word, mask=gl.expand_dims(rmask, 2), other=0)
-        xt = gl.load(x_words + x_row + TAIL_WORD0 + lane, mask=rmask, other=0)
+        if SPLIT_X:
+            xt_words = xt_ptr.to(gl.pointer_type(gl.int32))
+            xt_row = gl.expand_dims(as_offset(rows, OFFSETS32) * sxt_w, 1)
+            rmask3 = gl.expand_dims(rmask, 2)
+            if TAIL_WORD0 < 256:
+                lead = word < TAIL_WORD0
+                xw_lead = gl.load(x_words + gl.expand_dims(x_row, 2) + word, mask=rmask3 & lead, other=0)
+                xw_tail = gl.load(xt_words + gl.expand_dims(xt_row, 2) + (word - TAIL_WORD0),
+                                  mask=rmask3 & (word >= TAIL_WORD0), other=0)
+                xw = gl.where(lead, xw_lead, xw_tail)
+            else:
+                xw = gl.load(x_words + gl.expand_dims(x_row, 2) + word, mask=rmask3, other=0)
+            xt = gl.load(xt_words + xt_row + lane, mask=rmask, other=0)
+        else:
+            xw = gl.load(x_words + gl.expand_dims(x_row, 2) + word, mask=gl.expand_dims(rmask, 2), other=0)
+            xt = gl.load(x_words + x_row + TAIL_WORD0 + lane, mask=rmask, other=0)
         return xw, xt
 
     @gluon.jit
@@ -93,9 +113,11 @@ if gluon is not None:
                     R: gl.constexpr, LLANE: gl.constexpr, LQ: gl.constexpr,
                     QUANT_DIM: gl.constexpr, GROUP: gl.constexpr, SF_FP32: gl.constexpr,
                     SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, OFFSETS32: gl.constexpr, NEOX: gl.constexpr,
-                    FLOOR_E: gl.constexpr):
+                    FLOOR_E: gl.constexpr, LATENT_NORM: gl.constexpr):
         """RMSNorm -> RoPE (tail) -> UE8M0 / e4m3 -> the records of one tile of R rows whose loads are done.
-        NEOX: pairs (j, 32 + j) of the tail; else GPT-J's (2 j, 2 j + 1), which is tail word j = l."""
+        NEOX: pairs (j, 32 + j) of the tail; else GPT-J's (2 j, 2 j + 1), which is tail word j = l.
+        LATENT_NORM (V32): the norm covers the QUANT_DIM quantized columns only; the tail words pass
+        through it (wt_lo / wt_hi unread)."""
         HEAD_DIM: gl.constexpr = QUANT_DIM + TAIL_DIM_C
         CODE_LANES: gl.constexpr = QUANT_DIM // 16                      # lanes owning quantized columns
         GROUP_LANES: gl.constexpr = GROUP // 16
@@ -112,18 +134,22 @@ if gluon is not None:
         ss = lane_tree(gl.convert_layout(gl.reshape(sq, [R, 32]), LLANE, assert_trivial=True))    # tree(0..511)
         xt_lo = lo_f32(xt)
         xt_hi = hi_f32(xt)
-        if QUANT_DIM == 512:
+        NORM_COLS: gl.constexpr = QUANT_DIM if LATENT_NORM else HEAD_DIM
+        if QUANT_DIM == 512 and not LATENT_NORM:
             # V32: the tail's own tree (columns 512..575), added at the root of the zero-padded tree
             ss = ss + lane_tree(xt_lo * xt_lo + xt_hi * xt_hi)
-        if (HEAD_DIM & (HEAD_DIM - 1)) == 0:
-            mean = ss * (1.0 / HEAD_DIM)                                # exact: a power of two
+        if (NORM_COLS & (NORM_COLS - 1)) == 0:
+            mean = ss * (1.0 / NORM_COLS)                               # exact: a power of two
         else:
-            mean = gl.div_rn(ss, gl.full([R, 32], HEAD_DIM * 1.0, gl.float32, LLANE))
+            mean = gl.div_rn(ss, gl.full([R, 32], NORM_COLS * 1.0, gl.float32, LLANE))
         rstd = gl.div_rn(gl.full([R, 32], 1.0, gl.float32, LLANE), gl.sqrt_rn(mean + eps))   # [R, 32]
         rstd3 = gl.expand_dims(rstd, 2)
         yw = bf16x2((x_lo * rstd3) * w_lo, (x_hi * rstd3) * w_hi)        # [R, 32, 8] bf16 pairs
 
-        yt = bf16x2((xt_lo * rstd) * wt_lo, (xt_hi * rstd) * wt_hi)      # [R, 32] normalized tail
+        if LATENT_NORM:
+            yt = xt                                                     # the tail as it came (its bits)
+        else:
+            yt = bf16x2((xt_lo * rstd) * wt_lo, (xt_hi * rstd) * wt_hi)  # [R, 32] normalized tail
         if NEOX:
             # ---- RoPE on the tail words: own word and the partner's (lane ^ 16)
             partner = shfl_xor(yt, 16)
@@ -200,10 +226,11 @@ if gluon is not None:
         slot_ptr, s_slot,                       # slot_mapping [n]
         cache_ptr, s_blk, data_tok, sf_tok, sf_off, tail_off, block_size, capacity,   # kv_cache uint8 (plan addressing)
         n_rows,
+        xt_ptr, sxt_w,                          # SPLIT_X: the tail columns' own input [n, 64] (None without)
         QUANT_DIM: gl.constexpr, GROUP: gl.constexpr, SF_FP32: gl.constexpr,
         W_BF16: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, ROWS_PER_WARP: gl.constexpr,
         PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr, NEOX: gl.constexpr, FLOOR_E: gl.constexpr,
-        PDL: gl.constexpr,
+        PDL: gl.constexpr, SPLIT_X: gl.constexpr = False, LATENT_NORM: gl.constexpr = False,
     ):
         """A program walks over the tiles pid, pid + num_programs, ... (R = ROWS_PER_WARP * num_warps
         rows each; warp w owns rows w * ROWS_PER_WARP ..). QUANT_DIM / GROUP / SF_FP32: the format
@@ -211,7 +238,10 @@ if gluon is not None:
         log2(block_size) when it is a power of two, else -1 (a division). PIPELINE: load tile t + 1
         (x, indices; its cos/sin after tile t's stores) while tile t computes. OFFSETS32: every x,
         index, cos/sin and cache offset of the launch is below 2**31 (host). NEOX: NEOX RoPE pairs on the
-        tail, else GPT-J's. FLOOR_E: the scale_floor's exponent (FlashMLA's presets: -13), NO_FLOOR without."""
+        tail, else GPT-J's. FLOOR_E: the scale_floor's exponent (FlashMLA's presets: -13), NO_FLOOR without.
+        SPLIT_X: x_ptr holds the QUANT_DIM quantized columns and xt_ptr the tail (two inputs, one row).
+        LATENT_NORM (V32): the RMSNorm covers the quantized columns only (weight [QUANT_DIM]); the tail
+        goes into RoPE as it came. Both default off (a launch without them names neither)."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = ROWS_PER_WARP * NW
         TAIL_WORD0: gl.constexpr = QUANT_DIM // 2                       # the tail's first word in x's row
@@ -246,14 +276,22 @@ if gluon is not None:
             ww = gl.load(w_words + word)
             w_lo = lo_f32(ww)
             w_hi = hi_f32(ww)
-            wt = gl.load(w_words + TAIL_WORD0 + lane)
-            wt_lo = lo_f32(wt)
-            wt_hi = hi_f32(wt)
+            if LATENT_NORM:
+                wt_lo = w_lo                                            # not read (the weight has no tail)
+                wt_hi = w_hi
+            else:
+                wt = gl.load(w_words + TAIL_WORD0 + lane)
+                wt_lo = lo_f32(wt)
+                wt_hi = hi_f32(wt)
         else:
             w_lo = gl.load(w_ptr + 2 * word)
             w_hi = gl.load(w_ptr + 2 * word + 1)
-            wt_lo = gl.load(w_ptr + QUANT_DIM + 2 * lane)
-            wt_hi = gl.load(w_ptr + QUANT_DIM + 2 * lane + 1)
+            if LATENT_NORM:
+                wt_lo = w_lo
+                wt_hi = w_hi
+            else:
+                wt_lo = gl.load(w_ptr + QUANT_DIM + 2 * lane)
+                wt_hi = gl.load(w_ptr + QUANT_DIM + 2 * lane + 1)
 
         pdl_wait(PDL)                                                   # after the weight loads
         pid = gl.program_id(0)
@@ -262,16 +300,18 @@ if gluon is not None:
         if PIPELINE:
             rows = pid * R + r_idx                                      # [R] int32 (n_rows < 2**30: host)
             pos, slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
-            xw, xt = _load_x(x_ptr, sx_w, rows, n_rows, word, lane, TAIL_WORD0, OFFSETS32)
+            xw, xt = _load_x(x_ptr, sx_w, xt_ptr, sxt_w, rows, n_rows, word, lane, TAIL_WORD0, OFFSETS32, SPLIT_X)
             cos, sin = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP, OFFSETS32, NEOX)
             for tile in range(pid, num_tiles, num_programs):
                 rows = tile * R + r_idx
                 next_rows = rows + num_programs * R
                 next_pos, next_slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, next_rows, n_rows, OFFSETS32)
-                next_xw, next_xt = _load_x(x_ptr, sx_w, next_rows, n_rows, word, lane, TAIL_WORD0, OFFSETS32)
+                next_xw, next_xt = _load_x(x_ptr, sx_w, xt_ptr, sxt_w, next_rows, n_rows, word, lane, TAIL_WORD0,
+                                           OFFSETS32, SPLIT_X)
                 _write_rows(xw, xt, cos, sin, pos, slot, rows, n_rows, w_lo, w_hi, wt_lo, wt_hi, sin_flip, eps, P,
                             cache_ptr, s_blk, data_tok, sf_tok, sf_off, tail_off, block_size, capacity, lane, qword,
-                            R, LLANE, LQ, QUANT_DIM, GROUP, SF_FP32, SLOT32, LOG2_BLOCK, OFFSETS32, NEOX, FLOOR_E)
+                            R, LLANE, LQ, QUANT_DIM, GROUP, SF_FP32, SLOT32, LOG2_BLOCK, OFFSETS32, NEOX, FLOOR_E,
+                            LATENT_NORM)
                 # the next positions arrived while this tile computed
                 cos, sin = _load_cos_sin(cs_ptr, s_cs, P, next_pos, next_rows, n_rows, pair_col, LP, OFFSETS32, NEOX)
                 pos = next_pos
@@ -282,11 +322,12 @@ if gluon is not None:
             for tile in range(pid, num_tiles, num_programs):
                 rows = tile * R + r_idx
                 pos, slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
-                xw, xt = _load_x(x_ptr, sx_w, rows, n_rows, word, lane, TAIL_WORD0, OFFSETS32)
+                xw, xt = _load_x(x_ptr, sx_w, xt_ptr, sxt_w, rows, n_rows, word, lane, TAIL_WORD0, OFFSETS32, SPLIT_X)
                 cos, sin = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP, OFFSETS32, NEOX)
                 _write_rows(xw, xt, cos, sin, pos, slot, rows, n_rows, w_lo, w_hi, wt_lo, wt_hi, sin_flip, eps, P,
                             cache_ptr, s_blk, data_tok, sf_tok, sf_off, tail_off, block_size, capacity, lane, qword,
-                            R, LLANE, LQ, QUANT_DIM, GROUP, SF_FP32, SLOT32, LOG2_BLOCK, OFFSETS32, NEOX, FLOOR_E)
+                            R, LLANE, LQ, QUANT_DIM, GROUP, SF_FP32, SLOT32, LOG2_BLOCK, OFFSETS32, NEOX, FLOOR_E,
+                            LATENT_NORM)
 
 
 # --------------------------------------------------------------------------- host side
@@ -324,35 +365,52 @@ def launch_parts(plan, tensor, num_warps: int, rows_per_warp: int, pipeline: boo
     ``tensor(field)`` goes where the plan's tensor ``field`` goes; the plan's tensors give strides.
     ctas_per_sm / sm_count: given, no compilation and no device query (default: the compiled
     variant's occupancy on the plan's device)."""
-    x = plan.x[:, 0, :]                                   # [n, D]
+    x = plan.x[:, 0, :]                                   # [n, D], or the quantized columns of two inputs
     n = x.shape[0]
     cache, a = plan.kv_cache, plan.addressing
     block_size = cache.shape[1]
     capacity = cache.shape[0] * block_size
+    xt = None if plan.x_tail is None else plan.x_tail[:, 0, :]
     T = tensor
     args = (T("x"), x.stride(0) // 2, T("weight"), float(plan.eps),
             T("positions"), plan.positions.stride(0), T("cos_sin"), plan.cos_sin.stride(0), plan.cos_sin.shape[0],
             T("slot_mapping"), plan.slot_mapping.stride(0),
             T("kv_cache"), cache.stride(0), a.data_token_stride, a.sf_token_stride, a.sf_offset, a.tail_offset,
-            block_size, capacity, n)
+            block_size, capacity, n,
+            *((None, None) if xt is None else (T("x_tail"), xt.stride(0) // 2)))
     # the largest offset each pointer is indexed with (rows up to one tile per program past n included)
-    spans = ((n + 2 ** 20) * x.stride(0), (n + 2 ** 20) * max(plan.positions.stride(0), plan.slot_mapping.stride(0)),
+    spans = ((n + 2 ** 20) * max(x.stride(0), 0 if xt is None else xt.stride(0)),
+             (n + 2 ** 20) * max(plan.positions.stride(0), plan.slot_mapping.stride(0)),
              (plan.cos_sin.shape[0] + 1) * plan.cos_sin.stride(0), (cache.shape[0] + 1) * cache.stride(0))
     constexprs = dict(format_constexprs(plan.fmt), W_BF16=plan.weight.dtype == torch.bfloat16,
                       SLOT32=capacity <= INT32_LIMIT, LOG2_BLOCK=log2_block(block_size),
                       ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline), OFFSETS32=max(spans) < INT32_LIMIT,
                       NEOX=bool(plan.is_neox),
                       FLOOR_E=NO_FLOOR.value if plan.cast.floor_exp is None else plan.cast.floor_exp,
-                      PDL=False)
+                      PDL=False, **input_constexprs(plan))
     options = compile_options(num_warps)
     tiles = -(-n // (rows_per_warp * num_warps))
-    grid = occupancy_grid(mla_tail_kernel, _resident, x, tiles, args, plan_tensors(plan), constexprs, options,
-                          ctas_per_sm, sm_count)
+    grid = occupancy_grid(mla_tail_kernel, _resident, x, tiles, args, {**plan_tensors(plan), "x_tail": plan.x_tail},
+                          constexprs, options, ctas_per_sm, sm_count)
     return grid, args, constexprs, options
+
+
+def input_constexprs(plan) -> dict:
+    """SPLIT_X (two inputs) and LATENT_NORM (the norm over the quantized columns only) where they are on;
+    off they are left to the kernel's defaults, so that a launch of one input and a whole-record norm
+    is spelled as before they existed."""
+    found = {}
+    if plan.x_tail is not None:
+        found["SPLIT_X"] = True
+    if plan.norm_dim != plan.head_dim:
+        found["LATENT_NORM"] = True
+    return found
 
 
 # --------------------------------------------------------------------------- kvfuse's dispatch
 NAME = "flashmla"   # in KVFUSE_GLUON_SKIP
+# the router offers it plans of two inputs and of a norm over the leading dims (eligible() picks its own)
+SPLIT_X_AND_LEADING_NORM = True
 FORMATS = (_formats.FLASHMLA_V32, _formats.FLASHMLA_MODEL1,)   # the preset cache formats it writes (its GPU tests' formats)
 
 
@@ -372,7 +430,9 @@ MIN_ROWS_PDL = 1
 
 def eligible(plan) -> bool:
     """Whether a validated kvfuse.plans.types.Plan is exactly one of this kernel's chains: RMSNorm (weight
-    present), NEOX or GPT-J RoPE (not conjugate) on the 64 tail columns, no Hadamard, no stage copy, one head,
+    present; over the whole record, or for V32 over the 512 quantized columns only), NEOX or GPT-J RoPE
+    (not conjugate) on the 64 tail columns, no Hadamard, no stage copy, one head, x one input or two
+    split at the quantized part (the quantized columns and the tail, each with an even row stride),
     a cache whose records are FLASHMLA_V32's or FLASHMLA_MODEL1's (any name: ``SUPPORTED_RECORDS``)
     with the matching cast, and the alignments the kernel writes with: the cache pointer, the block
     stride and every record offset / stride of the data, tail (and fp32 scales) multiples of 4 (the
@@ -390,7 +450,17 @@ def eligible(plan) -> bool:
         return False
     D = f.head_dim
     quant_dim = consts["QUANT_DIM"]
-    if x.dim() != 3 or tuple(x.shape[1:]) != (1, D) or x.stride(2) != 1 or x.stride(0) % 2:
+    xt = plan.x_tail
+    if xt is None:
+        if x.dim() != 3 or tuple(x.shape[1:]) != (1, D) or x.stride(2) != 1 or x.stride(0) % 2:
+            return False
+    else:   # two inputs: the quantized columns and the tail, each read as int32 words
+        if tuple(x.shape[1:]) != (1, quant_dim) or tuple(xt.shape[1:]) != (1, D - quant_dim):
+            return False
+        if x.stride(2) != 1 or xt.stride(2) != 1 or x.stride(0) % 2 or xt.stride(0) % 2:
+            return False
+    # the norm: the whole record, or (V32) the quantized columns only
+    if plan.norm_dim not in (D, quant_dim if quant_dim == 512 else D):
         return False
     if x.shape[0] >= INT32_LIMIT // 2:
         return False
@@ -406,12 +476,23 @@ def eligible(plan) -> bool:
     if any(v % 4 for v in word_addressed):
         return False
     w, cs = plan.weight, plan.cos_sin
-    return (tuple(w.shape) == (D,) and w.stride(0) == 1 and cs.dim() == 2 and cs.shape[1] == ROTARY_DIM
+    return (w.dim() == 1 and w.stride(0) == 1 and cs.dim() == 2 and cs.shape[1] == ROTARY_DIM
             and cs.stride(1) == 1)
 
 
 word_aligned = gluon_common.word_aligned      # x and the weight are read as 4-byte words
-call_guard = gluon_common.x_weight_guard      # checked per call (the plan cache keys neither pointer)
+
+
+def inputs_word_aligned(x, weight, x_tail) -> bool:
+    """Two inputs: x, its tail input and the weight are read as 4-byte words."""
+    return not ((x.data_ptr() | weight.data_ptr() | x_tail.data_ptr()) & 3)
+
+
+def call_guard(plan) -> tuple:
+    """(check, plan fields) run per call (the plan cache keys none of these pointers)."""
+    if plan.x_tail is None:
+        return gluon_common.x_weight_guard(plan)
+    return inputs_word_aligned, ("x", "weight", "x_tail")
 
 
 def plan_launch(plan, tensor, table=None) -> tuple:
@@ -422,4 +503,6 @@ def plan_launch(plan, tensor, table=None) -> tuple:
     the plan's signature and n."""
     num_warps, rows_per_warp, pipeline = (table or launch_table)(plan.x.shape[0])
     grid, args, constexprs, options = launch_parts(plan, tensor, num_warps, rows_per_warp, pipeline)
-    return "mla_tail_kernel", grid, args, {**constexprs, **options}, globals()
+    # the defaulted constexprs named too: kernels.launcher's direct launch takes every constexpr by name
+    defaults = {"SPLIT_X": False, "LATENT_NORM": False}
+    return "mla_tail_kernel", grid, args, {**defaults, **constexprs, **options}, globals()
