@@ -112,6 +112,9 @@ def variants():
     yield "mla_v32_split_latent_norm_2rows", lambda: _mla(Case(n=5, **v32, seed=29, split=512, norm_dim=512),
                                                           rpw=2)
     yield "mla_model1_split_pipeline", lambda: _mla(Case(n=5, **model1, seed=30, split=448), pipe=True)
+    # no norm (the engines' normalized latent), one input and two
+    yield "mla_v32_no_norm_gptj", lambda: _mla(Case(n=5, **{**v32, "neox": False, "norm": False}, seed=35))
+    yield "mla_v32_split_no_norm", lambda: _mla(Case(n=1, **{**v32, "norm": False}, seed=36, split=512))
     for fmt in (F.INDEX_FP8_FP32, F.INDEX_MXFP8, F.INDEX_MXFP4, F.INDEX_NVFP4):
         yield f"index_{fmt.name}", lambda fmt=fmt: _index(Case(n=5, **ix, fmt=fmt, seed=31))
         yield f"index_{fmt.name}_v32_chain", lambda fmt=fmt: _index(Case(**{**ix, **v32_indexer}, n=5, fmt=fmt, seed=32))

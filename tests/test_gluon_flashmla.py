@@ -46,7 +46,7 @@ def test_padded_token_stride_is_eligible():
 @pytest.mark.parametrize("change", [
     dict(out_stage="transform"), dict(out_stage="cast_back"), dict(out_stage="norm"),   # a stage copy
     dict(norm_kind="layer"), dict(neox=False, rope_offset=0), dict(conjugate=True), dict(rotary_dim=32), dict(rope_offset=0), dict(rope=False),
-    dict(norm=False), dict(x_row_pad=1),                                                  # odd x row stride
+    dict(x_row_pad=1),                                                                    # odd x row stride
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_neighbour_chains_are_not(fmt, change):
     assert not G.eligible(plan_of(mla_case(fmt, **change)))
@@ -126,8 +126,8 @@ def test_launch_parts_fill_every_parameter_in_order(fmt):
     grid, args, constexprs, options = G.launch_parts(plan, tensor_arg, *G.launch_table(300), ctas_per_sm=4,
                                                      sm_count=132)
     assert len(args) == n_args
-    # one input, the norm over the whole record: the two input constexprs left to the kernel's defaults
-    assert set(constexprs) == set(names[n_args:]) - {"SPLIT_X", "LATENT_NORM"}
+    # one input, the norm over the whole record: the input and norm constexprs left to the kernel's defaults
+    assert set(constexprs) == set(names[n_args:]) - {"SPLIT_X", "LATENT_NORM", "NO_NORM"}
     assert options["enable_fp_fusion"] is False and options["num_stages"] == 1
     fields = {a.field for a in args if isinstance(a, PlanTensor)}
     assert fields == TENSOR_FIELDS
@@ -187,6 +187,25 @@ def test_the_latent_only_norm_is_eligible_for_v32_only():
     for norm_dim in (448, 480, 64):
         assert not G.eligible(plan_of(mla_case(V32, norm_dim=norm_dim))), norm_dim
     assert not G.eligible(plan_of(mla_case(MODEL1, norm_dim=448)))
+
+
+@BOTH
+def test_no_norm_is_eligible(fmt):
+    """The engines hand the latent normalized (vLLM's concat_and_cache_mla, FlashInfer's MLA append): no
+    norm is one of the chains (NO_NORM), one input or two; the weight pointer is None and the call
+    guard checks x (and the tail input) only."""
+    q = fmt.quant_dim
+    for kw in (dict(norm=False), dict(norm=False, split=q), dict(norm=False, neox=False, x2d=True)):
+        plan = plan_of(mla_case(fmt, **kw))
+        assert G.eligible(plan), kw
+        _, args, constexprs, _ = G.launch_parts(plan, tensor_arg, 2, 1, False, ctas_per_sm=1, sm_count=8)
+        assert constexprs["NO_NORM"] is True and "LATENT_NORM" not in constexprs and not constexprs["W_BF16"]
+        assert dict(zip(_kernel_params()[0], args))["w_ptr"] is None
+        check, fields = G.call_guard(plan)
+        assert fields == ("x", "x_tail" if "split" in kw else "x")
+        assert check(plan.x, plan.x if plan.x_tail is None else plan.x_tail)
+        assert not check(torch.zeros(8, dtype=torch.bfloat16)[1:], plan.x)
+    assert not G.eligible(plan_of(mla_case(fmt, norm=False, rope=False)))    # the RoPE stays required
 
 
 def test_two_inputs_need_every_pointer_word_aligned():

@@ -108,23 +108,12 @@ if gluon is not None:
         return cos, sin
 
     @gluon.jit
-    def _write_rows(xw, xt, cos, sin, pos, slot, rows, n_rows, w_lo, w_hi, wt_lo, wt_hi, sin_flip, eps, P,
-                    cache_ptr, s_blk, data_tok, sf_tok, sf_off, tail_off, block_size, capacity, lane, qword,
-                    R: gl.constexpr, LLANE: gl.constexpr, LQ: gl.constexpr,
-                    QUANT_DIM: gl.constexpr, GROUP: gl.constexpr, SF_FP32: gl.constexpr,
-                    SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, OFFSETS32: gl.constexpr, NEOX: gl.constexpr,
-                    FLOOR_E: gl.constexpr, LATENT_NORM: gl.constexpr):
-        """RMSNorm -> RoPE (tail) -> UE8M0 / e4m3 -> the records of one tile of R rows whose loads are done.
-        NEOX: pairs (j, 32 + j) of the tail; else GPT-J's (2 j, 2 j + 1), which is tail word j = l.
-        LATENT_NORM (V32): the norm covers the QUANT_DIM quantized columns only; the tail words pass
-        through it (wt_lo / wt_hi unread)."""
+    def _rmsnorm(xw, xt, w_lo, w_hi, wt_lo, wt_hi, eps, R: gl.constexpr, LLANE: gl.constexpr,
+                 QUANT_DIM: gl.constexpr, LATENT_NORM: gl.constexpr):
+        """RMSNorm of the rows' words (pair in each word, the tree over the lane's 8 words, 5 shuffles):
+        the normalized bf16 words of the quantized columns and of the tail (the tail as it came with
+        LATENT_NORM)."""
         HEAD_DIM: gl.constexpr = QUANT_DIM + TAIL_DIM_C
-        CODE_LANES: gl.constexpr = QUANT_DIM // 16                      # lanes owning quantized columns
-        GROUP_LANES: gl.constexpr = GROUP // 16
-        rmask = rows < n_rows
-        pok = rmask & (pos >= 0) & (pos < P)
-
-        # ---- RMSNorm: pair in each word, the tree over the lane's 8 words, 5 shuffles
         x_lo = lo_f32(xw)
         x_hi = hi_f32(xw)
         sq = x_lo * x_lo + x_hi * x_hi
@@ -150,6 +139,31 @@ if gluon is not None:
             yt = xt                                                     # the tail as it came (its bits)
         else:
             yt = bf16x2((xt_lo * rstd) * wt_lo, (xt_hi * rstd) * wt_hi)  # [R, 32] normalized tail
+        return yw, yt
+
+    @gluon.jit
+    def _write_rows(xw, xt, cos, sin, pos, slot, rows, n_rows, w_lo, w_hi, wt_lo, wt_hi, sin_flip, eps, P,
+                    cache_ptr, s_blk, data_tok, sf_tok, sf_off, tail_off, block_size, capacity, lane, qword,
+                    R: gl.constexpr, LLANE: gl.constexpr, LQ: gl.constexpr,
+                    QUANT_DIM: gl.constexpr, GROUP: gl.constexpr, SF_FP32: gl.constexpr,
+                    SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, OFFSETS32: gl.constexpr, NEOX: gl.constexpr,
+                    FLOOR_E: gl.constexpr, LATENT_NORM: gl.constexpr, NO_NORM: gl.constexpr):
+        """RMSNorm -> RoPE (tail) -> UE8M0 / e4m3 -> the records of one tile of R rows whose loads are done.
+        NEOX: pairs (j, 32 + j) of the tail; else GPT-J's (2 j, 2 j + 1), which is tail word j = l.
+        LATENT_NORM (V32): the norm covers the QUANT_DIM quantized columns only; the tail words pass
+        through it (wt_lo / wt_hi unread). NO_NORM: no norm, the words go on as they came (the weights
+        unread)."""
+        HEAD_DIM: gl.constexpr = QUANT_DIM + TAIL_DIM_C
+        CODE_LANES: gl.constexpr = QUANT_DIM // 16                      # lanes owning quantized columns
+        GROUP_LANES: gl.constexpr = GROUP // 16
+        rmask = rows < n_rows
+        pok = rmask & (pos >= 0) & (pos < P)
+
+        if NO_NORM:
+            yw = xw                                                     # the bits as they came
+            yt = xt
+        else:
+            yw, yt = _rmsnorm(xw, xt, w_lo, w_hi, wt_lo, wt_hi, eps, R, LLANE, QUANT_DIM, LATENT_NORM)
         if NEOX:
             # ---- RoPE on the tail words: own word and the partner's (lane ^ 16)
             partner = shfl_xor(yt, 16)
@@ -231,6 +245,7 @@ if gluon is not None:
         W_BF16: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, ROWS_PER_WARP: gl.constexpr,
         PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr, NEOX: gl.constexpr, FLOOR_E: gl.constexpr,
         PDL: gl.constexpr, SPLIT_X: gl.constexpr = False, LATENT_NORM: gl.constexpr = False,
+        NO_NORM: gl.constexpr = False,
     ):
         """A program walks over the tiles pid, pid + num_programs, ... (R = ROWS_PER_WARP * num_warps
         rows each; warp w owns rows w * ROWS_PER_WARP ..). QUANT_DIM / GROUP / SF_FP32: the format
@@ -241,7 +256,8 @@ if gluon is not None:
         tail, else GPT-J's. FLOOR_E: the scale_floor's exponent (FlashMLA's presets: -13), NO_FLOOR without.
         SPLIT_X: x_ptr holds the QUANT_DIM quantized columns and xt_ptr the tail (two inputs, one row).
         LATENT_NORM (V32): the RMSNorm covers the quantized columns only (weight [QUANT_DIM]); the tail
-        goes into RoPE as it came. Both default off (a launch without them names neither)."""
+        goes into RoPE as it came. NO_NORM: no norm (w_ptr None; engines hand the latent normalized).
+        All three default off (a launch without them names none)."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = ROWS_PER_WARP * NW
         TAIL_WORD0: gl.constexpr = QUANT_DIM // 2                       # the tail's first word in x's row
@@ -271,7 +287,12 @@ if gluon is not None:
                         + ROPE_HALF_C * gl.expand_dims(gl.expand_dims(k2, 0), 1))               # cos_l, sin_l
         sin_flip = gl.where(lane < 16, -2147483648, 0)                  # the fp32 sign bit on first-half lanes
 
-        if W_BF16:
+        if NO_NORM:
+            w_lo = word.to(gl.float32)                                  # stand-ins, never read
+            w_hi = w_lo
+            wt_lo = lane.to(gl.float32)
+            wt_hi = wt_lo
+        elif W_BF16:
             w_words = w_ptr.to(gl.pointer_type(gl.int32))
             ww = gl.load(w_words + word)
             w_lo = lo_f32(ww)
@@ -311,7 +332,7 @@ if gluon is not None:
                 _write_rows(xw, xt, cos, sin, pos, slot, rows, n_rows, w_lo, w_hi, wt_lo, wt_hi, sin_flip, eps, P,
                             cache_ptr, s_blk, data_tok, sf_tok, sf_off, tail_off, block_size, capacity, lane, qword,
                             R, LLANE, LQ, QUANT_DIM, GROUP, SF_FP32, SLOT32, LOG2_BLOCK, OFFSETS32, NEOX, FLOOR_E,
-                            LATENT_NORM)
+                            LATENT_NORM, NO_NORM)
                 # the next positions arrived while this tile computed
                 cos, sin = _load_cos_sin(cs_ptr, s_cs, P, next_pos, next_rows, n_rows, pair_col, LP, OFFSETS32, NEOX)
                 pos = next_pos
@@ -327,7 +348,7 @@ if gluon is not None:
                 _write_rows(xw, xt, cos, sin, pos, slot, rows, n_rows, w_lo, w_hi, wt_lo, wt_hi, sin_flip, eps, P,
                             cache_ptr, s_blk, data_tok, sf_tok, sf_off, tail_off, block_size, capacity, lane, qword,
                             R, LLANE, LQ, QUANT_DIM, GROUP, SF_FP32, SLOT32, LOG2_BLOCK, OFFSETS32, NEOX, FLOOR_E,
-                            LATENT_NORM)
+                            LATENT_NORM, NO_NORM)
 
 
 # --------------------------------------------------------------------------- host side
@@ -372,7 +393,7 @@ def launch_parts(plan, tensor, num_warps: int, rows_per_warp: int, pipeline: boo
     capacity = cache.shape[0] * block_size
     xt = None if plan.x_tail is None else plan.x_tail[:, 0, :]
     T = tensor
-    args = (T("x"), x.stride(0) // 2, T("weight"), float(plan.eps),
+    args = (T("x"), x.stride(0) // 2, None if plan.weight is None else T("weight"), float(plan.eps),
             T("positions"), plan.positions.stride(0), T("cos_sin"), plan.cos_sin.stride(0), plan.cos_sin.shape[0],
             T("slot_mapping"), plan.slot_mapping.stride(0),
             T("kv_cache"), cache.stride(0), a.data_token_stride, a.sf_token_stride, a.sf_offset, a.tail_offset,
@@ -382,7 +403,8 @@ def launch_parts(plan, tensor, num_warps: int, rows_per_warp: int, pipeline: boo
     spans = ((n + 2 ** 20) * max(x.stride(0), 0 if xt is None else xt.stride(0)),
              (n + 2 ** 20) * max(plan.positions.stride(0), plan.slot_mapping.stride(0)),
              (plan.cos_sin.shape[0] + 1) * plan.cos_sin.stride(0), (cache.shape[0] + 1) * cache.stride(0))
-    constexprs = dict(format_constexprs(plan.fmt), W_BF16=plan.weight.dtype == torch.bfloat16,
+    constexprs = dict(format_constexprs(plan.fmt),
+                      W_BF16=plan.weight is not None and plan.weight.dtype == torch.bfloat16,
                       SLOT32=capacity <= INT32_LIMIT, LOG2_BLOCK=log2_block(block_size),
                       ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline), OFFSETS32=max(spans) < INT32_LIMIT,
                       NEOX=bool(plan.is_neox),
@@ -396,13 +418,15 @@ def launch_parts(plan, tensor, num_warps: int, rows_per_warp: int, pipeline: boo
 
 
 def input_constexprs(plan) -> dict:
-    """SPLIT_X (two inputs) and LATENT_NORM (the norm over the quantized columns only) where they are on;
-    off they are left to the kernel's defaults, so that a launch of one input and a whole-record norm
-    is spelled as before they existed."""
+    """SPLIT_X (two inputs), LATENT_NORM (the norm over the quantized columns only) and NO_NORM where
+    they are on; off they are left to the kernel's defaults, so that a launch of one input and a
+    whole-record norm is spelled as before they existed."""
     found = {}
     if plan.x_tail is not None:
         found["SPLIT_X"] = True
-    if plan.norm_dim != plan.head_dim:
+    if plan.weight is None:
+        found["NO_NORM"] = True
+    elif plan.norm_dim != plan.head_dim:
         found["LATENT_NORM"] = True
     return found
 
@@ -429,8 +453,8 @@ MIN_ROWS_PDL = 1
 
 
 def eligible(plan) -> bool:
-    """Whether a validated kvfuse.plans.types.Plan is exactly one of this kernel's chains: RMSNorm (weight
-    present; over the whole record, or for V32 over the 512 quantized columns only), NEOX or GPT-J RoPE
+    """Whether a validated kvfuse.plans.types.Plan is exactly one of this kernel's chains: no norm or RMSNorm
+    (over the whole record, or for V32 over the 512 quantized columns only), NEOX or GPT-J RoPE
     (not conjugate) on the 64 tail columns, no Hadamard, no stage copy, one head, x one input or two
     split at the quantized part (the quantized columns and the tail, each with an even row stride),
     a cache whose records are FLASHMLA_V32's or FLASHMLA_MODEL1's (any name: ``SUPPORTED_RECORDS``)
@@ -439,9 +463,9 @@ def eligible(plan) -> bool:
     cache pointer's alignment is part of the plan-cache key; x's and the weight's 4-byte alignment
     is checked per call, ``word_aligned``)."""
     x, cache, c, f, a = plan.x, plan.kv_cache, plan.cast, plan.fmt, plan.addressing
-    if cache is None or c is None or f is None or a is None or plan.weight is None or plan.positions is None:
+    if cache is None or c is None or f is None or a is None or plan.positions is None:
         return False
-    if plan.norm_kind != "rms":
+    if plan.weight is not None and plan.norm_kind != "rms":
         return False
     if plan.slot_mapping is None or plan.hadamard_scale is not None or plan.out is not None or plan.out_stage is not None:
         return False
@@ -459,8 +483,8 @@ def eligible(plan) -> bool:
             return False
         if x.stride(2) != 1 or xt.stride(2) != 1 or x.stride(0) % 2 or xt.stride(0) % 2:
             return False
-    # the norm: the whole record, or (V32) the quantized columns only
-    if plan.norm_dim not in (D, quant_dim if quant_dim == 512 else D):
+    # the norm: none, the whole record, or (V32) the quantized columns only
+    if plan.weight is not None and plan.norm_dim not in (D, quant_dim if quant_dim == 512 else D):
         return False
     if x.shape[0] >= INT32_LIMIT // 2:
         return False
@@ -476,7 +500,7 @@ def eligible(plan) -> bool:
     if any(v % 4 for v in word_addressed):
         return False
     w, cs = plan.weight, plan.cos_sin
-    return (w.dim() == 1 and w.stride(0) == 1 and cs.dim() == 2 and cs.shape[1] == ROTARY_DIM
+    return ((w is None or (w.dim() == 1 and w.stride(0) == 1)) and cs.dim() == 2 and cs.shape[1] == ROTARY_DIM
             and cs.stride(1) == 1)
 
 
@@ -488,8 +512,15 @@ def inputs_word_aligned(x, weight, x_tail) -> bool:
     return not ((x.data_ptr() | weight.data_ptr() | x_tail.data_ptr()) & 3)
 
 
+def x_word_aligned(x, x_tail) -> bool:
+    """Without a norm: x and its tail input (x twice for one input) are read as 4-byte words."""
+    return not ((x.data_ptr() | x_tail.data_ptr()) & 3)
+
+
 def call_guard(plan) -> tuple:
     """(check, plan fields) run per call (the plan cache keys none of these pointers)."""
+    if plan.weight is None:
+        return x_word_aligned, ("x", "x" if plan.x_tail is None else "x_tail")
     if plan.x_tail is None:
         return gluon_common.x_weight_guard(plan)
     return inputs_word_aligned, ("x", "weight", "x_tail")
@@ -504,5 +535,5 @@ def plan_launch(plan, tensor, table=None) -> tuple:
     num_warps, rows_per_warp, pipeline = (table or launch_table)(plan.x.shape[0])
     grid, args, constexprs, options = launch_parts(plan, tensor, num_warps, rows_per_warp, pipeline)
     # the defaulted constexprs named too: kernels.launcher's direct launch takes every constexpr by name
-    defaults = {"SPLIT_X": False, "LATENT_NORM": False}
+    defaults = {"SPLIT_X": False, "LATENT_NORM": False, "NO_NORM": False}
     return "mla_tail_kernel", grid, args, {**defaults, **constexprs, **options}, globals()
