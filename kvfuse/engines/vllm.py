@@ -57,13 +57,6 @@ def _cache_dtype(kv_cache_dtype, allowed) -> str:
     return "fp8" if kv_cache_dtype in FP8_KV_CACHE_DTYPES else kv_cache_dtype
 
 
-def _bf16_cache(cache, name: str) -> torch.Tensor:
-    _checks.tensor(cache, name)
-    if cache.dtype != torch.bfloat16:
-        raise TypeError(f"{name}: kv_cache_dtype 'auto' stores the input's dtype (bfloat16), got {cache.dtype}")
-    return cache
-
-
 def _leading_tokens(slot_mapping: torch.Tensor, num_tokens: int, what: str) -> int:
     """vLLM writes the first slot_mapping.size(0) tokens (the batch may be padded past them)."""
     m = slot_mapping.shape[0]
@@ -239,10 +232,11 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, sca
     """vLLM's ``concat_and_cache_mla``: token i < slot_mapping.size(0) writes the record [kv_c | k_pe] at
     block ``slot // block_size``, offset ``slot % block_size``; slot -1 skips it.
 
-    kv_c: bf16 [num_tokens, kv_lora_rank]; k_pe: bf16 [num_tokens, pe_dim] (both multiples of 16).
-    kv_cache_dtype:
+    kv_c: [num_tokens, kv_lora_rank]; k_pe: [num_tokens, pe_dim], of one dtype: bf16, fp16 or fp32 for
+    "auto" and "fp8" (kv_lora_rank and pe_dim multiples of 8), bf16 for "fp8_ds_mla". kv_cache_dtype:
 
-    - "auto": kv_cache bf16 [num_blocks, block_size, kv_lora_rank + pe_dim], the bits of kv_c and k_pe;
+    - "auto": kv_cache of the inputs' dtype [num_blocks, block_size, kv_lora_rank + pe_dim], the bits of
+      kv_c and k_pe;
     - "fp8" / "fp8_e4m3": kv_cache uint8 (or float8_e4m3fn) of the same shape, every element
       ``e4m3(x / scale)`` with ``scale`` one fp32 value;
     - "fp8_ds_mla" (kv_lora_rank 512, pe_dim 64): kv_cache uint8 [num_blocks, block_size, 656] (or a
@@ -251,12 +245,18 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, sca
       2^ceil(log2(max(amax / 448, 1e-4))) (fp32), values ``e4m3(x / scale)``, then k_pe's bf16 bits;
       ``scale`` is not read. One launch reads kv_c and k_pe where they are (no concatenation).
     """
-    _checks.bf16_input(kv_c, "kv_c", 2)
-    _checks.bf16_input(k_pe, "k_pe", 2)
+    kind = _cache_dtype(kv_cache_dtype, ("auto",) + FP8_KV_CACHE_DTYPES + ("fp8_ds_mla",))
+    if kind == "fp8_ds_mla":
+        _checks.bf16_input(kv_c, "kv_c", 2)
+        _checks.bf16_input(k_pe, "k_pe", 2)
+    else:
+        _activations(kv_c, "kv_c", 2, _FLASH_DTYPES)
+        _activations(k_pe, "k_pe", 2, _FLASH_DTYPES)
+        if k_pe.dtype != kv_c.dtype:
+            raise TypeError(f"k_pe: expected kv_c's dtype {kv_c.dtype}, got {k_pe.dtype}")
     _checks.slots(slot_mapping)
     if k_pe.shape[0] != kv_c.shape[0]:
         raise ValueError(f"k_pe: expected {kv_c.shape[0]} tokens like kv_c, got {k_pe.shape[0]}")
-    kind = _cache_dtype(kv_cache_dtype, ("auto",) + FP8_KV_CACHE_DTYPES + ("fp8_ds_mla",))
     m = _leading_tokens(slot_mapping, kv_c.shape[0], "kv_c")
     rank, pe_dim = kv_c.shape[1], k_pe.shape[1]
     if kind == "fp8_ds_mla":
@@ -270,10 +270,10 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, sca
             fused_norm_rope_hadamard_cast_store_kvcache(
                 (kv_c[:m], k_pe[:m]), cast_args=CastArgs.from_cache_format(FLASHMLA_V32), out_args=out)
         return
-    _checks.head_size(rank, "kv_c")
-    _checks.head_size(pe_dim, "k_pe")
+    _head_size8(rank, "kv_c")
+    _head_size8(pe_dim, "k_pe")
     if kind == "auto":
-        kv_cache, scale = _bf16_cache(kv_cache, "kv_cache"), None
+        kv_cache, scale = _auto_cache(kv_cache, "kv_cache", kv_c.dtype), None
     else:
         kv_cache, scale = _checks.fp8_cache(kv_cache, "kv_cache"), _checks.per_tensor_scale(scale, "scale")
     if kv_cache.dim() != 3 or kv_cache.shape[2] != rank + pe_dim:
