@@ -274,7 +274,7 @@ ERRORS = [
      "kv: SGLang's FlashMLA layouts take 512 dims"),
     ("fp32 kv_weight", F, _flashmla_args, lambda: dict(kv_weight=torch.ones(512)), TypeError,
      "kv_weight: dtype torch.float32 is not supported yet"),
-    ("kv_weight shape (kvfuse's check, SGLang's name)", F, _flashmla_args,
+    ("kv_weight shape", F, _flashmla_args,
      lambda: dict(kv_weight=torch.ones(256, dtype=torch.bfloat16)), ValueError, "kv_weight"),
     ("eps 0 (kvfuse's check, SGLang's name)", F, _flashmla_args, lambda: dict(eps=0.0), ValueError, "eps"),
     ("real freqs", F, _flashmla_args, lambda: dict(freqs_cis=torch.zeros(16, 64)), TypeError,

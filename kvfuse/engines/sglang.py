@@ -163,6 +163,9 @@ def fused_k_norm_rope_flashmla(kv, kv_weight, eps, freqs_cis, positions, out_loc
     if kv_weight.dtype != torch.bfloat16:
         raise TypeError(f"kv_weight: dtype {kv_weight.dtype} is not supported yet (SGLang's kernel reads the "
                         "weight in kv's dtype, bfloat16)")
+    if tuple(kv_weight.shape) != (512,):
+        # a shorter weight would be kvfuse's norm over the leading dims, not SGLang's norm over the row
+        raise ValueError(f"kv_weight: expected shape (512,), got {tuple(kv_weight.shape)}")
     _checks.tensor(freqs_cis, "freqs_cis")
     if freqs_cis.dtype != torch.complex64:
         raise TypeError(f"freqs_cis: expected dtype torch.complex64 (SGLang's freqs_cis), got {freqs_cis.dtype}")
