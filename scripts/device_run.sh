@@ -7,7 +7,8 @@
 # (test_gpu_group.py, test_gpu_read_and_alloc.py, test_gpu_pdl.py, test_gpu_bench_peers.py), the engine adapters
 # and the engines' own test grids (test_gpu_engines.py, test_gpu_engine_grids.py); then, when
 # BENCH_SECONDS > 0, benchmark points of BENCH_WL (fused peer).
-#   [SUITES="matrix2 group ..."] bash scripts/device_run.sh [LIMIT_SECONDS] [BENCH_SECONDS]
+#   [SUITES="matrix2 group ..."] [TRITON_SHARED_CACHE=DIR] bash scripts/device_run.sh [LIMIT_SECONDS] [BENCH_SECONDS]
+# (TRITON_SHARED_CACHE: one Triton cache for every suite, each variant compiled once)
 # LIMIT_SECONDS (default 480) bounds each process. One H200 with 16 cores is too small for them all in one
 # call (2026-12-03: six processes, four cut at 400 s); nvidia-h200-x2 (two GPUs, 32 cores) runs them.
 # Keep LIMIT + BENCH inside one call's limit.
@@ -28,7 +29,8 @@ suite() {   # name, matrix slice (or -), pytest arguments...; the suites take th
   shift 2
   ( [ "$slice" != - ] && export KVFUSE_MATRIX_SLICE=$slice
     mkdir -p "$OUT/$name"      # the matrix's summary JSON, one per slice
-    CUDA_VISIBLE_DEVICES=$gpu OUT=$OUT/$name TRITON_CACHE_DIR=/tmp/kvfuse_triton_$name timeout -s INT "$limit" \
+    CUDA_VISIBLE_DEVICES=$gpu OUT=$OUT/$name TRITON_CACHE_DIR=${TRITON_SHARED_CACHE:-/tmp/kvfuse_triton_$name} \
+      timeout -s INT "$limit" \
       python3 -m pytest -q -rf -p no:cacheprovider "$@" > "$OUT/gpu_$name.log" 2>&1
     echo "$name rc=$? in $(( $(date +%s) - t0 )) s" ) &
 }
