@@ -32,18 +32,19 @@ def _grid(**axes):
 
 
 def _gen(seed: int, device) -> torch.Generator:
-    return torch.Generator(device="cpu").manual_seed(seed)
+    """A generator on ``device``: the GPU grids draw their gigabyte caches there, not on the host."""
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def _randn(shape, dtype, seed, device):
-    return torch.randn(shape, generator=_gen(seed, device)).to(dtype).to(device)
+    return torch.randn(shape, generator=_gen(seed, device), device=device).to(dtype)
 
 
 def _random_e4m3_bytes(shape, seed, device) -> torch.Tensor:
     """Finite e4m3 codes (no 0x7F / 0xFF NaNs), as the engines' cache factories fill an fp8 cache."""
-    codes = torch.randint(0, 0x7F, shape, generator=_gen(seed, device), dtype=torch.int32)
-    sign = torch.randint(0, 2, shape, generator=_gen(seed + 1, device), dtype=torch.int32) << 7
-    return (codes | sign).to(torch.uint8).to(device)
+    codes = torch.randint(0, 0x7F, shape, generator=_gen(seed, device), dtype=torch.uint8, device=device)
+    sign = torch.randint(0, 2, shape, generator=_gen(seed + 1, device), dtype=torch.uint8, device=device) << 7
+    return codes | sign
 
 
 def _e4m3_div(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -237,8 +238,8 @@ def run_vllm_fused_qk_norm_rope(case: dict, device) -> None:
     rotary_dim = int(d * case["rotary_ratio"])
     qkv = _randn((n, (hq + 2 * hkv) * d), dtype, 13, device)
     positions = torch.arange(n, dtype=torch.long, device=device)
-    q_weight = (1.0 + 0.1 * torch.randn(d, generator=_gen(21, device))).to(dtype).to(device)
-    k_weight = (1.0 + 0.1 * torch.randn(d, generator=_gen(22, device))).to(dtype).to(device)
+    q_weight = (1.0 + 0.1 * torch.randn(d, generator=_gen(21, device), device=device)).to(dtype)
+    k_weight = (1.0 + 0.1 * torch.randn(d, generator=_gen(22, device), device=device)).to(dtype)
     cos_sin_cache = _vllm_cos_sin_cache(rotary_dim, 4096, dtype, device)
 
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
