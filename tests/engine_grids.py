@@ -201,7 +201,9 @@ def run_vllm_concat_ds_mla(case: dict, device) -> None:
 # weights ~ N(1, 0.1) in the activations' dtype; RotaryEmbedding's cos_sin_cache (base 10000, 4096
 # positions) in the activations' dtype. Reference: vLLM's native RMSNorm (fp32 statistics, the
 # normalized value rounded to the dtype, then times the weight) and native RoPE (in the dtype); atol
-# = rtol = 1e-2 for bf16, 2e-3 for fp16.
+# = rtol = 1e-2 for bf16, 2e-3 for fp16. kvfuse's fused numerics are closer to the exact result than
+# that reference, and on some draws an element falls outside the tolerance where the reference is the
+# one that is off: such an element passes when kvfuse is at least as close to an fp64 chain.
 VLLM_FUSED_QK_NORM_ROPE = _grid(dtype=(torch.bfloat16, torch.float16), is_neox=(True, False),
                                 eps=(1e-5, 1e-6), rotary_ratio=(1.0, 0.5, 0.25))
 
@@ -230,13 +232,13 @@ def _vllm_native_rope(x, cos, sin, rotary_dim, is_neox):
     return torch.cat((out, keep), dim=-1)
 
 
-def run_vllm_fused_qk_norm_rope(case: dict, device) -> None:
+def run_vllm_fused_qk_norm_rope(case: dict, device, seed: int = 13) -> None:
     from kvfuse.engines import vllm
 
     dtype, is_neox, eps = case["dtype"], case["is_neox"], case["eps"]
     hq, hkv, d, n = 16, 4, 128, 4
     rotary_dim = int(d * case["rotary_ratio"])
-    qkv = _randn((n, (hq + 2 * hkv) * d), dtype, 13, device)
+    qkv = _randn((n, (hq + 2 * hkv) * d), dtype, seed, device)
     positions = torch.arange(n, dtype=torch.long, device=device)
     q_weight = (1.0 + 0.1 * torch.randn(d, generator=_gen(21, device), device=device)).to(dtype)
     k_weight = (1.0 + 0.1 * torch.randn(d, generator=_gen(22, device), device=device)).to(dtype)
@@ -252,8 +254,26 @@ def run_vllm_fused_qk_norm_rope(case: dict, device) -> None:
     fused = qkv.clone()
     vllm.fused_qk_norm_rope(fused, hq, hkv, hkv, d, eps, q_weight, k_weight, cos_sin_cache, is_neox, positions)
     atol = rtol = 2e-3 if dtype == torch.float16 else 1e-2
-    torch.testing.assert_close(fused, ref, atol=atol, rtol=rtol)
     assert torch.equal(fused[:, (hq + hkv) * d:], qkv[:, (hq + hkv) * d:]), "v must be untouched"
+    # vLLM's criterion; an element outside it must be one where vLLM's reference is the farther of the two
+    # from the exact (fp64) result: that reference rounds after the norm and computes RoPE in the dtype
+    outside = ~torch.isclose(fused.float(), ref.float(), atol=atol, rtol=rtol)
+    if outside.any():
+        c64, s64 = (t.double() for t in cs.chunk(2, dim=-1))
+        exact = torch.cat([
+            _vllm_native_rope(_rmsnorm64(q.view(n, hq, d), q_weight, eps), c64, s64, rotary_dim, is_neox).reshape(n, -1),
+            _vllm_native_rope(_rmsnorm64(k.view(n, hkv, d), k_weight, eps), c64, s64, rotary_dim, is_neox).reshape(n, -1),
+            v.double()], dim=-1)
+        ours, theirs = (fused.double() - exact).abs(), (ref.double() - exact).abs()
+        assert bool((ours[outside] <= theirs[outside]).all()), (
+            f"{int(outside.sum())} elements outside vLLM's tolerance, not all closer to fp64 than its reference")
+        assert int(outside.sum()) <= 4, int(outside.sum())      # a handful at most (2026-12-03: 1 of 12288)
+    return int(outside.sum())
+
+
+def _rmsnorm64(x, weight, eps):
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.double()
 
 
 # =============================================================================== FlashInfer append_paged_kv_cache
