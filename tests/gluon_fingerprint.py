@@ -115,6 +115,10 @@ def variants():
     # no norm (the engines' normalized latent), one input and two
     yield "mla_v32_no_norm_gptj", lambda: _mla(Case(n=5, **{**v32, "neox": False, "norm": False}, seed=35))
     yield "mla_v32_split_no_norm", lambda: _mla(Case(n=1, **{**v32, "norm": False}, seed=36, split=512))
+    # no RoPE (vLLM's concat_and_cache_mla fp8_ds_mla, the context-parallel second pass), with and without a norm
+    yield "mla_v32_split_cast_only", lambda: _mla(Case(n=5, **{**v32, "norm": False, "rope": False}, seed=37,
+                                                       split=512))
+    yield "mla_model1_norm_no_rope_pipeline", lambda: _mla(Case(n=5, **{**model1, "rope": False}, seed=38), pipe=True)
     for fmt in (F.INDEX_FP8_FP32, F.INDEX_MXFP8, F.INDEX_MXFP4, F.INDEX_NVFP4):
         yield f"index_{fmt.name}", lambda fmt=fmt: _index(Case(n=5, **ix, fmt=fmt, seed=31))
         yield f"index_{fmt.name}_v32_chain", lambda fmt=fmt: _index(Case(**{**ix, **v32_indexer}, n=5, fmt=fmt, seed=32))

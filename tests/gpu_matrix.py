@@ -137,10 +137,11 @@ def fast_cases() -> list:
         if module in (main_latent, main_latent_fp4):
             variants = variants + [dict(norm=False, rope=False)]           # the cast alone (CAST_ONLY)
         if module is flashmla:    # x as two inputs split at the quantized part; V32's norm over the latent only;
-            # no norm (NO_NORM: the engines' normalized latent)
+            # no norm (NO_NORM: the engines' normalized latent); no RoPE (NO_ROPE: vLLM's fp8_ds_mla write)
             variants = variants + [dict(neox=True, split="quant"), dict(neox=False, split="quant"),
                                    dict(neox=True, norm_dim="quant"), dict(neox=False, split="quant", norm_dim="quant"),
-                                   dict(neox=False, norm=False), dict(neox=True, split="quant", norm=False)]
+                                   dict(neox=False, norm=False), dict(neox=True, split="quant", norm=False),
+                                   dict(rope=False), dict(split="quant", norm=False, rope=False)]
         for i, variant in itertools.product(range(len(table)), variants):
             for k, fmt in enumerate(fmts):
                 if variant.get("norm_dim") and fmt.head_dim != 576:

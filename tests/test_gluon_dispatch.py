@@ -282,8 +282,8 @@ def test_plan_without_a_field_is_not(name):
     plan = plan_of(Case(n=5, **BASE_CASES[name]))
     assert module.eligible(plan)
     for field in ("weight", "positions", "kv_cache", "slot_mapping", "fmt", "addressing", "cast"):
-        if field == "weight" and name == "flashmla":
-            continue        # no norm is one of its chains (NO_NORM, test_gluon_flashmla.py)
+        if field in ("weight", "positions") and name == "flashmla":
+            continue        # no norm / no RoPE are among its chains (NO_NORM, NO_ROPE: test_gluon_flashmla.py)
         assert not module.eligible(recast(plan, **{field: None})), field
     if name != "flashmla":       # its cos/sin loads are masked by the position check: P = 0 is safe there
         assert not module.eligible(recast(plan, cos_sin=plan.cos_sin[:0]))         # P = 0: no row to load

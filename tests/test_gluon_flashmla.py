@@ -45,7 +45,7 @@ def test_padded_token_stride_is_eligible():
 @BOTH
 @pytest.mark.parametrize("change", [
     dict(out_stage="transform"), dict(out_stage="cast_back"), dict(out_stage="norm"),   # a stage copy
-    dict(norm_kind="layer"), dict(neox=False, rope_offset=0), dict(conjugate=True), dict(rotary_dim=32), dict(rope_offset=0), dict(rope=False),
+    dict(norm_kind="layer"), dict(neox=False, rope_offset=0), dict(conjugate=True), dict(rotary_dim=32), dict(rope_offset=0),
     dict(x_row_pad=1),                                                                    # odd x row stride
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_neighbour_chains_are_not(fmt, change):
@@ -127,7 +127,7 @@ def test_launch_parts_fill_every_parameter_in_order(fmt):
                                                      sm_count=132)
     assert len(args) == n_args
     # one input, the norm over the whole record: the input and norm constexprs left to the kernel's defaults
-    assert set(constexprs) == set(names[n_args:]) - {"SPLIT_X", "LATENT_NORM", "NO_NORM"}
+    assert set(constexprs) == set(names[n_args:]) - {"SPLIT_X", "LATENT_NORM", "NO_NORM", "NO_ROPE"}
     assert options["enable_fp_fusion"] is False and options["num_stages"] == 1
     fields = {a.field for a in args if isinstance(a, PlanTensor)}
     assert fields == TENSOR_FIELDS
@@ -205,7 +205,20 @@ def test_no_norm_is_eligible(fmt):
         assert fields == ("x", "x_tail" if "split" in kw else "x")
         assert check(plan.x, plan.x if plan.x_tail is None else plan.x_tail)
         assert not check(torch.zeros(8, dtype=torch.bfloat16)[1:], plan.x)
-    assert not G.eligible(plan_of(mla_case(fmt, norm=False, rope=False)))    # the RoPE stays required
+
+
+@BOTH
+def test_no_rope_is_eligible(fmt):
+    """No RoPE (vLLM's concat_and_cache_mla fp8_ds_mla: the cast alone; the context-parallel second pass):
+    NO_ROPE, with or without the norm, one input or two; positions and the cos/sin table are None."""
+    q = fmt.quant_dim
+    for kw in (dict(rope=False), dict(norm=False, rope=False, split=q), dict(rope=False, norm=False, x2d=True)):
+        plan = plan_of(mla_case(fmt, **kw))
+        assert G.eligible(plan), kw
+        _, args, constexprs, _ = G.launch_parts(plan, tensor_arg, 2, 1, False, ctas_per_sm=1, sm_count=8)
+        assert constexprs["NO_ROPE"] is True and constexprs.get("NO_NORM", False) == ("norm" in kw)
+        by_name = dict(zip(_kernel_params()[0], args))
+        assert by_name["pos_ptr"] is None and by_name["cs_ptr"] is None and by_name["P"] == 0
 
 
 def test_two_inputs_need_every_pointer_word_aligned():

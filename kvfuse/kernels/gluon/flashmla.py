@@ -108,6 +108,24 @@ if gluon is not None:
         return cos, sin
 
     @gluon.jit
+    def _row_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32: gl.constexpr, NO_ROPE: gl.constexpr):
+        """(positions, slots) of the rows; NO_ROPE: the slots only (returned as the positions too, unread)."""
+        if NO_ROPE:
+            slot = gl.load(slot_ptr + as_offset(rows, OFFSETS32) * s_slot, mask=rows < n_rows, other=-1)
+            return slot, slot
+        else:
+            return load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
+
+    @gluon.jit
+    def _row_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP: gl.constexpr, OFFSETS32: gl.constexpr,
+                     NEOX: gl.constexpr, NO_ROPE: gl.constexpr):
+        """_load_cos_sin, or nothing loaded with NO_ROPE (``pair_col`` stands in, unread)."""
+        if NO_ROPE:
+            return pair_col, pair_col
+        else:
+            return _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP, OFFSETS32, NEOX)
+
+    @gluon.jit
     def _rmsnorm(xw, xt, w_lo, w_hi, wt_lo, wt_hi, eps, R: gl.constexpr, LLANE: gl.constexpr,
                  QUANT_DIM: gl.constexpr, LATENT_NORM: gl.constexpr):
         """RMSNorm of the rows' words (pair in each word, the tree over the lane's 8 words, 5 shuffles):
@@ -147,12 +165,13 @@ if gluon is not None:
                     R: gl.constexpr, LLANE: gl.constexpr, LQ: gl.constexpr,
                     QUANT_DIM: gl.constexpr, GROUP: gl.constexpr, SF_FP32: gl.constexpr,
                     SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, OFFSETS32: gl.constexpr, NEOX: gl.constexpr,
-                    FLOOR_E: gl.constexpr, LATENT_NORM: gl.constexpr, NO_NORM: gl.constexpr):
+                    FLOOR_E: gl.constexpr, LATENT_NORM: gl.constexpr, NO_NORM: gl.constexpr,
+                    NO_ROPE: gl.constexpr):
         """RMSNorm -> RoPE (tail) -> UE8M0 / e4m3 -> the records of one tile of R rows whose loads are done.
         NEOX: pairs (j, 32 + j) of the tail; else GPT-J's (2 j, 2 j + 1), which is tail word j = l.
         LATENT_NORM (V32): the norm covers the QUANT_DIM quantized columns only; the tail words pass
         through it (wt_lo / wt_hi unread). NO_NORM: no norm, the words go on as they came (the weights
-        unread)."""
+        unread). NO_ROPE: no RoPE, the tail stored as the norm left it (cos, sin, pos unread)."""
         HEAD_DIM: gl.constexpr = QUANT_DIM + TAIL_DIM_C
         CODE_LANES: gl.constexpr = QUANT_DIM // 16                      # lanes owning quantized columns
         GROUP_LANES: gl.constexpr = GROUP // 16
@@ -164,28 +183,31 @@ if gluon is not None:
             yt = xt
         else:
             yw, yt = _rmsnorm(xw, xt, w_lo, w_hi, wt_lo, wt_hi, eps, R, LLANE, QUANT_DIM, LATENT_NORM)
-        if NEOX:
-            # ---- RoPE on the tail words: own word and the partner's (lane ^ 16)
-            partner = shfl_xor(yt, 16)
-            c0, c1 = gl.split(cos)
-            s0, s1 = gl.split(sin)
-            c0 = gl.convert_layout(c0, LLANE, assert_trivial=True)
-            c1 = gl.convert_layout(c1, LLANE, assert_trivial=True)
-            # first-half lanes rotate with -s: flipped as a bit (0 - s would turn -0 into +0)
-            s0 = (gl.convert_layout(s0, LLANE, assert_trivial=True).to(gl.int32, bitcast=True) ^ sin_flip).to(
-                gl.float32, bitcast=True)
-            s1 = (gl.convert_layout(s1, LLANE, assert_trivial=True).to(gl.int32, bitcast=True) ^ sin_flip).to(
-                gl.float32, bitcast=True)
-            rot = bf16x2((lo_f32(yt) * c0) + (lo_f32(partner) * s0), (hi_f32(yt) * c1) + (hi_f32(partner) * s1))
+        if NO_ROPE:
+            tail = yt
         else:
-            # ---- GPT-J: the lane's word is the pair (a, b) = (y_2l, y_2l+1); SPEC §2's products and sums
-            c, s = gl.split(cos)
-            c = gl.convert_layout(c, LLANE, assert_trivial=True)
-            s = gl.convert_layout(s, LLANE, assert_trivial=True)
-            a = lo_f32(yt)
-            b = hi_f32(yt)
-            rot = bf16x2((a * c) - (b * s), (a * s) + (b * c))
-        tail = gl.where(gl.expand_dims(pok, 1), rot, yt)
+            if NEOX:
+                # ---- RoPE on the tail words: own word and the partner's (lane ^ 16)
+                partner = shfl_xor(yt, 16)
+                c0, c1 = gl.split(cos)
+                s0, s1 = gl.split(sin)
+                c0 = gl.convert_layout(c0, LLANE, assert_trivial=True)
+                c1 = gl.convert_layout(c1, LLANE, assert_trivial=True)
+                # first-half lanes rotate with -s: flipped as a bit (0 - s would turn -0 into +0)
+                s0 = (gl.convert_layout(s0, LLANE, assert_trivial=True).to(gl.int32, bitcast=True) ^ sin_flip).to(
+                    gl.float32, bitcast=True)
+                s1 = (gl.convert_layout(s1, LLANE, assert_trivial=True).to(gl.int32, bitcast=True) ^ sin_flip).to(
+                    gl.float32, bitcast=True)
+                rot = bf16x2((lo_f32(yt) * c0) + (lo_f32(partner) * s0), (hi_f32(yt) * c1) + (hi_f32(partner) * s1))
+            else:
+                # ---- GPT-J: the lane's word is the pair (a, b) = (y_2l, y_2l+1); SPEC §2's products and sums
+                c, s = gl.split(cos)
+                c = gl.convert_layout(c, LLANE, assert_trivial=True)
+                s = gl.convert_layout(s, LLANE, assert_trivial=True)
+                a = lo_f32(yt)
+                b = hi_f32(yt)
+                rot = bf16x2((a * c) - (b * s), (a * s) + (b * c))
+            tail = gl.where(gl.expand_dims(pok, 1), rot, yt)
 
         # ---- UE8M0 scale per group of GROUP_LANES lanes: numerics.group_scales(SF_UE8M0(_FP32), FMAX=448)
         y_lo = lo_f32(yw)
@@ -245,7 +267,7 @@ if gluon is not None:
         W_BF16: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, ROWS_PER_WARP: gl.constexpr,
         PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr, NEOX: gl.constexpr, FLOOR_E: gl.constexpr,
         PDL: gl.constexpr, SPLIT_X: gl.constexpr = False, LATENT_NORM: gl.constexpr = False,
-        NO_NORM: gl.constexpr = False,
+        NO_NORM: gl.constexpr = False, NO_ROPE: gl.constexpr = False,
     ):
         """A program walks over the tiles pid, pid + num_programs, ... (R = ROWS_PER_WARP * num_warps
         rows each; warp w owns rows w * ROWS_PER_WARP ..). QUANT_DIM / GROUP / SF_FP32: the format
@@ -257,7 +279,8 @@ if gluon is not None:
         SPLIT_X: x_ptr holds the QUANT_DIM quantized columns and xt_ptr the tail (two inputs, one row).
         LATENT_NORM (V32): the RMSNorm covers the quantized columns only (weight [QUANT_DIM]); the tail
         goes into RoPE as it came. NO_NORM: no norm (w_ptr None; engines hand the latent normalized).
-        All three default off (a launch without them names none)."""
+        NO_ROPE: no RoPE (pos_ptr, cs_ptr None: vLLM's concat_and_cache_mla, the context-parallel second
+        pass). All four default off (a launch without them names none)."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = ROWS_PER_WARP * NW
         TAIL_WORD0: gl.constexpr = QUANT_DIM // 2                       # the tail's first word in x's row
@@ -320,21 +343,23 @@ if gluon is not None:
         num_tiles = gl.cdiv(n_rows, R)
         if PIPELINE:
             rows = pid * R + r_idx                                      # [R] int32 (n_rows < 2**30: host)
-            pos, slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
+            pos, slot = _row_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32, NO_ROPE)
             xw, xt = _load_x(x_ptr, sx_w, xt_ptr, sxt_w, rows, n_rows, word, lane, TAIL_WORD0, OFFSETS32, SPLIT_X)
-            cos, sin = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP, OFFSETS32, NEOX)
+            cos, sin = _row_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP, OFFSETS32, NEOX, NO_ROPE)
             for tile in range(pid, num_tiles, num_programs):
                 rows = tile * R + r_idx
                 next_rows = rows + num_programs * R
-                next_pos, next_slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, next_rows, n_rows, OFFSETS32)
+                next_pos, next_slot = _row_indices(pos_ptr, s_pos, slot_ptr, s_slot, next_rows, n_rows, OFFSETS32,
+                                                   NO_ROPE)
                 next_xw, next_xt = _load_x(x_ptr, sx_w, xt_ptr, sxt_w, next_rows, n_rows, word, lane, TAIL_WORD0,
                                            OFFSETS32, SPLIT_X)
                 _write_rows(xw, xt, cos, sin, pos, slot, rows, n_rows, w_lo, w_hi, wt_lo, wt_hi, sin_flip, eps, P,
                             cache_ptr, s_blk, data_tok, sf_tok, sf_off, tail_off, block_size, capacity, lane, qword,
                             R, LLANE, LQ, QUANT_DIM, GROUP, SF_FP32, SLOT32, LOG2_BLOCK, OFFSETS32, NEOX, FLOOR_E,
-                            LATENT_NORM, NO_NORM)
+                            LATENT_NORM, NO_NORM, NO_ROPE)
                 # the next positions arrived while this tile computed
-                cos, sin = _load_cos_sin(cs_ptr, s_cs, P, next_pos, next_rows, n_rows, pair_col, LP, OFFSETS32, NEOX)
+                cos, sin = _row_cos_sin(cs_ptr, s_cs, P, next_pos, next_rows, n_rows, pair_col, LP, OFFSETS32, NEOX,
+                                        NO_ROPE)
                 pos = next_pos
                 slot = next_slot
                 xw = next_xw
@@ -342,13 +367,13 @@ if gluon is not None:
         else:
             for tile in range(pid, num_tiles, num_programs):
                 rows = tile * R + r_idx
-                pos, slot = load_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32)
+                pos, slot = _row_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32, NO_ROPE)
                 xw, xt = _load_x(x_ptr, sx_w, xt_ptr, sxt_w, rows, n_rows, word, lane, TAIL_WORD0, OFFSETS32, SPLIT_X)
-                cos, sin = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP, OFFSETS32, NEOX)
+                cos, sin = _row_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP, OFFSETS32, NEOX, NO_ROPE)
                 _write_rows(xw, xt, cos, sin, pos, slot, rows, n_rows, w_lo, w_hi, wt_lo, wt_hi, sin_flip, eps, P,
                             cache_ptr, s_blk, data_tok, sf_tok, sf_off, tail_off, block_size, capacity, lane, qword,
                             R, LLANE, LQ, QUANT_DIM, GROUP, SF_FP32, SLOT32, LOG2_BLOCK, OFFSETS32, NEOX, FLOOR_E,
-                            LATENT_NORM, NO_NORM)
+                            LATENT_NORM, NO_NORM, NO_ROPE)
 
 
 # --------------------------------------------------------------------------- host side
@@ -394,20 +419,22 @@ def launch_parts(plan, tensor, num_warps: int, rows_per_warp: int, pipeline: boo
     xt = None if plan.x_tail is None else plan.x_tail[:, 0, :]
     T = tensor
     args = (T("x"), x.stride(0) // 2, None if plan.weight is None else T("weight"), float(plan.eps),
-            T("positions"), plan.positions.stride(0), T("cos_sin"), plan.cos_sin.stride(0), plan.cos_sin.shape[0],
+            *((None, 0, None, 0, 0) if plan.positions is None else
+              (T("positions"), plan.positions.stride(0), T("cos_sin"), plan.cos_sin.stride(0), plan.cos_sin.shape[0])),
             T("slot_mapping"), plan.slot_mapping.stride(0),
             T("kv_cache"), cache.stride(0), a.data_token_stride, a.sf_token_stride, a.sf_offset, a.tail_offset,
             block_size, capacity, n,
             *((None, None) if xt is None else (T("x_tail"), xt.stride(0) // 2)))
     # the largest offset each pointer is indexed with (rows up to one tile per program past n included)
+    rope = plan.positions is not None
     spans = ((n + 2 ** 20) * max(x.stride(0), 0 if xt is None else xt.stride(0)),
-             (n + 2 ** 20) * max(plan.positions.stride(0), plan.slot_mapping.stride(0)),
-             (plan.cos_sin.shape[0] + 1) * plan.cos_sin.stride(0), (cache.shape[0] + 1) * cache.stride(0))
+             (n + 2 ** 20) * max(plan.positions.stride(0) if rope else 0, plan.slot_mapping.stride(0)),
+             (plan.cos_sin.shape[0] + 1) * plan.cos_sin.stride(0) if rope else 0, (cache.shape[0] + 1) * cache.stride(0))
     constexprs = dict(format_constexprs(plan.fmt),
                       W_BF16=plan.weight is not None and plan.weight.dtype == torch.bfloat16,
                       SLOT32=capacity <= INT32_LIMIT, LOG2_BLOCK=log2_block(block_size),
                       ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline), OFFSETS32=max(spans) < INT32_LIMIT,
-                      NEOX=bool(plan.is_neox),
+                      NEOX=bool(plan.is_neox) if plan.positions is not None else True,
                       FLOOR_E=NO_FLOOR.value if plan.cast.floor_exp is None else plan.cast.floor_exp,
                       PDL=False, **input_constexprs(plan))
     options = compile_options(num_warps)
@@ -418,8 +445,8 @@ def launch_parts(plan, tensor, num_warps: int, rows_per_warp: int, pipeline: boo
 
 
 def input_constexprs(plan) -> dict:
-    """SPLIT_X (two inputs), LATENT_NORM (the norm over the quantized columns only) and NO_NORM where
-    they are on; off they are left to the kernel's defaults, so that a launch of one input and a
+    """SPLIT_X (two inputs), LATENT_NORM (the norm over the quantized columns only), NO_NORM and NO_ROPE
+    where they are on; off they are left to the kernel's defaults, so that a launch of one input and a
     whole-record norm is spelled as before they existed."""
     found = {}
     if plan.x_tail is not None:
@@ -428,6 +455,8 @@ def input_constexprs(plan) -> dict:
         found["NO_NORM"] = True
     elif plan.norm_dim != plan.head_dim:
         found["LATENT_NORM"] = True
+    if plan.positions is None:
+        found["NO_ROPE"] = True
     return found
 
 
@@ -454,7 +483,7 @@ MIN_ROWS_PDL = 1
 
 def eligible(plan) -> bool:
     """Whether a validated kvfuse.plans.types.Plan is exactly one of this kernel's chains: no norm or RMSNorm
-    (over the whole record, or for V32 over the 512 quantized columns only), NEOX or GPT-J RoPE
+    (over the whole record, or for V32 over the 512 quantized columns only), no RoPE or NEOX or GPT-J RoPE
     (not conjugate) on the 64 tail columns, no Hadamard, no stage copy, one head, x one input or two
     split at the quantized part (the quantized columns and the tail, each with an even row stride),
     a cache whose records are FLASHMLA_V32's or FLASHMLA_MODEL1's (any name: ``SUPPORTED_RECORDS``)
@@ -463,7 +492,7 @@ def eligible(plan) -> bool:
     cache pointer's alignment is part of the plan-cache key; x's and the weight's 4-byte alignment
     is checked per call, ``word_aligned``)."""
     x, cache, c, f, a = plan.x, plan.kv_cache, plan.cast, plan.fmt, plan.addressing
-    if cache is None or c is None or f is None or a is None or plan.positions is None:
+    if cache is None or c is None or f is None or a is None:
         return False
     if plan.weight is not None and plan.norm_kind != "rms":
         return False
@@ -488,7 +517,8 @@ def eligible(plan) -> bool:
         return False
     if x.shape[0] >= INT32_LIMIT // 2:
         return False
-    if (plan.rotary_dim, plan.rope_offset, plan.conjugate) != (ROTARY_DIM, quant_dim, False):
+    if plan.positions is not None and (plan.rotary_dim, plan.rope_offset, plan.conjugate) != (
+            ROTARY_DIM, quant_dim, False):
         return False
     if (c.cast_fmt, c.group, c.sf_format, plan.quant_dim) != (f.cast_fmt, f.elements_per_sf, f.sf_format, quant_dim):
         return False
@@ -500,8 +530,8 @@ def eligible(plan) -> bool:
     if any(v % 4 for v in word_addressed):
         return False
     w, cs = plan.weight, plan.cos_sin
-    return ((w is None or (w.dim() == 1 and w.stride(0) == 1)) and cs.dim() == 2 and cs.shape[1] == ROTARY_DIM
-            and cs.stride(1) == 1)
+    return ((w is None or (w.dim() == 1 and w.stride(0) == 1))
+            and (plan.positions is None or (cs.dim() == 2 and cs.shape[1] == ROTARY_DIM and cs.stride(1) == 1)))
 
 
 word_aligned = gluon_common.word_aligned      # x and the weight are read as 4-byte words
@@ -535,5 +565,5 @@ def plan_launch(plan, tensor, table=None) -> tuple:
     num_warps, rows_per_warp, pipeline = (table or launch_table)(plan.x.shape[0])
     grid, args, constexprs, options = launch_parts(plan, tensor, num_warps, rows_per_warp, pipeline)
     # the defaulted constexprs named too: kernels.launcher's direct launch takes every constexpr by name
-    defaults = {"SPLIT_X": False, "LATENT_NORM": False, "NO_NORM": False}
+    defaults = {"SPLIT_X": False, "LATENT_NORM": False, "NO_NORM": False, "NO_ROPE": False}
     return "mla_tail_kernel", grid, args, {**defaults, **constexprs, **options}, globals()
