@@ -171,7 +171,8 @@ def test_targets_section_recomputes_the_current_targets_from_the_runs_records():
            ("main_fp8_gptj", 262144, "fused", _at_pct("main_fp8_gptj", 262144, 90.0)),
            ("dsv4_main_fp4", 256, "fused", 2.0),
            ("dsv4_main_fp4", 262144, "fused", _at_pct("dsv4_main_fp4", 262144, 70.0)),
-           ("llama3_8b_fp8", 1, "fused", 1.5)]
+           ("llama3_8b_fp8", 1, "fused", 1.5),
+           ("dsv3_main_kv_c_k_pe", 1, "fused", 1.8), ("dsv3_main_kv_c_k_pe", 65536, "fused", 40.0)]
     report = make_report(pts, pdl=True)
     report["targets"] = [dict(target="main_fp8_gptj fused % copy at n=262144", status="MISS", value=90.0, op=">=",
                               threshold=95.0, detail="")]       # what an old run stored: not used
@@ -184,15 +185,19 @@ def test_targets_section_recomputes_the_current_targets_from_the_runs_records():
     assert "recomputed from this run" in targets and "reporting, not asserting" in targets
     assert 'docs/performance.md ("Targets")' in targets and "95" not in targets
     got = {r[0]: r[1:] for r in rows(targets) if r[0] != "workload"}
-    # columns: % of copy at 262144, x launch floor at 1 / 256, vs stage chain n <= 4096, at 65536
+    # columns: % of copy at 262144, x launch floor at 1 / 256, vs stage chain n <= 4096, at 65536, vs the engine
     assert ("| workload | % of copy at 262144 | x launch floor, n = 1 / 256 | vs stage chain, n <= 4096 | "
-            "vs stage chain, n = 65536 |") in targets
+            "vs stage chain, n = 65536 | vs the engine's kernel |") in targets
     # 1.1 us at n = 256 over the 0.87 us floor: 1.26x; 2.0 us: 2.30x
     assert got["`main_fp8_gptj`"] == ["90.0% (target 85%): met", f"{1.1 / 0.87:.2f}x at n=256: met",
-                                      "not measured", "not measured"]
+                                      "not measured", "not measured", ""]
+    # the engine's time (ENGINE_TIME_TARGETS: FlashInfer's MLA write, 1.95 us at 1, 36.29 at 65536): the worst ratio
+    from kvfuse.bench import ENGINE_TIME_TARGETS
+    times = ENGINE_TIME_TARGETS["dsv3_main_kv_c_k_pe"][1]
+    assert got["`dsv3_main_kv_c_k_pe`"][4] == f"{40.0 / times[65536]:.2f}x at n=65536: **missed**"
     assert got["`dsv4_main_fp4`"][:2] == ["70.0% (target 80%): **missed**", f"{2.0 / 0.87:.2f}x at n=256: **missed**"]
     assert got["`llama3_8b_fp8`"][:2] == ["", ""]                 # GQA: no % copy or floor target
-    assert "2 of the 4 measured targets met." in targets
+    assert "2 of the 6 measured targets met." in targets
     # a run without PDL: the launch-floor target needs one
     got = {r[0]: r[1:] for r in rows(section(benchmarks_md.render(make_report(pts)), "Targets"))}
     assert got["`main_fp8_gptj`"][:2] == ["90.0% (target 85%): met", "not measured (needs a --pdl run)"]

@@ -42,7 +42,7 @@ from .records import Record, add_speedups, build_report, finalize, write_json
 from .run import MAX_X_ELEMS, OUT_NAME, Config, measure_device, measure_point, measure_pdl_pairs, run_info, \
     run_on_device, run_suite, write_outputs
 from .tables import format_pdl_pairs, format_summary, format_table, plot_results
-from .targets import (FLOOR_KINDS, FLOOR_SIZES, FLOOR_TARGET, PCT_COPY_N, PCT_COPY_TARGET, PCT_COPY_TARGETS,
+from .targets import (ENGINE_TIME_TARGETS, FLOOR_KINDS, FLOOR_SIZES, FLOOR_TARGET, PCT_COPY_N, PCT_COPY_TARGET, PCT_COPY_TARGETS,
                       TARGET_KINDS, check_targets, format_targets, pct_copy_target)
 from .timing import CudaTimer, Timing, measure_copy_bandwidth, measure_launch_floor, recover_cuda
 from .workloads import (MAIN_FP8_NO_RESERVED, MAIN_FP8_PAGEWISE, MAIN_FP8_SECTOR_ALIGNED, RECORD_LAYOUTS, ROTARY_DIM,
@@ -60,7 +60,7 @@ __all__ = [
     "MAX_X_ELEMS", "OUT_NAME", "Config", "measure_device", "measure_point", "measure_pdl_pairs", "run_info",
     "run_on_device", "run_suite", "write_outputs",
     "format_pdl_pairs", "format_summary", "format_table", "plot_results",
-    "FLOOR_KINDS", "FLOOR_SIZES", "FLOOR_TARGET", "PCT_COPY_N", "PCT_COPY_TARGET", "PCT_COPY_TARGETS", "TARGET_KINDS",
+    "ENGINE_TIME_TARGETS", "FLOOR_KINDS", "FLOOR_SIZES", "FLOOR_TARGET", "PCT_COPY_N", "PCT_COPY_TARGET", "PCT_COPY_TARGETS", "TARGET_KINDS",
     "check_targets", "format_targets", "pct_copy_target",
     "CudaTimer", "Timing", "measure_copy_bandwidth", "measure_launch_floor", "recover_cuda",
     "MAIN_FP8_NO_RESERVED", "MAIN_FP8_PAGEWISE", "MAIN_FP8_SECTOR_ALIGNED", "RECORD_LAYOUTS", "ROTARY_DIM",

@@ -18,6 +18,13 @@ PCT_COPY_TARGETS = {("MAIN_FP8", "random"): 80.0, ("MAIN_FP4", None): 80.0}   # 
 FLOOR_SIZES = (1, 256)
 FLOOR_TARGET = 1.3
 FLOOR_KINDS = ("write", "q_pre", "index_q")
+# GPU us of an engine's kernel doing the same work at n tokens, from the latest committed side-by-side run
+# (benchmarks/results/2026-12-03_h200_peers_summary_table.md, NVIDIA H200): kvfuse's call, its norm included,
+# at or under the engine's time at every n (the worst ratio is the entry's value).
+ENGINE_TIME_TARGETS = {
+    "dsv3_main_kv_c_k_pe": ("FlashInfer 0.7.2 MLA rope_quantize_fp8_append_paged_kv_cache (no norm)",
+                            {1: 1.95, 256: 2.20, 4096: 3.24, 65536: 36.29}),
+}
 
 
 def pct_copy_target(fmt_name: str, slots: str) -> float:
@@ -26,7 +33,7 @@ def pct_copy_target(fmt_name: str, slots: str) -> float:
     return PCT_COPY_TARGETS.get((fmt_name, slots), PCT_COPY_TARGETS.get((fmt_name, None), PCT_COPY_TARGET))
 
 
-TARGET_KINDS = ("pct_copy", "floor", "stages", "stages_65536")     # an entry's "kind", in the order of each workload's
+TARGET_KINDS = ("pct_copy", "floor", "stages", "stages_65536", "engine")     # an entry's "kind", in the order of each workload's
 
 
 def check_targets(records: Sequence[Record], pdl: bool = True) -> List[dict]:
@@ -80,6 +87,12 @@ def check_targets(records: Sequence[Record], pdl: bool = True) -> List[dict]:
         r = ok.get((wl, 65536, "stages"))
         add(f"{wl} fused vs stage chain at n=65536", None if r is None else r.fused_speedup, ">=", 1.8,
             workload=wl, kind="stages_65536")
+        if wl in ENGINE_TIME_TARGETS:
+            engine, times = ENGINE_TIME_TARGETS[wl]
+            ratios = [(us / times[n], n) for n in times if (us := fused(wl, n, "gpu_us")) is not None]
+            worst = max(ratios) if ratios else (None, None)
+            add(f"{wl} fused GPU time / {engine} (worst over n in {sorted(times)})", worst[0], "<=", 1.0,
+                f"at n={worst[1]}" if ratios else "", workload=wl, kind="engine")
     return out
 
 
