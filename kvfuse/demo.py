@@ -758,7 +758,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, type=str.lower, choices=M.names(), metavar="NAME",
                    help="run a model configuration's call sites (kvfuse.models: " + ", ".join(M.names()) + ")")
     p.add_argument("--gqa", default=None, type=str.lower, choices=M.gqa_names(), metavar="NAME",
-                   help="the GQA page: bf16 vs fp8 per-tensor K/V caches of a GQA / MHA model (kvfuse.models: "
+                   help="the GQA page: bf16 vs fp8 per-tensor K/V caches of a GQA / MHA model and its numerics "
+                        "profiles' accuracy against fp64 (kvfuse.models: "
                         + ", ".join(M.gqa_names()) + "; default --n 512 on the CPU)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
