@@ -11,10 +11,11 @@ same call) and, for index formats, recall@k of the top-k scores with Q quantized
 takes K activations from a .pt / .safetensors file (which tensor each call site took, and how it
 was reshaped, is printed); ``--gqa NAME`` shows the GQA page (bf16 against fp8 per-tensor caches of
 :func:`kvfuse.fused_qk_norm_rope_store_kv`: bytes per token, read-back error with a calibrated scale
-and with 1.0; then each numerics profile's accuracy against an fp64 chain, :mod:`kvfuse.numerics_accuracy`,
-on the CPU reference backend). Outputs: the table, ``results.csv`` and ``kv_formats.png`` under ``--out``. CUDA when
-present, else the CPU reference chain (``TRITON_INTERPRET=1 kvfuse demo --backend triton`` runs the
-kernel in Triton's interpreter). The README's "Set-up" section describes a run.
+and with 1.0; then each numerics profile's accuracy against an fp64 chain,
+:mod:`kvfuse.numerics_accuracy`, on the CPU reference backend). Outputs: the table, ``results.csv`` and
+``kv_formats.png`` under ``--out``. CUDA when present, else the CPU reference chain
+(``TRITON_INTERPRET=1 kvfuse demo --backend triton`` runs the kernel in Triton's interpreter). The
+README's "Set-up" section describes a run.
 """
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ from kvfuse import formats as F
 from kvfuse import mla
 from kvfuse import models as M
 from kvfuse import reference as R
-from kvfuse.numerics_accuracy import profile_accuracy
 from kvfuse.args import CastArgs, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
+from kvfuse.numerics_accuracy import profile_accuracy
 from kvfuse.rope import cos_sin_cache
 
 EXTRA_HINT = "pip install 'kvfuse[demo]'"

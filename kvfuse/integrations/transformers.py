@@ -3,12 +3,13 @@
 transformers runs the QK-norm and RoPE inline in each attention module's forward, before ``cache.update``,
 so no public hook sees the raw projections. :func:`install` therefore replaces the forward of each
 attention module *instance* (no class is patched; :func:`uninstall` restores it) with one that applies
-kvfuse's numerics (the profile chosen at install: :mod:`kvfuse.numerics_profiles`); with a :class:`PagedCache` as the model's cache one
-:func:`kvfuse.fused_qk_norm_rope_store_kv` call per layer writes q (in place) and scatters K and V into
-NHD paged caches, and attention reads them back with :func:`kvfuse.load_gqa_kv_cache`. With any other
-cache (transformers' DynamicCache) the reference chain computes q and k and the cache stores them as
-transformers does: the same numerics, transformers' storage. The RoPE table is built from the model's
-own rotary embedding (inv_freq and attention_scaling, fp32). Guide: docs/integrations.md.
+kvfuse's numerics (the profile chosen at install: :mod:`kvfuse.numerics_profiles`); with a
+:class:`PagedCache` as the model's cache one :func:`kvfuse.fused_qk_norm_rope_store_kv` call per layer
+writes q (in place) and scatters K and V into NHD paged caches, and attention reads them back with
+:func:`kvfuse.load_gqa_kv_cache`. With any other cache (transformers' DynamicCache) the reference chain
+computes q and k and the cache stores them as transformers does: the same numerics, transformers'
+storage. The RoPE table is built from the model's own rotary embedding (inv_freq and attention_scaling,
+fp32). Guide: docs/integrations.md.
 """
 from __future__ import annotations
 
