@@ -11,9 +11,11 @@ same call) and, for index formats, recall@k of the top-k scores with Q quantized
 takes K activations from a .pt / .safetensors file (which tensor each call site took, and how it
 was reshaped, is printed); ``--gqa NAME`` shows the GQA page (bf16 against fp8 per-tensor caches of
 :func:`kvfuse.fused_qk_norm_rope_store_kv`: bytes per token, read-back error with a calibrated scale
-and with 1.0). Outputs: the table, ``results.csv`` and ``kv_formats.png`` under ``--out``. CUDA when
-present, else the CPU reference chain (``TRITON_INTERPRET=1 kvfuse demo --backend triton`` runs the
-kernel in Triton's interpreter). The README's "Set-up" section describes a run.
+and with 1.0; then each numerics profile's accuracy against an fp64 chain,
+:mod:`kvfuse.numerics_accuracy`, on the CPU reference backend). Outputs: the table, ``results.csv`` and
+``kv_formats.png`` under ``--out``. CUDA when present, else the CPU reference chain
+(``TRITON_INTERPRET=1 kvfuse demo --backend triton`` runs the kernel in Triton's interpreter). The
+README's "Set-up" section describes a run.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from kvfuse import mla
 from kvfuse import models as M
 from kvfuse import reference as R
 from kvfuse.args import CastArgs, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
+from kvfuse.numerics_accuracy import profile_accuracy
 from kvfuse.rope import cos_sin_cache
 
 EXTRA_HINT = "pip install 'kvfuse[demo]'"
@@ -671,14 +674,39 @@ def gqa_page(cfg: M.GQAConfig, n: int, block_size: int, seed: int, device) -> Li
     return rows
 
 
+def _ruled(head: str, lines) -> str:
+    """A table: its header, a rule as wide, its lines."""
+    return "\n".join([head, "-" * len(head), *lines])
+
+
 def format_gqa_table(rows: List[dict]) -> str:
     head = f"{'cache':<28} {'k_scale':>8} {'v_scale':>8} {'KV bytes/token/layer':>21} {'vs bf16':>8} " \
            f"{'K rel.err':>10} {'V rel.err':>10}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['cache']:<28} {r['k_scale']:>8} {r['v_scale']:>8} {r['kv bytes/token/layer']:>21} "
-                     f"{r['vs_bf16']:>8} {r['k_rel_err']:>10.2e} {r['v_rel_err']:>10.2e}")
-    return "\n".join(lines)
+    return _ruled(head, (f"{r['cache']:<28} {r['k_scale']:>8} {r['v_scale']:>8} {r['kv bytes/token/layer']:>21} "
+                         f"{r['vs_bf16']:>8} {r['k_rel_err']:>10.2e} {r['v_rel_err']:>10.2e}" for r in rows))
+
+
+ACCURACY_TOKENS = 256          # the profiles' accuracy: CPU reference chain, any --n and device
+
+
+def gqa_accuracy(cfg: M.GQAConfig, seed: int) -> List[dict]:
+    """One row per numerics profile (bf16 activations, :data:`ACCURACY_TOKENS` tokens): the shares of
+    q_out and k elements not correctly rounded from the fp64 chain, of fp8 codes other than e4m3(exact /
+    scale), and the max abs errors (fp8: the dequantized code)."""
+    rows = {}
+    for numerics, output, st in profile_accuracy(cfg, torch.bfloat16, ACCURACY_TOKENS, seed):
+        row = rows.setdefault(numerics, {"numerics": numerics})
+        row[f"{output} not rounded"], row[f"{output} max abs"] = st["not_rounded"], st["max_abs"]
+    return list(rows.values())
+
+
+def format_gqa_accuracy(rows: List[dict]) -> str:
+    head = f"{'numerics':<16} {'q_out not rounded':>17} {'k not rounded':>13} {'fp8 codes off':>13} " \
+           f"{'q_out max abs':>13} {'k max abs':>10} {'fp8 max abs':>11}"
+    return _ruled(head, (f"{r['numerics']:<16} {100 * r['q_out not rounded']:>16.3f}% "
+                         f"{100 * r['k not rounded']:>12.3f}% {100 * r['k fp8 not rounded']:>12.3f}% "
+                         f"{r['q_out max abs']:>13.3e} {r['k max abs']:>10.3e} {r['k fp8 max abs']:>11.3e}"
+                         for r in rows))
 
 
 def run_gqa(args, device) -> int:
@@ -696,6 +724,10 @@ def run_gqa(args, device) -> int:
           f"{'QK-norm, ' if cfg.qk_norm else ''}NEOX RoPE; {n} tokens, block_size {args.block_size}, device {device}, "
           f"backend {backend}")
     print(format_gqa_table(rows))
+    print(f"\nnumerics= profiles of fused_qk_norm_rope_store_kv against an fp64 chain (bf16 activations, "
+          f"{ACCURACY_TOKENS} tokens, CPU reference backend; 'not rounded': not the correctly rounded fp64 value; "
+          f"fp8 per-tensor scale amax / 448):")
+    print(format_gqa_accuracy(gqa_accuracy(cfg, args.seed)))
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, GQA_CSV_NAME)
     with open(path, "w", newline="") as f:
@@ -727,7 +759,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, type=str.lower, choices=M.names(), metavar="NAME",
                    help="run a model configuration's call sites (kvfuse.models: " + ", ".join(M.names()) + ")")
     p.add_argument("--gqa", default=None, type=str.lower, choices=M.gqa_names(), metavar="NAME",
-                   help="the GQA page: bf16 vs fp8 per-tensor K/V caches of a GQA / MHA model (kvfuse.models: "
+                   help="the GQA page: bf16 vs fp8 per-tensor K/V caches of a GQA / MHA model and its numerics "
+                        "profiles' accuracy against fp64 (kvfuse.models: "
                         + ", ".join(M.gqa_names()) + "; default --n 512 on the CPU)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p

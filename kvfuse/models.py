@@ -235,14 +235,15 @@ class GQAConfig:
         return cos_sin_cache(max_position, self.rotary_dim, self.rope_theta, device)
 
     def store_kv(self, qkv, k_cache, v_cache, slot_mapping, positions, cos_sin, q_norm_weight=None,
-                 k_norm_weight=None, k_scale=None, v_scale=None, layout="NHD", q_out=None):
+                 k_norm_weight=None, k_scale=None, v_scale=None, layout="NHD", q_out=None, numerics="staged"):
         """One layer's call: the packed projection qkv [n, qkv_width] -> q_out (returned), K and V into
-        the paged caches (see :func:`kvfuse.fused_qk_norm_rope_store_kv`)."""
+        the paged caches (see :func:`kvfuse.fused_qk_norm_rope_store_kv`; ``numerics``: its profile,
+        "staged", "fused" or "fused_fp32_cast", :mod:`kvfuse.numerics_profiles`)."""
         from .gqa import fused_qk_norm_rope_store_kv
         q, k, v = self.split_qkv(qkv)
         return fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, self.norm_args(q_norm_weight),
                                            self.norm_args(k_norm_weight), self.rope_args(positions, cos_sin),
-                                           k_scale, v_scale, layout, q_out)
+                                           k_scale, v_scale, layout, q_out, numerics=numerics)
 
 
 # Read in stored public snapshots: transformers' modeling_gemma3.py (Gemma3RMSNorm, Gemma3Attention,

@@ -8,6 +8,7 @@ import torch
 
 import kvfuse
 from kvfuse import models as M
+from kvfuse.numerics_profiles import NUMERICS
 from gqa_cases import GQACase, build
 
 FACTS = {  # name: (Q heads, KV heads, head_dim, QK-norm, eps, norm weight offset, rope_theta)
@@ -79,24 +80,52 @@ def test_gemma_weight_is_applied_as_the_model_does():
     assert torch.equal(got, ((xf * rstd) * (1.0 + w.float())).to(torch.bfloat16))
 
 
-def test_store_kv_is_one_call():
-    """GQAConfig.store_kv on a packed projection equals the public function on its views (a small
-    config with Qwen3's per-head norm and RoPE, so that the CPU test stays fast)."""
-    cfg = dataclasses.replace(M.QWEN3_8B, num_heads=4, num_kv_heads=2)
-    case = GQACase(fp8=True, layout="HND", seed=50)
+SMALL_QWEN3 = dataclasses.replace(M.QWEN3_8B, num_heads=4, num_kv_heads=2)   # Qwen3's norm and RoPE, fast on the CPU
+
+
+DEFAULT = object()
+
+
+def _store_kv(case: GQACase, numerics=DEFAULT):
+    """GQAConfig.store_kv of SMALL_QWEN3 on the packed projection of ``case`` (``numerics`` DEFAULT: not
+    passed): q_out and the caches' storages."""
+    kw, storages, inputs, _ = build(case)
+    rope = kw["rope_args"]
+    extra = {} if numerics is DEFAULT else {"numerics": numerics}
+    q_out = SMALL_QWEN3.store_kv(inputs[0][:, :SMALL_QWEN3.qkv_width], kw["k_cache"], kw["v_cache"],
+                                 kw["slot_mapping"], rope.positions, rope.cos_sin_cache, kw["q_norm_args"].weight,
+                                 kw["k_norm_args"].weight, kw["k_scale"], kw["v_scale"], layout=case.layout, **extra)
+    return q_out, storages
+
+
+@pytest.mark.parametrize("numerics", NUMERICS)
+def test_store_kv_is_one_call(numerics):
+    """GQAConfig.store_kv on a packed projection equals the public function on its views, with each
+    numerics profile passed through."""
+    case = GQACase(fp8=True, layout="HND", seed=50, numerics=numerics)
     kw1, storages1, inputs1, _ = build(case)
-    kw2, storages2, inputs2, _ = build(case)
-    qkv = inputs2[0][:, :cfg.qkv_width]
-    rope = kw1["rope_args"]
-    q_out = cfg.store_kv(qkv, kw2["k_cache"], kw2["v_cache"], kw2["slot_mapping"], rope.positions,
-                         rope.cos_sin_cache, kw1["q_norm_args"].weight, kw1["k_norm_args"].weight,
-                         kw2["k_scale"], kw2["v_scale"], layout="HND")
+    q_out, storages2 = _store_kv(case, numerics)
     kw1["q_norm_args"] = kvfuse.NormArgs(kw1["q_norm_args"].weight, 1e-6)
     kw1["k_norm_args"] = kvfuse.NormArgs(kw1["k_norm_args"].weight, 1e-6)
     want = kvfuse.fused_qk_norm_rope_store_kv(**kw1)
     assert torch.equal(q_out.view(torch.int16), want.view(torch.int16))
     for a, b in zip(storages1, storages2):
         assert torch.equal(a, b)
+
+
+def test_store_kv_numerics_default_and_errors():
+    """store_kv's default is "staged"; "fused" gives other bytes on this QK-norm model (so the argument
+    reaches the call); an unknown profile is a ValueError naming numerics."""
+    case = GQACase(fp8=True, layout="HND", seed=51)
+    default_q, default_caches = _store_kv(case)
+    staged_q, staged_caches = _store_kv(case, "staged")
+    fused_q, _ = _store_kv(case, "fused")
+    assert torch.equal(default_q.view(torch.int16), staged_q.view(torch.int16))
+    assert all(torch.equal(a, b) for a, b in zip(default_caches, staged_caches))
+    assert not torch.equal(fused_q.view(torch.int16), staged_q.view(torch.int16))
+    for bad in ("stage", None, 1):
+        with pytest.raises(ValueError, match="numerics must be one of"):
+            _store_kv(case, bad)
 
 
 def test_readme_gqa_snippet_runs():

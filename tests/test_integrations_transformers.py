@@ -138,6 +138,44 @@ def test_paged_cache_logits_equal_dynamic_cache(arch, backend, attn, batch):
     assert handed_out != list(range(len(handed_out)))           # shuffled: not blocks 0, 1, 2, ... in order
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "llama"])
+def test_numerics_profiles_paged_equal_dynamic(arch):
+    """install(model, numerics="fused"): the bf16 PagedCache run equals the DynamicCache run of the same
+    profile bit for bit; with a QK-norm the fused profile changes the logits (one rounding instead of
+    one per stage), without one (Llama) it gives staged's; the default is "staged"."""
+    model = tiny_model(arch)
+    runs = {}
+    for numerics in (None, "staged", "fused"):
+        with install(model, **({} if numerics is None else {"numerics": numerics})) as m:
+            runs[numerics] = generate(m, 2), generate(m, 2, PagedCache(m, 8, 4, block_shuffle_seed=3))
+        assert_equal_runs(*runs[numerics])
+    assert_equal_runs(runs[None][1], runs["staged"][1])
+    same = all(torch.equal(x, y) for x, y in zip(runs["staged"][1].logits, runs["fused"][1].logits))
+    assert same == (arch == "llama")
+
+
+def test_fused_fp32_cast_changes_only_the_fp8_cast():
+    """"fused" and "fused_fp32_cast" give the same bf16 paged run; with fp8 caches the second's cast reads
+    the fp32 k, so layer 0's K codes of the prompt (same inputs in both runs) differ in some elements,
+    and V (no norm, no RoPE) in none."""
+    model = tiny_model("qwen3")
+    bf16, fp8 = {}, {}
+    for numerics in ("fused", "fused_fp32_cast"):
+        with install(model, numerics=numerics):
+            bf16[numerics] = generate(model, 2, PagedCache(model, 8, 4))
+            fp8[numerics] = PagedCache(model, 8, 4, torch.float8_e4m3fn, 0.01, 0.01)
+            generate(model, 2, fp8[numerics])
+    assert_equal_runs(bf16["fused"], bf16["fused_fp32_cast"])
+    a, b = fp8["fused"].layers[0], fp8["fused_fp32_cast"].layers[0]
+    prompt_slots = fp8["fused"]._columns_host[:, :6]
+    slots = prompt_slots[prompt_slots >= 0]
+    k_a, k_b = (layer.k_cache.flatten(0, 1)[slots].view(torch.uint8) for layer in (a, b))
+    v_a, v_b = (layer.v_cache.flatten(0, 1)[slots].view(torch.uint8) for layer in (a, b))
+    assert torch.equal(v_a, v_b)
+    assert (k_a != k_b).any()
+    assert (k_a != k_b).float().mean() < 0.1          # one rounding of a few values, not another chain
+
+
 def test_prefill_forward_logits_and_key_value_equal_dynamic_cache():
     """A direct forward (prefill, then one decode step): the logits of every real token equal the
     DynamicCache run's, and key_value gives each sequence's K / V as the DynamicCache holds them."""
@@ -210,8 +248,9 @@ def test_install_uninstall_restores_the_model():
 
 def test_rejections():
     model = tiny_model("qwen3")
-    with pytest.raises(ValueError, match=r"numerics must be one of \('stage',\)"):
-        install(model, numerics="fast")
+    for bad in ("fast", "stage", None):
+        with pytest.raises(ValueError, match=r"numerics must be one of \('staged', 'fused', 'fused_fp32_cast'\)"):
+            install(model, numerics=bad)
     with pytest.raises(TypeError, match="install"):       # a PagedCache on a model without install()
         generate(model, 1, PagedCache(model, 8, 4))
     with pytest.raises(ValueError, match="k_scale"):

@@ -3,12 +3,13 @@
 transformers runs the QK-norm and RoPE inline in each attention module's forward, before ``cache.update``,
 so no public hook sees the raw projections. :func:`install` therefore replaces the forward of each
 attention module *instance* (no class is patched; :func:`uninstall` restores it) with one that applies
-kvfuse's numerics; with a :class:`PagedCache` as the model's cache one
-:func:`kvfuse.fused_qk_norm_rope_store_kv` call per layer writes q (in place) and scatters K and V into
-NHD paged caches, and attention reads them back with :func:`kvfuse.load_gqa_kv_cache`. With any other
-cache (transformers' DynamicCache) the reference chain computes q and k and the cache stores them as
-transformers does: the same numerics, transformers' storage. The RoPE table is built from the model's
-own rotary embedding (inv_freq and attention_scaling, fp32). Guide: docs/integrations.md.
+kvfuse's numerics (the profile chosen at install: :mod:`kvfuse.numerics_profiles`); with a
+:class:`PagedCache` as the model's cache one :func:`kvfuse.fused_qk_norm_rope_store_kv` call per layer
+writes q (in place) and scatters K and V into NHD paged caches, and attention reads them back with
+:func:`kvfuse.load_gqa_kv_cache`. With any other cache (transformers' DynamicCache) the reference chain
+computes q and k and the cache stores them as transformers does: the same numerics, transformers'
+storage. The RoPE table is built from the model's own rotary embedding (inv_freq and attention_scaling,
+fp32). Guide: docs/integrations.md.
 """
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..args import NormArgs, RopeArgs
 from ..gqa import fused_qk_norm_rope_store_kv, load_gqa_kv_cache
+from ..numerics_profiles import NUMERICS, profile
 from ..reference.chain import qk_norm_rope
 
 __all__ = ["install", "uninstall", "PagedCache", "NUMERICS", "SUPPORTED_ATTENTION"]
 
-NUMERICS = ("stage",)          # kvfuse's stage-rounded chain (SPEC §2): each stage rounds to bf16
 _DYNAMIC_ROPE = ("dynamic", "longrope")   # inv_freq recomputed from the sequence length at each forward
 
 
@@ -100,6 +101,7 @@ def _rope_table(rotary, layer_type, max_position: int) -> torch.Tensor:
 class _LayerSetup:
     kind: _AttentionKind
     cos_sin: torch.Tensor
+    numerics: str                # the profile of the q / k chain and the paged write
     saved_forward: object        # the instance's own forward attribute before install, or _NONE
 
 
@@ -124,19 +126,21 @@ class _Installation:
         return False
 
 
-def install(model: torch.nn.Module, numerics: str = "stage") -> _Installation:
+def install(model: torch.nn.Module, numerics: str = "staged") -> _Installation:
     """Run ``model``'s attention with kvfuse: QK-norm and RoPE with kvfuse's numerics on every layer, and with
     a :class:`PagedCache` as the cache one :func:`kvfuse.fused_qk_norm_rope_store_kv` call per layer.
 
     Replaces the forward of each attention module instance (Llama, Mistral, Qwen2, Qwen3, Gemma 3; see
     :data:`SUPPORTED_ATTENTION`) and adds a forward pre-hook to the base model that hands a PagedCache the
     2D attention mask (its pad tokens get slot -1). Returns a handle that is also a context manager
-    (``with install(model): ...`` uninstalls on exit). ``numerics``: one of :data:`NUMERICS`.
+    (``with install(model): ...`` uninstalls on exit). ``numerics``: the profile of
+    :func:`kvfuse.fused_qk_norm_rope_store_kv` (:data:`NUMERICS`: "staged", the default, rounds each stage
+    to bf16; "fused" rounds q and k once; "fused_fp32_cast" also has an fp8 cache's cast read the fp32
+    value), used for the paged write and for q / k with any other cache.
     Raises TypeError for an unsupported attention class or a model whose projections are not bf16,
     ValueError for an unknown ``numerics``, a dynamic RoPE type, or a model already installed.
     """
-    if numerics not in NUMERICS:
-        raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
+    profile(numerics)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if getattr(model, "_kvfuse_installation", None) is not None:
@@ -156,7 +160,8 @@ def install(model: torch.nn.Module, numerics: str = "stage") -> _Installation:
         if rotated != module.head_dim:
             raise TypeError(f"model: {type(module).__name__} rotates {rotated} of {module.head_dim} dims (partial "
                             f"rotary): not supported")
-        layers.append((module, _LayerSetup(kind, tables[layer_type], module.__dict__.get("forward", _NONE))))
+        layers.append((module, _LayerSetup(kind, tables[layer_type], numerics,
+                                           module.__dict__.get("forward", _NONE))))
     for module, setup in layers:
         module._kvfuse_setup = setup
         module.forward = types.MethodType(_attention_forward, module)
@@ -225,11 +230,13 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     k_norm = _norm_args(self.k_norm, kind.norm_weight_offset) if kind.qk_norm else None
     rope = RopeArgs(positions, setup.cos_sin, setup.cos_sin.shape[1], True, offset=0)
     if isinstance(cache, PagedCache):
-        keys, values = cache._write_and_read(self.layer_idx, q, k, v, q_norm, k_norm, rope, b, t)
+        keys, values = cache._write_and_read(self.layer_idx, q, k, v, q_norm, k_norm, rope, b, t, setup.numerics)
     else:
-        rot = dict(positions=positions, cos_sin=setup.cos_sin, rotary_dim=setup.cos_sin.shape[1], rope_offset=0)
-        q = qk_norm_rope(q, *((q_norm.weight, q_norm.eps) if q_norm else (None,)), **rot)
-        k = qk_norm_rope(k, *((k_norm.weight, k_norm.eps) if k_norm else (None,)), **rot)
+        rot = dict(positions=positions, cos_sin=setup.cos_sin, rotary_dim=setup.cos_sin.shape[1], rope_offset=0,
+                   numerics=setup.numerics)
+        # the fused profiles return fp32: one rounding to the activations' dtype
+        q = qk_norm_rope(q, *((q_norm.weight, q_norm.eps) if q_norm else (None,)), **rot).to(q.dtype)
+        k = qk_norm_rope(k, *((k_norm.weight, k_norm.eps) if k_norm else (None,)), **rot).to(k.dtype)
         keys, values = k.view(b, t, hkv, d).transpose(1, 2), v.view(b, t, hkv, d).transpose(1, 2)
         if cache is not None:
             keys, values = cache.update(keys, values, self.layer_idx, kwargs=kwargs)
@@ -404,7 +411,7 @@ class PagedCache(Cache):
         self._columns = self._columns_host.to(self.device)
         self._new_slots = slots.reshape(-1).to(self.device)
 
-    def _write_and_read(self, layer_idx, q, k, v, q_norm, k_norm, rope, rows, new):
+    def _write_and_read(self, layer_idx, q, k, v, q_norm, k_norm, rope, rows, new, numerics):
         """One layer: q in place, K / V into the caches (one fused call), then K and V of every column
         as [rows, Hkv, columns, D] for transformers' attention (zeros at pad columns: masked)."""
         layer = self.layers[layer_idx]
@@ -413,7 +420,7 @@ class PagedCache(Cache):
             raise RuntimeError("PagedCache: this forward's slots were not assigned: run the model (its base model's "
                                "forward, where install() hooks in), not a layer alone")
         fused_qk_norm_rope_store_kv(q, k, v, layer.k_cache, layer.v_cache, self._new_slots, q_norm, k_norm, rope,
-                                    self.k_scale, self.v_scale, "NHD", q_out=q)
+                                    self.k_scale, self.v_scale, "NHD", q_out=q, numerics=numerics)
         layer.length = total
         keys, values = load_gqa_kv_cache(layer.k_cache, layer.v_cache, self._columns.reshape(-1), "NHD",
                                          self.k_scale, self.v_scale)
