@@ -43,8 +43,9 @@ def fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_norm_
             to ``k_out`` and v is not read (it may be None; slot_mapping and the scales None too).
         slot_mapping: int32 / int64 [n]; slot s goes to block s // block_size, offset s % block_size;
             a slot < 0 or >= num_blocks * block_size writes nothing.
-        q_norm_args, k_norm_args: NormArgs (kind "rms", weight [D] bf16 / fp32 shared by the heads) or None.
-        rope_args: RopeArgs or None (offset None means 0 here: RoPE on the first rotary_dim dims).
+        q_norm_args, k_norm_args: NormArgs (kind "rms", weight [D] bf16 / fp16 / fp32 shared by the heads) or None.
+        rope_args: RopeArgs or None (offset None means 0 here: RoPE on the first rotary_dim dims; cos_sin_cache
+            fp32 / bf16 / fp16). Weights and table are read as fp32 (exact).
         k_scale, v_scale: fp32 tensors for float8_e4m3fn caches (None otherwise), each of one element or
             one per kv head ([Hkv], contiguous): the cache holds e4m3(clamp(f(x) / f(scale_h), -448, 448))
             for head h.

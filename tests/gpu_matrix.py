@@ -275,25 +275,27 @@ def matrix():
 GQA_VARIANTS = [
     dict(),                                                                     # NHD bf16 NEOX, both norms
     dict(layout="HND", fp8=True, neox=False),
-    dict(fp8=True, inplace=True, q_norm="fp32", k_norm="bf16", cs_bf16=True),
+    dict(fp8=True, inplace=True, q_norm="fp32", k_norm="bf16", cos_sin="bf16"),
     dict(layout="HND", conjugate=True, q_norm=None, packed=False, idx32=True),
-    dict(cache="vllm", fp8=True, rotary_dim=32, rope_offset=16, k_norm=None),
+    dict(cache="vllm", fp8=True, rotary_dim=32, rope_offset=16, q_norm="fp16", k_norm=None, cos_sin="fp16"),
     dict(cache="vllm", layout="HND", neox=False, rotary_dim=0, inplace=True, idx32=True),
     dict(q_out_none=True, fp8=True, slots="contiguous", block_size=16),
     dict(dv=64, fp8=True, layout="HND", q_norm=None, k_norm=None),
     dict(fp8=True, scale_per_head="kv"),                                        # one scale per kv head
     dict(fp8=True, layout="HND", neox=False, scale_per_head="k", idx32=True),
-    # activations' dtypes x numerics profiles (kvfuse.numerics_profiles), calls without caches
-    dict(dtype="fp16", fp8=True, numerics="fused"),
+    # activations' dtypes x numerics profiles (kvfuse.numerics_profiles), calls without caches, fp16 norm
+    # weights and cos / sin tables (as vLLM's fused_qk_norm_rope passes them with fp16 activations)
+    dict(dtype="fp16", fp8=True, numerics="fused", q_norm="fp16", k_norm="fp16", cos_sin="fp16"),
     dict(dtype="fp32", layout="HND", fp8=True, numerics="fused_fp32_cast", scale_per_head="kv"),
     dict(dtype="fp16", numerics="fused_fp32_cast", neox=False, cache="vllm"),
     dict(kv_cache=False, inplace=True, numerics="fused"),
-    dict(kv_cache=False, dtype="fp16", rotary_dim=32, rope_offset=16, neox=False),
+    dict(kv_cache=False, dtype="fp16", rotary_dim=32, rope_offset=16, neox=False, k_norm="fp16", cos_sin="fp16"),
 ]
 # head_dims that are not a multiple of 16 (the tile is their power of two): (d, n, features)
 GQA_ODD_HEAD_DIMS = [
     (120, 1, dict(fp8=True, rotary_dim=64)),
-    (120, 200, dict(dtype="fp16", numerics="fused")),
+    (120, 200, dict(dtype="fp16", numerics="fused", q_norm="fp16", k_norm="fp16",
+                    cos_sin="fp16")),
     (72, 3, dict(layout="HND", fp8=True, numerics="fused_fp32_cast", dv=40)),
     (8, 192, dict(rotary_dim=8, neox=False, kv_cache=False, inplace=True)),
 ]

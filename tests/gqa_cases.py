@@ -42,13 +42,13 @@ class GQACase:
     dv: Optional[int] = None             # None: d
     layout: str = "NHD"
     fp8: bool = False
-    q_norm: Optional[str] = "bf16"       # the weight's dtype ("bf16" / "fp32"), None: no q norm
+    q_norm: Optional[str] = "bf16"       # the weight's dtype ("bf16" / "fp16" / "fp32"), None: no q norm
     k_norm: Optional[str] = "fp32"
     rotary_dim: Optional[int] = None     # None: d (full rotary); 0: no RoPE
     rope_offset: Optional[int] = None    # None: the default (0)
     neox: bool = True
     conjugate: bool = False
-    cs_bf16: bool = False
+    cos_sin: str = "fp32"                # the cos / sin table's dtype: "fp32" / "bf16" / "fp16"
     inplace: bool = False                # q_out is q
     q_out_none: bool = False             # q_out=None: allocated by the call
     packed: bool = True                  # q, k, v views of one packed QKV buffer
@@ -154,14 +154,13 @@ def build(case: GQACase, device="cpu"):
         if kind is None:
             return None
         w = 1.0 + 0.2 * torch.randn(d, generator=g)
-        return kvfuse.NormArgs(w.to(torch.bfloat16 if kind == "bf16" else torch.float32).to(device),
-                               eps=1e-6 if kind == "bf16" else 1e-5)
+        return kvfuse.NormArgs(w.to(ACT_DTYPES[kind]).to(device), eps=1e-6 if kind == "bf16" else 1e-5)
 
     kw["q_norm_args"], kw["k_norm_args"] = weight(case.q_norm), weight(case.k_norm)
     if case.rdim:
         pos = torch.randint(0, MAX_POS, (n,), generator=g)
         pos[2::4] = torch.tensor([-1, MAX_POS, MAX_POS + 9]).repeat(n)[: pos[2::4].numel()]   # identity rotations
-        cs = cos_sin_cache(MAX_POS, case.rdim, torch.bfloat16 if case.cs_bf16 else torch.float32)
+        cs = cos_sin_cache(MAX_POS, case.rdim, ACT_DTYPES[case.cos_sin])
         kw["rope_args"] = kvfuse.RopeArgs(pos.to(idx).to(device), cs.to(device), case.rdim, case.neox,
                                           case.rope_offset, case.conjugate)
     if case.fp8:

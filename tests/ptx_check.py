@@ -133,6 +133,10 @@ def gqa_variants():
         {**ptrs, "kc_ptr": "*bf16", "vc_ptr": "*bf16", "kw_ptr": "*fp32", "cs_ptr": "*bf16"}
     yield "gqa_fp8_d256_partial_rotary", {**base, "D": 256, "BLOCK_D": 256, "LOG2_BLOCK_D": 8, "DV": 256,
                                           "BLOCK_DV": 256, "BLOCK_M": 4, "R": 64, "ROPE_OFF": 32, "HALVES": False}, ptrs
+    fp16 = {name: "*fp16" for name in ("q_ptr", "k_ptr", "v_ptr", "qo_ptr", "kc_ptr", "vc_ptr")}
+    yield "gqa_fp16_no_cache_fp16_weights_cos_sin", {**base, "BLOCK_M": 2, "G": 2, "FP8": False, "QW_BF16": False,
+                                                     "KW_BF16": False, "ACT": 1, "NUMERICS": 1, "KV_CACHE": False}, \
+        {**fp16, "qw_ptr": "*fp16", "kw_ptr": "*fp16", "cs_ptr": "*fp16"}
 
 
 def grouped_variants():

@@ -277,6 +277,23 @@ def test_fused_qk_norm_rope(backend, dtype, is_neox, rotary_ratio, cs_dtype):
                 _within_vllm_tolerance_or_closer(got, x, w, eps, cos, sin, rotary_dim, is_neox, tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fused_qk_norm_rope_hands_weights_and_table_over_uncopied(monkeypatch, dtype):
+    """The weights and cos_sin_cache reach kvfuse's GQA entry as the tensors vLLM gave (fp16 ones too: the
+    entry reads them as fp32 itself), so a call makes no copy of them."""
+    seen = {}
+
+    def gqa_entry(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, **kw):
+        seen.update(q_weight=q_norm_args.weight, k_weight=k_norm_args.weight, table=rope_args.cos_sin_cache)
+
+    monkeypatch.setattr(vllm, "fused_qk_norm_rope_store_kv", gqa_entry)
+    qkv = torch.zeros(2, 6 * 64, dtype=dtype)
+    q_weight, k_weight = torch.ones(64, dtype=dtype), torch.full((64,), 2.0, dtype=dtype)
+    table = torch.ones(16, 32, dtype=torch.float16)
+    vllm.fused_qk_norm_rope(qkv, 4, 1, 1, 64, 1e-6, q_weight, k_weight, table, True, torch.tensor([1, 5]))
+    assert seen["q_weight"] is q_weight and seen["k_weight"] is k_weight and seen["table"] is table
+
+
 def test_fused_qk_norm_rope_fused_is_closer_than_staged():
     """The reason for the fused profile: against an fp64 chain, vLLM's semantics (one rounding) err less than
     kvfuse's staged chain on the same inputs (bf16, vLLM's test's shapes)."""

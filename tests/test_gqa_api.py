@@ -121,6 +121,9 @@ def _bad_calls():
          "q_norm_args.weight: expected shape (128,)"),
         ("norm eps", lambda kw: kw.update(q_norm_args=kvfuse.NormArgs(torch.ones(d), eps=0.0)), ValueError,
          "q_norm_args.eps must be"),
+        ("norm weight fp64", lambda kw: kw.update(k_norm_args=kvfuse.NormArgs(torch.ones(d, dtype=torch.float64))),
+         TypeError, "k_norm_args.weight: expected dtype torch.bfloat16 or torch.float16 or torch.float32, got "
+                    "torch.float64"),
         ("rope type", lambda kw: kw.update(rope_args=3), TypeError, "rope_args must be a RopeArgs"),
         ("rotary odd", lambda kw: kw.update(rope_args=rope(rotary_dim=7, cos_sin_cache=cos_sin_cache(8, 6))),
          ValueError, "rope_args.rotary_dim must be an even int"),
@@ -132,6 +135,9 @@ def _bad_calls():
          "rope_args.positions: expected shape (5,)"),
         ("cos_sin width", lambda kw: kw.update(rope_args=rope(cos_sin_cache=cos_sin_cache(8, 64))), ValueError,
          "rope_args.cos_sin_cache: expected shape"),
+        ("cos_sin fp64", lambda kw: kw.update(rope_args=rope(cos_sin_cache=cos_sin_cache(8, d, torch.float64))),
+         TypeError, "rope_args.cos_sin_cache: expected dtype torch.float32 or torch.bfloat16 or torch.float16, "
+                    "got torch.float64"),
         ("q_out shape", lambda kw: kw.update(q_out=torch.zeros(n, 4, 64, dtype=torch.bfloat16)), ValueError,
          "q_out: expected shape (5, 4, 128)"),
         ("q_out dtype", lambda kw: kw.update(q_out=torch.zeros(n, 4, d)), TypeError, "q_out: expected dtype"),

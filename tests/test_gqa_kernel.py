@@ -26,7 +26,7 @@ CASES = {
     "partial_rotary_gptj_default_offset": GQACase(rotary_dim=32, neox=False, fp8=True, seed=6),
     "no_norms": GQACase(q_norm=None, k_norm=None, seed=7),
     "q_norm_only_no_rope": GQACase(k_norm=None, rotary_dim=0, layout="HND", seed=8),
-    "k_norm_only_bf16_cos_sin": GQACase(q_norm=None, k_norm="bf16", cs_bf16=True, seed=9),
+    "k_norm_only_bf16_cos_sin": GQACase(q_norm=None, k_norm="bf16", cos_sin="bf16", seed=9),
     "inplace_fp8": GQACase(inplace=True, fp8=True, seed=10),
     "inplace_gptj_hnd": GQACase(inplace=True, neox=False, layout="HND", seed=11),
     "q_out_allocated": GQACase(q_out_none=True, seed=12),

@@ -5,8 +5,12 @@ kvfuse/numerics_profiles.py), on both backends (the reference chain and qkv.py i
   operation, the adjacent-pairs tree, IEEE division and sqrt), for every row of a small call;
 * the interpreter equals the reference byte for byte over whole storages for the new features: fp16 /
   fp32 activations and caches, head_dim 8 / 72 / 120, the fused profiles, calls without caches (k in place);
-* the GPU matrix's GQA section (tests/gpu_matrix.py) reaches every value of the new constexprs.
+* fp16 norm weights and cos / sin tables give the bytes of the call with them widened to fp32;
+* the GPU matrix's GQA section (tests/gpu_matrix.py) reaches every value of the new constexprs and
+  every weight / table dtype.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -152,6 +156,10 @@ CASES = {
     "no_cache_inplace_fused": GQACase(kv_cache=False, inplace=True, numerics="fused", seed=63),
     "no_cache_k_out_fp16_gptj": GQACase(kv_cache=False, dtype="fp16", neox=False, rotary_dim=64, seed=64),
     "no_cache_d120_fp32": GQACase(kv_cache=False, d=120, dtype="fp32", packed=False, seed=65),
+    "fp16_weights_fp16_cos_sin_fused": GQACase(dtype="fp16", numerics="fused", q_norm="fp16", k_norm="fp16",
+                                               cos_sin="fp16", fp8=True, seed=70),
+    "bf16_fp16_q_weight_fp16_cos_sin_rows": GQACase(q_norm="fp16", cos_sin="fp16", rotary_dim=64, neox=False,
+                                                    layout="HND", seed=71),
 }
 
 
@@ -189,6 +197,48 @@ def test_no_cache_k_equals_cache_write():
     assert torch.equal(q_out.view(torch.int16), kw["q_out"].view(torch.int16))
 
 
+# --------------------------------------------------------------------------- fp16 weights and tables
+def _widened_to_fp32(kw):
+    """The call's keyword arguments with the norm weights and the cos / sin table as fp32 (exact copies)."""
+    out = dict(kw)
+    for name in ("q_norm_args", "k_norm_args"):
+        if kw[name] is not None:
+            out[name] = dataclasses.replace(kw[name], weight=kw[name].weight.float())
+    if kw.get("rope_args") is not None:
+        out["rope_args"] = dataclasses.replace(kw["rope_args"], cos_sin_cache=kw["rope_args"].cos_sin_cache.float())
+    return out
+
+
+def _call_widened(**kw):
+    result = kvfuse.fused_qk_norm_rope_store_kv(**_widened_to_fp32(kw))
+    return result if kw["k_cache"] is not None else result[0]
+
+
+FP16_TABLE_CASES = {
+    "fp16_act_fused_fp8_halves": GQACase(n=6, hq=4, hkv=2, dtype="fp16", numerics="fused", q_norm="fp16",
+                                         k_norm="fp16", cos_sin="fp16", fp8=True, seed=72),
+    "bf16_staged_gptj_partial_hnd": GQACase(n=6, hq=4, hkv=2, q_norm="fp16", k_norm="fp32", cos_sin="fp16",
+                                            rotary_dim=64, rope_offset=32, neox=False, layout="HND", seed=73),
+    "fp32_no_cache_rows": GQACase(n=6, hq=4, hkv=2, d=120, rotary_dim=64, dtype="fp32", q_norm="bf16",
+                                  k_norm="fp16", cos_sin="fp16", kv_cache=False, seed=74),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(FP16_TABLE_CASES))
+def test_fp16_weights_and_cos_sin_equal_them_widened_to_fp32(name, backend):
+    """fp16 norm weights and an fp16 cos / sin table give the bytes of the same call with them widened to
+    fp32 first (fp16 -> fp32 is exact; SPEC §2 reads them as fp32)."""
+    case = FP16_TABLE_CASES[name]
+    kw, _, _, _ = build(case)
+    fp16 = [t for t in (kw["q_norm_args"], kw["k_norm_args"]) if t is not None and t.weight.dtype == torch.float16]
+    assert fp16 and kw["rope_args"].cos_sin_cache.dtype == torch.float16
+    given = run_gqa_case(case, backend)
+    widened = run_gqa_case(case, backend, fn=_call_widened)
+    report = diff_report(given, widened)
+    assert not report, f"{case.describe()}: {report}"
+
+
 # --------------------------------------------------------------------------- the GPU matrix's cover
 def test_gpu_matrix_reaches_every_new_constexpr():
     import gpu_matrix as M
@@ -199,3 +249,6 @@ def test_gpu_matrix_reaches_every_new_constexpr():
     assert any(not c.kv_cache for c in cases)
     assert {c.d % 16 for c in cases} >= {0, 8}
     assert any(c.d < 16 for c in cases)
+    assert {c.q_norm for c in cases} >= {"bf16", "fp16", "fp32"}
+    assert {c.k_norm for c in cases} >= {"bf16", "fp16", "fp32"}
+    assert {c.cos_sin for c in cases if c.rdim} == {"fp32", "bf16", "fp16"}

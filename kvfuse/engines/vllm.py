@@ -151,8 +151,8 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
 
     Numerics "fused" (SPEC §2): fp32 from the norm's input through RoPE, one rounding to qkv's dtype, each
     fp32 operation rounded on its own (kvfuse's order, so not vLLM kernel's bits: its warp-shuffle sum and
-    rsqrtf differ in the last bits; docs/engines.md). One launch. fp16 weights and an fp16 cos_sin_cache
-    are widened to fp32 (exact) first, one small copy each. num_heads_q must be a multiple of num_heads_k;
+    rsqrtf differ in the last bits; docs/engines.md). One launch, no copies: the weights and the table go to
+    the kernel as they are (each read as fp32, exact). num_heads_q must be a multiple of num_heads_k;
     a position outside [0, max_position) leaves the token's rotation out (vLLM reads past the table).
     """
     _activations(qkv, "qkv", 2, (torch.bfloat16, torch.float16))
@@ -165,12 +165,10 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
     if qkv.shape[1] != (hq + hk + num_heads_v) * d:
         raise ValueError(f"qkv: expected {(hq + hk + num_heads_v) * d} columns ((num_heads_q + num_heads_k + "
                          f"num_heads_v) * head_dim), got shape {tuple(qkv.shape)}")
-    weights = []
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         _checks.tensor(w, name)
         if w.dtype != qkv.dtype:
             raise TypeError(f"{name}: expected qkv's dtype {qkv.dtype}, got {w.dtype}")
-        weights.append(w.float() if w.dtype == torch.float16 else w)
     _checks.tensor(cos_sin_cache, "cos_sin_cache")
     if cos_sin_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"cos_sin_cache: expected dtype torch.float32, torch.float16 or torch.bfloat16, got "
@@ -181,7 +179,6 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
         raise ValueError(f"cos_sin_cache: its rotary_dim (size(1)) must be even and in (0, head_dim={head_dim}], "
                          f"got {rotary_dim}")
-    cs = cos_sin_cache.float() if cos_sin_cache.dtype == torch.float16 else cos_sin_cache
     _checks.tensor(position_ids, "position_ids")
     if position_ids.dtype != torch.int64:
         raise TypeError(f"position_ids: expected dtype torch.int64, got {position_ids.dtype}")
@@ -191,8 +188,8 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
     k = qkv[:, hq * d:(hq + hk) * d].unflatten(1, (hk, d))
     with _checks.engine_names(_QK_NORM_ROPE_NAMES):
         fused_qk_norm_rope_store_kv(
-            q, k, None, None, None, None, NormArgs(weights[0], eps=eps), NormArgs(weights[1], eps=eps),
-            RopeArgs(position_ids, cs, rotary_dim, is_neox, offset=0), q_out=q, numerics="fused",
+            q, k, None, None, None, None, NormArgs(q_weight, eps=eps), NormArgs(k_weight, eps=eps),
+            RopeArgs(position_ids, cos_sin_cache, rotary_dim, is_neox, offset=0), q_out=q, numerics="fused",
             k_out=k)
 
 

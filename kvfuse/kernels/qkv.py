@@ -15,7 +15,9 @@ reciprocal) is loaded once for them:
 
 ACT (bf16 / fp16 / fp32 activations) and NUMERICS (the profile: where values are rounded to ACT) come
 from kvfuse.numerics_profiles; their defaults (bf16, "staged") compile to the same code as before they
-existed.
+existed. The norm weights and the cos / sin table are read as fp32 (exact): bf16 by its bits
+(QW_BF16 / KW_BF16 / CS_BF16), fp16 and fp32 by their pointers' element type, which the compiled
+kernel's signature holds (an fp16 table is its own compile, the others' code unchanged).
 
 A q / k row with NEOX RoPE over all of it goes as its two halves (a pair in one thread); any other as
 [BLOCK_D / VEC, VEC] with each rotated element's partner reloaded. The norm's adjacent-pairs tree, the
@@ -425,8 +427,8 @@ def qkv_kernel(
     k_ptr, sk_n, sk_h,                      # k bf16 [n, HKV, D]
     v_ptr, sv_n, sv_h,                      # v bf16 [n, HKV, DV]
     qo_ptr, so_n, so_h,                     # q_out bf16 [n, HQ, D] (may be q)
-    qw_ptr, q_eps, kw_ptr, k_eps,           # q / k norm weights [D] (bf16 or fp32)
-    pos_ptr, s_pos, cs_ptr, s_cs, P,        # positions [n]; cos_sin [P, R]
+    qw_ptr, q_eps, kw_ptr, k_eps,           # q / k norm weights [D] (bf16, fp16 or fp32)
+    pos_ptr, s_pos, cs_ptr, s_cs, P,        # positions [n]; cos_sin [P, R] (fp32, bf16 or fp16)
     slot_ptr, s_slot,                       # slot_mapping [n]
     kc_ptr, kc_blk, kc_tok, kc_head,        # k_cache: bf16, or uint8 (e4m3 codes); strides in elements
     vc_ptr, vc_blk, vc_tok, vc_head,        # v_cache: the same, last dim DV

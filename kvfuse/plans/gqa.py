@@ -14,6 +14,8 @@ from .types import GQA_LAYOUTS, GQAPlan
 
 # an unquantized cache holds the activations' dtype
 CACHE_DTYPES = ACTIVATION_DTYPES + (torch.float8_e4m3fn,)
+# the cos / sin table: every one read as fp32 exactly (the fused entry point's Gluon paths take fp32 / bf16)
+COS_SIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_heads(t, name, dev, n=None, min_heads=1, dtypes=ACTIVATION_DTYPES):
@@ -125,7 +127,7 @@ def validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_a
     plan.q_weight, plan.q_eps = check_rms_norm(q_norm_args, "q_norm_args", d, dev)
     plan.k_weight, plan.k_eps = check_rms_norm(k_norm_args, "k_norm_args", d, dev)
     if rope_args is not None:
-        r, off = check_rope_args(rope_args, d, n, dev, offset_default_tail=False)
+        r, off = check_rope_args(rope_args, d, n, dev, offset_default_tail=False, table_dtypes=COS_SIN_DTYPES)
         cs = rope_args.cos_sin_cache
         plan.positions, plan.cos_sin, plan.rotary_dim, plan.rope_offset = rope_args.positions, cs, r, off
         plan.is_neox, plan.conjugate = rope_args.is_neox, rope_args.conjugate

@@ -34,10 +34,11 @@ def check_tensor(t, name, dtypes, device, shape=None, last_contiguous=True):
         raise ValueError(f"{name}: expected stride(-1) == 1, got {t.stride(-1)}")
 
 
-def check_rope_args(rope_args, head_dim: int, n: int, dev, offset_default_tail: bool = True) -> tuple:
+def check_rope_args(rope_args, head_dim: int, n: int, dev, offset_default_tail: bool = True,
+                    table_dtypes=(torch.float32, torch.bfloat16)) -> tuple:
     """(rotary_dim, offset) of a valid RopeArgs for rows of ``head_dim`` (offset None: the tail, or 0
-    when not ``offset_default_tail``); TypeError / ValueError naming the field otherwise. Shared by the
-    fused entry point and fused_qk_norm_rope_store_kv."""
+    when not ``offset_default_tail``; cos_sin_cache of one of ``table_dtypes``); TypeError / ValueError
+    naming the field otherwise. Shared by the fused entry point and fused_qk_norm_rope_store_kv."""
     if not isinstance(rope_args, RopeArgs):
         raise TypeError(f"rope_args must be a RopeArgs or None, got {type(rope_args).__name__}")
     D = head_dim
@@ -53,7 +54,7 @@ def check_rope_args(rope_args, head_dim: int, n: int, dev, offset_default_tail: 
             raise TypeError(f"rope_args.{flag} must be a bool, got {type(getattr(rope_args, flag)).__name__}")
     check_index_vector(rope_args.positions, "rope_args.positions", n, dev)
     cs = rope_args.cos_sin_cache
-    check_tensor(cs, "rope_args.cos_sin_cache", (torch.float32, torch.bfloat16), dev)
+    check_tensor(cs, "rope_args.cos_sin_cache", table_dtypes, dev)
     if cs.dim() != 2 or cs.shape[1] != r:
         raise ValueError(f"rope_args.cos_sin_cache: expected shape [max_position, rotary_dim={r}], "
                          f"got {tuple(cs.shape)}")
@@ -94,7 +95,8 @@ def infer_layout(kv_cache: torch.Tensor, cast_args) -> KVCacheFormat:
 
 
 def check_rms_norm(args, name, D, dev):
-    """(weight, eps) of a QK-norm's NormArgs (an RMSNorm without bias), (None, 1e-6) for None."""
+    """(weight, eps) of a QK-norm's NormArgs (an RMSNorm without bias; weight bf16, fp16 or fp32: all read
+    as fp32 exactly), (None, 1e-6) for None."""
     if args is None:
         return None, 1e-6
     if not isinstance(args, NormArgs):
@@ -103,7 +105,7 @@ def check_rms_norm(args, name, D, dev):
         raise ValueError(f"{name}.kind must be 'rms' (the QK-norm is an RMSNorm), got {args.kind!r}")
     if args.bias is not None:
         raise ValueError(f"{name}.bias must be None (RMSNorm has no bias)")
-    check_tensor(args.weight, f"{name}.weight", (torch.bfloat16, torch.float32), dev, shape=(D,))
+    check_tensor(args.weight, f"{name}.weight", (torch.bfloat16, torch.float16, torch.float32), dev, shape=(D,))
     if not is_real(args.eps) or args.eps <= 0:
         raise ValueError(f"{name}.eps must be a finite number > 0, got {args.eps!r}")
     return args.weight, float(args.eps)
