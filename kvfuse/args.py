@@ -22,7 +22,8 @@ class NormArgs:
     ``y = bf16(((d * rstd) * w) + b)``, ``rstd = 1 / sqrt(mean(d^2) + eps)``; without a bias the
     ``+ b`` is left out. Sums use the adjacent-pairs tree.
 
-    weight (and bias): [k], 1 <= k <= head_dim, bf16 or fp32, contiguous: the norm covers the first k
+    weight (and bias): [k], 1 <= k <= head_dim, bf16 or fp32 (fp16 too for the GQA entry, which takes
+    [head_dim] only), contiguous: the norm covers the first k
     dims, the others pass through it unchanged (k = head_dim: the whole row). eps: a finite float > 0
     (used as fp32). bias: only with kind "layer".
     """
@@ -38,7 +39,7 @@ class RopeArgs:
 
     positions: int32/int64 [n], one per token (shared by its heads); a position outside
     [0, max_position) rotates by the identity. cos_sin_cache: [max_position, rotary_dim] fp32
-    (bf16 accepted), cos in the first rotary_dim/2 columns, sin in the last; last dim contiguous.
+    (bf16 accepted; fp16 too for the GQA entry), cos in the first rotary_dim/2 columns, sin in the last; last dim contiguous.
     is_neox: pairs (offset + j, offset + half + j); else interleaved pairs (offset + 2j, offset + 2j + 1).
     offset: defaults to head_dim - rotary_dim (the tail). conjugate: rotate by -angle.
     """
