@@ -161,7 +161,7 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
         if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "num_heads_v" else 1):
             raise ValueError(f"{name}: expected a positive int, got {v!r}")
     _head_size8(head_dim, "head_dim")
-    n, hq, hk, d = qkv.shape[0], num_heads_q, num_heads_k, head_dim
+    hq, hk, d = num_heads_q, num_heads_k, head_dim
     if qkv.shape[1] != (hq + hk + num_heads_v) * d:
         raise ValueError(f"qkv: expected {(hq + hk + num_heads_v) * d} columns ((num_heads_q + num_heads_k + "
                          f"num_heads_v) * head_dim), got shape {tuple(qkv.shape)}")
