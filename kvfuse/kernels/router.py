@@ -161,12 +161,8 @@ def fast_path(plan: Plan, pdl: bool = False):
         modules = modules if choice.only is None else choice.only
         min_rows = choice.min_rows
     rows = plan.x.shape[0] * plan.x.shape[1]
-    # two inputs or a norm over the leading dims: only the paths that say they read them
-    plain_x = plan.x_tail is None and plan.norm_dim in (0, plan.head_dim)
     for module in modules:
         least = min_rows if min_rows is not None else module.MIN_ROWS_PDL if pdl else module.MIN_ROWS
-        if not (plain_x or getattr(module, "SPLIT_X_AND_LEADING_NORM", False)):
-            continue
         if rows >= least and module.eligible(plan):
             return module
     return None

@@ -59,6 +59,12 @@ def word_aligned(x, weight) -> bool:
     return not ((x.data_ptr() | weight.data_ptr()) & 3)
 
 
+def one_input_whole_norm(plan) -> bool:
+    """x is one input and its norm (if any) covers the whole row: what the fast paths other than FlashMLA
+    read (two inputs and norms over the leading dims go to the portable kernel there)."""
+    return plan.x_tail is None and plan.norm_dim in (0, plan.head_dim)
+
+
 def x_weight_guard(plan) -> tuple:
     """A fast path's ``call_guard`` when it reads x and the weight as 4-byte words: (word_aligned,
     their plan fields); a plan without a weight gives x twice (kvfuse's stand-in)."""

@@ -462,8 +462,6 @@ def input_constexprs(plan) -> dict:
 
 # --------------------------------------------------------------------------- kvfuse's dispatch
 NAME = "flashmla"   # in KVFUSE_GLUON_SKIP
-# the router offers it plans of two inputs and of a norm over the leading dims (eligible() picks its own)
-SPLIT_X_AND_LEADING_NORM = True
 FORMATS = (_formats.FLASHMLA_V32, _formats.FLASHMLA_MODEL1,)   # the preset cache formats it writes (its GPU tests' formats)
 
 

@@ -815,6 +815,8 @@ def eligible(plan) -> bool:
     cache write (``_eligible_write``) or into contiguous (q, sf) outputs (``_eligible_contig``: the
     indexer's Q). x's (and a bf16 weight's) 4-byte alignment, and the contiguous outputs', are checked
     per call (``call_guard``)."""
+    if not gluon_common.one_input_whole_norm(plan):
+        return False
     chain = _common_chain(plan)
     if chain is None:
         return False

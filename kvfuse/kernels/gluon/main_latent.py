@@ -557,7 +557,7 @@ MIN_ROWS_PDL = 1
 def eligible(plan) -> bool:
     """Whether a validated plan is this kernel's MAIN_FP8 chain (``eligible_records``: e4m3 / UE8M0 / g32,
     records of 512 codes then 16 scales, 4-byte aligned)."""
-    return eligible_records(RECORDS, plan)
+    return gluon_common.one_input_whole_norm(plan) and eligible_records(RECORDS, plan)
 
 
 word_aligned = gluon_common.word_aligned      # x and the weight are read as 4-byte words

@@ -89,7 +89,7 @@ def eligible(plan) -> bool:
     """Whether a validated plan is the kernel's MAIN_FP4 chain (main_latent's ``eligible_records``:
     e2m1 / e4m3 scales / g16, records of 256 code bytes then 32 scale bytes, the cache pointer and
     strides multiples of 8)."""
-    return main.eligible_records(RECORDS, plan)
+    return gluon_common.one_input_whole_norm(plan) and main.eligible_records(RECORDS, plan)
 
 
 word_aligned = gluon_common.word_aligned      # x and the weight are read as 4-byte words
