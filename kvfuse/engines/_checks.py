@@ -16,19 +16,26 @@ def tensor(t, name: str) -> torch.Tensor:
     return t
 
 
-def bf16_input(t, name: str, dims: int) -> torch.Tensor:
-    """A bf16 input of ``dims`` dimensions (kvfuse's inputs are bf16; fp16 / fp32 are not supported yet)."""
+def activations(t, name: str, dims: int, dtypes=(torch.bfloat16,)) -> torch.Tensor:
+    """An input of one of ``dtypes`` with ``dims`` dimensions (another dtype: "not supported yet")."""
     tensor(t, name)
-    if t.dtype != torch.bfloat16:
-        raise TypeError(f"{name}: dtype {t.dtype} is not supported yet (kvfuse takes bfloat16 inputs)")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: dtype {t.dtype} is not supported yet (kvfuse takes "
+                        f"{', '.join(str(d) for d in dtypes)})")
     if t.dim() != dims:
         raise ValueError(f"{name}: expected {dims} dimensions, got shape {tuple(t.shape)}")
     return t
 
 
-def head_size(size: int, name: str) -> None:
-    if size % 16:
-        raise ValueError(f"{name}: head size {size} is not supported yet (kvfuse needs a multiple of 16)")
+def bf16_input(t, name: str, dims: int) -> torch.Tensor:
+    """A bf16 input of ``dims`` dimensions (where kvfuse takes bf16 only)."""
+    return activations(t, name, dims)
+
+
+def head_size(size: int, name: str, multiple: int = 16) -> None:
+    if size <= 0 or size % multiple:
+        raise ValueError(f"{name}: head size {size} is not supported yet (kvfuse needs a positive multiple of "
+                         f"{multiple})")
 
 
 def slots(slot_mapping, name: str = "slot_mapping") -> torch.Tensor:

@@ -75,13 +75,8 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     kv_indptr: int32 / int64. The caller has reserved the pages (as FlashInfer requires).
     """
     for t, name in ((append_key, "append_key"), (append_value, "append_value")):
-        _checks.tensor(t, name)
-        if t.dtype not in _APPEND_DTYPES:
-            raise TypeError(f"{name}: dtype {t.dtype} is not supported yet (kvfuse appends bfloat16 or float16)")
-        if t.dim() != 3:
-            raise ValueError(f"{name}: expected 3 dimensions, got shape {tuple(t.shape)}")
-        if t.shape[-1] % 8:
-            raise ValueError(f"{name}: head size {t.shape[-1]} is not supported yet (kvfuse needs a multiple of 8)")
+        _checks.activations(t, name, 3, _APPEND_DTYPES)
+        _checks.head_size(t.shape[-1], name, 8)
     if append_value.dtype != append_key.dtype:
         raise TypeError(f"append_value: expected append_key's dtype {append_key.dtype}, got {append_value.dtype}")
     if kv_layout not in KV_LAYOUTS:

@@ -66,21 +66,6 @@ def _leading_tokens(slot_mapping: torch.Tensor, num_tokens: int, what: str) -> i
     return m
 
 
-def _activations(t, name: str, dims: int, dtypes) -> torch.Tensor:
-    _checks.tensor(t, name)
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name}: dtype {t.dtype} is not supported yet (kvfuse takes "
-                        f"{', '.join(str(d) for d in dtypes)})")
-    if t.dim() != dims:
-        raise ValueError(f"{name}: expected {dims} dimensions, got shape {tuple(t.shape)}")
-    return t
-
-
-def _head_size8(size: int, name: str) -> None:
-    if size % 8 or size <= 0:
-        raise ValueError(f"{name}: head size {size} is not supported yet (kvfuse needs a positive multiple of 8)")
-
-
 def _auto_cache(cache, name: str, dtype: torch.dtype) -> torch.Tensor:
     _checks.tensor(cache, name)
     if cache.dtype != dtype:
@@ -116,14 +101,14 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     one shape, one element (per tensor) or num_heads elements (head h divided by scale[h], as vLLM's
     kernel reads ``k_scale[head]`` when ``k_scale.numel() > 1``); the scales are ignored for "auto".
     """
-    _activations(key, "key", 3, _FLASH_DTYPES)
+    _checks.activations(key, "key", 3, _FLASH_DTYPES)
     _checks.tensor(value, "value")
     if value.dtype != key.dtype:
         raise TypeError(f"value: expected key's dtype {key.dtype}, got {value.dtype}")
-    _activations(value, "value", 3, _FLASH_DTYPES)
+    _checks.activations(value, "value", 3, _FLASH_DTYPES)
     _checks.slots(slot_mapping)
-    _head_size8(key.shape[-1], "key")
-    _head_size8(value.shape[-1], "value")
+    _checks.head_size(key.shape[-1], "key", 8)
+    _checks.head_size(value.shape[-1], "value", 8)
     if value.shape[0] != key.shape[0]:
         raise ValueError(f"value: expected {key.shape[0]} tokens like key, got {value.shape[0]}")
     kind = _cache_dtype(kv_cache_dtype, ("auto",) + FP8_KV_CACHE_DTYPES)
@@ -155,12 +140,12 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
     the kernel as they are (each read as fp32, exact). num_heads_q must be a multiple of num_heads_k;
     a position outside [0, max_position) leaves the token's rotation out (vLLM reads past the table).
     """
-    _activations(qkv, "qkv", 2, (torch.bfloat16, torch.float16))
+    _checks.activations(qkv, "qkv", 2, (torch.bfloat16, torch.float16))
     for name, v in (("num_heads_q", num_heads_q), ("num_heads_k", num_heads_k), ("num_heads_v", num_heads_v),
                     ("head_dim", head_dim)):
         if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "num_heads_v" else 1):
             raise ValueError(f"{name}: expected a positive int, got {v!r}")
-    _head_size8(head_dim, "head_dim")
+    _checks.head_size(head_dim, "head_dim", 8)
     hq, hk, d = num_heads_q, num_heads_k, head_dim
     if qkv.shape[1] != (hq + hk + num_heads_v) * d:
         raise ValueError(f"qkv: expected {(hq + hk + num_heads_v) * d} columns ((num_heads_q + num_heads_k + "
@@ -247,8 +232,8 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, sca
         _checks.bf16_input(kv_c, "kv_c", 2)
         _checks.bf16_input(k_pe, "k_pe", 2)
     else:
-        _activations(kv_c, "kv_c", 2, _FLASH_DTYPES)
-        _activations(k_pe, "k_pe", 2, _FLASH_DTYPES)
+        _checks.activations(kv_c, "kv_c", 2, _FLASH_DTYPES)
+        _checks.activations(k_pe, "k_pe", 2, _FLASH_DTYPES)
         if k_pe.dtype != kv_c.dtype:
             raise TypeError(f"k_pe: expected kv_c's dtype {kv_c.dtype}, got {k_pe.dtype}")
     _checks.slots(slot_mapping)
@@ -267,8 +252,8 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, sca
             fused_norm_rope_hadamard_cast_store_kvcache(
                 (kv_c[:m], k_pe[:m]), cast_args=CastArgs.from_cache_format(FLASHMLA_V32), out_args=out)
         return
-    _head_size8(rank, "kv_c")
-    _head_size8(pe_dim, "k_pe")
+    _checks.head_size(rank, "kv_c", 8)
+    _checks.head_size(pe_dim, "k_pe", 8)
     if kind == "auto":
         kv_cache, scale = _auto_cache(kv_cache, "kv_cache", kv_c.dtype), None
     else:
