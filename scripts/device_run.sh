@@ -9,8 +9,8 @@
 # BENCH_SECONDS > 0, benchmark points of BENCH_WL (fused peer).
 #   [SUITES="matrix2 group ..."] [TRITON_SHARED_CACHE=DIR] bash scripts/device_run.sh [LIMIT_SECONDS] [BENCH_SECONDS]
 # (TRITON_SHARED_CACHE: one Triton cache for every suite, each variant compiled once)
-# LIMIT_SECONDS (default 480) bounds each process. One H200 with 16 cores is too small for them all in one
-# call (2026-12-03: six processes, four cut at 400 s); nvidia-h200-x2 (two GPUs, 32 cores) runs them.
+# LIMIT_SECONDS (default 480) bounds each process. On one H200 with 16 cores they do not all finish within
+# one call's limit (run them in parts with SUITES); nvidia-h200-x2 (two GPUs, 32 cores) spreads them.
 # Keep LIMIT + BENCH inside one call's limit.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 KVFUSE_TEST_GPU=1
