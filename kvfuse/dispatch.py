@@ -168,7 +168,7 @@ def _plan_data_checks(plan) -> None:
 def _gqa_data_checks(plan: GQAPlan) -> None:
     """Positions in range, no duplicate valid slots, finite positive scales."""
     _plan_data_checks(plan)
-    for name in ("k_scale", "v_scale"):
+    for name in ("k_scale", "v_scale", "q_scale"):
         s = getattr(plan, name)
         if s is not None and s.device.type != "meta":
             bad = ~(torch.isfinite(s) & (s > 0))

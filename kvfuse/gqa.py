@@ -28,42 +28,57 @@ __all__ = ["fused_qk_norm_rope_store_kv", "load_gqa_kv_cache", "GQAPlan", "LAYOU
 
 def fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_args=None,
                                 rope_args=None, k_scale=None, v_scale=None, layout="NHD", q_out=None,
-                                numerics="staged", k_out=None):
+                                numerics="staged", k_out=None, q_scale=None, scale_convention="divide"):
     """QK-norm -> RoPE on q and k, q written back, K and V scattered into paged caches: one launch.
 
     Args:
         q: bf16, fp16 or fp32 [n, Hq, D]; k: [n, Hkv, D]; v: [n, Hkv, Dv], all three of one dtype (the
             activations'), D and Dv positive multiples of 8 (stride(-1) == 1, other strides free: views of
             one packed QKV projection [n, (Hq + 2 Hkv) D] are fine). Hq a multiple of Hkv, or 0: K and V
-            alone (an engine's cache write without q).
+            alone (an engine's cache write without q). q and k may each be a pair ``(first, rest)`` of
+            [n, H, S] and [n, H, D - S] tensors (an engine's rope / nope parts): the call writes the bytes
+            of the same call on ``torch.cat(pair, -1)``; every pair of a call (q, k, q_out, k_out,
+            k_cache) splits at the same S, a positive multiple of 8.
         k_cache, v_cache: the activations' dtype or float8_e4m3fn (both the same), ``layout`` "NHD" (vLLM:
             [num_blocks, block_size, Hkv, D]) or "HND" (FlashInfer: [num_blocks, Hkv, block_size, D]);
             v_cache's last dim is Dv. Any strides with stride(-1) == 1 (slices of a larger
             allocation, vLLM's kv_cache[:, 0] / [:, 1]). Both None: no cache is written, k's result goes
-            to ``k_out`` and v is not read (it may be None; slot_mapping and the scales None too).
+            to ``k_out`` and v is not read (it may be None; slot_mapping and v_scale None too). k_cache
+            with v and v_cache None: a K cache alone (MLA's latent). k_cache may be a pair of caches
+            (its heads' first S columns, the rest: FlashInfer's MLA kpe / ckv caches).
         slot_mapping: int32 / int64 [n]; slot s goes to block s // block_size, offset s % block_size;
             a slot < 0 or >= num_blocks * block_size writes nothing.
         q_norm_args, k_norm_args: NormArgs (kind "rms", weight [D] bf16 / fp16 / fp32 shared by the heads) or None.
         rope_args: RopeArgs or None (offset None means 0 here: RoPE on the first rotary_dim dims; cos_sin_cache
             fp32 / bf16 / fp16). Weights and table are read as fp32 (exact).
-        k_scale, v_scale: fp32 tensors for float8_e4m3fn caches (None otherwise), each of one element or
-            one per kv head ([Hkv], contiguous): the cache holds e4m3(clamp(f(x) / f(scale_h), -448, 448))
-            for head h.
-        q_out: [n, Hq, D] of the activations' dtype receiving the transformed q; q itself for in place;
-            None allocates it.
+        k_scale, v_scale: for float8_e4m3fn caches (None otherwise; k_scale also for an fp8 k_out): fp32
+            tensors of one element or one per kv head ([Hkv], contiguous), or numbers (passed to the
+            kernel as fp32 arguments; then every scale of the call is a number): the cache holds
+            e4m3(clamp(f(x) / f(scale_h), -448, 448)) for head h, or under ``scale_convention``
+            "multiply" e4m3(clamp(f(x) * f(scale_h), -448, 448)) (FlashInfer's convention).
+        q_out: [n, Hq, D] of the activations' dtype receiving the transformed q, or float8_e4m3fn (cast by
+            ``q_scale`` as the caches are); q itself for in place; a pair like q's; None allocates it
+            (like q).
         numerics: "staged" (every stage rounded to the activations' dtype), "fused" (fp32 from the norm's
             input through RoPE, one rounding) or "fused_fp32_cast" (as "fused"; an fp8 cache's cast reads
             the fp32 value): :data:`kvfuse.numerics_profiles.PROFILES`, SPEC §2.
-        k_out: without caches, [n, Hkv, D] of the activations' dtype receiving the transformed k; k itself
-            for in place; None allocates it. Must be None with caches.
+        k_out: without caches, [n, Hkv, D] of the activations' dtype or float8_e4m3fn (by k_scale)
+            receiving the transformed k; k itself for in place; a pair like k's; None allocates it (like
+            k). Must be None with caches.
+        q_scale: the fp32 scale (one element, or a number) of a float8_e4m3fn q_out; None otherwise.
+        scale_convention: "divide" (vLLM's: x / scale) or "multiply" (FlashInfer's: x * scale), for every
+            cast of the call.
 
-    Returns ``q_out`` (the tensor written); without caches ``(q_out, k_out)``. Raises ValueError /
+    Returns ``q_out`` (the tensor or pair written); without caches ``(q_out, k_out)``. Raises ValueError /
     TypeError naming the argument before anything is written.
     """
     plan = _gqa.prepare(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale,
-                        v_scale, layout, q_out, numerics, k_out)
+                        v_scale, layout, q_out, numerics, k_out, q_scale, scale_convention)
     _dispatch.execute(plan)
-    return plan.q_out if plan.has_cache else (plan.q_out, plan.k_out)
+    q_out = plan.q_out if plan.q_out_tail is None else (plan.q_out, plan.q_out_tail)
+    if plan.has_cache:
+        return q_out
+    return q_out, (plan.k_out if plan.k_out_tail is None else (plan.k_out, plan.k_out_tail))
 
 
 def load_gqa_kv_cache(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_scale=None):

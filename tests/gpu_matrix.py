@@ -299,6 +299,19 @@ GQA_ODD_HEAD_DIMS = [
     (72, 3, dict(layout="HND", fp8=True, numerics="fused_fp32_cast", dv=40)),
     (8, 192, dict(rotary_dim=8, neox=False, kv_cache=False, inplace=True)),
 ]
+# heads held as two tensors (SPLIT), an fp8 q_out (Q_FP8), FlashInfer's multiply convention (SCALE_MUL) with
+# scales passed as numbers (SCALE_BY_VALUE), a K cache alone (not HAS_V): FlashInfer's rope_quantize_fp8
+# calls (GQA, and MLA's separate kpe / ckv caches), and a split head under a norm with per-head scales
+_FLASHINFER = dict(split=64, rotary_dim=64, q_norm=None, k_norm=None, fp8=True, q_fp8=True,
+                   numerics="fused_fp32_cast", scale_convention="multiply", scale_numbers=True)
+GQA_PARTS = [
+    (128, 1, dict(_FLASHINFER)),
+    (128, 300, dict(_FLASHINFER, layout="HND", neox=False, dtype="fp16")),
+    (576, 1, dict(_FLASHINFER, hq=16, hkv=1, k_cache_split=True, v_cache=False, neox=False)),
+    (576, 200, dict(_FLASHINFER, hq=16, hkv=1, k_cache_split=True, v_cache=False)),
+    (128, 9, dict(_FLASHINFER, kv_cache=False, k_out_fp8=True)),
+    (128, 7, dict(split=32, fp8=True, scale_per_head="kv", rotary_dim=64, rope_offset=16, q_fp8=True)),
+]
 GQA_HEADS = {64: (12, 6), 128: (6, 3), 256: (4, 4)}   # partial groups: 64-d of 8 heads (q 8 + 4, kv 6), 128-d of 4 (q 4 + 2, kv 3)
 
 
@@ -330,7 +343,7 @@ def gqa_cases():
                 hq, hkv = GQA_HEADS[d]
                 case = GQACase(n=n, hq=hq, hkv=hkv, d=d, seed=n * 7 + d, **v)
                 out.append((f"gqa d{d}_n{n}_bm{cfg[0]}_g{cfg[1]}_w{cfg[2]}_" + "_".join(f"{k}={v[k]}" for k in v), case))
-    for d, n, v in GQA_ODD_HEAD_DIMS:
-        case = GQACase(n=n, hq=6, hkv=3, d=d, seed=n * 7 + d, **v)
+    for d, n, v in GQA_ODD_HEAD_DIMS + GQA_PARTS:
+        case = GQACase(n=n, d=d, seed=n * 7 + d, **{"hq": 6, "hkv": 3, **v})
         out.append((f"gqa d{d}_n{n}_" + "_".join(f"{k}={v[k]}" for k in v), case))
     return out

@@ -66,6 +66,14 @@ class GQACase:
                                          # an unquantized cache)
     numerics: str = "staged"             # the profile (kvfuse.numerics_profiles.NUMERICS)
     kv_cache: bool = True                # False: no caches, k written to k_out (k itself when inplace)
+    v_cache: bool = True                 # False (with kv_cache): a K cache alone, v None (MLA's latent)
+    split: int = 0                       # > 0: q, k, q_out and k_out passed as pairs (first `split` columns, the rest)
+    k_cache_split: bool = False          # k_cache a pair of caches split at `split` (FlashInfer's kpe / ckv)
+    q_fp8: bool = False                  # q_out float8_e4m3fn with q_scale
+    q_scale: float = 0.29
+    k_out_fp8: bool = False              # without caches: k_out float8_e4m3fn with k_scale
+    scale_convention: str = "divide"     # or "multiply" (FlashInfer's)
+    scale_numbers: bool = False          # the scales passed as Python floats
     seed: int = 0
 
     @property
@@ -113,13 +121,15 @@ def _cache_views(case: GQACase, g: torch.Generator, device):
         v = torch.as_strided(view, (nb,) + shape, (2 * block,) + strides, GUARD + block)
         return k, v, [storage]
     caches, storages = [], []
-    for dim, pad in ((d, 16), (dv, 48)):
+    k_dims = ((case.split, 16), (d - case.split, 32)) if case.k_cache_split else ((d, 16),)
+    for dim, pad in k_dims + (((dv, 48),) if case.v_cache else ()):
         shape, strides = inner(dim)
         block = bs * h * dim + pad                  # padding after every block
         storage = rand(nb * block + 2 * GUARD).to(device)
         caches.append(torch.as_strided(storage.view(dt), (nb,) + shape, (block,) + strides, GUARD))
         storages.append(storage)
-    return caches[0], caches[1], storages
+    k_cache = tuple(caches[:2]) if case.k_cache_split else caches[0]
+    return k_cache, caches[-1] if case.v_cache else None, storages
 
 
 def build(case: GQACase, device="cpu"):
@@ -139,7 +149,7 @@ def build(case: GQACase, device="cpu"):
         v = random_act((n, hkv, dv), case.seed + 2, case.act).to(device)
         inputs = [q, k, v]
     k_cache, v_cache, storages = _cache_views(case, g, device)
-    cap = k_cache.shape[0] * case.block_size
+    cap = _first(k_cache).shape[0] * case.block_size
     idx = torch.int32 if case.idx32 else torch.int64
     if case.slots == "contiguous":
         slots = torch.arange(n)
@@ -163,9 +173,11 @@ def build(case: GQACase, device="cpu"):
         cs = cos_sin_cache(MAX_POS, case.rdim, ACT_DTYPES[case.cos_sin])
         kw["rope_args"] = kvfuse.RopeArgs(pos.to(idx).to(device), cs.to(device), case.rdim, case.neox,
                                           case.rope_offset, case.conjugate)
+    if not case.v_cache:
+        kw["v"] = None
     if case.fp8:
         kw["k_scale"] = torch.tensor([case.scales[0]], device=device)
-        kw["v_scale"] = torch.tensor(case.scales[1], device=device)
+        kw["v_scale"] = torch.tensor(case.scales[1], device=device) if case.v_cache else None
         for which, name, base in (("k", "k_scale", case.scales[0]), ("v", "v_scale", case.scales[1])):
             if which in case.scale_per_head:
                 per_head = [base * (0.5 + h) for h in range(case.hkv)]
@@ -178,18 +190,48 @@ def build(case: GQACase, device="cpu"):
     elif case.q_out_none:
         q_buf = None
     else:
-        q_buf = torch.full((n, hq * d + 24), float("nan"), dtype=case.act, device=device)
+        q_buf = _poisoned((n, hq * d + 24), case.act, case.q_fp8, device)
         kw["q_out"] = q_buf[:, :hq * d].view(n, hq, d)
-    if not case.kv_cache:       # no caches: k to k_out (k itself in place, else a NaN-poisoned buffer)
+    if case.q_fp8:
+        kw["q_scale"] = torch.tensor(case.q_scale, device=device)
+    if not case.kv_cache:       # no caches: k to k_out (k itself in place, else a poisoned buffer)
         kw.update(k_cache=None, v_cache=None, slot_mapping=None, k_scale=None, v_scale=None)
         storages = []
         if case.inplace:
             kw["k_out"] = k
         else:
-            k_buf = torch.full((n, hkv * d + 40), float("nan"), dtype=case.act, device=device)
+            k_buf = _poisoned((n, hkv * d + 40), case.act, case.k_out_fp8, device)
             kw["k_out"] = k_buf[:, :hkv * d].view(n, hkv, d)
             storages = [k_buf]
+        if case.k_out_fp8:
+            kw["k_scale"] = torch.tensor(case.scales[0], device=device)
+    if case.split:              # heads as (first `split` columns, the rest): views of the tensors above
+        for name in ("q", "k", "q_out", "k_out"):
+            t = kw.get(name)
+            if t is not None:
+                kw[name] = (t[..., :case.split], t[..., case.split:])
+        if case.inplace:        # in place: the same pair of views
+            kw["q_out"] = kw["q"]
+            if not case.kv_cache:
+                kw["k_out"] = kw["k"]
+    if case.scale_numbers:
+        for name in ("q_scale", "k_scale", "v_scale"):
+            if kw.get(name) is not None:
+                kw[name] = float(kw[name].reshape(-1)[0])
+    if case.scale_convention != "divide":
+        kw["scale_convention"] = case.scale_convention
     return kw, storages, inputs, q_buf
+
+
+def _first(t):
+    return t[0] if isinstance(t, tuple) else t
+
+
+def _poisoned(shape, act, fp8: bool, device):
+    """An output buffer: NaN of the activations' dtype, or (fp8) e4m3 NaN codes 0x7f."""
+    if fp8:
+        return torch.full(shape, 0x7F, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+    return torch.full(shape, float("nan"), dtype=act, device=device)
 
 
 def _bytes(t):
@@ -204,15 +246,26 @@ def run_gqa_case(case: GQACase, backend: str, device="cpu", fn=None) -> dict:
         result = call(**kw)
     if not case.kv_cache and fn is None:
         result, k_result = result
-        assert k_result is kw["k_out"]
+        assert _same(k_result, kw["k_out"])
     if case.inplace:
-        assert result is kw["q"]
+        assert _same(result, kw["q"])
     elif not case.q_out_none:
-        assert result is kw["q_out"]
+        assert _same(result, kw["q_out"])
     out = {f"cache_storage{i}": _bytes(s) for i, s in enumerate(storages)}
     out.update({f"input{i}": _bytes(t) for i, t in enumerate(inputs)})
-    out["q_out"] = _bytes(result) if q_buf is None else _bytes(q_buf)
+    if q_buf is not None:
+        out["q_out"] = _bytes(q_buf)
+    else:
+        parts = result if isinstance(result, tuple) else (result,)
+        out["q_out"] = torch.cat([_bytes(t) for t in parts])
     return out
+
+
+def _same(a, b) -> bool:
+    """The call returned the tensor given (each of a pair)."""
+    if isinstance(b, tuple):
+        return isinstance(a, tuple) and len(a) == len(b) and all(x is y for x, y in zip(a, b))
+    return a is b
 
 
 def diff_report(a: dict, b: dict) -> str:

@@ -48,6 +48,12 @@ WIDE_STORES = {"main_fp8": ("st.global.b32", 8, 4), "main_fp8_decode": ("st.glob
 
 # x's second input: None (a constexpr) for one input, as the launch passes it
 ONE_INPUT = {"xt_ptr": None, "sxt_n": None, "sxt_h": None}
+# the GQA kernel's heads held as one tensor each, no fp8 q_out, scales by pointer, divided, with V: its
+# defaults, as the launch leaves them
+GQA_TAILS = ("q2_ptr", "sq2_n", "sq2_h", "k2_ptr", "sk2_n", "sk2_h", "qo2_ptr", "so2_n", "so2_h", "kd2_ptr",
+             "kd2_blk", "kd2_tok", "kd2_head")
+ONE_PART = {**{name: None for name in GQA_TAILS}, "qs_ptr": None, "SPLIT": 0, "Q_FP8": False, "SCALE_MUL": False,
+            "SCALE_BY_VALUE": False, "HAS_V": True}
 
 
 def compile_ptx(fn, consts, num_warps=4, ptr_types=None):
@@ -119,7 +125,7 @@ def gqa_variants():
     base = dict(D=128, BLOCK_D=128, LOG2_BLOCK_D=7, DV=128, BLOCK_DV=128, VEC=8, BLOCK_M=1, G=1, Q_NORM=True,
                 QW_BF16=True, K_NORM=True, KW_BF16=True, ROPE=True, R=128, ROPE_OFF=0, NEOX=True, CONJ=False,
                 CS_BF16=False, FP8=True, SLOT32=True, NATIVE=2, PDL=False, HALVES=True, K_SCALE_PER_HEAD=False,
-                V_SCALE_PER_HEAD=False, ACT=0, NUMERICS=0, KV_CACHE=True)
+                V_SCALE_PER_HEAD=False, ACT=0, NUMERICS=0, KV_CACHE=True, **ONE_PART)
     ptrs = {"q_ptr": "*bf16"}
     yield "gqa_fp8_neox_decode", base, ptrs
     yield "gqa_fp8_neox_heads4", {**base, "BLOCK_M": 2, "G": 4}, ptrs
@@ -137,6 +143,22 @@ def gqa_variants():
     yield "gqa_fp16_no_cache_fp16_weights_cos_sin", {**base, "BLOCK_M": 2, "G": 2, "FP8": False, "QW_BF16": False,
                                                      "KW_BF16": False, "ACT": 1, "NUMERICS": 1, "KV_CACHE": False}, \
         {**fp16, "qw_ptr": "*fp16", "kw_ptr": "*fp16", "cs_ptr": "*fp16"}
+    # FlashInfer's RoPE-quantize: heads as (rope, nope) tensors, an fp8 q_out, the multiply convention with
+    # scales as fp32 arguments, the cast reading fp32; and MLA's kpe / ckv caches, a K cache alone
+    parts = {**base, "HALVES": False, "R": 64, "Q_NORM": False, "K_NORM": False, "NUMERICS": 2, "SPLIT": 64,
+             "Q_FP8": True, "SCALE_MUL": True, "SCALE_BY_VALUE": True}
+    part_ptrs = {**ptrs, "q2_ptr": "*bf16", "k2_ptr": "*bf16", "qo_ptr": "*u8", "qo2_ptr": "*u8",
+                 "ks_ptr": "fp32", "vs_ptr": "fp32", "qs_ptr": "fp32"}
+    q_parts = ("q2_ptr", "sq2_n", "sq2_h", "k2_ptr", "sk2_n", "sk2_h", "qo2_ptr", "so2_n", "so2_h", "qs_ptr")
+
+    def passed(consts, names):      # these arguments are given (pointers, strides, the q scale), not None
+        return {k: v for k, v in consts.items() if k not in names}
+
+    yield "gqa_split_fp8_q_multiply_by_value", passed(parts, q_parts), part_ptrs
+    yield "gqa_mla_split_caches_k_only", passed({**parts, "D": 576, "BLOCK_D": 1024, "LOG2_BLOCK_D": 10, "DV": 576,
+                                                 "BLOCK_DV": 1024, "NEOX": False, "HAS_V": False},
+                                                q_parts + ("kd2_ptr", "kd2_blk", "kd2_tok", "kd2_head")), \
+        {**part_ptrs, "kd2_ptr": "*u8"}
 
 
 def grouped_variants():

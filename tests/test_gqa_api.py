@@ -64,12 +64,14 @@ def _bad_calls():
          "numerics must be one of ('staged', 'fused', 'fused_fp32_cast'), got 'fp32'"),
         ("numerics type", lambda kw: kw.update(numerics=None), ValueError, "numerics must be one of"),
         ("v_cache None alone", lambda kw: kw.update(v_cache=None), ValueError,
-         "v_cache: None with k_cache given; pass both caches, or neither"),
+         "v: given without v_cache; pass v_cache too, or v=None for a K cache alone"),
+        ("k_cache None alone", lambda kw: kw.update(k_cache=None), ValueError,
+         "k_cache: None with v_cache given; pass both caches, k_cache alone"),
         ("slots without caches", lambda kw: kw.update(k_cache=None, v_cache=None), ValueError,
          "slot_mapping must be None without caches"),
         ("scale without caches", lambda kw: kw.update(k_cache=None, v_cache=None, slot_mapping=None,
                                                       k_scale=torch.ones(1)), ValueError,
-         "k_scale must be None without caches"),
+         "k_scale must be None without a float8_e4m3fn k_out"),
         ("k_out with caches", lambda kw: kw.update(k_out=kw["k"]), ValueError, "k_out must be None when k goes"),
         ("k_out shape", lambda kw: kw.update(k_cache=None, v_cache=None, slot_mapping=None,
                                              k_out=torch.zeros(n, 2, 64, dtype=torch.bfloat16)), ValueError,
@@ -174,9 +176,12 @@ def test_fp8_cache_needs_both_scales():
     for name, bad, exc, match in (("k_scale", None, ValueError, "k_scale: a float8_e4m3fn cache needs"),
                                   ("v_scale", torch.ones(3), ValueError, r"v_scale: expected one element \(shape \(\) or \(1,\)\) or one per kv head \(shape \(2,\)\)"),
                                   ("v_scale", torch.ones(1, dtype=torch.float64), TypeError, "v_scale: expected dtype"),
-                                  ("k_scale", 0.5, TypeError, "k_scale must be a torch.Tensor")):
+                                  ("k_scale", "0.5", TypeError, "k_scale must be a torch.Tensor"),
+                                  ("k_scale", 0.5, TypeError, "k_scale: a number with v_scale a tensor"),
+                                  ("k_scale", float("inf"), ValueError, "k_scale must be a finite number > 0")):
         with pytest.raises(exc, match=match):
-            kvfuse.fused_qk_norm_rope_store_kv(**{**kw, name: bad})
+            numbers = {"v_scale": 1.0} if name == "k_scale" and isinstance(bad, float) and bad > 1 else {}
+            kvfuse.fused_qk_norm_rope_store_kv(**{**kw, **numbers, name: bad})
     assert _unchanged(buffers, before)
 
 
@@ -317,7 +322,8 @@ def test_opcheck_fp8():
         if isinstance(a, torch.Tensor) and i not in mutable:
             assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8)
                                if b.element_size() == 1 else b), OP._schema.arguments[i].name
-    assert {OP._schema.arguments[i].name for i in mutable} == {"k_cache", "v_cache", "q_out", "k_out"}
+    assert {OP._schema.arguments[i].name for i in mutable} == {"k_cache", "v_cache", "q_out", "k_out", "q_out_tail",
+                                                               "k_out_tail", "k_cache_tail"}
 
 
 @pytest.mark.skipif(not kvfuse.backend.interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (CPU tensors)")

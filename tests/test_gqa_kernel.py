@@ -42,6 +42,18 @@ CASES = {
     "per_head_scales_kv": GQACase(hq=6, hkv=3, fp8=True, scale_per_head="kv", seed=22),
     "per_head_k_scale_rows_hnd": GQACase(hq=4, hkv=4, d=64, rotary_dim=32, fp8=True, layout="HND",
                                          scale_per_head="k", seed=23),
+    # heads as two tensors, fp8 q_out, the multiply convention, scales as numbers, a K cache alone
+    "split_fp8_q_multiply_numbers": GQACase(split=64, rotary_dim=64, q_norm=None, k_norm=None, fp8=True, q_fp8=True,
+                                            numerics="fused_fp32_cast", scale_convention="multiply",
+                                            scale_numbers=True, seed=24),
+    "mla_split_caches_k_only_gptj": GQACase(d=576, hq=3, hkv=1, split=64, rotary_dim=64, neox=False, q_norm=None,
+                                            k_norm=None, fp8=True, q_fp8=True, k_cache_split=True, v_cache=False,
+                                            numerics="fused_fp32_cast", scale_convention="multiply", seed=25),
+    "split_no_cache_fp8_k_out_fp16": GQACase(split=48, dtype="fp16", kv_cache=False, q_fp8=True, k_out_fp8=True,
+                                             rotary_dim=64, rope_offset=32, seed=26),
+    "split_norm_bf16_cache_in_place": GQACase(split=96, inplace=True, layout="HND", seed=27),
+    "split_cache_bf16_with_v": GQACase(split=40, k_cache_split=True, neox=False, seed=28),
+    "k_only_bf16_staged": GQACase(v_cache=False, hq=0, seed=29),
 }
 
 

@@ -6,14 +6,20 @@ swap to ``from kvfuse.engines import flashinfer``.
   zero q heads; FlashInfer's page addressing becomes a slot mapping (a few small torch index ops).
 - :func:`apply_rope_with_cos_sin_cache` and :func:`apply_rope_with_cos_sin_cache_inplace`
   (``flashinfer.rope``) -> :func:`kvfuse.fused_group`: query and key, one launch.
+- :func:`rope_quantize_fp8`, :func:`mla_rope_quantize_fp8` and :func:`rope_quantize_fp8_append_paged_kv_cache`
+  (``flashinfer.rope``) -> :func:`kvfuse.fused_qk_norm_rope_store_kv`, one launch: the rope / nope parts
+  as pairs of tensors, fp8 q (and k) outputs, FlashInfer's multiply-by-scale convention with its scales
+  as numbers, numerics "fused_fp32_cast" (RoPE in fp32, the cast reads the fp32 value), MLA's
+  separate ckv / kpe caches as a K cache held as two tensors.
 
 Numerics: FlashInfer's CUDA RoPE is compiled with FMA contraction (``a * cos + b * sin`` in one rounding
 or two, as the compiler chose), so its bytes cannot be reproduced by an exact chain. kvfuse's RoPE rounds
 each product and the sum on its own (SPEC §2): its bytes equal :func:`kvfuse.reference.rope`, and it
 agrees with an fp64 RoPE within FlashInfer's own test tolerance. The append takes bf16 or fp16 inputs
-(caches of their dtype), the RoPE bf16; what FlashInfer accepts beyond kvfuse's domain (fp16 RoPE
-inputs, fp8 caches, head sizes not a multiple of 8 in the append, of 16 in the RoPE) raises TypeError /
-ValueError saying "not supported yet". docs/engines.md lists the differences.
+(caches of their dtype), the RoPE bf16, the RoPE-quantize calls bf16 or fp16; what FlashInfer accepts
+beyond kvfuse's domain (fp16 RoPE inputs, fp8 caches in the append, e5m2 outputs, head sizes not a
+multiple of 8 in the append and RoPE-quantize, of 16 in the RoPE) raises TypeError / ValueError saying
+"not supported yet". docs/engines.md lists the differences.
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ from ..group import fused_group
 from . import _checks
 
 __all__ = ["append_paged_kv_cache", "apply_rope_with_cos_sin_cache", "apply_rope_with_cos_sin_cache_inplace",
-           "KV_LAYOUTS"]
+           "rope_quantize_fp8", "mla_rope_quantize_fp8", "rope_quantize_fp8_append_paged_kv_cache", "KV_LAYOUTS"]
 
 KV_LAYOUTS = ("NHD", "HND")
 _APPEND_DTYPES = (torch.bfloat16, torch.float16)
@@ -147,3 +153,187 @@ def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_
     calls = _rope_calls(positions, query, key, head_size, cos_sin_cache, is_neox, query, key)
     with _checks.engine_names(_ROPE_NAMES):
         fused_group(calls)
+
+
+# --------------------------------------------------------------------------- RoPE + fp8 quantize (+ append)
+_QUANT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _quantize_dtype(quantize_dtype, outs):
+    """FlashInfer's rule: the given dtype, else the first given output's, else e4m3 (e5m2: not yet)."""
+    if quantize_dtype is None:
+        quantize_dtype = next((o.dtype for o in outs if o is not None), torch.float8_e4m3fn)
+    if quantize_dtype != torch.float8_e4m3fn:
+        raise TypeError(f"quantize_dtype: {quantize_dtype} is not supported yet (kvfuse writes torch.float8_e4m3fn)")
+    return quantize_dtype
+
+
+def _scale(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+    return float(value)
+
+
+def _rope_parts(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox):
+    """The checked inputs as kvfuse sees them: (q, k, rope_args, is_mla, nope widths (q's, k's), k_nope as
+    given or created); q and k a pair (rope, nope) where the nope part has columns, k with a head axis."""
+    _checks.activations(q_rope, "q_rope", 3, _QUANT_DTYPES)
+    _checks.tensor(k_rope, "k_rope")
+    is_mla = k_rope.dim() == 2
+    _checks.activations(k_rope, "k_rope", 2 if is_mla else 3, (q_rope.dtype,))
+    nnz, hq, rope_dim = q_rope.shape
+    _checks.head_size(rope_dim, "q_rope", 8)
+    if k_rope.shape[-1] != rope_dim or k_rope.shape[0] != nnz:
+        raise ValueError(f"k_rope: expected {nnz} tokens of rope_dim {rope_dim} (q_rope's), got shape "
+                         f"{tuple(k_rope.shape)}")
+    k3 = k_rope.unsqueeze(1) if is_mla else k_rope
+    if q_nope is None:
+        q_nope = q_rope.new_empty(nnz, hq, 0)
+    if k_nope is None:
+        k_nope = k_rope.new_empty((nnz, 0) if is_mla else (nnz, k_rope.shape[1], 0))
+    _checks.activations(q_nope, "q_nope", 3, (q_rope.dtype,))
+    _checks.activations(k_nope, "k_nope", k_rope.dim(), (q_rope.dtype,))
+    kn3 = k_nope.unsqueeze(1) if is_mla else k_nope
+    if tuple(q_nope.shape[:2]) != (nnz, hq) or tuple(kn3.shape[:2]) != tuple(k3.shape[:2]):
+        raise ValueError(f"q_nope, k_nope: expected q_rope's / k_rope's tokens and heads, got shapes "
+                         f"{tuple(q_nope.shape)} and {tuple(k_nope.shape)}")
+    if q_nope.shape[-1] != kn3.shape[-1]:
+        raise ValueError(f"k_nope: expected no_rope_dim {q_nope.shape[-1]} (q_nope's), got shape {tuple(k_nope.shape)}")
+    nope = q_nope.shape[-1]
+    if nope:
+        _checks.head_size(nope, "q_nope", 8)
+    _checks.tensor(cos_sin_cache, "cos_sin_cache")
+    if cos_sin_cache.dtype != torch.float32:
+        raise ValueError(f"cos_sin_cache should be float32, got {cos_sin_cache.dtype}")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != rope_dim:
+        raise ValueError(f"cos_sin_cache: expected [max_seq_len, {rope_dim}] (rope_dim), got shape "
+                         f"{tuple(cos_sin_cache.shape)}")
+    _checks.tensor(pos_ids, "pos_ids")
+    rope = RopeArgs(pos_ids, cos_sin_cache, rope_dim, bool(is_neox), offset=0)
+    q = (q_rope, q_nope) if nope else q_rope
+    k = (k3, kn3) if nope else k3
+    return q, k, rope, is_mla, nope, k_nope
+
+
+def _pair(first, tail, nope):
+    return (first, tail) if nope else first
+
+
+_RQ_NAMES = {"q[0]": "q_rope", "q[1]": "q_nope", "k[0]": "k_rope", "k[1]": "k_nope", "q": "q_rope", "k": "k_rope",
+             "q_out[0]": "q_rope_out", "q_out[1]": "q_nope_out", "q_out": "q_rope_out", "k_out[0]": "k_rope_out",
+             "k_out[1]": "k_nope_out", "k_out": "k_rope_out", "rope_args.positions": "pos_ids",
+             "rope_args.cos_sin_cache": "cos_sin_cache", "q_scale": "quant_scale_q", "k_scale": "quant_scale_kv",
+             "v_scale": "quant_scale_kv", "v": "v", "k_cache[0]": "paged_kv_cache", "k_cache[1]": "paged_kv_cache",
+             "k_cache": "paged_kv_cache", "v_cache": "paged_kv_cache", "slot_mapping": "batch_indices"}
+
+
+def rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox=True, quantize_dtype=None,
+                      quant_scale_q=1.0, quant_scale_kv=1.0, q_rope_out=None, k_rope_out=None, q_nope_out=None,
+                      k_nope_out=None, enable_pdl=False):
+    """FlashInfer's ``rope_quantize_fp8``: RoPE on q_rope / k_rope (all their rope_dim columns, angle from
+    ``cos_sin_cache[pos_ids]``: cosines then sines, fp32), then every part quantized to e4m3 as
+    ``e4m3(clamp(f32 * quant_scale, -448, 448))`` (the RoPE result in fp32, one product: FlashInfer
+    multiplies by its scale; q by quant_scale_q, k by quant_scale_kv).
+
+    q_rope [nnz, Hq, rope_dim], q_nope [nnz, Hq, no_rope_dim] (None: none), k_rope / k_nope [nnz, Hkv, dim]
+    or, for MLA, [nnz, dim]; bf16 or fp16; rope_dim and no_rope_dim multiples of 8. Outputs allocated
+    like the inputs in e4m3 when None. ``enable_pdl``: kvfuse decides programmatic dependent launch
+    itself (the flag is accepted and not needed). Returns (q_rope_out, k_rope_out, q_nope_out, k_nope_out).
+    One launch of :func:`kvfuse.fused_qk_norm_rope_store_kv` (no caches, k to k_out)."""
+    q, k, rope, is_mla, nope, k_nope = _rope_parts(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox)
+    q_nope_in = q[1] if nope else q_rope.new_empty(q_rope.shape[0], q_rope.shape[1], 0)
+    dt = _quantize_dtype(quantize_dtype, (q_rope_out, k_rope_out, q_nope_out, k_nope_out))
+    outs = [o if o is not None else torch.empty(ref.shape, dtype=dt, device=ref.device)
+            for o, ref in ((q_rope_out, q_rope), (k_rope_out, k_rope), (q_nope_out, q_nope_in), (k_nope_out, k_nope))]
+    for o, name in zip(outs, ("q_rope_out", "k_rope_out", "q_nope_out", "k_nope_out")):
+        _checks.tensor(o, name)
+    k_outs = [o.unsqueeze(1) if is_mla else o for o in outs[1::2]]
+    sq, skv = _scale(quant_scale_q, "quant_scale_q"), _scale(quant_scale_kv, "quant_scale_kv")
+    with _checks.engine_names(_RQ_NAMES):
+        fused_qk_norm_rope_store_kv(q, k, None, None, None, None, rope_args=rope, q_out=_pair(outs[0], outs[2], nope),
+                                    k_out=_pair(k_outs[0], k_outs[1], nope), q_scale=sq, k_scale=skv,
+                                    numerics="fused_fp32_cast", scale_convention="multiply")
+    return tuple(outs)
+
+
+def mla_rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox=True, quantize_dtype=None,
+                          quant_scale_q=1.0, quant_scale_kv=1.0, q_rope_out=None, k_rope_out=None, q_nope_out=None,
+                          k_nope_out=None, enable_pdl=False):
+    """FlashInfer's ``mla_rope_quantize_fp8``: :func:`rope_quantize_fp8` with MLA's 2-d k_rope / k_nope."""
+    return rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox, quantize_dtype,
+                             quant_scale_q, quant_scale_kv, q_rope_out, k_rope_out, q_nope_out, k_nope_out, enable_pdl)
+
+
+def _append_slots(batch_indices, positions, kv_indices, kv_indptr, page_size: int, nnz: int) -> torch.Tensor:
+    """FlashInfer's page addressing as kvfuse slots: entry i goes to page
+    kv_indices[kv_indptr[batch_indices[i]] + positions[i] // page_size], offset positions[i] % page_size;
+    batch_indices[i] < 0 (padding) -> slot -1 (nothing written)."""
+    batch_indices, positions = _int_vector(batch_indices, "batch_indices"), _int_vector(positions, "positions")
+    kv_indices, kv_indptr = _int_vector(kv_indices, "kv_indices"), _int_vector(kv_indptr, "kv_indptr")
+    for t, name in ((batch_indices, "batch_indices"), (positions, "positions")):
+        if t.shape[0] != nnz:
+            raise ValueError(f"{name}: expected {nnz} entries like q_rope, got {t.shape[0]}")
+    live = batch_indices >= 0
+    b = torch.where(live, batch_indices, 0)
+    p = torch.where(live, positions, 0)
+    page = kv_indices[kv_indptr[b] + torch.div(p, page_size, rounding_mode="floor")]
+    return torch.where(live, page * page_size + torch.remainder(p, page_size), -1)
+
+
+def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache,
+                                            kv_indices, kv_indptr, batch_indices, positions, is_neox=True,
+                                            quantize_dtype=None, quant_scale_q=1.0, quant_scale_kv=1.0, page_size=16,
+                                            kv_layout="NHD", q_rope_out=None, q_nope_out=None, enable_pdl=False):
+    """FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache``: :func:`rope_quantize_fp8`'s q outputs, and
+    K (and V) quantized into the paged caches instead of returned.
+
+    GQA / MHA (3-d k_rope): ``paged_kv_cache`` = (k_cache, v_cache), e4m3 [max_pages, page_size, Hkv,
+    rope_dim + no_rope_dim] ("NHD") or [max_pages, Hkv, page_size, ...] ("HND"); a K record holds the
+    rope columns, then the nope ones; v [nnz, Hkv, rope_dim + no_rope_dim] quantized by quant_scale_kv.
+    MLA (2-d k_rope, v None): ``paged_kv_cache`` = (ckv_cache [max_pages, page_size, no_rope_dim],
+    kpe_cache [max_pages, page_size, rope_dim]), e4m3 (kv_layout not read). Token i goes to
+    (_append_slots) page kv_indices[kv_indptr[batch_indices[i]] + positions[i] // page_size], offset
+    positions[i] % page_size; a token with batch_indices[i] < 0 writes no cache entry (FlashInfer
+    also leaves its q outputs unwritten; kvfuse writes them). Returns (q_rope_out, q_nope_out). One
+    launch of :func:`kvfuse.fused_qk_norm_rope_store_kv` after the page -> slot arithmetic (a few small
+    torch index ops, as in :func:`append_paged_kv_cache`)."""
+    q, k, rope, is_mla, nope, _ = _rope_parts(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox)
+    q_nope_in = q[1] if nope else q_rope.new_empty(q_rope.shape[0], q_rope.shape[1], 0)
+    dt = _quantize_dtype(quantize_dtype, (q_rope_out, q_nope_out))
+    if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
+        raise ValueError("paged_kv_cache must be a tuple of 2 tensors")
+    c0, c1 = (_checks.tensor(c, "paged_kv_cache") for c in paged_kv_cache)
+    for c in (c0, c1):
+        if c.dtype != dt:
+            raise ValueError(f"paged_kv_cache: cache dtype mismatch: expected {dt}, got {c.dtype}")
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
+    if is_mla:
+        if v is not None:
+            raise ValueError("v: MLA should not have V input (pass None)")
+        if c0.dim() != 3 or c1.dim() != 3:
+            raise ValueError(f"paged_kv_cache: MLA caches must be 3-d (max_pages, page_size, dim), got "
+                             f"{tuple(c0.shape)} and {tuple(c1.shape)}")
+        k_cache, v_cache, layout = (c1.unsqueeze(2), c0.unsqueeze(2)) if nope else c1.unsqueeze(2), None, "NHD"
+        cache_page = c0.shape[1]
+    else:
+        if v is None:
+            raise ValueError("v: GQA/MHA expects a V tensor, got None")
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout: expected one of {KV_LAYOUTS}, got {kv_layout!r}")
+        if c0.dim() != 4 or c1.dim() != 4:
+            raise ValueError(f"paged_kv_cache: GQA/MHA caches must be 4-d, got {tuple(c0.shape)} and {tuple(c1.shape)}")
+        k_cache, v_cache, layout = c0, c1, kv_layout
+        cache_page = c0.shape[1] if kv_layout == "NHD" else c0.shape[2]
+    if cache_page != page_size:
+        raise ValueError(f"page_size: {page_size} differs from the caches' page size {cache_page}")
+    q_outs = [o if o is not None else torch.empty(ref.shape, dtype=dt, device=ref.device)
+              for o, ref in ((q_rope_out, q_rope), (q_nope_out, q_nope_in))]
+    slots = _append_slots(batch_indices, positions, kv_indices, kv_indptr, page_size, q_rope.shape[0])
+    sq, skv = _scale(quant_scale_q, "quant_scale_q"), _scale(quant_scale_kv, "quant_scale_kv")
+    with _checks.engine_names(_RQ_NAMES):
+        fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slots, rope_args=rope, layout=layout,
+                                    q_out=_pair(q_outs[0], q_outs[1], nope), q_scale=sq, k_scale=skv,
+                                    v_scale=None if v is None else skv, numerics="fused_fp32_cast",
+                                    scale_convention="multiply")
+    return q_outs[0], q_outs[1]

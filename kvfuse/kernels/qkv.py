@@ -76,13 +76,33 @@ def _round_act(v, ACT: tl.constexpr, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def _qk_row_loads(x_ptr, xrow, rm, col, cmask, rot_mask, partner, ROPE: tl.constexpr, ACT: tl.constexpr = 0):
+def _load_cols(x_ptr, addr, x2_ptr, x2row, col, mask, SPLIT: tl.constexpr, ACT: tl.constexpr):
+    """Columns ``col`` [NV, VEC] of BLOCK_M rows (live where mask [M, NV, VEC]) as fp32: at x_ptr + addr, or,
+    for a head held as two tensors (x2_ptr not None), columns < SPLIT there and the others at
+    x2_ptr + x2row + col - SPLIT."""
+    if x2_ptr is None:
+        x = _load_act(x_ptr, addr, mask, ACT)
+    else:
+        lo = (col < SPLIT)[None, :, :]
+        a = _load_act(x_ptr, addr, mask & lo, ACT)
+        b = _load_act(x2_ptr, x2row[:, None, None] + (col - SPLIT)[None, :, :], mask & (col >= SPLIT)[None, :, :],
+                      ACT)
+        x = tl.where(lo, a, b)
+    return x
+
+
+@triton.jit
+def _qk_row_loads(x_ptr, xrow, rm, col, cmask, rot_mask, partner, ROPE: tl.constexpr, ACT: tl.constexpr = 0,
+                  x2_ptr=None, x2row=None, SPLIT: tl.constexpr = 0):
     """The whole-row form's loads of BLOCK_M rows at x_ptr + xrow (live where rm): the row [M, NV, VEC]
-    and, for RoPE, each rotated element's partner (the same row, reloaded at column ``partner``)."""
-    x = _load_act(x_ptr, xrow[:, None, None] + col[None, :, :], rm[:, None, None] & cmask[None, :, :], ACT)
+    and, for RoPE, each rotated element's partner (the same row, reloaded at column ``partner``). A head
+    held as two tensors (x2_ptr, x2row: its columns from SPLIT on) is read from both (_load_cols)."""
+    x = _load_cols(x_ptr, xrow[:, None, None] + col[None, :, :], x2_ptr, x2row, col,
+                   rm[:, None, None] & cmask[None, :, :], SPLIT, ACT)
     xp = x
     if ROPE:
-        xp = _load_act(x_ptr, xrow[:, None, None] + partner[None, :, :], rot_mask & rm[:, None, None], ACT)
+        xp = _load_cols(x_ptr, xrow[:, None, None] + partner[None, :, :], x2_ptr, x2row, partner,
+                        rot_mask & rm[:, None, None], SPLIT, ACT)
     return x, xp
 
 
@@ -200,14 +220,17 @@ def _record(slot, rmask, c_blk, c_tok, block_size, capacity, SLOT32: tl.constexp
 
 @triton.jit
 def _store_record(c_ptr, addr, y, mask, sc, rcp, fast, FP8: tl.constexpr, NATIVE: tl.constexpr,
-                  ACT: tl.constexpr = 0):
+                  ACT: tl.constexpr = 0, SCALE_MUL: tl.constexpr = False):
     """Values y of the activations' dtype ACT (in fp32) at element offsets addr: their bits (bf16; fp16 /
     fp32 converted exactly), or (FP8; c_ptr a byte pointer)
-    e4m3(f(y) / f(scale)) with the division's bits (sc, rcp, fast: _scale). Both encoders saturate at
+    e4m3(f(y) / f(scale)) with the division's bits (sc, rcp, fast: _scale), or under SCALE_MUL (the
+    multiply convention) e4m3(f(y) * f(scale)), one fp32 product. Both encoders saturate at
     448, so the clamp of SPEC §11 changes no byte of a finite input and is left out (as in the portable
     kernel)."""
     if FP8:
-        if fast:
+        if SCALE_MUL:
+            t = y * sc
+        elif fast:
             t = div_rn_by_reciprocal(y, sc, rcp)
         else:
             t = tl.div_rn(y, tl.zeros_like(y) + sc)
@@ -221,6 +244,19 @@ def _store_record(c_ptr, addr, y, mask, sc, rcp, fast, FP8: tl.constexpr, NATIVE
 
 
 @triton.jit
+def _store_row(dst_ptr, addr, dst2_ptr, addr2, col, mask, y, sc, rcp, fast, FP8: tl.constexpr,
+               NATIVE: tl.constexpr, ACT: tl.constexpr, SCALE_MUL: tl.constexpr, SPLIT: tl.constexpr):
+    """_store_record of the rows y [M, NV, VEC] (columns col) at dst_ptr + addr, or, for a destination held
+    as two tensors (dst2_ptr not None), columns < SPLIT there and the others at dst2_ptr + addr2."""
+    if dst2_ptr is None:
+        _store_record(dst_ptr, addr, y, mask, sc, rcp, fast, FP8, NATIVE, ACT, SCALE_MUL)
+    else:
+        _store_record(dst_ptr, addr, y, mask & (col < SPLIT)[None, :, :], sc, rcp, fast, FP8, NATIVE, ACT, SCALE_MUL)
+        _store_record(dst2_ptr, addr2, y, mask & (col >= SPLIT)[None, :, :], sc, rcp, fast, FP8, NATIVE, ACT,
+                      SCALE_MUL)
+
+
+@triton.jit
 def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, rmask,
               dst_ptr, dst_n, dst_h, slot_ptr, s_slot, c_blk, block_size, capacity, scale_ptr,
               D: tl.constexpr, BLOCK_D: tl.constexpr, LOG2_BLOCK_D: tl.constexpr, VEC: tl.constexpr,
@@ -228,7 +264,9 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
               ROPE: tl.constexpr, R: tl.constexpr, ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, CONJ: tl.constexpr,
               CS_BF16: tl.constexpr, HALVES: tl.constexpr, TO_CACHE: tl.constexpr, STORE_FP8: tl.constexpr,
               SLOT32: tl.constexpr, NATIVE: tl.constexpr, SCALE_PER_HEAD: tl.constexpr = False,
-              ACT: tl.constexpr = 0, NUMERICS: tl.constexpr = 0):
+              ACT: tl.constexpr = 0, NUMERICS: tl.constexpr = 0, x2_ptr=None, s2_n=None, s2_h=None,
+              dst2_ptr=None, dst2_n=None, dst2_h=None, c2_blk=None, SPLIT: tl.constexpr = 0,
+              SCALE_MUL: tl.constexpr = False, SCALE_BY_VALUE: tl.constexpr = False):
     """Heads h0 .. h0 + G - 1 (those < H) of q or k for BLOCK_M tokens: norm -> RoPE -> the row at dst_ptr:
     q_out (bf16; token stride dst_n, which may be q itself), or (TO_CACHE) the record of the token's slot
     in a cache of (block, token) strides (c_blk, dst_n), bf16 or e4m3 by the scale. Every load that waits
@@ -238,7 +276,10 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
     once for the G heads. SCALE_PER_HEAD: the e4m3 scale is scale_ptr[h] for head h (one per head, read
     with the other early loads; its reciprocal per head), else scale_ptr[0] for every head. ACT: the
     activations' dtype (of x and of a destination that is not fp8); NUMERICS: the profile's code
-    (kvfuse.numerics_profiles)."""
+    (kvfuse.numerics_profiles). A head held as two tensors (the whole-row form only): x2_ptr (token / head
+    strides s2_n, s2_h) holds its columns from SPLIT on, and a destination held as two, dst2_ptr (strides
+    c2_blk, dst2_n, dst2_h as dst_ptr's), the same columns. SCALE_BY_VALUE: scale_ptr is the scale itself
+    (an fp32 argument); SCALE_MUL: the cast multiplies by it (_store_record)."""
     KEEP_F32: tl.constexpr = STORE_FP8 and NUMERICS == NUMERICS_FP32_CAST
     pos = tok
     slot = tok
@@ -251,6 +292,8 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
     if STORE_FP8:
         if SCALE_PER_HEAD:
             scs = _head_scales(scale_ptr, h0, H, G)
+        elif SCALE_BY_VALUE:
+            sc = scale_ptr
         else:
             sc = tl.load(scale_ptr)
     if HALVES:
@@ -291,11 +334,11 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
             if STORE_FP8 and SCALE_PER_HEAD:
                 sch = scs[g]
                 rch, fsh = _scale_rcp(sch)
-                _store_record(dst_ptr, dst, ya, mk, sch, rch, fsh, STORE_FP8, NATIVE)
-                _store_record(dst_ptr, dst + HALF, yb, mk, sch, rch, fsh, STORE_FP8, NATIVE)
+                _store_record(dst_ptr, dst, ya, mk, sch, rch, fsh, STORE_FP8, NATIVE, ACT, SCALE_MUL)
+                _store_record(dst_ptr, dst + HALF, yb, mk, sch, rch, fsh, STORE_FP8, NATIVE, ACT, SCALE_MUL)
             else:
-                _store_record(dst_ptr, dst, ya, mk, sc, rcp, fast, STORE_FP8, NATIVE, ACT)
-                _store_record(dst_ptr, dst + HALF, yb, mk, sc, rcp, fast, STORE_FP8, NATIVE, ACT)
+                _store_record(dst_ptr, dst, ya, mk, sc, rcp, fast, STORE_FP8, NATIVE, ACT, SCALE_MUL)
+                _store_record(dst_ptr, dst + HALF, yb, mk, sc, rcp, fast, STORE_FP8, NATIVE, ACT, SCALE_MUL)
     else:
         NV: tl.constexpr = BLOCK_D // VEC
         col = tl.arange(0, NV)[:, None] * VEC + tl.arange(0, VEC)[None, :]              # [NV, VEC]
@@ -318,8 +361,11 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
         xs = ()                                    # every head's loads first, as in the halves form
         xps = ()
         for g in tl.static_range(G):
+            x2row = tok
+            if x2_ptr is not None:
+                x2row = tok * s2_n + (h0 + g).to(tl.int64) * s2_h
             x, xp = _qk_row_loads(x_ptr, tok * s_n + (h0 + g).to(tl.int64) * s_h, tl.where(h0 + g < H, rmask, False),
-                                  col, cmask, rot_mask, partner, ROPE, ACT)
+                                  col, cmask, rot_mask, partner, ROPE, ACT, x2_ptr, x2row, SPLIT)
             xs = xs + (x,)
             xps = xps + (xp,)
         in_place_safe: tl.constexpr = ROPE and not TO_CACHE      # q_out may be q
@@ -327,6 +373,12 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
             tl.debug_barrier()     # every read of the rows (the partner reloads) comes before the stores
         rcp, fast, ok, dst_tok = _destination(sc, slot, tok, rmask, dst_n, c_blk, block_size, capacity, TO_CACHE,
                                               STORE_FP8, SLOT32)
+        dst2_tok = dst_tok
+        if dst2_ptr is not None:
+            if TO_CACHE:
+                _, dst2_tok = _record(slot, rmask, c2_blk, dst2_n, block_size, capacity, SLOT32)
+            else:
+                dst2_tok = tok * dst2_n
         for g in tl.static_range(G):
             h = h0 + g
             rm = tl.where(h < H, rmask, False)     # (rmask & scalar: int32 in the interpreter)
@@ -335,14 +387,17 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
             y = _qk_row(x, xp, rm, w, wp, eps, first, rot_mask, c, s, D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M,
                         HAS_NORM, ROPE, CONJ, NATIVE, ACT, NUMERICS, KEEP_F32)
             dst = (dst_tok + h.to(tl.int64) * dst_h)[:, None, None] + col[None, :, :]
+            dst2 = dst
+            if dst2_ptr is not None:
+                dst2 = (dst2_tok + h.to(tl.int64) * dst2_h)[:, None, None] + (col - SPLIT)[None, :, :]
             if STORE_FP8 and SCALE_PER_HEAD:
                 sch = scs[g]
                 rch, fsh = _scale_rcp(sch)
-                _store_record(dst_ptr, dst, y, (ok & rm)[:, None, None] & cmask[None, :, :], sch, rch, fsh,
-                              STORE_FP8, NATIVE)
+                _store_row(dst_ptr, dst, dst2_ptr, dst2, col, (ok & rm)[:, None, None] & cmask[None, :, :], y, sch,
+                           rch, fsh, STORE_FP8, NATIVE, ACT, SCALE_MUL, SPLIT)
             else:
-                _store_record(dst_ptr, dst, y, (ok & rm)[:, None, None] & cmask[None, :, :], sc, rcp, fast,
-                              STORE_FP8, NATIVE, ACT)
+                _store_row(dst_ptr, dst, dst2_ptr, dst2, col, (ok & rm)[:, None, None] & cmask[None, :, :], y, sc,
+                           rcp, fast, STORE_FP8, NATIVE, ACT, SCALE_MUL, SPLIT)
 
 
 @triton.jit
@@ -367,11 +422,12 @@ def _destination(sc, slot, tok, rmask, dst_n, c_blk, block_size, capacity, TO_CA
 def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, slot_ptr, s_slot, block_size,
              capacity, vs_ptr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, VEC: tl.constexpr, G: tl.constexpr,
              FP8: tl.constexpr, SLOT32: tl.constexpr, NATIVE: tl.constexpr, SCALE_PER_HEAD: tl.constexpr = False,
-             ACT: tl.constexpr = 0):
+             ACT: tl.constexpr = 0, SCALE_MUL: tl.constexpr = False, SCALE_BY_VALUE: tl.constexpr = False):
     """Heads h0 .. h0 + G - 1 (those < H) of v: copied (bf16 cache: the bits) or cast by v_scale into the
     records of the tokens' slots in vc_ptr ((block, token, head) strides c_blk, c_tok, dst_h). The slot,
     the scale and every head's values are loaded before anything waits on a load
-    (_qk_heads); the values of a token whose slot is invalid are loaded and not stored."""
+    (_qk_heads); the values of a token whose slot is invalid are loaded and not stored. SCALE_MUL,
+    SCALE_BY_VALUE: as in _qk_heads."""
     NVV: tl.constexpr = BLOCK_DV // VEC
     colv = tl.arange(0, NVV)[:, None] * VEC + tl.arange(0, VEC)[None, :]               # [NVV, VEC]
     vmask = colv < DV
@@ -381,6 +437,8 @@ def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, 
     if FP8:
         if SCALE_PER_HEAD:
             scs = _head_scales(vs_ptr, h0, H, G)
+        elif SCALE_BY_VALUE:
+            sc = vs_ptr
         else:
             sc = tl.load(vs_ptr)
     vals = ()                                      # every head's loads before any store
@@ -397,9 +455,9 @@ def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, 
             if SCALE_PER_HEAD:
                 sch = scs[g]
                 rch, fsh = _scale_rcp(sch)
-                _store_record(vc_ptr, dst, val, okm, sch, rch, fsh, FP8, NATIVE)
+                _store_record(vc_ptr, dst, val, okm, sch, rch, fsh, FP8, NATIVE, ACT, SCALE_MUL)
             else:
-                _store_record(vc_ptr, dst, val, okm, sc, rcp, fast, FP8, NATIVE)
+                _store_record(vc_ptr, dst, val, okm, sc, rcp, fast, FP8, NATIVE, ACT, SCALE_MUL)
         elif ACT == ACT_FP32:
             tl.store(vc_ptr.to(tl.pointer_type(tl.uint32)) + dst, val, mask=okm)
         else:
@@ -442,6 +500,13 @@ def qkv_kernel(
     CS_BF16: tl.constexpr, FP8: tl.constexpr, SLOT32: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr,
     HALVES: tl.constexpr, K_SCALE_PER_HEAD: tl.constexpr, V_SCALE_PER_HEAD: tl.constexpr,
     ACT: tl.constexpr = 0, NUMERICS: tl.constexpr = 0, KV_CACHE: tl.constexpr = True,
+    # heads held as two tensors (None: one), SPLIT their first part's width: q's, k's, q_out's and k's
+    # destination's (k_cache's or k_out's) columns from SPLIT on, with their own strides
+    q2_ptr=None, sq2_n=None, sq2_h=None, k2_ptr=None, sk2_n=None, sk2_h=None,
+    qo2_ptr=None, so2_n=None, so2_h=None, kd2_ptr=None, kd2_blk=None, kd2_tok=None, kd2_head=None,
+    qs_ptr=None,                            # q_out's e4m3 scale (Q_FP8)
+    SPLIT: tl.constexpr = 0, Q_FP8: tl.constexpr = False, SCALE_MUL: tl.constexpr = False,
+    SCALE_BY_VALUE: tl.constexpr = False, HAS_V: tl.constexpr = True,
 ):
     """One program: BLOCK_M tokens of G heads of one kind (see the module docstring). PDL (programmatic
     dependent launch): wait for the previous kernel before the first read. No early launch_dependents:
@@ -449,11 +514,14 @@ def qkv_kernel(
     waves (measured: 5.3 -> 7.7 us at n = 256); the implicit trigger at exit remains. ACT: the activations'
     dtype (ACT_BF16 / ACT_FP16 / ACT_FP32); NUMERICS: the profile (NUMERICS_STAGED / _FUSED / _FP32_CAST);
     not KV_CACHE: no caches, k's programs write k_out (passed as kc_ptr, token / head strides kc_tok /
-    kc_head) and no program reads v."""
+    kc_head) and no program reads v; not HAS_V: a K cache alone (MLA's latent). FP8: k's destination (and
+    v's) holds e4m3 codes, Q_FP8: q_out does (scale qs_ptr); SCALE_BY_VALUE: ks_ptr, vs_ptr, qs_ptr are
+    the scales themselves (fp32 arguments); SCALE_MUL: the casts multiply by the scale (FlashInfer's
+    convention) instead of dividing."""
     if PDL:
         gdc_wait()
     pid = tl.program_id(0)
-    if KV_CACHE:
+    if KV_CACHE and HAS_V:
         groups = QG + 2 * KG
     else:
         groups = QG + KG
@@ -463,18 +531,20 @@ def qkv_kernel(
     rmask = tok < n
     if grp < QG:
         _qk_heads(q_ptr, sq_n, sq_h, grp * G, HQ, qw_ptr, q_eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, rmask,
-                  qo_ptr, so_n, so_h, slot_ptr, s_slot, kc_blk, block_size, capacity, ks_ptr,
+                  qo_ptr, so_n, so_h, slot_ptr, s_slot, kc_blk, block_size, capacity, qs_ptr,
                   D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, G, Q_NORM, QW_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16,
-                  HALVES, False, False, SLOT32, NATIVE, False, ACT, NUMERICS)
+                  HALVES, False, Q_FP8, SLOT32, NATIVE, False, ACT, NUMERICS, q2_ptr, sq2_n, sq2_h,
+                  qo2_ptr, so2_n, so2_h, None, SPLIT, SCALE_MUL, SCALE_BY_VALUE)
     elif grp < QG + KG:
         _qk_heads(k_ptr, sk_n, sk_h, (grp - QG) * G, HKV, kw_ptr, k_eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, rmask,
                   kc_ptr, kc_tok, kc_head, slot_ptr, s_slot, kc_blk, block_size, capacity, ks_ptr,
                   D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, G, K_NORM, KW_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16,
-                  HALVES, KV_CACHE, FP8, SLOT32, NATIVE, K_SCALE_PER_HEAD, ACT, NUMERICS)
-    elif KV_CACHE:
+                  HALVES, KV_CACHE, FP8, SLOT32, NATIVE, K_SCALE_PER_HEAD, ACT, NUMERICS, k2_ptr, sk2_n, sk2_h,
+                  kd2_ptr, kd2_tok, kd2_head, kd2_blk, SPLIT, SCALE_MUL, SCALE_BY_VALUE)
+    elif KV_CACHE and HAS_V:
         _v_heads(v_ptr, sv_n, sv_h, (grp - QG - KG) * G, HKV, tok, rmask, vc_ptr, vc_blk, vc_tok, vc_head, slot_ptr,
                  s_slot, block_size, capacity, vs_ptr, DV, BLOCK_DV, VEC, G, FP8, SLOT32, NATIVE, V_SCALE_PER_HEAD,
-                 ACT)
+                 ACT, SCALE_MUL, SCALE_BY_VALUE)
 
 
 # --------------------------------------------------------------------------- launch configuration
@@ -513,46 +583,76 @@ def launch_config(n: int, block_d: int, heads: int = 1, interpret: bool = INTERP
 
 def halves_mode(plan, d: int, block_d: int) -> bool:
     """The q and k rows go as their two halves (``_qk_halves_row``): NEOX RoPE over the whole row
-    (rotary_dim == head_dim, a power of two, offset 0), whose halves are whole 8-column vectors."""
+    (rotary_dim == head_dim, a power of two, offset 0), whose halves are whole 8-column vectors, and no
+    head held as two tensors."""
     return (plan.positions is not None and plan.is_neox and plan.rotary_dim == d == block_d
-            and plan.rope_offset == 0 and (d // 2) % 8 == 0)
+            and plan.rope_offset == 0 and (d // 2) % 8 == 0 and plan.split == 0)
+
+
+_TAIL_PARAMS = ("q2_ptr", "sq2_n", "sq2_h", "k2_ptr", "sk2_n", "sk2_h", "qo2_ptr", "so2_n", "so2_h",
+                "kd2_ptr", "kd2_blk", "kd2_tok", "kd2_head")
+
+
+def _tail_args(t, cache_strides=None):
+    """A tail tensor's kernel arguments: (tensor, token stride, head stride), or for a cache tail (tensor,
+    block, token, head strides); Nones for an absent tail (the kernel's one-tensor code)."""
+    if t is None:
+        return (None,) * (3 if cache_strides is None else 4)
+    if cache_strides is not None:
+        return (t, *cache_strides(t))
+    return (t, t.stride(0), t.stride(1))
+
+
+def _per_head(scale) -> bool:
+    return scale is not None and scale.numel() > 1
+
+
+def _codes(t):
+    """An fp8 tensor as the bytes the kernel writes (e4m3 codes), others as they are."""
+    return t.view(torch.uint8) if t is not None and t.dtype == torch.float8_e4m3fn else t
 
 
 def launch_args(plan):
     """(grid, positional args, keyword args) of qkv_kernel for a validated kvfuse.gqa.GQAPlan."""
     q, k = plan.q, plan.k
-    v = k if plan.v is None else plan.v        # without caches v is not read
-    n, hq, d = q.shape
-    hkv, dv = k.shape[1], v.shape[2]
+    v = k if plan.v is None else plan.v        # without caches (or V) v is not read
+    n, hq, hkv, d = plan.n, q.shape[1], k.shape[1], plan.head_dim
+    dv = d if plan.v is None else v.shape[2]
     block_d, block_dv = next_pow2(d), next_pow2(dv)
     bm, g, nw = launch_config(n, block_d, max(hq, hkv))
     qg, kg = cdiv(hq, g), cdiv(hkv, g)
-    fp8 = plan.fp8
+    fp8 = plan.k_fp8
     rope = plan.positions is not None
+    by_value = plan.scales_by_value
 
     def or_q(t):   # q stands in for a tensor the call does not have (never dereferenced)
         return q if t is None else t
 
     if plan.has_cache:
-        kc = plan.k_cache.view(torch.uint8) if fp8 else plan.k_cache   # e4m3 codes written as bytes
-        vc = plan.v_cache.view(torch.uint8) if fp8 else plan.v_cache
-        k_dst = (kc, *plan.cache_strides(plan.k_cache))
-        v_dst = (vc, *plan.cache_strides(plan.v_cache))
+        k_dst = (_codes(plan.k_cache), *plan.cache_strides(plan.k_cache))   # e4m3 codes written as bytes
+        v_dst = (_codes(or_q(plan.v_cache)), *(plan.cache_strides(plan.v_cache) if plan.has_v else (0, 0, 0)))
+        k_dst_tail = _tail_args(_codes(plan.k_cache_tail), plan.cache_strides)
         slots = (plan.slot_mapping, plan.slot_mapping.stride(0))
         cap = plan.capacity
     else:          # k's programs write k_out (token and head strides in the cache's token and head slots)
-        k_dst = (plan.k_out, 0, plan.k_out.stride(0), plan.k_out.stride(1))
+        k_dst = (_codes(plan.k_out), 0, plan.k_out.stride(0), plan.k_out.stride(1))
         v_dst = (q, 0, 0, 0)
+        t = plan.k_out_tail
+        k_dst_tail = (None,) * 4 if t is None else (_codes(t), None, t.stride(0), t.stride(1))
         slots = (q, 0)
         cap = 0
+    if by_value:       # the scales themselves (fp32 arguments)
+        k_sc, v_sc, q_sc = plan.k_scale_value, plan.v_scale_value, plan.q_scale_value
+    else:
+        k_sc, v_sc, q_sc = or_q(plan.k_scale), or_q(plan.v_scale), plan.q_scale
     args = (
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
-        plan.q_out, plan.q_out.stride(0), plan.q_out.stride(1),
+        _codes(plan.q_out), plan.q_out.stride(0), plan.q_out.stride(1),
         or_q(plan.q_weight), plan.q_eps, or_q(plan.k_weight), plan.k_eps,
         or_q(plan.positions), plan.positions.stride(0) if rope else 0, or_q(plan.cos_sin),
         plan.cos_sin.stride(0) if rope else 0, plan.cos_sin.shape[0] if rope else 0,
         *slots, *k_dst, *v_dst,
-        or_q(plan.k_scale), or_q(plan.v_scale),
+        k_sc, v_sc,
         max(plan.block_size, 1), cap, n, hq, hkv, qg, kg,
     )
     options = dict(
@@ -564,7 +664,7 @@ def launch_args(plan):
         NEOX=plan.is_neox, CONJ=plan.conjugate, CS_BF16=rope and plan.cos_sin.dtype == torch.bfloat16,
         FP8=fp8, SLOT32=cap < config.INT32_LIMIT, NATIVE=native(INTERPRET), PDL=False,
         HALVES=halves_mode(plan, d, block_d),
-        K_SCALE_PER_HEAD=fp8 and plan.k_scale.numel() > 1, V_SCALE_PER_HEAD=fp8 and plan.v_scale.numel() > 1,
+        K_SCALE_PER_HEAD=_per_head(plan.k_scale), V_SCALE_PER_HEAD=_per_head(plan.v_scale),
         num_warps=nw, num_stages=1,
         enable_fp_fusion=False,
     )
@@ -576,7 +676,22 @@ def launch_args(plan):
         options["NUMERICS"] = profile
     if not plan.has_cache:
         options["KV_CACHE"] = False
-    groups = qg + (2 * kg if plan.has_cache else kg)
+    # the newer arguments only where a call uses them (their defaults, None, are compile-time constants)
+    if plan.split:
+        options["SPLIT"] = plan.split
+        tails = (*_tail_args(plan.q_tail), *_tail_args(plan.k_tail), *_tail_args(_codes(plan.q_out_tail)),
+                 *k_dst_tail)
+        options.update(zip(_TAIL_PARAMS, tails))
+    if plan.q_fp8:
+        options["Q_FP8"] = True
+        options["qs_ptr"] = q_sc
+    if plan.scale_convention == "multiply":
+        options["SCALE_MUL"] = True
+    if by_value:
+        options["SCALE_BY_VALUE"] = True
+    if not plan.has_v and plan.has_cache:
+        options["HAS_V"] = False
+    groups = qg + (2 * kg if plan.has_cache and plan.has_v else kg)
     return (cdiv(n, bm) * groups,), args, options
 
 

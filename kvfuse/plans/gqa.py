@@ -3,6 +3,7 @@
 each other or any input (q_out may be q itself, k_out k itself: in place)."""
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -61,69 +62,175 @@ def _check_cache(cache, name, layout, nb_bs, heads, dim, dev, act=None):
     return nb, bs
 
 
-def _check_scale(scale, name, fp8, dev, heads):
+SCALE_CONVENTIONS = ("divide", "multiply")
+
+
+def _parts(x, name):
+    """(first, tail) of a tensor given whole or as a pair (its heads' first columns, the rest); tail None
+    for a whole tensor."""
+    if isinstance(x, (tuple, list)) and len(x) == 2:
+        return x[0], x[1]
+    return x, None         # anything else: the tensor checks name it
+
+
+def _check_pair(first, tail, name, dev, n, min_heads, dtypes):
+    """A whole [n, H, D] tensor, or a pair of [n, H, S] and [n, H, D - S] of one dtype: returns D."""
+    if tail is None:
+        _check_heads(first, name, dev, n, min_heads, dtypes)
+        return first.shape[2]
+    _check_heads(first, f"{name}[0]", dev, n, min_heads, dtypes)
+    _check_heads(tail, f"{name}[1]", dev, first.shape[0], min_heads, (first.dtype,))
+    if tail.shape[1] != first.shape[1]:
+        raise ValueError(f"{name}[1]: expected {first.shape[1]} heads ({name}[0]'s), got shape {tuple(tail.shape)}")
+    return first.shape[2] + tail.shape[2]
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_scale(scale, name, fp8, dev, heads, what="a float8_e4m3fn cache"):
+    """A cast's scale: None without fp8, else a number (finite > 0) or an fp32 tensor of one element or
+    (heads not None) one per kv head. Returns (tensor or None, number or None)."""
     if not fp8:
         if scale is not None:
-            raise ValueError(f"{name} must be None without a float8_e4m3fn cache, got a {type(scale).__name__}")
-        return None
+            raise ValueError(f"{name} must be None without {what}, got a {type(scale).__name__}")
+        return None, None
     if scale is None:
-        raise ValueError(f"{name}: a float8_e4m3fn cache needs its fp32 scale (one, or one per kv head), got None")
+        per_head = " (one, or one per kv head)" if heads is not None else ""
+        raise ValueError(f"{name}: {what} needs its fp32 scale{per_head}, got None")
+    if _is_number(scale):
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {scale!r}")
+        return None, float(scale)
     check_tensor(scale, name, (torch.float32,), dev, last_contiguous=False)
     one = scale.numel() == 1 and scale.dim() <= 1
-    if not one and tuple(scale.shape) != (heads,):
-        raise ValueError(f"{name}: expected one element (shape () or (1,)) or one per kv head (shape ({heads},)), "
-                         f"got shape {tuple(scale.shape)}")
+    if not one and (heads is None or tuple(scale.shape) != (heads,)):
+        per_head = f" or one per kv head (shape ({heads},))" if heads is not None else ""
+        raise ValueError(f"{name}: expected one element (shape () or (1,)){per_head}, got shape {tuple(scale.shape)}")
     if not one and scale.stride(0) != 1:
         raise ValueError(f"{name}: a per-head scale must be contiguous (stride 1), got stride {scale.stride(0)}")
-    return scale
+    return scale, None
+
+
+def _check_output(t, name, act, dev, shape, fp8_ok=False):
+    """q_out / k_out (or one part of a pair): the activations' dtype (or float8_e4m3fn where a scale may
+    be given) and the shape given, rows that do not overlap each other."""
+    check_tensor(t, name, (act, torch.float8_e4m3fn) if fp8_ok else (act,), dev, shape=shape)
+    if shape[0] > row_limit(t, name):
+        raise ValueError(f"{name}: its rows overlap in memory for n = {shape[0]} (strides {t.stride()}): an "
+                         f"output must not be expanded (stride 0) or otherwise overlap itself")
+    return t
+
+
+def _width(t, dims):
+    """The last dim of a tensor of ``dims`` dimensions, else -1 (for the messages of a bad pair)."""
+    return t.shape[-1] if isinstance(t, torch.Tensor) and t.dim() == dims else -1
+
+
+def _describe(t):
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _check_split(first, name, width, split, d):
+    """The first part of a pair is ``width`` columns wide: those of the call's other pairs (split), and
+    0 < width < head_dim."""
+    if (split and width != split) or not 0 < width < d:
+        want = f"{split} columns (the call's other pairs split there)" if split else \
+            f"a last dim S with 0 < S < head_dim ({d})"
+        raise ValueError(f"{name}[0]: expected {want}, got {_describe(first)}")
+    return width
+
+
+def _check_out_pair(out, name, act, dev, n, heads, d, split):
+    """q_out / k_out given whole or as a pair split like the call's other pairs: (first, tail)."""
+    first, tail = _parts(out, name)
+    if tail is None:
+        return _check_output(first, name, act, dev, (n, heads, d), True), None
+    w = _check_split(first, name, _width(first, 3), split, d)
+    _check_output(first, f"{name}[0]", act, dev, (n, heads, w), True)
+    _check_output(tail, f"{name}[1]", first.dtype, dev, (n, heads, d - w))
+    return first, tail
 
 
 def validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_args=None, rope_args=None,
-             k_scale=None, v_scale=None, layout="NHD", q_out=None, numerics="staged", k_out=None) -> GQAPlan:
+             k_scale=None, v_scale=None, layout="NHD", q_out=None, numerics="staged", k_out=None, q_scale=None,
+             scale_convention="divide") -> GQAPlan:
     """Check every argument (SPEC §11 and §5) and return the call's plan (``q_out`` / ``k_out`` as given:
     None when the call allocates them)."""
+    q, q_tail = _parts(q, "q")
     if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+        raise TypeError(f"q must be a torch.Tensor (or a pair of them), got {type(q).__name__}")
     dev = q.device
-    _check_heads(q, "q", dev, min_heads=0)     # no q heads: K and V alone (an engine's cache write)
+    d = _check_pair(q, q_tail, "q", dev, None, 0, ACTIVATION_DTYPES)   # no q heads: K and V alone
     act = q.dtype
-    n, hq, d = q.shape
-    _check_heads(k, "k", dev, n, dtypes=(act,))
+    n, hq = q.shape[0], q.shape[1]
+    k, k_tail = _parts(k, "k")
+    if _check_pair(k, k_tail, "k", dev, n, 1, (act,)) != d:
+        raise ValueError(f"k: expected head_dim {d} (q's), got {_describe(k)}"
+                         + ("" if k_tail is None else f" and {_describe(k_tail)}"))
     hkv = k.shape[1]
-    if k.shape[2] != d:
-        raise ValueError(f"k: expected head_dim {d} (q's), got shape {tuple(k.shape)}")
-    if v is not None or k_cache is not None or v_cache is not None:     # v may be None without caches
-        _check_heads(v, "v", dev, n, dtypes=(act,))
-        if v.shape[1] != hkv:
-            raise ValueError(f"v: expected {hkv} heads (k's), got shape {tuple(v.shape)}")
+    split = 0
+    for first, tail, name in ((q, q_tail, "q"), (k, k_tail, "k")):
+        if tail is not None:
+            split = _check_split(first, name, first.shape[2], split, d)
     if hq % hkv:
         raise ValueError(f"q: num_heads {hq} must be a multiple of k's num_heads {hkv} (GQA / MHA)")
     if not isinstance(layout, str) or layout not in GQA_LAYOUTS:
         raise ValueError(f"layout must be one of {GQA_LAYOUTS}, got {layout!r}")
     profile(numerics)
-    if k_cache is None or v_cache is None:
-        if k_cache is not None or v_cache is not None:
-            given, missing = ("k_cache", "v_cache") if k_cache is not None else ("v_cache", "k_cache")
-            raise ValueError(f"{missing}: None with {given} given; pass both caches, or neither (k written to k_out)")
-        for name, t in (("slot_mapping", slot_mapping), ("k_scale", k_scale), ("v_scale", v_scale)):
+    if not isinstance(scale_convention, str) or scale_convention not in SCALE_CONVENTIONS:
+        raise ValueError(f"scale_convention must be one of {SCALE_CONVENTIONS}, got {scale_convention!r}")
+    scales = (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale))
+    numbers = [name for name, x in scales if _is_number(x)]
+    tensors = [name for name, x in scales if isinstance(x, torch.Tensor)]
+    if numbers and tensors:
+        raise TypeError(f"{numbers[0]}: a number with {tensors[0]} a tensor; pass every scale of a call as a "
+                        "number or every one as a tensor")
+    if k_cache is None:
+        if v_cache is not None:
+            raise ValueError("k_cache: None with v_cache given; pass both caches, k_cache alone (no V), or neither "
+                             "(k written to k_out)")
+        for name, t in (("slot_mapping", slot_mapping), ("v_scale", v_scale)):
             if t is not None:
                 raise ValueError(f"{name} must be None without caches, got a {type(t).__name__}")
         plan = GQAPlan(q=q, k=k, v=v, k_cache=None, v_cache=None, slot_mapping=None, layout=layout,
                        numerics=numerics)
         if k_out is not None:
-            plan.k_out = _check_output(k_out, "k_out", act, dev, (n, hkv, d))
+            plan.k_out, plan.k_out_tail = _check_out_pair(k_out, "k_out", act, dev, n, hkv, d, split)
+            split = split or _width(plan.k_out, 3) * (plan.k_out_tail is not None)
+        plan.k_scale, plan.k_scale_value = _check_scale(k_scale, "k_scale", plan.k_fp8, dev, None,
+                                                        "a float8_e4m3fn k_out")
     else:
         if k_out is not None:
             raise ValueError("k_out must be None when k goes to k_cache (k_out receives k only without caches)")
-        nb_bs = _check_cache(k_cache, "k_cache", layout, None, hkv, d, dev, act)
-        _check_cache(v_cache, "v_cache", layout, nb_bs, hkv, v.shape[2], dev, act)
-        if v_cache.dtype != k_cache.dtype:
-            raise TypeError(f"v_cache: expected dtype {k_cache.dtype} (k_cache's), got {v_cache.dtype}")
+        kc, kc_tail = _parts(k_cache, "k_cache")
+        if v_cache is None and v is not None:
+            raise ValueError("v: given without v_cache; pass v_cache too, or v=None for a K cache alone")
+        if kc_tail is None:
+            nb_bs = _check_cache(kc, "k_cache", layout, None, hkv, d, dev, act)
+        else:
+            split = _check_split(kc, "k_cache", _width(kc, 4), split, d)
+            nb_bs = _check_cache(kc, "k_cache[0]", layout, None, hkv, split, dev, act)
+            _check_cache(kc_tail, "k_cache[1]", layout, nb_bs, hkv, d - split, dev, act)
+            if kc_tail.dtype != kc.dtype:
+                raise TypeError(f"k_cache[1]: expected dtype {kc.dtype} (k_cache[0]'s), got {kc_tail.dtype}")
+        if v_cache is not None:
+            _check_heads(v, "v", dev, n, dtypes=(act,))
+            if v.shape[1] != hkv:
+                raise ValueError(f"v: expected {hkv} heads (k's), got shape {tuple(v.shape)}")
+            _check_cache(v_cache, "v_cache", layout, nb_bs, hkv, v.shape[2], dev, act)
+            if v_cache.dtype != kc.dtype:
+                raise TypeError(f"v_cache: expected dtype {kc.dtype} (k_cache's), got {v_cache.dtype}")
+        elif v_scale is not None:
+            raise ValueError(f"v_scale must be None without v_cache, got a {type(v_scale).__name__}")
         check_index_vector(slot_mapping, "slot_mapping", n, dev)
-        fp8 = k_cache.dtype == torch.float8_e4m3fn
-        plan = GQAPlan(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, layout=layout,
-                       k_scale=_check_scale(k_scale, "k_scale", fp8, dev, hkv),
-                       v_scale=_check_scale(v_scale, "v_scale", fp8, dev, hkv), numerics=numerics)
+        fp8 = kc.dtype == torch.float8_e4m3fn
+        plan = GQAPlan(q=q, k=k, v=v, k_cache=kc, v_cache=v_cache, slot_mapping=slot_mapping, layout=layout,
+                       numerics=numerics, k_cache_tail=kc_tail)
+        plan.k_scale, plan.k_scale_value = _check_scale(k_scale, "k_scale", fp8, dev, hkv)
+        plan.v_scale, plan.v_scale_value = _check_scale(v_scale, "v_scale", fp8 and v_cache is not None, dev, hkv)
+    plan.q_tail, plan.k_tail, plan.scale_convention = q_tail, k_tail, scale_convention
     plan.q_weight, plan.q_eps = check_rms_norm(q_norm_args, "q_norm_args", d, dev)
     plan.k_weight, plan.k_eps = check_rms_norm(k_norm_args, "k_norm_args", d, dev)
     if rope_args is not None:
@@ -132,17 +239,10 @@ def validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_a
         plan.positions, plan.cos_sin, plan.rotary_dim, plan.rope_offset = rope_args.positions, cs, r, off
         plan.is_neox, plan.conjugate = rope_args.is_neox, rope_args.conjugate
     if q_out is not None:
-        plan.q_out = _check_output(q_out, "q_out", act, dev, (n, hq, d))
+        plan.q_out, plan.q_out_tail = _check_out_pair(q_out, "q_out", act, dev, n, hq, d, split)
+    plan.q_scale, plan.q_scale_value = _check_scale(q_scale, "q_scale", plan.q_fp8, dev, None,
+                                                    "a float8_e4m3fn q_out")
     return plan
-
-
-def _check_output(t, name, act, dev, shape):
-    """q_out / k_out: the activations' dtype and the shape given, rows that do not overlap each other."""
-    check_tensor(t, name, (act,), dev, shape=shape)
-    if shape[0] > row_limit(t, name):
-        raise ValueError(f"{name}: its rows overlap in memory for n = {shape[0]} (strides {t.stride()}): an "
-                         f"output must not be expanded (stride 0) or otherwise overlap itself")
-    return t
 
 
 def validate_load(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_scale=None) -> None:
@@ -167,12 +267,14 @@ def validate_load(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_
     _check_scale(v_scale, "v_scale", fp8, dev, heads)
 
 # =============================================================================== aliasing (SPEC §5)
-_NAMES = ("q_out", "k_out", "k_cache", "v_cache", "q", "k", "v", "slot_mapping", "q_norm_args.weight",
-          "k_norm_args.weight", "rope_args.positions", "rope_args.cos_sin_cache", "k_scale", "v_scale")
-_FIELDS = ("q_out", "k_out", "k_cache", "v_cache", "q", "k", "v", "slot_mapping", "q_weight", "k_weight",
-           "positions", "cos_sin", "k_scale", "v_scale")
-_OUTPUTS = 4                 # the first four fields are written
-_IN_PLACE = {("q_out", "q"), ("k_out", "k")}   # an output that may be its input itself
+_NAMES = ("q_out", "k_out", "k_cache", "v_cache", "q_out[1]", "k_out[1]", "k_cache[1]", "q", "k", "v", "q[1]",
+          "k[1]", "slot_mapping", "q_norm_args.weight", "k_norm_args.weight", "rope_args.positions",
+          "rope_args.cos_sin_cache", "k_scale", "v_scale", "q_scale")
+_FIELDS = ("q_out", "k_out", "k_cache", "v_cache", "q_out_tail", "k_out_tail", "k_cache_tail", "q", "k", "v",
+           "q_tail", "k_tail", "slot_mapping", "q_weight", "k_weight", "positions", "cos_sin", "k_scale", "v_scale",
+           "q_scale")
+_OUTPUTS = 7                 # the first seven fields are written
+_IN_PLACE = {("q_out", "q"), ("k_out", "k"), ("q_out_tail", "q_tail"), ("k_out_tail", "k_tail")}   # an output that may be its input itself
 _VERDICTS = {}               # (tensor keys of a pair whose byte spans meet) -> True: their elements are disjoint
 _VERDICTS_SIZE = 256
 _verdict_lock = threading.Lock()
@@ -209,7 +311,8 @@ def _key(t):
 
 def check_overlap(plan: GQAPlan) -> None:
     """SPEC §5 for this entry point: q_out, k_out, k_cache and v_cache must not overlap each other or any
-    input; q_out may be q itself and k_out k itself (the same elements: in place). Byte spans first; where two spans meet, the
+    input; q_out may be q itself and k_out k itself (the same elements: in place; each part of a pair its
+    input's part). Byte spans first; where two spans meet, the
     elements are compared exactly (vLLM's k and v caches, kv_cache[:, 0] and kv_cache[:, 1], share one
     allocation without sharing an element); a verdict is remembered for the pair's pointers, shapes and
     strides. Meta tensors are not checked."""
@@ -241,16 +344,22 @@ def check_overlap(plan: GQAPlan) -> None:
                 _VERDICTS[key] = True
 
 
+def _like(t):
+    """A new contiguous tensor of t's shape, dtype and device (None for None)."""
+    return None if t is None else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
 def prepare(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_args=None, rope_args=None,
-            k_scale=None, v_scale=None, layout="NHD", q_out=None, numerics="staged", k_out=None) -> GQAPlan:
-    """The call's plan: validated, q_out (and k_out without caches) allocated when not given, the aliasing
-    rules checked (eagerly: not on meta tensors or while tracing)."""
+            k_scale=None, v_scale=None, layout="NHD", q_out=None, numerics="staged", k_out=None, q_scale=None,
+            scale_convention="divide") -> GQAPlan:
+    """The call's plan: validated, q_out (and k_out without caches) allocated when not given (like q and
+    k: a pair for a pair), the aliasing rules checked (eagerly: not on meta tensors or while tracing)."""
     plan = validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale, v_scale,
-                    layout, q_out, numerics, k_out)
+                    layout, q_out, numerics, k_out, q_scale, scale_convention)
     if plan.q_out is None:
-        plan.q_out = torch.empty((plan.n,) + tuple(q.shape[1:]), dtype=q.dtype, device=q.device)
+        plan.q_out, plan.q_out_tail = _like(plan.q), _like(plan.q_tail)
     if not plan.has_cache and plan.k_out is None:
-        plan.k_out = torch.empty((plan.n,) + tuple(k.shape[1:]), dtype=k.dtype, device=k.device)
-    if addresses_known(q.device):
+        plan.k_out, plan.k_out_tail = _like(plan.k), _like(plan.k_tail)
+    if addresses_known(plan.device):
         check_overlap(plan)
     return plan

@@ -104,7 +104,7 @@ PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(Plan))
 class GQAPlan:
     """One validated call of :func:`kvfuse.fused_qk_norm_rope_store_kv`. Tensors are the caller's."""
     OP: ClassVar[str] = "fused_qk_norm_rope_store_kv"
-    WRITES: ClassVar[tuple] = ("k_cache", "v_cache", "q_out", "k_out")
+    WRITES: ClassVar[tuple] = ("k_cache", "v_cache", "q_out", "k_out", "q_out_tail", "k_out_tail", "k_cache_tail")
 
     q: torch.Tensor                           # bf16 / fp16 / fp32 [n, Hq, D], stride(-1) == 1
     k: torch.Tensor                           # q's dtype [n, Hkv, D], stride(-1) == 1
@@ -127,11 +127,56 @@ class GQAPlan:
     v_scale: Optional[torch.Tensor] = None
     layout: str = "NHD"
     numerics: str = "staged"                  # a kvfuse.numerics_profiles.PROFILES name
-    k_out: Optional[torch.Tensor] = None      # without caches: q's dtype [n, Hkv, D] receiving k (may be k)
+    k_out: Optional[torch.Tensor] = None      # without caches: q's dtype / float8_e4m3fn [n, Hkv, D] receiving k (may be k)
+    # a head held as two tensors: q, k, q_out, k_out, k_cache above hold its first ``split`` columns and
+    # these the rest (None: the tensor above holds the whole head)
+    q_tail: Optional[torch.Tensor] = None
+    k_tail: Optional[torch.Tensor] = None
+    q_out_tail: Optional[torch.Tensor] = None
+    k_out_tail: Optional[torch.Tensor] = None
+    k_cache_tail: Optional[torch.Tensor] = None
+    q_scale: Optional[torch.Tensor] = None    # fp32, one element (float8_e4m3fn q_out only)
+    # the scales given as numbers (then every scale of the call is one, and the tensor fields are None)
+    q_scale_value: Optional[float] = None
+    k_scale_value: Optional[float] = None
+    v_scale_value: Optional[float] = None
+    scale_convention: str = "divide"          # "divide": e4m3(x / scale) (vLLM); "multiply": e4m3(x * scale) (FlashInfer)
 
     @property
     def n(self) -> int:
         return self.q.shape[0]
+
+    @property
+    def split(self) -> int:
+        """The first part's width of the heads held as two tensors (0: none is)."""
+        for first, tail in ((self.q, self.q_tail), (self.k, self.k_tail), (self.q_out, self.q_out_tail),
+                            (self.k_out, self.k_out_tail), (self.k_cache, self.k_cache_tail)):
+            if tail is not None:
+                return first.shape[-1]
+        return 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[2] + (0 if self.k_tail is None else self.k_tail.shape[2])
+
+    @property
+    def has_v(self) -> bool:
+        """V is written (with caches: v and v_cache given; a K cache alone otherwise)."""
+        return self.v_cache is not None
+
+    @property
+    def k_fp8(self) -> bool:
+        """k's destination (k_cache, or k_out without caches) holds e4m3 codes."""
+        dst = self.k_cache if self.k_cache is not None else self.k_out
+        return dst is not None and dst.dtype == torch.float8_e4m3fn
+
+    @property
+    def q_fp8(self) -> bool:
+        return self.q_out is not None and self.q_out.dtype == torch.float8_e4m3fn
+
+    @property
+    def scales_by_value(self) -> bool:
+        return any(v is not None for v in (self.q_scale_value, self.k_scale_value, self.v_scale_value))
 
     @property
     def device(self) -> torch.device:

@@ -74,38 +74,80 @@ def qk_norm_rope(x: torch.Tensor, weight=None, eps: float = 1e-6, positions=None
     return y
 
 
+def _write(out, tail, rows: torch.Tensor) -> None:
+    """rows [n, H, D] (values of the outputs' dtype, or uint8 e4m3 codes) into out, or its first columns
+    into out and the rest into tail."""
+    parts = [out] if tail is None else [out, tail]
+    col = 0
+    for t in parts:
+        w = t.shape[-1]
+        t.view(rows.dtype).copy_(rows[..., col:col + w])
+        col += w
+
+
+def _cast_or_round(y32, rounded, fp8: bool, scale, prof, convention):
+    """A Q / K result for its destination: e4m3 codes of the fp32 or the rounded value (the profile says
+    which) when ``fp8``, else the rounded value."""
+    if not fp8:
+        return rounded
+    return quantize_per_tensor(y32 if prof.cast_reads_fp32 else rounded, scale, convention)
+
+
 def qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_out, q_weight=None, q_eps=1e-6, k_weight=None,
                           k_eps=1e-6, positions=None, cos_sin=None, rotary_dim=0, rope_offset=0, is_neox=True,
                           conjugate=False, k_scale=None, v_scale=None, layout="NHD", numerics="staged",
-                          k_out=None) -> None:
-    """The unfused chain of :func:`kvfuse.fused_qk_norm_rope_store_kv` (validated arguments): q -> norm ->
-    RoPE -> q_out; k -> norm -> RoPE -> (e4m3 by k_scale) -> k_cache (or k_out without caches); v -> (e4m3
-    by v_scale) -> v_cache. Values are rounded to the activations' dtype (q's) as ``numerics`` says; an
-    fp8 cast reads the rounded k, or its fp32 value under "fused_fp32_cast". fp8 caches when the scales
-    are given, else caches of the activations' dtype."""
+                          k_out=None, q_scale=None, scale_convention="divide", q_out_tail=None, k_out_tail=None,
+                          k_cache_tail=None) -> None:
+    """The unfused chain of :func:`kvfuse.fused_qk_norm_rope_store_kv` (validated arguments; q and k whole
+    [n, H, D]): q -> norm -> RoPE -> q_out (e4m3 by q_scale for an fp8 q_out); k -> norm -> RoPE -> (e4m3
+    by k_scale) -> k_cache (or k_out without caches); v -> (e4m3 by v_scale) -> v_cache (none when
+    v_cache is None). Values are rounded to the activations' dtype (q's) as ``numerics`` says; an fp8 cast
+    reads the rounded value, or the fp32 one under "fused_fp32_cast", and divides by its scale or
+    (``scale_convention`` "multiply") multiplies. A ``*_tail`` receives its tensor's columns from
+    out.shape[-1] on. Scales: tensors or numbers."""
     prof = profile(numerics)
     act = q.dtype
-    qy = qk_norm_rope(q, q_weight, q_eps, positions, cos_sin, rotary_dim, rope_offset, is_neox, conjugate,
-                      numerics).to(act)
-    k32 = qk_norm_rope(k, k_weight, k_eps, positions, cos_sin, rotary_dim, rope_offset, is_neox, conjugate,
-                       numerics)
-    ky = k32.to(act)
+
+    def transformed(x, w, eps):
+        y32 = qk_norm_rope(x, w, eps, positions, cos_sin, rotary_dim, rope_offset, is_neox, conjugate, numerics)
+        return y32, y32.to(act)
+
+    q32, qy = transformed(q, q_weight, q_eps)
+    k32, ky = transformed(k, k_weight, k_eps)
     if k_cache is None:
-        k_out.copy_(ky)
-    elif k_scale is None:
-        store_paged(k_cache, slot_mapping, ky, layout)
-        store_paged(v_cache, slot_mapping, v, layout)
+        _write(k_out, k_out_tail, _cast_or_round(k32, ky, k_out.dtype == torch.float8_e4m3fn, k_scale, prof,
+                                                 scale_convention))
     else:
-        store_paged(k_cache, slot_mapping, quantize_per_tensor(k32 if prof.cast_reads_fp32 else ky, k_scale), layout)
-        store_paged(v_cache, slot_mapping, quantize_per_tensor(v, v_scale), layout)
-    q_out.copy_(qy)
+        fp8 = k_cache.dtype == torch.float8_e4m3fn
+        krows = _cast_or_round(k32, ky, fp8, k_scale, prof, scale_convention)
+        if k_cache_tail is None:
+            store_paged(k_cache, slot_mapping, krows, layout)
+        else:
+            split = k_cache.shape[-1]
+            store_paged(k_cache, slot_mapping, krows[..., :split], layout)
+            store_paged(k_cache_tail, slot_mapping, krows[..., split:], layout)
+        if v_cache is not None:
+            store_paged(v_cache, slot_mapping, quantize_per_tensor(v, v_scale, scale_convention) if fp8 else v,
+                        layout)
+    _write(q_out, q_out_tail, _cast_or_round(q32, qy, q_out.dtype == torch.float8_e4m3fn, q_scale, prof,
+                                             scale_convention))
+
+
+def _whole(first, tail):
+    return first if tail is None else torch.cat([first, tail], dim=-1)
 
 
 def run_gqa_plan(plan) -> None:
     """Execute a validated :class:`kvfuse.plans.types.GQAPlan` with the unfused chain (the "reference" backend)."""
     if plan.n == 0:
         return
-    qk_norm_rope_store_kv(plan.q, plan.k, plan.v, plan.k_cache, plan.v_cache, plan.slot_mapping, plan.q_out,
-                          plan.q_weight, plan.q_eps, plan.k_weight, plan.k_eps, plan.positions, plan.cos_sin,
-                          plan.rotary_dim, plan.rope_offset, plan.is_neox, plan.conjugate, plan.k_scale,
-                          plan.v_scale, plan.layout, plan.numerics, plan.k_out)
+    def scale(name):
+        value = getattr(plan, name + "_value")
+        return getattr(plan, name) if value is None else value
+
+    qk_norm_rope_store_kv(_whole(plan.q, plan.q_tail), _whole(plan.k, plan.k_tail), plan.v, plan.k_cache,
+                          plan.v_cache, plan.slot_mapping, plan.q_out, plan.q_weight, plan.q_eps, plan.k_weight,
+                          plan.k_eps, plan.positions, plan.cos_sin, plan.rotary_dim, plan.rope_offset, plan.is_neox,
+                          plan.conjugate, scale("k_scale"), scale("v_scale"), plan.layout, plan.numerics, plan.k_out,
+                          scale("q_scale"), plan.scale_convention, plan.q_out_tail, plan.k_out_tail,
+                          plan.k_cache_tail)

@@ -220,10 +220,13 @@ def canonical_nan(y: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(y), nan, y)
 
 
-def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def quantize_per_tensor(x: torch.Tensor, scale, convention: str = "divide") -> torch.Tensor:
     """bf16 / fp16 / fp32 [..., H, D] -> e4m3 codes (uint8) with one fp32 scale for the whole tensor or one per head:
     e4m3(clamp(f(x) / f(scale), -448, 448)), a correctly rounded division (by a tensor, also on CUDA),
-    round to nearest even. ``scale``: fp32 with one element, or [H] (head h divided by scale[h])."""
-    per_head = scale.numel() > 1
-    t = torch.div(x.to(F32), (scale[:, None] if per_head else scale.reshape(())).to(F32))
+    round to nearest even; ``convention`` "multiply": e4m3(clamp(f(x) * f(scale), -448, 448)), one fp32
+    product (FlashInfer's). ``scale``: fp32 with one element, or [H] (head h's), or a number (its fp32)."""
+    if not isinstance(scale, torch.Tensor):
+        scale = torch.tensor(float(scale), dtype=F32, device=x.device)
+    s = (scale[:, None] if scale.numel() > 1 else scale.reshape(())).to(F32)
+    t = x.to(F32) * s if convention == "multiply" else torch.div(x.to(F32), s)
     return encode_e4m3(torch.clamp(t, -FMAX["e4m3"], FMAX["e4m3"]))

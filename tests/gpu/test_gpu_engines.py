@@ -118,3 +118,66 @@ def test_flashinfer_apply_rope_with_cos_sin_cache(inplace, n):
     args = dict(positions=torch.randint(0, 4096, (n,)), query=qkv[:, :32 * 128], key=qkv[:, 32 * 128:40 * 128],
                 head_size=128, cos_sin_cache=cos_sin_cache(4096, 128), is_neox=True)
     _run_both(fn, args)
+
+
+# ------------------------------------------------------------------------------ FlashInfer RoPE-quantize
+_RQ_SHAPES = {"gqa": (32, 8, 64, 64), "gqa_rope_only": (32, 8, 128, 0), "mla": (128, 1, 64, 512)}
+
+
+def _rq_inputs(kind, n, seed=3):
+    hq, hkv, rope_dim, nope = _RQ_SHAPES[kind]
+    mla = kind == "mla"
+    q_rope = random_bf16((n, hq, rope_dim), seed)
+    k_rope = random_bf16((n, rope_dim) if mla else (n, hkv, rope_dim), seed + 1)
+    q_nope = random_bf16((n, hq, nope), seed + 2) if nope else None
+    k_nope = (random_bf16((n, nope) if mla else (n, hkv, nope), seed + 3)) if nope else None
+    v = None if mla else random_bf16((n, hkv, rope_dim + nope), seed + 4)
+    return q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache(max(n, 2), rope_dim), torch.randperm(max(n, 2))[:n]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("kind", list(_RQ_SHAPES))
+def test_flashinfer_rope_quantize_fp8_append_paged_kv_cache(kind, n):
+    q_rope, k_rope, q_nope, k_nope, v, table, pos = _rq_inputs(kind, n)
+    hq, hkv, rope_dim, nope = _RQ_SHAPES[kind]
+    page_size = 16
+    pages = n // page_size + 3
+    kv_indices = torch.randperm(pages, dtype=torch.int32)
+    kv_indptr = torch.tensor([0, pages], dtype=torch.int32)
+    batch_indices = torch.zeros(n, dtype=torch.int32)
+    batch_indices[1::5] = -1                       # padding tokens write no entry
+    positions = torch.arange(n, dtype=torch.int32)
+    mla = kind == "mla"
+    shapes = ((pages, page_size, nope), (pages, page_size, rope_dim)) if mla else \
+        ((pages, page_size, hkv, rope_dim + nope),) * 2
+
+    def rope_quantize_fp8_append_paged_kv_cache(c0, c1, q_rope_out, q_nope_out, **kw):
+        return flashinfer.rope_quantize_fp8_append_paged_kv_cache(
+            paged_kv_cache=(c0.view(torch.float8_e4m3fn), c1.view(torch.float8_e4m3fn)),
+            q_rope_out=q_rope_out.view(torch.float8_e4m3fn), q_nope_out=q_nope_out.view(torch.float8_e4m3fn), **kw)
+
+    _run_both(rope_quantize_fp8_append_paged_kv_cache, dict(
+        c0=_poisoned(shapes[0]), c1=_poisoned(shapes[1]), q_rope_out=_poisoned((n, hq, rope_dim)),
+        q_nope_out=_poisoned((n, hq, nope)), q_rope=q_rope, k_rope=k_rope, q_nope=q_nope, k_nope=k_nope, v=v,
+        cos_sin_cache=table, pos_ids=pos, kv_indices=kv_indices, kv_indptr=kv_indptr, batch_indices=batch_indices,
+        positions=positions, is_neox=kind != "mla", quant_scale_q=0.75, quant_scale_kv=1.5, page_size=page_size))
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("kind", list(_RQ_SHAPES))
+def test_flashinfer_rope_quantize_fp8(kind, n):
+    q_rope, k_rope, q_nope, k_nope, _, table, pos = _rq_inputs(kind, n, seed=9)
+    hq, hkv, rope_dim, nope = _RQ_SHAPES[kind]
+
+    k_rope_shape, k_nope_shape = tuple(k_rope.shape), tuple(k_rope.shape[:-1]) + (nope,)
+
+    def call(q_rope_out, k_rope_out, q_nope_out, k_nope_out, **kw):
+        f8 = torch.float8_e4m3fn
+        return flashinfer.rope_quantize_fp8(q_rope_out=q_rope_out.view(f8), k_rope_out=k_rope_out.view(f8),
+                                            q_nope_out=q_nope_out.view(f8), k_nope_out=k_nope_out.view(f8), **kw)
+
+    call.__name__ = "rope_quantize_fp8"
+    _run_both(call, dict(q_rope_out=_poisoned((n, hq, rope_dim)), k_rope_out=_poisoned(k_rope_shape),
+                         q_nope_out=_poisoned((n, hq, nope)), k_nope_out=_poisoned(k_nope_shape), q_rope=q_rope,
+                         k_rope=k_rope, q_nope=q_nope, k_nope=k_nope, cos_sin_cache=table, pos_ids=pos,
+                         is_neox=kind == "mla", quant_scale_q=3.0, quant_scale_kv=0.25))
