@@ -1,14 +1,14 @@
 """kvfuse.rope's table builders: cos_sin_cache against Python's math on fp64 angles, its layout (cos | sin)
 and the re-export kvfuse.mla.make_cos_sin_cache; yarn_cos_sin_cache against a restatement of YaRN's formula
 in Python floats, its known properties (factor 1, the extrapolated and interpolated bands, the attention
-factor, truncate); bad arguments."""
+factor, truncate), GPT-OSS's table against transformers' GptOssRotaryEmbedding; bad arguments."""
 import math
 
 import pytest
 import torch
 
 from kvfuse import mla, models
-from kvfuse.rope import cos_sin_cache, yarn_attention_factor, yarn_cos_sin_cache
+from kvfuse.rope import YarnScaling, cos_sin_cache, yarn_attention_factor, yarn_cos_sin_cache
 
 
 def _expected(p: int, j: int, rotary_dim: int, base: float):
@@ -134,6 +134,32 @@ def test_yarn_attention_factor():
     assert yarn_attention_factor(40.0, 0.707, None) == 0.1 * math.log(40.0) + 1.0             # one alone: ignored
     scaled = yarn_cos_sin_cache(1, 64, 10000.0, 40.0, 4096, mscale=0.707, mscale_all_dim=1.0)
     assert scaled[0, 0] == torch.tensor(yarn_attention_factor(40.0, 0.707, 1.0)).float()
+
+
+def test_yarn_scaling_spec_and_gpt_oss_config():
+    spec = YarnScaling(factor=32.0, original_max_position=4096, truncate=False)
+    assert torch.equal(spec.cos_sin_cache(50, 64, 150000.0), yarn_cos_sin_cache(50, truncate=False, **GPT_OSS))
+    cfg = models.GPT_OSS_20B
+    assert cfg.rope_scaling == spec and cfg.rope_theta == 150000.0 and cfg.rotary_dim == 64
+    assert torch.equal(cfg.cos_sin_cache(50), spec.cos_sin_cache(50, 64, 150000.0))
+    assert torch.equal(models.GPT_OSS_120B.cos_sin_cache(50), cfg.cos_sin_cache(50))
+    assert models.LLAMA3_8B.rope_scaling is None                                      # the others: unscaled
+
+
+def test_gpt_oss_table_against_transformers():
+    """transformers' GptOssRotaryEmbedding (its default GptOssConfig: YaRN, truncate False) computes the
+    frequencies and angles in fp32; over the first 4096 positions it stays within the fp32 rounding of an
+    angle below 4096 (2^-12 rad) times the attention factor of kvfuse's table; row 0 (the attention factor)
+    is equal. A truncated ramp or another factor would be off by far more."""
+    tf = pytest.importorskip("transformers")
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+    rotary = GptOssRotaryEmbedding(tf.GptOssConfig())
+    cos, sin = rotary(torch.zeros(1), torch.arange(4096)[None])
+    theirs = torch.cat([cos[0], sin[0]], dim=-1)
+    ours = models.GPT_OSS_20B.cos_sin_cache(4096)
+    assert torch.equal(ours[0], theirs[0])
+    assert (ours - theirs).abs().max() <= 1.35 * 2 ** -12
+    assert (models.GPT_OSS_20B.cos_sin_cache(4096) - yarn_cos_sin_cache(4096, truncate=True, **GPT_OSS)).abs().max() > 0.01
 
 
 @pytest.mark.parametrize("kwargs,name", [
