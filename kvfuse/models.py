@@ -1,6 +1,6 @@
 """Named, frozen configurations of the real models whose write-KV paths kvfuse serves (SPEC §10, §11).
 
-The GQA / MHA models (Llama 3, Qwen3, Gemma 3) are :class:`GQAConfig` objects in :data:`GQA_MODELS`
+The GQA / MHA models (Llama 3, Qwen3, Gemma 3, GPT-OSS) are :class:`GQAConfig` objects in :data:`GQA_MODELS`
 (:func:`get_gqa`), served by :func:`kvfuse.fused_qk_norm_rope_store_kv`; the rest of this docstring is
 about the MLA models below.
 
@@ -32,13 +32,14 @@ from .args import NormArgs, RopeArgs
 from .formats import (FLASHMLA_MODEL1, FLASHMLA_V32, INDEX_FP8_FP32, INDEX_MXFP4, INDEX_MXFP8, MAIN_FP4, MAIN_FP8,
                       KVCacheFormat)
 from .mla import MLAConfig
-from .rope import cos_sin_cache
+from .rope import YarnScaling, cos_sin_cache
 
 __all__ = [
     "DEEPSEEK_V3", "DEEPSEEK_V32", "DEEPSEEK_V32_UE8M0", "DEEPSEEK_V32_SGLANG", "DEEPSEEK_V4", "DEEPSEEK_V4_FP4",
     "DEEPSEEK_V4_FLASHMLA",
     "INDEX_FP8_UE8M0_FP32", "MODELS", "ALIASES", "get", "names",
-    "GQAConfig", "LLAMA3_8B", "LLAMA3_70B", "QWEN3_8B", "QWEN3_32B", "GEMMA3_12B", "GQA_MODELS", "gqa_names", "get_gqa",
+    "GQAConfig", "LLAMA3_8B", "LLAMA3_70B", "QWEN3_8B", "QWEN3_32B", "GEMMA3_12B", "GPT_OSS_20B", "GPT_OSS_120B",
+    "GQA_MODELS", "gqa_names", "get_gqa",
 ]
 
 # DeepSeek V3.2's indexer cache as the shipped config runs it (scale_fmt "ue8m0"): e4m3 values,
@@ -171,8 +172,10 @@ class GQAConfig:
     num_heads / num_kv_heads / head_dim: Q heads, K and V heads, their width (V's too).
     rotary_dim: the rotated dims, at offset 0 (the whole head in these models); rope_is_neox: the
         pairing (HF's ``rotate_half`` is NEOX: pairs (j, j + rotary_dim / 2)); rope_theta: the base of the
-        default table (:meth:`cos_sin_cache`; a model's RoPE scaling, e.g. Llama 3's "llama3" or Gemma 3's
-        linear factor, lives in the table the caller builds: kvfuse takes any table).
+        model's table (:meth:`cos_sin_cache`).
+    rope_scaling: the model's YaRN parameters (:class:`kvfuse.rope.YarnScaling`), which
+        :meth:`cos_sin_cache` applies; None: the unscaled table. (Other scalings, e.g. Llama 3.1's "llama3"
+        or Gemma 3's linear factor, are not built here: the caller passes its own table, kvfuse takes any.)
     qk_norm: per-head RMSNorm of q and k (one weight [head_dim] each, shared by the heads) before RoPE;
         norm_eps: its eps (the model's rms_norm_eps).
     norm_weight_offset: the model scales by (offset + w) (Gemma: 1.0); :meth:`norm_args` passes
@@ -189,6 +192,7 @@ class GQAConfig:
     qk_norm: bool
     norm_eps: float
     norm_weight_offset: float = 0.0
+    rope_scaling: Optional[YarnScaling] = None
     source: str = dataclasses.field(default="", repr=False)
 
     def __post_init__(self):
@@ -231,7 +235,10 @@ class GQAConfig:
         return RopeArgs(positions, cos_sin, self.rotary_dim, self.rope_is_neox, offset=0)
 
     def cos_sin_cache(self, max_position: int, device=None) -> torch.Tensor:
-        """fp32 [max_position, rotary_dim] of the unscaled RoPE with base rope_theta."""
+        """fp32 [max_position, rotary_dim] of the model's RoPE with base rope_theta: YaRN-scaled when
+        rope_scaling is set (:func:`kvfuse.rope.yarn_cos_sin_cache`), else unscaled."""
+        if self.rope_scaling is not None:
+            return self.rope_scaling.cos_sin_cache(max_position, self.rotary_dim, self.rope_theta, device)
         return cos_sin_cache(max_position, self.rotary_dim, self.rope_theta, device)
 
     def store_kv(self, qkv, k_cache, v_cache, slot_mapping, positions, cos_sin, q_norm_weight=None,
@@ -298,7 +305,39 @@ the caller's). The (1 + w) maps onto kvfuse's RMSNorm exactly by passing the fp3
 (:meth:`GQAConfig.norm_args`): the model computes that sum in fp32 and rounds the product once, as
 kvfuse does."""
 
-GQA_MODELS: Dict[str, GQAConfig] = {c.name: c for c in (LLAMA3_8B, LLAMA3_70B, QWEN3_8B, QWEN3_32B, GEMMA3_12B)}
+# Read in stored public snapshots: transformers 5.25.0 models/gpt_oss/configuration_gpt_oss.py and
+# modeling_gpt_oss.py, modeling_rope_utils.py (_compute_yarn_parameters), openai/gpt-oss gpt_oss/torch/model.py
+# and vLLM vllm/model_executor/models/gpt_oss.py. The hub config.json files themselves were not read here.
+_GPT_OSS_YARN = YarnScaling(factor=32.0, original_max_position=4096, beta_fast=32.0, beta_slow=1.0, truncate=False)
+GPT_OSS_20B = GQAConfig(
+    name="gpt-oss-20b", num_heads=64, num_kv_heads=8, head_dim=64, rotary_dim=64, rope_is_neox=True,
+    rope_theta=150000.0, qk_norm=False, norm_eps=1e-5, rope_scaling=_GPT_OSS_YARN,
+    source=f"{_HF}/gpt_oss/modeling_gpt_oss.py (GptOssAttention: q / k / v projections with bias, no QK-norm, "
+           "apply_rotary_pos_emb with _apply_rotary_emb = halves (x1, x2) = NEOX over the whole head; "
+           "GptOssRotaryEmbedding: cos and sin times attention_scaling; sinks and the sliding window are "
+           "arguments of the attention function) and gpt_oss/configuration_gpt_oss.py (GptOssConfig defaults: "
+           "head_dim 64, num_attention_heads 64, num_key_value_heads 8, rms_norm_eps 1e-5, default_theta 150000, "
+           "rope_parameters {rope_type yarn, factor 32, beta_fast 32, beta_slow 1, truncate False, "
+           "original_max_position_embeddings 4096}, sliding_window 128 on alternate layers); "
+           "huggingface/transformers src/transformers/modeling_rope_utils.py (_compute_yarn_parameters); "
+           "openai/gpt-oss gpt_oss/torch/model.py (ModelConfig: head_dim 64, 64 / 8 heads, rope_theta 150000, "
+           "rope_scaling_factor 32, rope_ntk_alpha 1, rope_ntk_beta 32, initial_context_length 4096; "
+           "RotaryEmbedding: unrounded ramp bounds); vLLM vllm/model_executor/models/gpt_oss.py (OAIAttention: "
+           "get_rope(..., is_neox_style=True) with rope_type yarn and the config's truncate); "
+           "gpt-oss-20b: 24 layers, 32 experts (the model card's figures, as NVIDIA Megatron-Bridge's GPT OSS page "
+           "quotes them; the attention is the same in every layer)")
+"""GPT-OSS 20B: 64 Q heads, 8 KV heads of 64, no QK-norm, NEOX RoPE over the whole head with a YaRN table
+(base 150000, factor 32 over 4096 positions, beta 32 / 1, unrounded ramp bounds, cos and sin times
+0.1 ln 32 + 1). Attention sinks and the 128-token sliding window of alternate layers act when attention
+reads the cache, not on the K / V written."""
+
+GPT_OSS_120B = dataclasses.replace(
+    GPT_OSS_20B, name="gpt-oss-120b",
+    source=GPT_OSS_20B.source.replace("gpt-oss-20b: 24 layers, 32 experts", "gpt-oss-120b: 36 layers, 128 experts"))
+"""GPT-OSS 120B: the attention of GPT-OSS 20B (more layers and experts, the same per-layer KV write)."""
+
+GQA_MODELS: Dict[str, GQAConfig] = {c.name: c for c in (LLAMA3_8B, LLAMA3_70B, QWEN3_8B, QWEN3_32B, GEMMA3_12B,
+                                                        GPT_OSS_20B, GPT_OSS_120B)}
 """The GQA / MHA configurations, by name (separate from the MLA configurations of :data:`MODELS`)."""
 
 

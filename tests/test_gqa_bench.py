@@ -51,6 +51,16 @@ def test_inputs_decode_and_prefill():
     assert llama.weight is None and llama.k_scale is None and llama.k_cache.dtype == torch.bfloat16
 
 
+def test_inputs_use_the_models_table():
+    """Each GQA workload rotates by its model's own table: base rope_theta, and GPT-OSS's YaRN scaling."""
+    for name in ("gpt_oss_20b_fp8", "llama3_8b_bf16"):
+        wl = bench.WORKLOADS[name]
+        table = bench.build_inputs(wl, 2, "cpu").cos_sin
+        assert torch.equal(table, wl.gqa.cos_sin_cache(bench.MAX_POSITION))
+    gpt_oss = bench.build_inputs(bench.WORKLOADS["gpt_oss_20b_bf16"], 2, "cpu").cos_sin
+    assert gpt_oss[0, 0] > 1.3 and "YaRN" in bench.WORKLOADS["gpt_oss_20b_bf16"].description    # attention factor
+
+
 @pytest.mark.skipif(not kvfuse.backend.interpreter_enabled(), reason="needs TRITON_INTERPRET=1")
 def test_fused_peer_equals_reference_peer_on_the_interpreter():
     """The fused peer (the kernel through the interpreter) writes what the reference peer writes; a small

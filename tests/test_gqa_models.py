@@ -1,6 +1,8 @@
 """kvfuse.models' GQA / MHA configurations (GQAConfig, SPEC §11): the facts of each model, its source,
 frozen, reachable by name; split_qkv gives views; Gemma's (1 + w) maps exactly onto an fp32 weight;
-store_kv is one call of the public function. The MLA configurations are unchanged (tests/test_models.py)."""
+store_kv is one call of the public function; GPT-OSS's write (YaRN table, 64-d heads) equals the reference
+chain on both backends and rotates as the model does. The MLA configurations are unchanged
+(tests/test_models.py)."""
 import dataclasses
 
 import pytest
@@ -17,6 +19,8 @@ FACTS = {  # name: (Q heads, KV heads, head_dim, QK-norm, eps, norm weight offse
     "qwen3-8b": (32, 8, 128, True, 1e-6, 0.0, 1e6),
     "qwen3-32b": (64, 8, 128, True, 1e-6, 0.0, 1e6),
     "gemma-3-12b": (16, 8, 256, True, 1e-6, 1.0, 1e6),
+    "gpt-oss-20b": (64, 8, 64, False, 1e-5, 0.0, 150000.0),
+    "gpt-oss-120b": (64, 8, 64, False, 1e-5, 0.0, 150000.0),
 }
 
 
@@ -148,3 +152,65 @@ def test_readme_gqa_snippet_runs():
     assert not torch.equal(ns["qkv"][:, :32 * 128], q_before)
     kc = ns["k_cache"].view(torch.uint8)
     assert kc[0, 5].any() and kc[1, 14].any() and not kc[0, :5].any()                      # slots 5 and 30
+
+
+def _gpt_oss_write(cfg, fp8: bool, backend: str):
+    """GQAConfig.store_kv of ``cfg`` (4 tokens, positions past the original 4096, one invalid slot) on
+    ``backend`` and the reference chain on the same inputs: (inputs, kvfuse's outputs, the chain's outputs),
+    outputs as (q_out, k_cache, v_cache)."""
+    g = torch.Generator().manual_seed(60 + fp8)
+    n, block_size, blocks = 4, 16, 2
+    qkv = (torch.randn(n, cfg.qkv_width, generator=g) * 3).to(torch.bfloat16)
+    positions = torch.tensor([0, 5, 4095, 6000])
+    slots = torch.tensor([17, 3, -1, 30])
+    cos_sin = cfg.cos_sin_cache(6144)
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    scales = (torch.tensor([0.05]), torch.tensor([0.02])) if fp8 else (None, None)
+    shape = (blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+
+    def caches():
+        raw = shape[:-1] + (shape[-1] * dtype.itemsize,)
+        return [torch.full(raw, 0x5A, dtype=torch.uint8).view(dtype) for _ in range(2)]
+    ours, want = caches(), caches()
+    with kvfuse.use_backend(backend):
+        q_out = cfg.store_kv(qkv.clone(), *ours, slots, positions, cos_sin, k_scale=scales[0], v_scale=scales[1])
+    q, k, v = cfg.split_qkv(qkv)
+    q_want = torch.empty_like(q)
+    kvfuse.reference.qk_norm_rope_store_kv(q, k, v, *want, slots, q_want, positions=positions, cos_sin=cos_sin,
+                                           rotary_dim=cfg.rotary_dim, rope_offset=0, is_neox=cfg.rope_is_neox,
+                                           k_scale=scales[0], v_scale=scales[1])
+    return (qkv, positions, slots, cos_sin), (q_out, *ours), (q_want, *want)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "gpt-oss-120b"])
+def test_gpt_oss_write_equals_reference_chain(name, fp8, backend):
+    """A GPT-OSS layer's write (64 Q heads, 8 KV heads of 64, no QK-norm, the YaRN table) on the reference
+    backend and on the kernel (the interpreter): q_out and both whole caches byte-equal to the chain."""
+    _, ours, want = _gpt_oss_write(M.get_gqa(name), fp8, backend)
+    for a, b in zip(ours, want):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_gpt_oss_rotation_is_the_models():
+    """The K written is GPT-OSS's rotation (GptOssAttention's _apply_rotary_emb: halves x1, x2 -> x1 cos -
+    x2 sin, x2 cos + x1 sin) by its YaRN table's row at each position (cos and sin carrying the attention
+    factor, above 1), in fp32 and rounded once to bf16; V is copied; the invalid slot writes nothing."""
+    cfg = M.GPT_OSS_20B
+    (qkv, positions, slots, cos_sin), (_, k_cache, v_cache), _ = _gpt_oss_write(cfg, False, "reference")
+    assert cos_sin[:, 0].max() > 1.3                                 # the attention factor is in the table
+    _, k, v = cfg.split_qkv(qkv)
+    row = cos_sin[positions][:, None, :]
+    c, s = row[..., :32], row[..., 32:]
+    x1, x2 = k[..., :32].float(), k[..., 32:].float()
+    k_model = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(torch.bfloat16)
+    for i, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        assert torch.equal(k_cache[slot // 16, slot % 16].view(torch.int16), k_model[i].view(torch.int16))
+        assert torch.equal(v_cache[slot // 16, slot % 16].view(torch.int16), v[i].view(torch.int16))
+    written = torch.zeros(2 * 16, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    untouched = k_cache.view(torch.uint8).flatten(0, 1)[~written]
+    assert bool((untouched == 0x5A).all())

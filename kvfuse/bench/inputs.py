@@ -219,13 +219,14 @@ def build_inputs(wl: Workload, n: int, device, seed: int = 0, slots: str = "page
 def _gqa_inputs(wl: Workload, n: int, device, g: torch.Generator, positions, slot_map, blocks: int, regime: str,
                 slots: str) -> Inputs:
     """kind "gqa": a packed projection [n, (Hq + 2 Hkv) D] (normal, per-token scales 2^-3..2^3), the model's
-    norm weights (Gemma: 1 + w in fp32), NHD caches of ``blocks`` blocks, per-tensor scales for fp8, and the
-    positions and slots of :func:`token_layout` (as every workload of the size)."""
+    norm weights (Gemma: 1 + w in fp32), its cos/sin table (GQAConfig.cos_sin_cache: GPT-OSS's YaRN), NHD
+    caches of ``blocks`` blocks, per-tensor scales for fp8, and the positions and slots of
+    :func:`token_layout` (as every workload of the size)."""
     cfg = wl.gqa
     x = torch.randn((n, cfg.qkv_width), generator=g, device=device, dtype=torch.bfloat16)
     scale = torch.randint(-3, 4, (n, 1), generator=g, device=device)
     x.mul_(torch.exp2(scale.float()).to(torch.bfloat16))
-    inp = Inputs(n=n, x=x, cos_sin=cos_sin_cache(MAX_POSITION, cfg.rotary_dim, device=device),
+    inp = Inputs(n=n, x=x, cos_sin=cfg.cos_sin_cache(MAX_POSITION, device),
                  positions=positions.to(device), regime=regime, slot_pattern=slots)
     if cfg.qk_norm:
         raw = [(torch.randn(cfg.head_dim, generator=g, device=device) * 0.1

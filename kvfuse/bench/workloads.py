@@ -63,9 +63,10 @@ class Workload:
 def _gqa(name, model, fp8):
     cfg = GQA_MODELS[model]
     norm = "QK-norm + " if cfg.qk_norm else ""
+    rope = "NEOX rope (YaRN table)" if cfg.rope_scaling else "NEOX rope"
     return Workload(name, "gqa", cfg.head_dim, None, num_heads=cfg.num_heads + 2 * cfg.num_kv_heads, norm=cfg.qk_norm,
                     rotary_dim=cfg.rotary_dim, rope_offset=0, is_neox=cfg.rope_is_neox, gqa=cfg, cache_fp8=fp8,
-                    description=f"{model} q/k/v: {norm}NEOX rope -> q_out, K/V into {'fp8' if fp8 else 'bf16'} NHD "
+                    description=f"{model} q/k/v: {norm}{rope} -> q_out, K/V into {'fp8' if fp8 else 'bf16'} NHD "
                                 f"caches ({cfg.num_heads}/{cfg.num_kv_heads} heads of {cfg.head_dim})")
 
 
@@ -149,6 +150,9 @@ WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
     _gqa("qwen3_32b_fp8", "qwen3-32b", True),
     _gqa("gemma3_12b_bf16", "gemma-3-12b", False),
     _gqa("gemma3_12b_fp8", "gemma-3-12b", True),
+    _gqa("gpt_oss_20b_bf16", "gpt-oss-20b", False),
+    _gqa("gpt_oss_20b_fp8", "gpt-oss-20b", True),
+    _gqa("gpt_oss_120b_fp8", "gpt-oss-120b", True),
 )}
 
 

@@ -44,7 +44,7 @@ def test_fp8_scales_both_division_paths(scales):
     check(GQACase(n=300, hq=8, hkv=2, fp8=True, layout="HND", scales=scales, seed=41))
 
 
-@pytest.mark.parametrize("name", ["llama-3-8b", "qwen3-8b", "gemma-3-12b"])
+@pytest.mark.parametrize("name", ["llama-3-8b", "qwen3-8b", "gemma-3-12b", "gpt-oss-20b"])
 def test_model_shapes(name):
     """The models' real head counts and widths (decode and a prefill block), NHD fp8 and HND bf16."""
     cfg = kvfuse.models.get_gqa(name)
