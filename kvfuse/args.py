@@ -51,6 +51,26 @@ class RopeArgs:
     conjugate: bool = False
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class PagedAppend:
+    """Where each token of a call goes, as FlashInfer addresses an append (``append_paged_kv_cache``,
+    ``rope_quantize_fp8_append_paged_kv_cache``): token i goes to the page
+    ``kv_indices[kv_indptr[batch_indices[i]] + positions[i] // block_size]``, offset
+    ``positions[i] % block_size``. Given as the GQA entry's ``slot_mapping``, the kernel computes each
+    token's slot itself (no index ops before the launch).
+
+    batch_indices, positions: int32 / int64 [n] (a token's request, its position in the request);
+    kv_indptr: int32 / int64 [num_requests + 1]; kv_indices: int32 / int64 [num_pages_used], the pages.
+    A token writes nothing when batch_indices[i] < 0 (FlashInfer's padding) or outside
+    [0, num_requests), when positions[i] < 0, when its index into kv_indices is outside it, or when the
+    page is outside the cache (each of these is read only where it is in bounds).
+    """
+    kv_indices: torch.Tensor
+    kv_indptr: torch.Tensor
+    batch_indices: torch.Tensor
+    positions: torch.Tensor
+
+
 @dataclasses.dataclass(frozen=True)
 class HadamardArgs:
     """Unnormalized Walsh-Hadamard transform over head_dim (a power of two, 16..1024), then

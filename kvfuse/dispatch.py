@@ -166,8 +166,11 @@ def _plan_data_checks(plan) -> None:
 
 
 def _gqa_data_checks(plan: GQAPlan) -> None:
-    """Positions in range, no duplicate valid slots, finite positive scales."""
-    _plan_data_checks(plan)
+    """Positions in range, no duplicate valid slots (those of a paged append computed first), finite
+    positive scales."""
+    slots = _reference_chain.gqa_slots(plan) if plan.paged_append and plan.q.device.type != "meta" else \
+        plan.slot_mapping
+    run_data_checks(plan.positions, None if plan.cos_sin is None else plan.cos_sin.shape[0], slots, plan.capacity)
     for name in ("k_scale", "v_scale", "q_scale"):
         s = getattr(plan, name)
         if s is not None and s.device.type != "meta":

@@ -303,7 +303,7 @@ GQA_ODD_HEAD_DIMS = [
 # scales passed as numbers (SCALE_BY_VALUE), a K cache alone (not HAS_V): FlashInfer's rope_quantize_fp8
 # calls (GQA, and MLA's separate kpe / ckv caches), and a split head under a norm with per-head scales
 _FLASHINFER = dict(split=64, rotary_dim=64, q_norm=None, k_norm=None, fp8=True, q_fp8=True,
-                   numerics="fused_fp32_cast", scale_convention="multiply", scale_numbers=True)
+                   numerics="fused_fp32_cast", scale_convention="multiply", scale_numbers=True, paged_append=True)
 GQA_PARTS = [
     (128, 1, dict(_FLASHINFER)),
     (128, 300, dict(_FLASHINFER, layout="HND", neox=False, dtype="fp16")),
@@ -311,6 +311,7 @@ GQA_PARTS = [
     (576, 200, dict(_FLASHINFER, hq=16, hkv=1, k_cache_split=True, v_cache=False)),
     (128, 9, dict(_FLASHINFER, kv_cache=False, k_out_fp8=True)),
     (128, 7, dict(split=32, fp8=True, scale_per_head="kv", rotary_dim=64, rope_offset=16, q_fp8=True)),
+    (128, 260, dict(paged_append=True, idx32=True, layout="HND")),     # FlashInfer's append_paged_kv_cache
 ]
 GQA_HEADS = {64: (12, 6), 128: (6, 3), 256: (4, 4)}   # partial groups: 64-d of 8 heads (q 8 + 4, kv 6), 128-d of 4 (q 4 + 2, kv 3)
 

@@ -74,6 +74,7 @@ class GQACase:
     k_out_fp8: bool = False              # without caches: k_out float8_e4m3fn with k_scale
     scale_convention: str = "divide"     # or "multiply" (FlashInfer's)
     scale_numbers: bool = False          # the scales passed as Python floats
+    paged_append: bool = False           # the slots as FlashInfer's append addressing (kvfuse.PagedAppend)
     seed: int = 0
 
     @property
@@ -214,6 +215,8 @@ def build(case: GQACase, device="cpu"):
             kw["q_out"] = kw["q"]
             if not case.kv_cache:
                 kw["k_out"] = kw["k"]
+    if case.paged_append and kw.get("slot_mapping") is not None:
+        kw["slot_mapping"] = paged_append_of(kw["slot_mapping"], case.block_size)
     if case.scale_numbers:
         for name in ("q_scale", "k_scale", "v_scale"):
             if kw.get(name) is not None:
@@ -221,6 +224,38 @@ def build(case: GQACase, device="cpu"):
     if case.scale_convention != "divide":
         kw["scale_convention"] = case.scale_convention
     return kw, storages, inputs, q_buf
+
+
+def paged_append_of(slots: torch.Tensor, block_size: int) -> kvfuse.PagedAppend:
+    """The same writes as ``slots`` in FlashInfer's addressing: token i its own request of one page
+    (kv_indices[i] = slot // block_size, position slot % block_size), requests in reverse order; an
+    invalid slot becomes, in turn, a padding token (batch index -1), a batch index past the requests, a
+    negative position, or a position whose page index runs past kv_indices."""
+    n = slots.shape[0]
+    s = slots.long().cpu()
+    cap_ok = s >= 0
+    order = torch.arange(n - 1, -1, -1)                     # token i is request n - 1 - i
+    kv_indices = torch.where(cap_ok, torch.div(s, block_size, rounding_mode="floor"), 0)[order]
+    kv_indptr = torch.arange(n + 1)
+    batch = order.clone()
+    pos = torch.where(cap_ok, torch.remainder(s, block_size), 0)
+    bad = torch.nonzero(~cap_ok).flatten().tolist()
+    for j, i in enumerate(bad):
+        kind = j % 4
+        if kind == 0:
+            batch[i] = -1
+        elif kind == 1:
+            batch[i] = n + 3
+        elif kind == 2:
+            pos[i] = -2
+        else:
+            batch[i], pos[i] = 0, block_size * (n + 2)        # kv_indptr[0] + pos // bs runs past kv_indices
+    # slots past the capacity stay pages past the cache (the kernel's capacity check)
+    big = s >= 0
+    kv_indices[order[big]] = torch.div(s[big], block_size, rounding_mode="floor")
+    dt, dev = slots.dtype, slots.device
+    return kvfuse.PagedAppend(kv_indices.to(dt).to(dev), kv_indptr.to(dt).to(dev), batch.to(dt).to(dev),
+                              pos.to(dt).to(dev))
 
 
 def _first(t):

@@ -35,7 +35,8 @@ PTR_TYPES = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "pos_ptr": "*
              "kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
 FLOATS = ("eps", "had_scale", "q_eps", "k_eps")
 DIVISIBLE_BY_16 = ("sx_n", "sx_h", "sxt_n", "sxt_h", "s_cs", "so_n", "so_h", "sq_n", "sq_h", "s_blk",   # as in the benchmark's calls
-                   "sk_n", "sk_h", "sv_n", "sv_h", "kc_blk", "kc_tok", "kc_head", "vc_blk", "vc_tok", "vc_head")
+                   "sk_n", "sk_h", "sv_n", "sv_h", "kc_blk", "kc_tok", "kc_head", "vc_blk", "vc_tok", "vc_head",
+                   "sq2_n", "sq2_h", "sk2_n", "sk2_h", "so2_n", "so2_h", "kd2_blk", "kd2_tok", "kd2_head")
 STORE = re.compile(r"\b(st\.global(?:\.[a-z0-9]+)+)")
 # variant -> (the store that must be there, at least how many, at most how many byte stores)
 WIDE_STORES = {"main_fp8": ("st.global.b32", 8, 4), "main_fp8_decode": ("st.global.b32", 4, 5), "main_fp4+cast_back": ("st.global.v4.b32", 4, 8),
@@ -52,8 +53,9 @@ ONE_INPUT = {"xt_ptr": None, "sxt_n": None, "sxt_h": None}
 # defaults, as the launch leaves them
 GQA_TAILS = ("q2_ptr", "sq2_n", "sq2_h", "k2_ptr", "sk2_n", "sk2_h", "qo2_ptr", "so2_n", "so2_h", "kd2_ptr",
              "kd2_blk", "kd2_tok", "kd2_head")
-ONE_PART = {**{name: None for name in GQA_TAILS}, "qs_ptr": None, "SPLIT": 0, "Q_FP8": False, "SCALE_MUL": False,
-            "SCALE_BY_VALUE": False, "HAS_V": True}
+GQA_PAGED_APPEND = ("pa_b", "pa_p", "pa_indptr", "pa_idx", "pa_nreq", "pa_nidx")
+ONE_PART = {**{name: None for name in GQA_TAILS + GQA_PAGED_APPEND}, "qs_ptr": None, "SPLIT": 0, "Q_FP8": False,
+            "SCALE_MUL": False, "SCALE_BY_VALUE": False, "HAS_V": True}
 
 
 def compile_ptx(fn, consts, num_warps=4, ptr_types=None):
@@ -154,7 +156,9 @@ def gqa_variants():
     def passed(consts, names):      # these arguments are given (pointers, strides, the q scale), not None
         return {k: v for k, v in consts.items() if k not in names}
 
-    yield "gqa_split_fp8_q_multiply_by_value", passed(parts, q_parts), part_ptrs
+    paged = {name: "*i32" for name in GQA_PAGED_APPEND[:4]}
+    yield "gqa_split_fp8_q_multiply_by_value_paged_append", passed(parts, q_parts + GQA_PAGED_APPEND), \
+        {**part_ptrs, **paged}
     yield "gqa_mla_split_caches_k_only", passed({**parts, "D": 576, "BLOCK_D": 1024, "LOG2_BLOCK_D": 10, "DV": 576,
                                                  "BLOCK_DV": 1024, "NEOX": False, "HAS_V": False},
                                                 q_parts + ("kd2_ptr", "kd2_blk", "kd2_tok", "kd2_head")), \
@@ -287,7 +291,7 @@ def main() -> int:
             print(f"{name:36s} {code_fingerprint(ptx)}")
             continue
         bad = sorted(set(BAD.findall(ptx)))
-        if fn is Q.qkv_kernel and consts["FP8"]:
+        if fn is Q.qkv_kernel and consts["FP8"] and not consts.get("SCALE_MUL"):   # a multiply holds no fma
             bad = _gqa_fp8_fma_findings(ptx, consts, ptrs)
         stores = {}
         for st in STORE.findall(ptx):

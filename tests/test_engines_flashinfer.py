@@ -227,7 +227,7 @@ ERRORS = [
     ("cache not a pair", flashinfer.append_paged_kv_cache, _append_args, lambda: dict(paged_kv_cache=[1, 2, 3]),
      TypeError, "paged_kv_cache must be"),
     ("positions count", flashinfer.append_paged_kv_cache, _append_args,
-     lambda: dict(positions=torch.zeros(2, dtype=torch.int32)), ValueError, "positions: expected 3 entries"),
+     lambda: dict(positions=torch.zeros(2, dtype=torch.int32)), ValueError, "positions: expected shape (3,), got (2,)"),
     ("float indices", flashinfer.append_paged_kv_cache, _append_args, lambda: dict(kv_indices=torch.zeros(2)),
      ValueError, "kv_indices: expected a 1-d int32 / int64 tensor"),
     ("cache heads (kvfuse's check, FlashInfer's name)", flashinfer.append_paged_kv_cache, _append_args,

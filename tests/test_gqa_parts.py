@@ -159,7 +159,56 @@ def test_gpu_matrix_reaches_every_launch_option():
         for name, value in options.items():
             seen.setdefault(name, set()).add(value if isinstance(value, (bool, int, float, str)) else "tensor")
     for name in ("SPLIT", "Q_FP8", "SCALE_MUL", "SCALE_BY_VALUE", "HAS_V", "ACT", "NUMERICS", "KV_CACHE",
-                 "K_SCALE_PER_HEAD", "V_SCALE_PER_HEAD", "HALVES", "qs_ptr", "q2_ptr", "k2_ptr", "qo2_ptr", "kd2_ptr"):
+                 "K_SCALE_PER_HEAD", "V_SCALE_PER_HEAD", "HALVES", "qs_ptr", "q2_ptr", "k2_ptr", "qo2_ptr", "kd2_ptr",
+                 "pa_b"):
         assert name in seen, name
     assert {True, False} <= seen["HALVES"] and {True, False} <= seen["K_SCALE_PER_HEAD"]
     assert {32, 64} <= seen["SPLIT"]
+
+
+# --------------------------------------------------------------------------- FlashInfer's append addressing
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", [dict(fp8=True), dict(layout="HND", idx32=True, v_cache=False, n=9),
+                                  dict(split=64, k_cache_split=True, q_fp8=True, fp8=True, scale_numbers=True)])
+def test_paged_append_writes_what_its_slots_write(backend, case):
+    """A PagedAppend whose tokens land where a slot mapping puts them (its invalid slots as each kind of
+    out-of-range index) writes the same bytes as the slot mapping."""
+    base = dict(seed=37, **case)
+    a = run_gqa_case(GQACase(**base), backend)
+    b = run_gqa_case(GQACase(**base, paged_append=True), backend)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_paged_append_slots_follow_flashinfer():
+    """kvfuse.reference's reading of FlashInfer's addressing, against its formula written out per token."""
+    from kvfuse.reference.cache import paged_append_slots
+    kv_indices = torch.tensor([7, 2, 9, 4, 0])
+    kv_indptr = torch.tensor([0, 3, 5])
+    batch = torch.tensor([0, 0, 0, 1, 1, -1, 2, 0, 1])
+    pos = torch.tensor([0, 5, 11, 3, 4, 0, 0, -1, 8])
+    got = paged_append_slots(batch, pos, kv_indptr, kv_indices, 4).tolist()
+    want = []
+    for b, p in zip(batch.tolist(), pos.tolist()):
+        if b < 0 or b >= 2 or p < 0 or kv_indptr[b] + p // 4 >= len(kv_indices):
+            want.append(-1)
+        else:
+            want.append(int(kv_indices[kv_indptr[b] + p // 4]) * 4 + p % 4)
+    assert got == want == [28, 9, 39, 19, 0, -1, -1, -1, -1]
+
+
+@pytest.mark.parametrize("label,change,exc,match", [
+    ("2-d positions", dict(positions=torch.zeros(5, 1, dtype=torch.int64)), ValueError,
+     r"slot_mapping.positions: expected shape \(5,\)"),
+    ("float indptr", dict(kv_indptr=torch.zeros(3)), TypeError, "slot_mapping.kv_indptr: expected dtype"),
+    ("empty indptr", dict(kv_indptr=torch.zeros(0, dtype=torch.int64)), ValueError,
+     "slot_mapping.kv_indptr: expected num_requests"),
+    ("short batch", dict(batch_indices=torch.zeros(4, dtype=torch.int64)), ValueError,
+     r"slot_mapping.batch_indices: expected shape \(5,\)"),
+])
+def test_paged_append_errors(label, change, exc, match):
+    import dataclasses
+    kw = _kw(seed=38, paged_append=True)
+    kw["slot_mapping"] = dataclasses.replace(kw["slot_mapping"], **change)
+    with pytest.raises(exc, match=match):
+        kvfuse.fused_qk_norm_rope_store_kv(**kw)

@@ -3,7 +3,7 @@ semantics, each one call of a kvfuse entry point: ``import flashinfer`` call sit
 swap to ``from kvfuse.engines import flashinfer``.
 
 - :func:`append_paged_kv_cache` (``flashinfer.page``) -> :func:`kvfuse.fused_qk_norm_rope_store_kv` with
-  zero q heads; FlashInfer's page addressing becomes a slot mapping (a few small torch index ops).
+  zero q heads; FlashInfer's page addressing read by the kernel (:class:`kvfuse.PagedAppend`).
 - :func:`apply_rope_with_cos_sin_cache` and :func:`apply_rope_with_cos_sin_cache_inplace`
   (``flashinfer.rope``) -> :func:`kvfuse.fused_group`: query and key, one launch.
 - :func:`rope_quantize_fp8`, :func:`mla_rope_quantize_fp8` and :func:`rope_quantize_fp8_append_paged_kv_cache`
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..args import FusedCall, RopeArgs
+from ..args import FusedCall, PagedAppend, RopeArgs
 from ..gqa import fused_qk_norm_rope_store_kv
 from ..group import fused_group
 from . import _checks
@@ -35,7 +35,9 @@ __all__ = ["append_paged_kv_cache", "apply_rope_with_cos_sin_cache", "apply_rope
 
 KV_LAYOUTS = ("NHD", "HND")
 _APPEND_DTYPES = (torch.bfloat16, torch.float16)
-_APPEND_NAMES = {"k": "append_key", "v": "append_value", "k_cache": "paged_kv_cache", "v_cache": "paged_kv_cache"}
+_APPEND_NAMES = {"k": "append_key", "v": "append_value", "k_cache": "paged_kv_cache", "v_cache": "paged_kv_cache",
+                 "slot_mapping.batch_indices": "batch_indices", "slot_mapping.positions": "positions",
+                 "slot_mapping.kv_indptr": "kv_indptr", "slot_mapping.kv_indices": "kv_indices"}
 _ROPE_NAMES = {"calls[0]": "query", "calls[1]": "key"}
 
 
@@ -61,10 +63,11 @@ def _paged_caches(paged_kv_cache, kv_layout, dtype):
 
 
 def _int_vector(t, name: str) -> torch.Tensor:
+    """A 1-d int32 / int64 index vector, as given (the kernel reads either)."""
     _checks.tensor(t, name)
     if t.dtype not in (torch.int32, torch.int64) or t.dim() != 1:
         raise ValueError(f"{name}: expected a 1-d int32 / int64 tensor, got {t.dtype} {tuple(t.shape)}")
-    return t.long()
+    return t
 
 
 def append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices,
@@ -78,7 +81,8 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     paged_kv_cache: a (k_cache, v_cache) tuple of the inputs' dtype [max_num_pages, page_size, num_kv_heads, head_dim]
     ("NHD") or [max_num_pages, num_kv_heads, page_size, head_dim] ("HND"), or one
     [max_num_pages, 2, ...] tensor whose [:, 0] / [:, 1] are they. batch_indices, positions, kv_indices,
-    kv_indptr: int32 / int64. The caller has reserved the pages (as FlashInfer requires).
+    kv_indptr: int32 / int64, read by the kernel itself (:class:`kvfuse.PagedAppend`: one launch, no index ops
+    before it). The caller has reserved the pages (as FlashInfer requires).
     """
     for t, name in ((append_key, "append_key"), (append_value, "append_value")):
         _checks.activations(t, name, 3, _APPEND_DTYPES)
@@ -91,16 +95,9 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     batch_indices, positions = _int_vector(batch_indices, "batch_indices"), _int_vector(positions, "positions")
     kv_indices, kv_indptr = _int_vector(kv_indices, "kv_indices"), _int_vector(kv_indptr, "kv_indptr")
     _checks.tensor(kv_last_page_len, "kv_last_page_len")
-    nnz = append_key.shape[0]
-    for t, name in ((batch_indices, "batch_indices"), (positions, "positions")):
-        if t.shape[0] != nnz:
-            raise ValueError(f"{name}: expected {nnz} entries like append_key, got {t.shape[0]}")
-    page_size = k_cache.shape[1] if kv_layout == "NHD" else k_cache.shape[2]
-    page = kv_indices[kv_indptr[batch_indices] + torch.div(positions, page_size, rounding_mode="floor")]
-    slot_mapping = page * page_size + torch.remainder(positions, page_size)
     with _checks.engine_names(_APPEND_NAMES):
-        fused_qk_norm_rope_store_kv(append_key[:, :0], append_key, append_value, k_cache, v_cache, slot_mapping,
-                                    layout=kv_layout)
+        fused_qk_norm_rope_store_kv(append_key[:, :0], append_key, append_value, k_cache, v_cache,
+                                    PagedAppend(kv_indices, kv_indptr, batch_indices, positions), layout=kv_layout)
 
 
 def _rope_calls(positions, query, key, head_size, cos_sin_cache, is_neox, query_out, key_out):
@@ -224,7 +221,9 @@ _RQ_NAMES = {"q[0]": "q_rope", "q[1]": "q_nope", "k[0]": "k_rope", "k[1]": "k_no
              "k_out[1]": "k_nope_out", "k_out": "k_rope_out", "rope_args.positions": "pos_ids",
              "rope_args.cos_sin_cache": "cos_sin_cache", "q_scale": "quant_scale_q", "k_scale": "quant_scale_kv",
              "v_scale": "quant_scale_kv", "v": "v", "k_cache[0]": "paged_kv_cache", "k_cache[1]": "paged_kv_cache",
-             "k_cache": "paged_kv_cache", "v_cache": "paged_kv_cache", "slot_mapping": "batch_indices"}
+             "k_cache": "paged_kv_cache", "v_cache": "paged_kv_cache", "slot_mapping.batch_indices": "batch_indices",
+             "slot_mapping.positions": "positions", "slot_mapping.kv_indptr": "kv_indptr",
+             "slot_mapping.kv_indices": "kv_indices"}
 
 
 def rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox=True, quantize_dtype=None,
@@ -264,22 +263,6 @@ def mla_rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids
                              quant_scale_q, quant_scale_kv, q_rope_out, k_rope_out, q_nope_out, k_nope_out, enable_pdl)
 
 
-def _append_slots(batch_indices, positions, kv_indices, kv_indptr, page_size: int, nnz: int) -> torch.Tensor:
-    """FlashInfer's page addressing as kvfuse slots: entry i goes to page
-    kv_indices[kv_indptr[batch_indices[i]] + positions[i] // page_size], offset positions[i] % page_size;
-    batch_indices[i] < 0 (padding) -> slot -1 (nothing written)."""
-    batch_indices, positions = _int_vector(batch_indices, "batch_indices"), _int_vector(positions, "positions")
-    kv_indices, kv_indptr = _int_vector(kv_indices, "kv_indices"), _int_vector(kv_indptr, "kv_indptr")
-    for t, name in ((batch_indices, "batch_indices"), (positions, "positions")):
-        if t.shape[0] != nnz:
-            raise ValueError(f"{name}: expected {nnz} entries like q_rope, got {t.shape[0]}")
-    live = batch_indices >= 0
-    b = torch.where(live, batch_indices, 0)
-    p = torch.where(live, positions, 0)
-    page = kv_indices[kv_indptr[b] + torch.div(p, page_size, rounding_mode="floor")]
-    return torch.where(live, page * page_size + torch.remainder(p, page_size), -1)
-
-
 def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache,
                                             kv_indices, kv_indptr, batch_indices, positions, is_neox=True,
                                             quantize_dtype=None, quant_scale_q=1.0, quant_scale_kv=1.0, page_size=16,
@@ -291,12 +274,12 @@ def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, c
     rope_dim + no_rope_dim] ("NHD") or [max_pages, Hkv, page_size, ...] ("HND"); a K record holds the
     rope columns, then the nope ones; v [nnz, Hkv, rope_dim + no_rope_dim] quantized by quant_scale_kv.
     MLA (2-d k_rope, v None): ``paged_kv_cache`` = (ckv_cache [max_pages, page_size, no_rope_dim],
-    kpe_cache [max_pages, page_size, rope_dim]), e4m3 (kv_layout not read). Token i goes to
-    (_append_slots) page kv_indices[kv_indptr[batch_indices[i]] + positions[i] // page_size], offset
-    positions[i] % page_size; a token with batch_indices[i] < 0 writes no cache entry (FlashInfer
+    kpe_cache [max_pages, page_size, rope_dim]), e4m3 (kv_layout not read). Token i goes to page
+    kv_indices[kv_indptr[batch_indices[i]] + positions[i] // page_size], offset positions[i] % page_size
+    (int32 or int64 metadata); a token with batch_indices[i] < 0 writes no cache entry (FlashInfer
     also leaves its q outputs unwritten; kvfuse writes them). Returns (q_rope_out, q_nope_out). One
-    launch of :func:`kvfuse.fused_qk_norm_rope_store_kv` after the page -> slot arithmetic (a few small
-    torch index ops, as in :func:`append_paged_kv_cache`)."""
+    launch of :func:`kvfuse.fused_qk_norm_rope_store_kv`, which reads the addressing itself
+    (:class:`kvfuse.PagedAppend`)."""
     q, k, rope, is_mla, nope, _ = _rope_parts(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox)
     q_nope_in = q[1] if nope else q_rope.new_empty(q_rope.shape[0], q_rope.shape[1], 0)
     dt = _quantize_dtype(quantize_dtype, (q_rope_out, q_nope_out))
@@ -329,7 +312,9 @@ def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, c
         raise ValueError(f"page_size: {page_size} differs from the caches' page size {cache_page}")
     q_outs = [o if o is not None else torch.empty(ref.shape, dtype=dt, device=ref.device)
               for o, ref in ((q_rope_out, q_rope), (q_nope_out, q_nope_in))]
-    slots = _append_slots(batch_indices, positions, kv_indices, kv_indptr, page_size, q_rope.shape[0])
+    slots = PagedAppend(*(_int_vector(t, name) for t, name in ((kv_indices, "kv_indices"), (kv_indptr, "kv_indptr"),
+                                                                (batch_indices, "batch_indices"),
+                                                                (positions, "positions"))))
     sq, skv = _scale(quant_scale_q, "quant_scale_q"), _scale(quant_scale_kv, "quant_scale_kv")
     with _checks.engine_names(_RQ_NAMES):
         fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slots, rope_args=rope, layout=layout,

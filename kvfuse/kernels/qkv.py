@@ -194,6 +194,27 @@ def _qk_halves(a, b, wa, wb, eps, pm, c, s, D: tl.constexpr, LOG2_BLOCK_D: tl.co
 
 
 @triton.jit
+def _load_slots(slot_ptr, s_slot, tok, rmask, block_size, pa_b=None, pa_p=None, pa_indptr=None, pa_idx=None,
+                pa_nreq=None, pa_nidx=None):
+    """The tokens' slots (-1 where not rmask): slot_ptr[tok], or (pa_b not None: FlashInfer's append
+    addressing, kvfuse.args.PagedAppend) pa_idx[pa_indptr[b] + p // block_size] * block_size + p % block_size
+    for b = pa_b[tok], p = pa_p[tok], -1 where b is outside [0, pa_nreq), p < 0 or the index outside
+    [0, pa_nidx); every load is masked to its vector's bounds."""
+    if pa_b is None:
+        slot = tl.load(slot_ptr + tok * s_slot, mask=rmask, other=-1)
+    else:
+        b = tl.load(pa_b + tok, mask=rmask, other=-1).to(tl.int64)
+        p = tl.load(pa_p + tok, mask=rmask, other=-1).to(tl.int64)
+        live = rmask & (b >= 0) & (b < pa_nreq) & (p >= 0)
+        start = tl.load(pa_indptr + tl.where(live, b, 0), mask=live, other=0).to(tl.int64)
+        idx = start + p // block_size
+        live = live & (idx >= 0) & (idx < pa_nidx)
+        page = tl.load(pa_idx + tl.where(live, idx, 0), mask=live, other=0).to(tl.int64)
+        slot = tl.where(live, page * block_size + p % block_size, -1)
+    return slot
+
+
+@triton.jit
 def _scale_rcp(sc):
     """Of a per-tensor scale read once per program: (1 / scale correctly rounded, whether the reciprocal
     path serves it: 2^-64 <= scale <= 2^64, else each value is divided)."""
@@ -266,7 +287,8 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
               SLOT32: tl.constexpr, NATIVE: tl.constexpr, SCALE_PER_HEAD: tl.constexpr = False,
               ACT: tl.constexpr = 0, NUMERICS: tl.constexpr = 0, x2_ptr=None, s2_n=None, s2_h=None,
               dst2_ptr=None, dst2_n=None, dst2_h=None, c2_blk=None, SPLIT: tl.constexpr = 0,
-              SCALE_MUL: tl.constexpr = False, SCALE_BY_VALUE: tl.constexpr = False):
+              SCALE_MUL: tl.constexpr = False, SCALE_BY_VALUE: tl.constexpr = False, pa_b=None, pa_p=None,
+              pa_indptr=None, pa_idx=None, pa_nreq=None, pa_nidx=None):
     """Heads h0 .. h0 + G - 1 (those < H) of q or k for BLOCK_M tokens: norm -> RoPE -> the row at dst_ptr:
     q_out (bf16; token stride dst_n, which may be q itself), or (TO_CACHE) the record of the token's slot
     in a cache of (block, token) strides (c_blk, dst_n), bf16 or e4m3 by the scale. Every load that waits
@@ -279,7 +301,8 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
     (kvfuse.numerics_profiles). A head held as two tensors (the whole-row form only): x2_ptr (token / head
     strides s2_n, s2_h) holds its columns from SPLIT on, and a destination held as two, dst2_ptr (strides
     c2_blk, dst2_n, dst2_h as dst_ptr's), the same columns. SCALE_BY_VALUE: scale_ptr is the scale itself
-    (an fp32 argument); SCALE_MUL: the cast multiplies by it (_store_record)."""
+    (an fp32 argument); SCALE_MUL: the cast multiplies by it (_store_record). pa_*: the slots from
+    FlashInfer's append addressing (_load_slots)."""
     KEEP_F32: tl.constexpr = STORE_FP8 and NUMERICS == NUMERICS_FP32_CAST
     pos = tok
     slot = tok
@@ -288,7 +311,8 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
     if ROPE:
         pos = tl.load(pos_ptr + tok * s_pos, mask=rmask, other=-1)
     if TO_CACHE:
-        slot = tl.load(slot_ptr + tok * s_slot, mask=rmask, other=-1)
+        slot = _load_slots(slot_ptr, s_slot, tok, rmask, block_size, pa_b, pa_p, pa_indptr, pa_idx, pa_nreq,
+                           pa_nidx)
     if STORE_FP8:
         if SCALE_PER_HEAD:
             scs = _head_scales(scale_ptr, h0, H, G)
@@ -422,7 +446,8 @@ def _destination(sc, slot, tok, rmask, dst_n, c_blk, block_size, capacity, TO_CA
 def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, slot_ptr, s_slot, block_size,
              capacity, vs_ptr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, VEC: tl.constexpr, G: tl.constexpr,
              FP8: tl.constexpr, SLOT32: tl.constexpr, NATIVE: tl.constexpr, SCALE_PER_HEAD: tl.constexpr = False,
-             ACT: tl.constexpr = 0, SCALE_MUL: tl.constexpr = False, SCALE_BY_VALUE: tl.constexpr = False):
+             ACT: tl.constexpr = 0, SCALE_MUL: tl.constexpr = False, SCALE_BY_VALUE: tl.constexpr = False,
+             pa_b=None, pa_p=None, pa_indptr=None, pa_idx=None, pa_nreq=None, pa_nidx=None):
     """Heads h0 .. h0 + G - 1 (those < H) of v: copied (bf16 cache: the bits) or cast by v_scale into the
     records of the tokens' slots in vc_ptr ((block, token, head) strides c_blk, c_tok, dst_h). The slot,
     the scale and every head's values are loaded before anything waits on a load
@@ -431,7 +456,7 @@ def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, 
     NVV: tl.constexpr = BLOCK_DV // VEC
     colv = tl.arange(0, NVV)[:, None] * VEC + tl.arange(0, VEC)[None, :]               # [NVV, VEC]
     vmask = colv < DV
-    slot = tl.load(slot_ptr + tok * s_slot, mask=rmask, other=-1)
+    slot = _load_slots(slot_ptr, s_slot, tok, rmask, block_size, pa_b, pa_p, pa_indptr, pa_idx, pa_nreq, pa_nidx)
     sc = 1.0
     scs = ()
     if FP8:
@@ -479,7 +504,7 @@ def _v_load(v_ptr, sv_n, sv_h, h, H, tok, rmask, colv, vmask, FP8: tl.constexpr,
     return val
 
 
-@triton.jit(do_not_specialize=["n", "P", "capacity"])
+@triton.jit(do_not_specialize=["n", "P", "capacity", "pa_nreq", "pa_nidx"])
 def qkv_kernel(
     q_ptr, sq_n, sq_h,                      # q bf16 [n, HQ, D], stride(-1) == 1
     k_ptr, sk_n, sk_h,                      # k bf16 [n, HKV, D]
@@ -505,6 +530,9 @@ def qkv_kernel(
     q2_ptr=None, sq2_n=None, sq2_h=None, k2_ptr=None, sk2_n=None, sk2_h=None,
     qo2_ptr=None, so2_n=None, so2_h=None, kd2_ptr=None, kd2_blk=None, kd2_tok=None, kd2_head=None,
     qs_ptr=None,                            # q_out's e4m3 scale (Q_FP8)
+    # FlashInfer's append addressing instead of slot_ptr (kvfuse.args.PagedAppend): batch_indices,
+    # positions, kv_indptr, kv_indices, num_requests (len(kv_indptr) - 1), len(kv_indices)
+    pa_b=None, pa_p=None, pa_indptr=None, pa_idx=None, pa_nreq=None, pa_nidx=None,
     SPLIT: tl.constexpr = 0, Q_FP8: tl.constexpr = False, SCALE_MUL: tl.constexpr = False,
     SCALE_BY_VALUE: tl.constexpr = False, HAS_V: tl.constexpr = True,
 ):
@@ -540,11 +568,12 @@ def qkv_kernel(
                   kc_ptr, kc_tok, kc_head, slot_ptr, s_slot, kc_blk, block_size, capacity, ks_ptr,
                   D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, G, K_NORM, KW_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16,
                   HALVES, KV_CACHE, FP8, SLOT32, NATIVE, K_SCALE_PER_HEAD, ACT, NUMERICS, k2_ptr, sk2_n, sk2_h,
-                  kd2_ptr, kd2_tok, kd2_head, kd2_blk, SPLIT, SCALE_MUL, SCALE_BY_VALUE)
+                  kd2_ptr, kd2_tok, kd2_head, kd2_blk, SPLIT, SCALE_MUL, SCALE_BY_VALUE, pa_b, pa_p, pa_indptr,
+                  pa_idx, pa_nreq, pa_nidx)
     elif KV_CACHE and HAS_V:
         _v_heads(v_ptr, sv_n, sv_h, (grp - QG - KG) * G, HKV, tok, rmask, vc_ptr, vc_blk, vc_tok, vc_head, slot_ptr,
                  s_slot, block_size, capacity, vs_ptr, DV, BLOCK_DV, VEC, G, FP8, SLOT32, NATIVE, V_SCALE_PER_HEAD,
-                 ACT, SCALE_MUL, SCALE_BY_VALUE)
+                 ACT, SCALE_MUL, SCALE_BY_VALUE, pa_b, pa_p, pa_indptr, pa_idx, pa_nreq, pa_nidx)
 
 
 # --------------------------------------------------------------------------- launch configuration
@@ -632,7 +661,7 @@ def launch_args(plan):
         k_dst = (_codes(plan.k_cache), *plan.cache_strides(plan.k_cache))   # e4m3 codes written as bytes
         v_dst = (_codes(or_q(plan.v_cache)), *(plan.cache_strides(plan.v_cache) if plan.has_v else (0, 0, 0)))
         k_dst_tail = _tail_args(_codes(plan.k_cache_tail), plan.cache_strides)
-        slots = (plan.slot_mapping, plan.slot_mapping.stride(0))
+        slots = (q, 0) if plan.paged_append else (plan.slot_mapping, plan.slot_mapping.stride(0))
         cap = plan.capacity
     else:          # k's programs write k_out (token and head strides in the cache's token and head slots)
         k_dst = (_codes(plan.k_out), 0, plan.k_out.stride(0), plan.k_out.stride(1))
@@ -689,6 +718,10 @@ def launch_args(plan):
         options["SCALE_MUL"] = True
     if by_value:
         options["SCALE_BY_VALUE"] = True
+    if plan.paged_append:
+        options.update(pa_b=plan.append_batch_indices, pa_p=plan.append_positions, pa_indptr=plan.append_kv_indptr,
+                       pa_idx=plan.append_kv_indices, pa_nreq=plan.append_kv_indptr.shape[0] - 1,
+                       pa_nidx=plan.append_kv_indices.shape[0])
     if not plan.has_v and plan.has_cache:
         options["HAS_V"] = False
     groups = qg + (2 * kg if plan.has_cache and plan.has_v else kg)

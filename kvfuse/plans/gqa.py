@@ -10,7 +10,8 @@ import torch
 
 from ..overlap import addresses_known, row_limit, same_elements, tensors_overlap
 from ..numerics_profiles import ACTIVATION_DTYPES, profile
-from .rules import check_index_vector, check_rms_norm, check_rope_args, check_tensor
+from ..args import PagedAppend
+from .rules import INDEX_DTYPES, check_index_vector, check_rms_norm, check_rope_args, check_tensor
 from .types import GQA_LAYOUTS, GQAPlan
 
 # an unquantized cache holds the activations' dtype
@@ -153,6 +154,21 @@ def _check_out_pair(out, name, act, dev, n, heads, d, split):
     return first, tail
 
 
+def _check_paged_append(pa: PagedAppend, n: int, dev):
+    """The four index vectors of a PagedAppend given as slot_mapping: (batch_indices, positions, kv_indptr,
+    kv_indices)."""
+    check_index_vector(pa.batch_indices, "slot_mapping.batch_indices", n, dev)
+    check_index_vector(pa.positions, "slot_mapping.positions", n, dev)
+    for name in ("kv_indptr", "kv_indices"):
+        t = getattr(pa, name)
+        check_tensor(t, f"slot_mapping.{name}", INDEX_DTYPES, dev, last_contiguous=False)
+        if t.dim() != 1:
+            raise ValueError(f"slot_mapping.{name}: expected a 1-d tensor, got shape {tuple(t.shape)}")
+    if pa.kv_indptr.shape[0] < 1:
+        raise ValueError("slot_mapping.kv_indptr: expected num_requests + 1 >= 1 entries, got 0")
+    return pa.batch_indices, pa.positions, pa.kv_indptr, pa.kv_indices
+
+
 def validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_args=None, rope_args=None,
              k_scale=None, v_scale=None, layout="NHD", q_out=None, numerics="staged", k_out=None, q_scale=None,
              scale_convention="divide") -> GQAPlan:
@@ -224,10 +240,15 @@ def validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_a
                 raise TypeError(f"v_cache: expected dtype {kc.dtype} (k_cache's), got {v_cache.dtype}")
         elif v_scale is not None:
             raise ValueError(f"v_scale must be None without v_cache, got a {type(v_scale).__name__}")
-        check_index_vector(slot_mapping, "slot_mapping", n, dev)
+        append = _check_paged_append(slot_mapping, n, dev) if isinstance(slot_mapping, PagedAppend) else None
+        if append is None:
+            check_index_vector(slot_mapping, "slot_mapping", n, dev)
         fp8 = kc.dtype == torch.float8_e4m3fn
-        plan = GQAPlan(q=q, k=k, v=v, k_cache=kc, v_cache=v_cache, slot_mapping=slot_mapping, layout=layout,
-                       numerics=numerics, k_cache_tail=kc_tail)
+        plan = GQAPlan(q=q, k=k, v=v, k_cache=kc, v_cache=v_cache, slot_mapping=None if append else slot_mapping,
+                       layout=layout, numerics=numerics, k_cache_tail=kc_tail)
+        if append is not None:
+            (plan.append_batch_indices, plan.append_positions, plan.append_kv_indptr,
+             plan.append_kv_indices) = append
         plan.k_scale, plan.k_scale_value = _check_scale(k_scale, "k_scale", fp8, dev, hkv)
         plan.v_scale, plan.v_scale_value = _check_scale(v_scale, "v_scale", fp8 and v_cache is not None, dev, hkv)
     plan.q_tail, plan.k_tail, plan.scale_convention = q_tail, k_tail, scale_convention
@@ -269,10 +290,11 @@ def validate_load(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_
 # =============================================================================== aliasing (SPEC §5)
 _NAMES = ("q_out", "k_out", "k_cache", "v_cache", "q_out[1]", "k_out[1]", "k_cache[1]", "q", "k", "v", "q[1]",
           "k[1]", "slot_mapping", "q_norm_args.weight", "k_norm_args.weight", "rope_args.positions",
-          "rope_args.cos_sin_cache", "k_scale", "v_scale", "q_scale")
+          "rope_args.cos_sin_cache", "k_scale", "v_scale", "q_scale", "slot_mapping.batch_indices",
+          "slot_mapping.positions", "slot_mapping.kv_indptr", "slot_mapping.kv_indices")
 _FIELDS = ("q_out", "k_out", "k_cache", "v_cache", "q_out_tail", "k_out_tail", "k_cache_tail", "q", "k", "v",
            "q_tail", "k_tail", "slot_mapping", "q_weight", "k_weight", "positions", "cos_sin", "k_scale", "v_scale",
-           "q_scale")
+           "q_scale", "append_batch_indices", "append_positions", "append_kv_indptr", "append_kv_indices")
 _OUTPUTS = 7                 # the first seven fields are written
 _IN_PLACE = {("q_out", "q"), ("k_out", "k"), ("q_out_tail", "q_tail"), ("k_out_tail", "k_tail")}   # an output that may be its input itself
 _VERDICTS = {}               # (tensor keys of a pair whose byte spans meet) -> True: their elements are disjoint

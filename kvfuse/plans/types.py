@@ -79,6 +79,10 @@ class Plan:
         return self.x.shape[2] + (0 if self.x_tail is None else self.x_tail.shape[2])
 
     @property
+    def paged_append(self) -> bool:
+        return self.append_batch_indices is not None
+
+    @property
     def split(self) -> int:
         """The columns x holds when a second input holds the rest (x_tail), else 0."""
         return 0 if self.x_tail is None else self.x.shape[2]
@@ -141,10 +145,19 @@ class GQAPlan:
     k_scale_value: Optional[float] = None
     v_scale_value: Optional[float] = None
     scale_convention: str = "divide"          # "divide": e4m3(x / scale) (vLLM); "multiply": e4m3(x * scale) (FlashInfer)
+    # FlashInfer's append addressing instead of slot_mapping (kvfuse.args.PagedAppend; all four or none)
+    append_batch_indices: Optional[torch.Tensor] = None
+    append_positions: Optional[torch.Tensor] = None
+    append_kv_indptr: Optional[torch.Tensor] = None
+    append_kv_indices: Optional[torch.Tensor] = None
 
     @property
     def n(self) -> int:
         return self.q.shape[0]
+
+    @property
+    def paged_append(self) -> bool:
+        return self.append_batch_indices is not None
 
     @property
     def split(self) -> int:

@@ -81,6 +81,20 @@ GQA_LAYOUTS = ("NHD", "HND")
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}   # an element's bits by its size
 
 
+def paged_append_slots(batch_indices, positions, kv_indptr, kv_indices, block_size: int) -> torch.Tensor:
+    """The slots of kvfuse.args.PagedAppend's addressing (int64 [n]): token i goes to page
+    kv_indices[kv_indptr[b] + p // block_size], offset p % block_size (b = batch_indices[i], p =
+    positions[i]); -1 where b is outside [0, len(kv_indptr) - 1), p < 0, or the index into kv_indices
+    is outside it. Each index vector is read only where in bounds."""
+    b, p = batch_indices.long(), positions.long()
+    live = (b >= 0) & (b < kv_indptr.shape[0] - 1) & (p >= 0)
+    start = kv_indptr.long()[torch.where(live, b, 0)] if kv_indptr.shape[0] else torch.zeros_like(b)
+    idx = start + torch.div(torch.where(live, p, 0), block_size, rounding_mode="floor")
+    live &= (idx >= 0) & (idx < kv_indices.shape[0])
+    page = kv_indices.long()[torch.where(live, idx, 0)] if kv_indices.shape[0] else torch.zeros_like(b)
+    return torch.where(live, page * block_size + torch.remainder(p, block_size), -1)
+
+
 def store_paged(cache: torch.Tensor, slot_mapping: torch.Tensor, data: torch.Tensor, layout: str) -> None:
     """Scatter rows into a paged cache of vLLM's layout ``"NHD"`` [num_blocks, block_size, H, D] or
     FlashInfer's ``"HND"`` [num_blocks, H, block_size, D] (any strides): ``data`` [n, H, D] holds

@@ -10,7 +10,7 @@ from ..numerics_profiles import profile
 from ..plans.types import CastSpec, Plan
 from .numerics import F32
 from .stages import dequantize, hadamard, norm, quantize, quantize_per_tensor, rmsnorm, rope
-from .cache import store, store_paged
+from .cache import paged_append_slots, store, store_paged
 
 
 def transform(x, weight=None, eps=1e-6, positions=None, cos_sin=None, rotary_dim=0, rope_offset=None,
@@ -137,6 +137,14 @@ def _whole(first, tail):
     return first if tail is None else torch.cat([first, tail], dim=-1)
 
 
+def gqa_slots(plan):
+    """The plan's slot mapping: its slot_mapping, or the slots of its paged-append addressing."""
+    if not plan.paged_append:
+        return plan.slot_mapping
+    return paged_append_slots(plan.append_batch_indices, plan.append_positions, plan.append_kv_indptr,
+                              plan.append_kv_indices, plan.block_size)
+
+
 def run_gqa_plan(plan) -> None:
     """Execute a validated :class:`kvfuse.plans.types.GQAPlan` with the unfused chain (the "reference" backend)."""
     if plan.n == 0:
@@ -146,7 +154,7 @@ def run_gqa_plan(plan) -> None:
         return getattr(plan, name) if value is None else value
 
     qk_norm_rope_store_kv(_whole(plan.q, plan.q_tail), _whole(plan.k, plan.k_tail), plan.v, plan.k_cache,
-                          plan.v_cache, plan.slot_mapping, plan.q_out, plan.q_weight, plan.q_eps, plan.k_weight,
+                          plan.v_cache, gqa_slots(plan), plan.q_out, plan.q_weight, plan.q_eps, plan.k_weight,
                           plan.k_eps, plan.positions, plan.cos_sin, plan.rotary_dim, plan.rope_offset, plan.is_neox,
                           plan.conjugate, scale("k_scale"), scale("v_scale"), plan.layout, plan.numerics, plan.k_out,
                           scale("q_scale"), plan.scale_convention, plan.q_out_tail, plan.k_out_tail,
