@@ -118,3 +118,6 @@ def test_every_gqa_launch_table_entry_has_a_case():
         table = qkv.launch_table(d)
         picked = {table_entry(table, c.n) for c in cases if c.d == d}
         assert picked == {cfg for _, cfg in table}, d
+    wide = qkv.launch_table(1024)       # indexed by tokens x heads
+    picked = {table_entry(wide, c.n * max(c.hq, c.hkv)) for c in cases if c.d > 512}
+    assert picked == {cfg for _, cfg in wide}

@@ -175,11 +175,21 @@ def _plan(case):
     return plan
 
 
+def test_wide_tile_table_is_indexed_by_rows():
+    """Tiles of 512 and more (MLA's 576-d heads): one row a program below 1024 tokens x heads, then 4."""
+    for block_d in (512, 1024):
+        assert qkv.launch_table(block_d) == ((1, (1, 1, 1)), (1024, (4, 1, 1)))
+        assert qkv.launch_config(1023, block_d, 1, interpret=False) == (1, 1, 1)
+        assert qkv.launch_config(1024, block_d, 1, interpret=False) == (4, 1, 1)
+        assert qkv.launch_config(8, block_d, 128, interpret=False) == (4, 1, 1)
+        assert qkv.launch_config(7, block_d, 128, interpret=False) == (1, 1, 1)
+
+
 def test_launch_table_shapes():
     """The GPU launch table (the GPU matrix runs every entry): one token of one head at n = 1, then two
     tokens of ~512 elements a program, ~1024 from 192 tokens for heads up to 128 wide; one warp; G
     never exceeds the call's heads."""
-    for block_d, g_small, g_large in ((64, 4, 8), (128, 2, 4), (256, 1, 1), (512, 1, 1)):
+    for block_d, g_small, g_large in ((64, 4, 8), (128, 2, 4), (256, 1, 1)):
         table = qkv.launch_table(block_d)
         assert table == ((1, (1, 1, 1)), (2, (2, g_small, 1)), (192, (2, g_large, 1)))
         assert qkv.launch_config(1, block_d, 8, interpret=False) == (1, 1, 1)

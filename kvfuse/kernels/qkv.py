@@ -577,6 +577,9 @@ def qkv_kernel(
 
 
 # --------------------------------------------------------------------------- launch configuration
+WIDE_TILE = 512     # from this tile width on, the launch table is indexed by tokens x heads
+
+
 def launch_table(block_d: int) -> tuple:
     """The compiled kernel's launch table for a tile width: ((first n, (BLOCK_M, G, num_warps)), ...),
     read by gluon.common.table_entry: BLOCK_M tokens of G heads of one kind a program, one warp. From
@@ -586,7 +589,15 @@ def launch_table(block_d: int) -> tuple:
     two tokens a program of ~512 elements (2 heads of 128, 1 of 256); from 192 tokens ~1024
     elements for heads up to 128 wide (4 heads of 128: Llama 3 8B fp8 at 65536 tokens 372.9 us against
     414.6 with the earlier table, Qwen3 474.0 against 525.7), still one head of 256 (Gemma 3's 2 heads
-    of 256: 711.9 us against 642.3). 64-d heads (not measured) get the same element counts."""
+    of 256: 711.9 us against 642.3). 64-d heads (not measured) get the same element counts.
+
+    Tiles of WIDE_TILE (512) and more (MLA's 576-d heads through FlashInfer's RoPE-quantize calls) are
+    indexed by rows = tokens x the call's heads instead: one row a program below 1024 rows, then 4 rows,
+    one head, one warp (H200 sweep, benchmarks/rope_quantize_sweep.py, 2026-12-04: one K head of 576 at
+    65536 tokens 35.35 us against 42.74 with 2 rows, at 256 tokens 2.45 against 2.77; with 128 q heads
+    4 rows from 256 tokens; 1024 itself lies between the points measured, 256 and 4096 rows)."""
+    if block_d >= WIDE_TILE:
+        return ((1, (1, 1, 1)), (1024, (4, 1, 1)))
     g_small = max(1, 256 // block_d)
     g_large = max(1, 512 // block_d) if block_d <= 128 else 1
     return ((1, (1, 1, 1)), (2, (2, g_small, 1)), (192, (2, g_large, 1)))
@@ -600,7 +611,7 @@ def launch_config(n: int, block_d: int, heads: int = 1, interpret: bool = INTERP
     if interpret:
         bm, g, nw = min(next_pow2(max(n, 1)), max(1, 16384 // block_d)), 4, 4
     else:
-        bm, g, nw = table_entry(launch_table(block_d), n)
+        bm, g, nw = table_entry(launch_table(block_d), n * max(heads, 1) if block_d >= WIDE_TILE else n)
     g = min(g, next_pow2(max(heads, 1)))
     forced = FORCED.cfg
     if forced is not None:
