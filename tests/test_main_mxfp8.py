@@ -13,6 +13,7 @@ from kvfuse import formats as F
 from kvfuse import models as M
 from kvfuse import reference as R
 from kvfuse.engines import sglang
+from kvfuse.kernels.codes import NO_FLOOR
 from kvfuse.kernels.gluon import main_latent
 from kvfuse.plans.fused import build_plan
 from helpers import assert_bytes_equal, cos_sin_cache, random_bf16
@@ -156,19 +157,26 @@ def test_gluon_main_path_takes_mxfp8_records(rope):
     assert not main_latent.eligible(_plan(no_floor, rope=rope))
 
 
-def _constexprs(rec, fmt, n=3):
+def _launch(rec, fmt, n=3):
+    """(positional args, constexprs) of a launch of ``n`` rows of ``rec``'s records."""
     plan = _plan(fmt)
     x = plan.x[:, 0, :]
-    return main_latent.launch_parts_records(rec, lambda name: name, n, plan.eps, x, plan.weight, plan.positions,
-                                            plan.cos_sin, plan.slot_mapping, plan.kv_cache, 1, 1, False,
-                                            ctas_per_sm=1, sm_count=132, neox=False)[2]
+    _, args, constexprs, _ = main_latent.launch_parts_records(
+        rec, lambda name: name, n, plan.eps, x, plan.weight, plan.positions, plan.cos_sin, plan.slot_mapping,
+        plan.kv_cache, 1, 1, False, ctas_per_sm=1, sm_count=132, neox=False)
+    return args, constexprs
 
 
 def test_gluon_launch_constants():
-    """MAIN_MXFP8 launches name FLOOR_E -13 and never prefetch a reserved sector (there is none); MAIN_FP8's
-    launches leave FLOOR_E to the kernel's default (no floor), as before the MAIN_MXFP8 variant existed."""
-    mx = _constexprs(main_latent.RECORDS_MXFP8, F.MAIN_MXFP8, n=main_latent.FILL_MIN_ROWS)
-    assert mx["FLOOR_E"] == -13 and mx["FILL_SECTOR"] is False and list(mx)[-1] == "FLOOR_E"
-    fp8 = _constexprs(main_latent.RECORDS, F.MAIN_FP8, n=main_latent.FILL_MIN_ROWS)
-    assert "FLOOR_E" not in fp8 and fp8["FILL_SECTOR"] is True
+    """MAIN_MXFP8 launches take FLOOR_E -13 and never prefetch a reserved sector (there is none); MAIN_FP8's
+    take NO_FLOOR (the kernel without the floor). Every constexpr is named (kvfuse's direct launcher)."""
+    args, mx = _launch(main_latent.RECORDS_MXFP8, F.MAIN_MXFP8, n=main_latent.FILL_MIN_ROWS)
+    assert mx["FLOOR_E"] == -13 and mx["FILL_SECTOR"] is False
+    _, fp8 = _launch(main_latent.RECORDS, F.MAIN_FP8, n=main_latent.FILL_MIN_ROWS)
+    assert fp8["FLOOR_E"] == NO_FLOOR.value and fp8["FILL_SECTOR"] is True
+    assert list(mx) == list(fp8)
+    kernel = getattr(main_latent, "main_fp8_kernel", None)
+    if kernel is not None:                     # Gluon importable (Triton 3.6): the kernel's parameter order
+        names = list(kernel.arg_names)
+        assert len(names) == len(args) + len(mx) and names[len(args):] == list(mx)
     assert F.MAIN_MXFP8 in main_latent.FORMATS

@@ -267,7 +267,7 @@ if gluon is not None:
         n_rows,
         W_BF16: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, ROWS_PER_WARP: gl.constexpr,
         PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr, FP4: gl.constexpr, NEOX: gl.constexpr,
-        CAST_ONLY: gl.constexpr, PDL: gl.constexpr, FILL_SECTOR: gl.constexpr, FLOOR_E: gl.constexpr = NO_FLOOR.value,
+        CAST_ONLY: gl.constexpr, PDL: gl.constexpr, FILL_SECTOR: gl.constexpr, FLOOR_E: gl.constexpr,
     ):
         """A program walks over the tiles pid, pid + num_programs, ... (R = ROWS_PER_WARP * num_warps
         rows each; warp w owns rows w * ROWS_PER_WARP ..). LOG2_BLOCK: log2(block_size) when it is a
@@ -278,8 +278,8 @@ if gluon is not None:
         pairs (448 + j, 480 + j), else GPT-J's (448 + 2 j, 449 + 2 j). CAST_ONLY: no norm and no RoPE (the
         cast of x: kvfuse.mla.store_gathered, the CP second pass); w_ptr, pos_ptr and cs_ptr are stand-ins
         (x), never read. FILL_SECTOR: prefetch each MAIN_FP8 record's reserved-byte sector into L2 before
-        its stores (``fill_sector``: large launches). FLOOR_E: the scale_floor's exponent of a UE8M0 record
-        (MAIN_MXFP8's -13); the host names it only for such records, so the others compile as before."""
+        its stores (``fill_sector``: large launches). FLOOR_E: the scale_floor's exponent of the UE8M0 records
+        (MAIN_MXFP8's -13), NO_FLOOR for MAIN_FP8 (and unused by FP4): that value compiles to the code of before."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = ROWS_PER_WARP * NW
         # words [R, 8, 4, 8]: lane l = 4 * d1 + d2 owns the 8 int32 words (bf16 columns 16 l .. 16 l + 15)
@@ -467,9 +467,8 @@ def launch_parts_records(rec: MainRecords, tensor, n: int, eps: float, x, weight
     constexprs = dict(W_BF16=cast_only or weight.dtype == torch.bfloat16, SLOT32=capacity <= INT32_LIMIT,
                       LOG2_BLOCK=log2_block(block_size), ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline),
                       OFFSETS32=max(spans) < INT32_LIMIT, FP4=rec.fp4, NEOX=bool(neox), CAST_ONLY=cast_only,
-                      PDL=False, FILL_SECTOR=fill_sector(rec, n))
-    if rec.floor_exp is not None:        # named only where the records floor their scale (else the kernel's NO_FLOOR)
-        constexprs["FLOOR_E"] = rec.floor_exp
+                      PDL=False, FILL_SECTOR=fill_sector(rec, n),
+                      FLOOR_E=NO_FLOOR.value if rec.floor_exp is None else rec.floor_exp)
     options = compile_options(num_warps)
     tiles = -(-n // (rows_per_warp * num_warps))
     tensors = dict(x=x, weight=weight, positions=positions, cos_sin=cos_sin, slot_mapping=slot_mapping,
