@@ -32,7 +32,7 @@ import torch
 
 __all__ = [
     "KVCacheFormat", "RecordAddressing", "PRESETS", "allocate_kv_cache",
-    "MAIN_FP8", "MAIN_FP4", "INDEX_MXFP8", "INDEX_FP8_FP32", "INDEX_MXFP4", "INDEX_NVFP4",
+    "MAIN_FP8", "MAIN_MXFP8", "MAIN_FP4", "INDEX_MXFP8", "INDEX_FP8_FP32", "INDEX_MXFP4", "INDEX_NVFP4",
     "INDEX_BF16", "FLASHMLA_V32", "FLASHMLA_MODEL1",
 ]
 
@@ -355,6 +355,16 @@ def _round_up(v: int, m: int) -> int:
 
 
 MAIN_FP8 = KVCacheFormat("MAIN_FP8", 512, "e4m3", 32, "ue8m0", True, sf_bytes=20)
+MAIN_MXFP8 = KVCacheFormat("MAIN_MXFP8", 512, "e4m3", 32, "ue8m0", True, scale_floor=1e-4)
+"""DeepSeek V4.1's main-cache record: 512 e4m3 codes (the 448 latent dims and the 64 RoPE dims, after
+RoPE) then 16 UE8M0 scale bytes, one per 32 codes; 528 bytes a token, token-interleaved, no reserved
+bytes. Scale 2^ceil(log2(max(amax / 448, 1e-4))): the power of two at or above amax / 448, floored at
+2^-13. Readers checked: FlashMLA ``csrc/cuda_kernels/kv_cache_format.h`` (commit 2e5429f,
+``KVCacheFormat<ModelType::V41>``: 512 e4m3 + 16 ue8m0, 528 bytes a token, "including the RoPE dims");
+SGLang 0.5.23 (wheel), ``KVLayout.V41_NEW`` (``sgl_kernel/deepseek_v4/kv_layout.cuh``: the V41 bytes per
+token, data then scales; ``store_row_fp8`` floors the exponent byte at 114, i.e. 2^-13, and encodes
+``e4m3(x * 2^-e)`` round-to-nearest-even) and its oracle ``dsv41_kv_quant_reference.quantize_k_cache_v41``.
+The two agree on every byte, so one preset; ``kvfuse.engines.sglang.V41_NEW`` is this object."""
 MAIN_FP4 = KVCacheFormat("MAIN_FP4", 512, "e2m1", 16, "e4m3", True)
 INDEX_MXFP8 = KVCacheFormat("INDEX_MXFP8", 128, "e4m3", 32, "ue8m0", False)
 INDEX_FP8_FP32 = KVCacheFormat("INDEX_FP8_FP32", 128, "e4m3", 128, "fp32", False)
@@ -371,6 +381,7 @@ FLASHMLA_MODEL1 = KVCacheFormat("FLASHMLA_MODEL1", 512, "e4m3", 64, "ue8m0", Fal
 # Who reads each preset's records (README.md "Who reads each preset" has the sources).
 READERS = {
     "MAIN_FP8": "DeepInfer's DeepSeek V4 main cache (FlashMLA-family sparse decode)",
+    "MAIN_MXFP8": "DeepSeek V4.1's main cache: FlashMLA's V41 sparse decode, SGLang's v41_new pages",
     "MAIN_FP4": "DeepInfer's DeepSeek V4 main cache (FlashMLA-family sparse decode)",
     "INDEX_MXFP8": "DeepInfer's lightning indexer (K cache; Q in the same format)",
     "INDEX_MXFP4": "DeepInfer's lightning indexer (K cache; Q in the same format)",
@@ -381,5 +392,5 @@ READERS = {
     "FLASHMLA_MODEL1": "FlashMLA sparse decode, MODEL1 layout (DeepSeek V4)",
 }
 
-PRESETS = {f.name: f for f in (MAIN_FP8, MAIN_FP4, INDEX_MXFP8, INDEX_FP8_FP32, INDEX_MXFP4, INDEX_NVFP4,
+PRESETS = {f.name: f for f in (MAIN_FP8, MAIN_MXFP8, MAIN_FP4, INDEX_MXFP8, INDEX_FP8_FP32, INDEX_MXFP4, INDEX_NVFP4,
                                INDEX_BF16, FLASHMLA_V32, FLASHMLA_MODEL1)}

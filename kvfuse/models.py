@@ -18,6 +18,7 @@ what was read in that code and what is inferred.
 | deepseek-v4 | 64 x 512 (weightless RMSNorm), offset 448, GPT-J | MAIN_FP8 512 (RMSNorm) | GPT-J, tail | RMSNorm | tail 64, GPT-J | yes | INDEX_MXFP8 (also compressed KV) |
 | deepseek-v4-fp4 | as V4 | MAIN_FP4 | as V4 | as V4 | as V4 | yes | INDEX_MXFP4 (also compressed KV) |
 | deepseek-v4-flashmla | as V4 | FLASHMLA_MODEL1 | as V4 | as V4 | as V4 | yes | INDEX_FP8_FP32 (also compressed KV) |
+| deepseek-v4.1 | as V4 | MAIN_MXFP8 528 (RMSNorm) | as V4 | as V4 | as V4 | yes | INDEX_MXFP8 (also compressed KV) |
 
 The sources read for each configuration, and what is inferred rather than read: docs/models.md.
 """
@@ -30,13 +31,13 @@ import torch
 
 from .args import NormArgs, RopeArgs
 from .formats import (FLASHMLA_MODEL1, FLASHMLA_V32, INDEX_FP8_FP32, INDEX_MXFP4, INDEX_MXFP8, MAIN_FP4, MAIN_FP8,
-                      KVCacheFormat)
+                      MAIN_MXFP8, KVCacheFormat)
 from .mla import MLAConfig
 from .rope import YarnScaling, cos_sin_cache
 
 __all__ = [
     "DEEPSEEK_V3", "DEEPSEEK_V32", "DEEPSEEK_V32_UE8M0", "DEEPSEEK_V32_SGLANG", "DEEPSEEK_V4", "DEEPSEEK_V4_FP4",
-    "DEEPSEEK_V4_FLASHMLA",
+    "DEEPSEEK_V4_FLASHMLA", "DEEPSEEK_V41",
     "INDEX_FP8_UE8M0_FP32", "MODELS", "ALIASES", "get", "names",
     "GQAConfig", "LLAMA3_8B", "LLAMA3_70B", "QWEN3_8B", "QWEN3_32B", "GEMMA3_12B", "GPT_OSS_20B", "GPT_OSS_120B",
     "GQA_MODELS", "gqa_names", "get_gqa",
@@ -137,9 +138,23 @@ DEEPSEEK_V4_FLASHMLA = dataclasses.replace(DEEPSEEK_V4, name="deepseek-v4-flashm
 (``fused_norm_rope_flashmla``) and e4m3 with an fp32 scale per 128 for the indexer and the
 compressed KV (``fused_norm_rope_indexer``)."""
 
+DEEPSEEK_V41 = dataclasses.replace(
+    DEEPSEEK_V4, name="deepseek-v4.1", main_format=MAIN_MXFP8, draft_format=MAIN_MXFP8,
+    source="SGLang 0.5.23 (wheel) sglang/kernels/jit/include/sgl_kernel/deepseek_v4/kv_layout.cuh (KVLayout "
+    "V41 / V41_NEW: 512 e4m3, the RoPE dims quantized too, 16 ue8m0 scales per token; store_row_fp8) and "
+    "sglang_jit csrc/deepseek_v4/store.cuh (fused_store_flashmla_cache_v41: RoPE on the last 64 with adjacent "
+    "(real, imag) pairs = GPT-J, rounded to the input dtype, then store_row_fp8 over all 512) and main_norm_rope.cuh "
+    "(fused_k_norm_rope_flashmla_v41: RMSNorm before that RoPE); FlashMLA csrc/cuda_kernels/kv_cache_format.h "
+    "(KVCacheFormat<V41>, 528 bytes a token); Q, indexer and compressed KV as deepseek-v4 (" + _V4_SOURCE + ")",
+)
+"""DeepSeek V4.1: V4's chain (RMSNorm over the 512-d latent, GPT-J RoPE on its tail 64 at offset 448,
+Q 64 heads x 512), with the main cache MAIN_MXFP8: all 512 columns, the rotated tail included, cast to
+e4m3 with a UE8M0 scale per 32 (floored at 2^-13) into 528-byte records. Indexer and compressed KV are
+V4's (INDEX_MXFP8): V4.1's own index path was not read."""
+
 MODELS: Dict[str, MLAConfig] = {c.name: c for c in (DEEPSEEK_V3, DEEPSEEK_V32, DEEPSEEK_V32_UE8M0,
                                                     DEEPSEEK_V32_SGLANG, DEEPSEEK_V4, DEEPSEEK_V4_FP4,
-                                                    DEEPSEEK_V4_FLASHMLA)}
+                                                    DEEPSEEK_V4_FLASHMLA, DEEPSEEK_V41)}
 """Every named configuration, by name."""
 
 ALIASES: Dict[str, str] = {"deepseek-v3.1": "deepseek-v3"}

@@ -64,6 +64,7 @@ def variants():
     """(name, build) pairs; build() -> (kernel, plan, positional args, constexprs, options)."""
     m8 = dict(FAST_MAIN, fmt=F.MAIN_FP8)
     m4 = dict(FAST_MAIN, fmt=F.MAIN_FP4)
+    mx8 = dict(FAST_MAIN, fmt=F.MAIN_MXFP8)
     cast_only = dict(norm=False, rope=False)
     v32 = dict(FAST_CHAIN, head_dim=576, fmt=F.FLASHMLA_V32)
     model1 = dict(FAST_CHAIN, head_dim=512, fmt=F.FLASHMLA_MODEL1)
@@ -92,6 +93,13 @@ def variants():
                                                                               seed=8), pipe=True, FILL_SECTOR=True)
     yield "main_fp8_cast_only_fill_sector", lambda: _main(M8.RECORDS, Case(n=3, **m8, **cast_only, seed=9),
                                                           pipe=True, FILL_SECTOR=True, PDL=True)
+    # DeepSeek V4.1's 528-byte records (FLOOR_E -13)
+    yield "main_mxfp8_gptj", lambda: _main(M8.RECORDS_MXFP8, Case(n=1, **{**mx8, "neox": False}, seed=15))
+    yield "main_mxfp8_w32_pipeline_bs24", lambda: _main(M8.RECORDS_MXFP8, Case(n=300, **mx8, seed=16, block_size=24,
+                                                                               num_blocks=16, w_fp32=True),
+                                                        pipe=True, nw=4)
+    yield "main_mxfp8_cast_only_pdl_slot64", lambda: _main(M8.RECORDS_MXFP8, Case(n=3, **mx8, **cast_only, seed=17),
+                                                           PDL=True, SLOT32=False, OFFSETS32=False)
     yield "main_fp4", lambda: _main(M4.RECORDS, Case(n=1, **m4, seed=11), nw=2)
     yield "main_fp4_w32_gptj", lambda: _main(M4.RECORDS, Case(n=3, **{**m4, "neox": False}, seed=12, w_fp32=True,
                                                               cs_bf16=True, idx32=True))

@@ -42,7 +42,7 @@ def _check_table(text, out):
     expected = {(name, False) for name in F.PRESETS} | {(name, True) for name, f in F.PRESETS.items()
                                                         if f.head_dim == 128}
     assert set(rows) == expected
-    assert len(expected) == 14
+    assert len(expected) == 15
     for (name, had), parts in rows.items():
         fmt = F.PRESETS[name]
         assert parts[1] == ("token" if fmt.token_interleaved else "block")
@@ -69,7 +69,7 @@ def _check_table(text, out):
     assert png.exists() and png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 10_000
     with open(out / demo.CSV_NAME) as fh:
         table = list(csv.reader(fh))
-    assert table[0] == list(demo.COLUMNS) and len(table) == 15
+    assert table[0] == list(demo.COLUMNS) and len(table) == 16
     col = {name: i for i, name in enumerate(demo.COLUMNS)}
     for line in table[1:]:
         parts = rows[(line[col["format"]], line[col["hadamard"]] == "1")]

@@ -18,6 +18,8 @@ from helpers import cache_strides, guarded_cache, record_regions
 SPEC_TABLE = {
     # SPEC §4: 512 + 20 (16 scales + 4 reserved) = 532; gcd(32, 532) = 4
     "MAIN_FP8": (True, 512, "e4m3", 32, "ue8m0", 512, 512, 20, 16, 532, 4, 0),
+    # DeepSeek V4.1: 512 + 16 (16 scales, no reserved bytes) = 528; gcd(32, 528) = 16
+    "MAIN_MXFP8": (True, 512, "e4m3", 32, "ue8m0", 512, 512, 16, 16, 528, 16, 0),
     # 256 + 32 = 288 (32 e4m3 scales); gcd(32, 288) = 32
     "MAIN_FP4": (True, 512, "e2m1", 16, "e4m3", 256, 256, 32, 32, 288, 32, 0),
     # block-wide: stride_alignment 32
@@ -73,6 +75,7 @@ def test_flashmla_block_alignments():
 
 @pytest.mark.parametrize("name,cast", [
     ("MAIN_FP8", kvfuse.CastArgs("e4m3", 32, True, "ue8m0")),
+    ("MAIN_MXFP8", kvfuse.CastArgs("e4m3", 32, True, "ue8m0", scale_floor=1e-4)),
     ("MAIN_FP4", kvfuse.CastArgs("e2m1", 16, False, "e4m3")),
     ("INDEX_MXFP8", kvfuse.CastArgs("e4m3", 32, True, "ue8m0")),
     ("INDEX_FP8_FP32", kvfuse.CastArgs("e4m3", 128, False, "fp32")),

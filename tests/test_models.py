@@ -16,7 +16,7 @@ from kvfuse import mla
 from kvfuse import models as M
 
 V3_FAMILY = [M.DEEPSEEK_V3, M.DEEPSEEK_V32, M.DEEPSEEK_V32_UE8M0, M.DEEPSEEK_V32_SGLANG]
-V4_FAMILY = [M.DEEPSEEK_V4, M.DEEPSEEK_V4_FP4, M.DEEPSEEK_V4_FLASHMLA]
+V4_FAMILY = [M.DEEPSEEK_V4, M.DEEPSEEK_V4_FP4, M.DEEPSEEK_V4_FLASHMLA, M.DEEPSEEK_V41]
 
 
 def _name(cfg):
@@ -127,7 +127,16 @@ def test_v4_formats():
     assert M.DEEPSEEK_V4_FP4.main_format is F.MAIN_FP4 and M.DEEPSEEK_V4_FP4.index_format is F.INDEX_MXFP4
     assert M.DEEPSEEK_V4_FLASHMLA.main_format is F.FLASHMLA_MODEL1
     assert M.DEEPSEEK_V4_FLASHMLA.index_format is F.INDEX_FP8_FP32
-    assert {c.main_format.name for c in V4_FAMILY} == {"MAIN_FP8", "MAIN_FP4", "FLASHMLA_MODEL1"}
+    assert M.DEEPSEEK_V41.main_format is F.MAIN_MXFP8 and M.DEEPSEEK_V41.draft_format is F.MAIN_MXFP8
+    assert M.DEEPSEEK_V41.index_format is F.INDEX_MXFP8
+    assert {c.main_format.name for c in V4_FAMILY} == {"MAIN_FP8", "MAIN_FP4", "FLASHMLA_MODEL1", "MAIN_MXFP8"}
+
+
+def test_v41_sources():
+    """V4.1's record is cited from its readers: FlashMLA's V41 format and SGLang's V41 store."""
+    s = M.DEEPSEEK_V41.source
+    assert "kv_cache_format.h" in s and "KVCacheFormat<V41>" in s
+    assert "kv_layout.cuh" in s and "V41_NEW" in s and "store_row_fp8" in s and "fused_k_norm_rope_flashmla_v41" in s
     # with_main_format / with_index_format: the same model, another cache
     c = M.DEEPSEEK_V4.with_main_format(F.FLASHMLA_MODEL1)
     assert c.main_format is F.FLASHMLA_MODEL1 and c.name == "deepseek-v4" and c.rope_is_neox is False
@@ -140,7 +149,7 @@ def test_v4_formats():
 # --------------------------------------------------------------------------- registry, sources, frozen
 def test_registry():
     assert set(M.MODELS) == {"deepseek-v3", "deepseek-v3.2", "deepseek-v3.2-ue8m0", "deepseek-v3.2-sglang",
-                             "deepseek-v4", "deepseek-v4-fp4", "deepseek-v4-flashmla"}
+                             "deepseek-v4", "deepseek-v4-fp4", "deepseek-v4-flashmla", "deepseek-v4.1"}
     for name, cfg in M.MODELS.items():
         assert cfg.name == name and M.get(name) is cfg
     assert M.get("DeepSeek-V3.2") is M.DEEPSEEK_V32

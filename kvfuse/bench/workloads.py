@@ -10,7 +10,7 @@ from typing import Dict, Optional, Tuple
 
 from ..args import CastArgs, HadamardArgs
 from ..formats import (FLASHMLA_MODEL1, FLASHMLA_V32, INDEX_FP8_FP32, INDEX_MXFP4, INDEX_MXFP8, INDEX_NVFP4, MAIN_FP4,
-                       MAIN_FP8, KVCacheFormat)
+                       MAIN_FP8, MAIN_MXFP8, KVCacheFormat)
 from ..models import GQA_MODELS, GQAConfig
 
 ROTARY_DIM = 64
@@ -125,6 +125,7 @@ WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
     _write("dsv4_main_fp8", MAIN_FP8, "DeepSeek V4 main KV 512", is_neox=False),
     _write("dsv4_main_fp4", MAIN_FP4, "DeepSeek V4 main KV 512", is_neox=False),
     _write("dsv4_main_model1", FLASHMLA_MODEL1, "DeepSeek V4 main KV 512", is_neox=False),
+    _write("dsv41_main_mxfp8", MAIN_MXFP8, "DeepSeek V4.1 main KV 512", is_neox=False),
     Workload("dsv4_index_k", "write", 128, INDEX_MXFP8, is_neox=False, hadamard=True,
              description="DeepSeek V4 indexer K: norm + GPT-J rope (last 64), Hadamard -> INDEX_MXFP8"),
     Workload("q_pre", "q_pre", 512, None, num_heads=64,

@@ -25,7 +25,7 @@ import torch
 
 from ..api import fused_norm_rope_hadamard_cast_store_kvcache
 from ..args import CastArgs, KVCacheOutArgs, NormArgs, RopeArgs
-from ..formats import INDEX_FP8_FP32, MAIN_FP4, KVCacheFormat
+from ..formats import INDEX_FP8_FP32, MAIN_FP4, MAIN_MXFP8, KVCacheFormat
 from ..models import DEEPSEEK_V32_SGLANG
 from . import _checks
 
@@ -38,7 +38,7 @@ __all__ = ["fused_k_norm_rope_flashmla", "fused_k_indexer_norm_rope_store", "fus
 # on the scale); the V4.1 fp8 rows floor the scale at 2^-13 (1e-4, rounded up).
 V4 = KVCacheFormat("SGLANG_V4", 512, "e4m3", 64, "ue8m0", False, sf_bytes=8, bf16_tail=64, block_alignment=576)
 V41 = KVCacheFormat("SGLANG_V41", 512, "e4m3", 32, "ue8m0", False, block_alignment=512, scale_floor=1e-4)
-V41_NEW = KVCacheFormat("SGLANG_V41_NEW", 512, "e4m3", 32, "ue8m0", True, scale_floor=1e-4)
+V41_NEW = MAIN_MXFP8     # 512 e4m3 then 16 ue8m0 scales per token: the same 528-byte record
 V41_FP4 = KVCacheFormat("SGLANG_V41_FP4", 512, "e2m1", 16, "e4m3", False, block_alignment=256)
 V41_FP4_NEW = MAIN_FP4      # 256 B of e2m1 then 32 e4m3 scales per token: the same 288-byte record
 

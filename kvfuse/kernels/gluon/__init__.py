@@ -3,7 +3,7 @@ module per cache served:
 
 | module | serves |
 |---|---|
-| ``main_latent`` | the main latent cache: MAIN_FP8 records (norm + RoPE + cast), and the cast alone of MAIN_FP8 / MAIN_FP4 |
+| ``main_latent`` | the main latent cache: MAIN_FP8 and MAIN_MXFP8 records (norm + RoPE + cast), and the cast alone of those and MAIN_FP4 |
 | ``main_latent_fp4`` | MAIN_FP4 records with norm + RoPE (the ``main_latent`` kernel with its FP4 record) |
 | ``flashmla`` | FlashMLA's FLASHMLA_V32 and FLASHMLA_MODEL1 records (e4m3 columns + the bf16 RoPE tail) |
 | ``indexer`` | the lightning indexer: its 128-d K cache (four formats, the models' chains) and its Q's (q, sf) |

@@ -1,12 +1,13 @@
-"""The Gluon fast path of the main latent cache: the MAIN_FP8 write (RMSNorm -> NEOX or GPT-J RoPE
-on the last 64 dims -> e4m3 with UE8M0 scales per 32 -> token-interleaved 532-byte records) and the
-cast alone (CAST_ONLY) of MAIN_FP8 and MAIN_FP4 records, byte for byte what
-``kvfuse.kernels.portable.fused_kernel`` writes (SPEC §2, §4).
+"""The Gluon fast path of the main latent cache: the MAIN_FP8 and MAIN_MXFP8 writes (RMSNorm -> NEOX or
+GPT-J RoPE on the last 64 dims -> e4m3 with UE8M0 scales per 32 over all 512 columns -> token-interleaved
+532-byte MAIN_FP8 or 528-byte MAIN_MXFP8 records) and the cast alone (CAST_ONLY) of MAIN_FP8, MAIN_MXFP8
+and MAIN_FP4 records, byte for byte what ``kvfuse.kernels.portable.fused_kernel`` writes (SPEC §2, §4).
 
 Assumptions (``eligible`` checks them; anything else goes to the portable kernel): head_dim 512,
 num_heads 1, x bf16 [n, 512] with unit column stride, the MAIN_FP8 record (512 e4m3 codes | 16 UE8M0
-scale bytes | 4 reserved bytes never written) at a token stride that is a multiple of 4 (records
-are only 4-byte aligned: every cache store is at most 32 bits wide).
+scale bytes | 4 reserved bytes never written) or DeepSeek V4.1's MAIN_MXFP8 (the same codes and scales,
+no reserved bytes, the scale floored at 2^-13: the kernel's FLOOR_E) at a token stride that is a
+multiple of 4 (records are only 4-byte aligned: every cache store is at most 32 bits wide).
 
 One warp a row (lane l: columns 16 l .. 16 l + 15 as int32 words), the norm's adjacent-pairs tree by
 in-lane sums then butterfly shuffles, a 32-column group on two neighbouring lanes, RoPE pairs one per
@@ -29,12 +30,13 @@ can run (Triton 3.6's Gluon API and a CUDA device).
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 
 from ... import formats as _formats
 from . import common as gluon_common
-from ..codes import SF_E4M3
+from ..codes import NO_FLOOR, SF_E4M3
 from .common import (INT32_LIMIT, allowed_by_env, available, compile_options, gl, gluon, log2_block,
                            occupancy_grid, table_entry)
 
@@ -159,9 +161,10 @@ if gluon is not None:
     @gluon.jit
     def _quantize_store(yw, rmask, slot, capacity, cache_ptr, s_blk, tok_stride, block_size, lane, qword,
                         R: gl.constexpr, LQ: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr,
-                        OFFSETS32: gl.constexpr, FILL_SECTOR: gl.constexpr):
-        """y (bf16 pairs [R, 8, 4, 8]) of one tile -> UE8M0/e4m3 -> the MAIN_FP8 records. FILL_SECTOR: first
-        prefetch into L2 the sector of each record's 4 reserved bytes (see FILL_MIN_ROWS)."""
+                        OFFSETS32: gl.constexpr, FILL_SECTOR: gl.constexpr, FLOOR_E: gl.constexpr):
+        """y (bf16 pairs [R, 8, 4, 8]) of one tile -> UE8M0/e4m3 -> the MAIN_FP8 / MAIN_MXFP8 records (codes at
+        byte 0, scales at 512). FILL_SECTOR: first prefetch into L2 the sector of each record's 4 reserved
+        bytes (see FILL_MIN_ROWS). FLOOR_E: the scale_floor's exponent (MAIN_MXFP8: -13), NO_FLOOR without."""
         # ---- the records; an invalid slot (or a row past n_rows) writes nothing
         ok = rmask & (slot >= 0) & (slot < capacity)
         s_ok, blk = slot_block(slot, ok, block_size, SLOT32, LOG2_BLOCK)
@@ -178,7 +181,7 @@ if gluon is not None:
         y_hi = hi_f32(yw)
         amax = gl.max(gl.maximum(gl.abs(y_lo), gl.abs(y_hi)), axis=3)   # NaN-ignoring max, like tl.max
         amax = gl.maximum(gl.maximum(amax, shfl_xor(amax, 1)), 1e-4)
-        e, m = ue8m0_exponent(amax, 448.0)
+        e, m = ue8m0_exponent(amax, 448.0, FLOOR_E)
         m4 = gl.expand_dims(m, 3)
         # codes of columns 4q .. 4q + 3 = (lo, hi) of words 2q and 2q + 1
         t0, t2 = gl.split(gl.reshape(y_lo * m4, [R, 8, 4, 4, 2]))
@@ -235,9 +238,11 @@ if gluon is not None:
                     cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel, qword,
                     R: gl.constexpr, LLANE: gl.constexpr, LPLANE: gl.constexpr, LQ: gl.constexpr,
                     LW: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, OFFSETS32: gl.constexpr,
-                    FP4: gl.constexpr, NEOX: gl.constexpr, CAST_ONLY: gl.constexpr, FILL_SECTOR: gl.constexpr):
-        """RMSNorm -> RoPE -> the cast -> the records of one tile of R rows whose loads are done: MAIN_FP8's
-        (UE8M0/e4m3), or with FP4 MAIN_FP4's (main_latent_fp4: NVFP4). CAST_ONLY: the cast of x itself."""
+                    FP4: gl.constexpr, NEOX: gl.constexpr, CAST_ONLY: gl.constexpr, FILL_SECTOR: gl.constexpr,
+                    FLOOR_E: gl.constexpr):
+        """RMSNorm -> RoPE -> the cast -> the records of one tile of R rows whose loads are done: MAIN_FP8's or
+        MAIN_MXFP8's (UE8M0/e4m3), or with FP4 MAIN_FP4's (main_latent_fp4: NVFP4). CAST_ONLY: the cast of x
+        itself."""
         rmask = rows < n_rows
         if CAST_ONLY:
             yw = xw
@@ -250,7 +255,7 @@ if gluon is not None:
                                 R, LLANE, SLOT32, LOG2_BLOCK, OFFSETS32)
         else:
             _quantize_store(yw, rmask, slot, capacity, cache_ptr, s_blk, tok_stride, block_size, lane, qword,
-                            R, LQ, SLOT32, LOG2_BLOCK, OFFSETS32, FILL_SECTOR)
+                            R, LQ, SLOT32, LOG2_BLOCK, OFFSETS32, FILL_SECTOR, FLOOR_E)
 
     @gluon.jit(do_not_specialize=["n_rows", "P", "capacity"])
     def main_fp8_kernel(
@@ -258,11 +263,11 @@ if gluon is not None:
         w_ptr, eps,                             # RMSNorm weight [512] (bf16 or fp32)
         pos_ptr, s_pos, cs_ptr, s_cs, P,        # positions [n]; cos_sin [P, 64] (cos | sin; fp32 or bf16)
         slot_ptr, s_slot,                       # slot_mapping [n]
-        cache_ptr, s_blk, tok_stride, block_size, capacity,   # kv_cache uint8 [blocks, block_size, 1, 532 | 288]
+        cache_ptr, s_blk, tok_stride, block_size, capacity,   # kv_cache uint8 [blocks, block_size, 1, 532 | 528 | 288]
         n_rows,
         W_BF16: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, ROWS_PER_WARP: gl.constexpr,
         PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr, FP4: gl.constexpr, NEOX: gl.constexpr,
-        CAST_ONLY: gl.constexpr, PDL: gl.constexpr, FILL_SECTOR: gl.constexpr,
+        CAST_ONLY: gl.constexpr, PDL: gl.constexpr, FILL_SECTOR: gl.constexpr, FLOOR_E: gl.constexpr,
     ):
         """A program walks over the tiles pid, pid + num_programs, ... (R = ROWS_PER_WARP * num_warps
         rows each; warp w owns rows w * ROWS_PER_WARP ..). LOG2_BLOCK: log2(block_size) when it is a
@@ -273,7 +278,8 @@ if gluon is not None:
         pairs (448 + j, 480 + j), else GPT-J's (448 + 2 j, 449 + 2 j). CAST_ONLY: no norm and no RoPE (the
         cast of x: kvfuse.mla.store_gathered, the CP second pass); w_ptr, pos_ptr and cs_ptr are stand-ins
         (x), never read. FILL_SECTOR: prefetch each MAIN_FP8 record's reserved-byte sector into L2 before
-        its stores (``fill_sector``: large launches)."""
+        its stores (``fill_sector``: large launches). FLOOR_E: the scale_floor's exponent of the UE8M0 records
+        (MAIN_MXFP8's -13), NO_FLOOR for MAIN_FP8 (and unused by FP4): that value compiles to the code of before."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = ROWS_PER_WARP * NW
         # words [R, 8, 4, 8]: lane l = 4 * d1 + d2 owns the 8 int32 words (bf16 columns 16 l .. 16 l + 15)
@@ -341,7 +347,7 @@ if gluon is not None:
                 _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
                             cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
                             qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4, NEOX, CAST_ONLY,
-                            FILL_SECTOR)
+                            FILL_SECTOR, FLOOR_E)
                 # the next positions arrived while this tile computed
                 cs = _tile_cos_sin(cs_ptr, s_cs, P, next_pos, next_rows, n_rows, cs_col, next_xp, LPLANE, OFFSETS32,
                                    CAST_ONLY)
@@ -358,7 +364,7 @@ if gluon is not None:
                 _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
                             cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
                             qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4, NEOX, CAST_ONLY,
-                            FILL_SECTOR)
+                            FILL_SECTOR, FLOOR_E)
 
 
 # --------------------------------------------------------------------------- host side
@@ -375,9 +381,13 @@ class MainRecords:
     sf_offset: int           # the scales' byte offset in a record
     align: int               # the cache pointer and both strides: multiples of this (the widest code store)
     fp4: bool                # the kernel's FP4 constexpr
+    floor_exp: Optional[int] = None   # the cast's scale_floor exponent (the kernel's FLOOR_E), None: no floor
 
 
 RECORDS = MainRecords("MAIN_FP8", ("e4m3", 32, "ue8m0"), RECORD_BYTES, 512, 4, False)
+# DeepSeek V4.1's record: MAIN_FP8's codes and scales without the reserved bytes, the scale floored at 2^-13
+RECORDS_MXFP8 = MainRecords("MAIN_MXFP8", ("e4m3", 32, "ue8m0"), _formats.MAIN_MXFP8.bytes_per_token, 512, 4,
+                            False, _formats.scale_floor_exponent(_formats.MAIN_MXFP8.scale_floor))
 
 
 def supports_records(rec: MainRecords, x, weight, positions, cos_sin, slot_mapping, kv_cache) -> str:
@@ -457,7 +467,8 @@ def launch_parts_records(rec: MainRecords, tensor, n: int, eps: float, x, weight
     constexprs = dict(W_BF16=cast_only or weight.dtype == torch.bfloat16, SLOT32=capacity <= INT32_LIMIT,
                       LOG2_BLOCK=log2_block(block_size), ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline),
                       OFFSETS32=max(spans) < INT32_LIMIT, FP4=rec.fp4, NEOX=bool(neox), CAST_ONLY=cast_only,
-                      PDL=False, FILL_SECTOR=fill_sector(rec, n))
+                      PDL=False, FILL_SECTOR=fill_sector(rec, n),
+                      FLOOR_E=NO_FLOOR.value if rec.floor_exp is None else rec.floor_exp)
     options = compile_options(num_warps)
     tiles = -(-n // (rows_per_warp * num_warps))
     tensors = dict(x=x, weight=weight, positions=positions, cos_sin=cos_sin, slot_mapping=slot_mapping,
@@ -474,9 +485,18 @@ def _launch_parts(tensor, n: int, eps: float, x, weight, positions, cos_sin, slo
                                 num_warps, rows_per_warp, pipeline, ctas_per_sm, sm_count, neox)
 
 
+def _launch_parts_mxfp8(tensor, n: int, eps: float, x, weight, positions, cos_sin, slot_mapping, kv_cache,
+                        num_warps: int, rows_per_warp: int, pipeline: bool, ctas_per_sm=None, sm_count=None,
+                        neox=True):
+    """``launch_parts_records`` for MAIN_MXFP8 records."""
+    return launch_parts_records(RECORDS_MXFP8, tensor, n, eps, x, weight, positions, cos_sin, slot_mapping,
+                                kv_cache, num_warps, rows_per_warp, pipeline, ctas_per_sm, sm_count, neox)
+
+
 def eligible_records(rec: MainRecords, plan) -> bool:
     """Whether a validated kvfuse.plans.types.Plan is exactly the kernel's chain for ``rec``: RMSNorm, NEOX or
-    GPT-J RoPE on columns 448..511 (not conjugate), or neither (CAST_ONLY: x's own cast), no Hadamard, ``rec.chain`` over all 512 columns, one
+    GPT-J RoPE on columns 448..511 (not conjugate), or neither (CAST_ONLY: x's own cast), no Hadamard,
+    ``rec.chain`` with ``rec.floor_exp``'s scale floor over all 512 columns, one
     head, records laid out as ``rec``'s (token-interleaved, the codes then the scales at
     ``rec.sf_offset``), no stage copy, and the alignments the kernel reads and writes with (x rows
     and weight as 4-byte words; the cache pointer and strides multiples of ``rec.align``: the
@@ -497,7 +517,7 @@ def eligible_records(rec: MainRecords, plan) -> bool:
         return False
     if not cast_only and (plan.rotary_dim, plan.rope_offset, plan.conjugate) != (ROTARY_DIM, 448, False):
         return False
-    if (c.cast_fmt, c.group, c.sf_format) != rec.chain or c.floor_exp is not None or plan.quant_dim != HEAD_DIM:
+    if (c.cast_fmt, c.group, c.sf_format) != rec.chain or c.floor_exp != rec.floor_exp or plan.quant_dim != HEAD_DIM:
         return False
     if not f.token_interleaved or f.bytes_per_token != rec.record_bytes or f.bf16_tail:
         return False
@@ -541,7 +561,7 @@ def checked_write_parts(rec: MainRecords, entry: str, launch_parts, x, weight, e
 
 # --------------------------------------------------------------------------- kvfuse's dispatch
 NAME = "main_latent"   # in KVFUSE_GLUON_SKIP
-FORMATS = (_formats.MAIN_FP8,)   # the preset cache formats it writes (its GPU tests' formats)
+FORMATS = (_formats.MAIN_FP8, _formats.MAIN_MXFP8)   # the preset cache formats it writes (its GPU tests' formats)
 
 
 def enabled() -> bool:
@@ -554,10 +574,21 @@ MIN_ROWS = 1   # faster than the plain kernel at every measured size, n = 1 incl
 MIN_ROWS_PDL = 1
 
 
+def records_of(plan) -> Optional[MainRecords]:
+    """The records (RECORDS: MAIN_FP8's, RECORDS_MXFP8: MAIN_MXFP8's) whose chain a validated plan is
+    (``eligible_records``), or None."""
+    if not gluon_common.one_input_whole_norm(plan):
+        return None
+    for rec in (RECORDS, RECORDS_MXFP8):
+        if eligible_records(rec, plan):
+            return rec
+    return None
+
+
 def eligible(plan) -> bool:
-    """Whether a validated plan is this kernel's MAIN_FP8 chain (``eligible_records``: e4m3 / UE8M0 / g32,
-    records of 512 codes then 16 scales, 4-byte aligned)."""
-    return gluon_common.one_input_whole_norm(plan) and eligible_records(RECORDS, plan)
+    """Whether a validated plan is this kernel's MAIN_FP8 or MAIN_MXFP8 chain (``eligible_records``: e4m3 /
+    UE8M0 / g32, records of 512 codes then 16 scales, 4-byte aligned; MAIN_MXFP8's scale floored at 2^-13)."""
+    return records_of(plan) is not None
 
 
 word_aligned = gluon_common.word_aligned      # x and the weight are read as 4-byte words
@@ -579,7 +610,8 @@ def plan_launch_parts(plan, tensor, table, launch_parts) -> tuple:
 def plan_launch(plan, tensor, table=None) -> tuple:
     """(kernel name, grid, positional args, keyword args, namespace) of this kernel for an eligible
     plan (``plan_launch_parts``); ``table`` replaces ``launch_table`` (kvfuse.kernels.router.fast_paths)."""
-    grid, args, kwargs = plan_launch_parts(plan, tensor, table or launch_table, _launch_parts)
+    parts = _launch_parts_mxfp8 if records_of(plan) is RECORDS_MXFP8 else _launch_parts
+    grid, args, kwargs = plan_launch_parts(plan, tensor, table or launch_table, parts)
     return "main_fp8_kernel", grid, args, kwargs, globals()
 
 
