@@ -318,12 +318,21 @@ def hadamard_fma_findings(ptx: str, twin: str) -> list:
     return bad + [f"twin without Hadamard: {b}" for b in sorted(set(BAD.findall(twin)))]
 
 
+def gqa_unquantized_twin(v: Variant) -> dict:
+    """compile_variant's changes for the GQA variant's twin without fp8 casts (its divisions are the fma
+    the scan allows): caches, q_out and their second parts of the activations' width instead of bytes."""
+    changes = {"FP8": ("constexpr", False), "Q_FP8": ("constexpr", False)}
+    for name in ("kc_ptr", "vc_ptr", "qo_ptr", "qo2_ptr", "kd2_ptr"):
+        if str(v.signature.get(name, "")).startswith("*"):
+            changes[name] = ("*bf16", None)
+    return changes
+
+
 def findings(v: Variant, ptx: str) -> list:
     """What ptx_check.py would report for this variant's PTX (an empty list: clean)."""
     bad = sorted(set(BAD.findall(ptx)))
-    if v.name == "qkv_kernel" and v.constexpr("FP8"):
-        twin = compile_variant(v, FP8=("constexpr", False), kc_ptr=("*bf16", None), vc_ptr=("*bf16", None))
-        bad = gqa_fp8_fma_findings(ptx, twin)
+    if v.name == "qkv_kernel" and (v.constexpr("FP8") or v.constexpr("Q_FP8")) and not v.constexpr("SCALE_MUL"):
+        bad = gqa_fp8_fma_findings(ptx, compile_variant(v, **gqa_unquantized_twin(v)))
     elif v.name == "index_write_kernel" and v.constexpr("HAD"):
         bad = hadamard_fma_findings(ptx, compile_variant(v, HAD=("constexpr", False)))
     pdl = v.constexpr("PDL") is True

@@ -272,8 +272,9 @@ def gqa_fp8_fma_findings(ptx: str, twin: str) -> list:
 
 def _gqa_fp8_fma_findings(ptx: str, consts: dict, ptrs: dict) -> list:
     """gqa_fp8_fma_findings with the twin compiled here."""
-    twin = compile_ptx(Q.qkv_kernel, {**consts, "FP8": False}, num_warps=1,
-                       ptr_types={**ptrs, "kc_ptr": "*bf16", "vc_ptr": "*bf16"})
+    twin = compile_ptx(Q.qkv_kernel, {**consts, "FP8": False, "Q_FP8": False}, num_warps=1,
+                       ptr_types={**ptrs, "kc_ptr": "*bf16", "vc_ptr": "*bf16", "qo_ptr": "*bf16", "qo2_ptr": "*bf16",
+                                  "kd2_ptr": "*bf16"})
     return gqa_fp8_fma_findings(ptx, twin)
 
 
@@ -291,7 +292,8 @@ def main() -> int:
             print(f"{name:36s} {code_fingerprint(ptx)}")
             continue
         bad = sorted(set(BAD.findall(ptx)))
-        if fn is Q.qkv_kernel and consts["FP8"] and not consts.get("SCALE_MUL"):   # a multiply holds no fma
+        if fn is Q.qkv_kernel and (consts["FP8"] or consts.get("Q_FP8")) and not consts.get("SCALE_MUL"):
+            # (a multiply holds no fma)
             bad = _gqa_fp8_fma_findings(ptx, consts, ptrs)
         stores = {}
         for st in STORE.findall(ptx):

@@ -205,6 +205,10 @@ def test_paged_append_slots_follow_flashinfer():
      "slot_mapping.kv_indptr: expected num_requests"),
     ("short batch", dict(batch_indices=torch.zeros(4, dtype=torch.int64)), ValueError,
      r"slot_mapping.batch_indices: expected shape \(5,\)"),
+    ("strided positions", dict(positions=torch.zeros(10, dtype=torch.int64)[::2]), ValueError,
+     r"slot_mapping.positions: expected a contiguous vector \(stride 1\), got stride 2"),
+    ("strided kv_indices", dict(kv_indices=torch.zeros(8, dtype=torch.int32)[::4]), ValueError,
+     r"slot_mapping.kv_indices: expected a contiguous vector \(stride 1\), got stride 4"),
 ])
 def test_paged_append_errors(label, change, exc, match):
     import dataclasses

@@ -166,6 +166,10 @@ def _check_paged_append(pa: PagedAppend, n: int, dev):
             raise ValueError(f"slot_mapping.{name}: expected a 1-d tensor, got shape {tuple(t.shape)}")
     if pa.kv_indptr.shape[0] < 1:
         raise ValueError("slot_mapping.kv_indptr: expected num_requests + 1 >= 1 entries, got 0")
+    for name in ("batch_indices", "positions", "kv_indptr", "kv_indices"):
+        t = getattr(pa, name)
+        if t.shape[0] > 1 and t.stride(0) != 1:     # the kernel reads each as a dense vector
+            raise ValueError(f"slot_mapping.{name}: expected a contiguous vector (stride 1), got stride {t.stride(0)}")
     return pa.batch_indices, pa.positions, pa.kv_indptr, pa.kv_indices
 
 
