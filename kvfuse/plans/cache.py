@@ -9,6 +9,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..args import NormArgs, RopeArgs
 from ..backend import env_flag
 from .types import CacheEntry
 
@@ -161,6 +162,26 @@ def optional_rows_key(t, n):
 
 def optional_tensor_key(t):
     return None if t is None else tensor_key(t)
+
+
+def rope_args_key(r, n):
+    """Key of a RopeArgs, or None for None: positions as rows, the table, each scalar field with its
+    type. Raises TypeError for any other object (a subclass too): its call is validated every time."""
+    if r is None:
+        return None
+    if type(r) is not RopeArgs:
+        raise TypeError(f"rope_args of class {type(r).__name__} is not keyed")
+    return (rows_key(r.positions, n), tensor_key(r.cos_sin_cache), type(r.rotary_dim), r.rotary_dim,
+            type(r.offset), r.offset, type(r.is_neox), r.is_neox, type(r.conjugate), r.conjugate)
+
+
+def norm_args_key(a):
+    """Key of a NormArgs, or None for None (raises TypeError for any other object, as rope_args_key)."""
+    if a is None:
+        return None
+    if type(a) is not NormArgs:
+        raise TypeError(f"norm args of class {type(a).__name__} are not keyed")
+    return tensor_key(a.weight), number_key(a.eps), optional_tensor_key(a.bias), type(a.kind), a.kind
 
 
 def number_key(v):
