@@ -473,3 +473,20 @@ def test_one_launch_per_batch_size_and_force_config(monkeypatch):
         assert rec.launches[-1][1]["BLOCK_M"] != 1
     assert sorted(templates()[0].launches) == [(3, False), (7, False), (12, False)]
     assert counts() == (6, 1)
+
+
+@pytest.mark.parametrize("case", [GQACase(), GQACase(split=64, fp8=True, q_fp8=True, scale_numbers=True,
+                                                    scale_convention="multiply", paged_append=True)],
+                         ids=["default", "every_optional_argument"])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_kept_launch_names_every_later_parameter(case, pdl):
+    """launcher.Launch's direct path (compiled kernels, Triton 3.6) passes the positional arguments and
+    then the keyword arguments of the kernel's later parameters, in order: the kept launch gives every
+    parameter, each once."""
+    template, tensors = gqa.prepare_call(**build(case)[0])
+    launch = qkv.template_launch(template.bind(tensors), template.tensor_index, len(tensors), pdl)
+    args = launch.pick(template.kernel_tensors(tensors) + launch.constants)
+    names = qkv.qkv_kernel.arg_names
+    assert all(name in launch.options for name in names[len(args):])
+    assert not set(names[:len(args)]) & set(launch.options)
+    assert args[names.index("PDL")] is pdl and launch.options.get("launch_pdl", False) is pdl
