@@ -165,6 +165,26 @@ def test_aliasing_checked_on_hits(name, case, change, match):
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(storages + inputs, before))
 
 
+def test_v_without_caches_is_checked_whole():
+    """Without caches v is not validated (nor read): a v of more rows than n that overlaps k_out past its
+    n-th row is rejected on a hit as without the cache."""
+    def args(seed, overlap):
+        kw, _, _, _ = build(GQACase(kv_cache=False, seed=seed))
+        buf = torch.zeros(20, 296, dtype=torch.bfloat16)
+        kw["k_out"] = buf[10:15, :256].view(5, 2, 128)
+        other = buf if overlap else torch.zeros(20, 296, dtype=torch.bfloat16)
+        kw["v"] = other[3:11, :256].view(8, 2, 128)        # rows 3..10: row 10 is k_out's first
+        return kw
+
+    call(**args(0, False))
+    call(**args(1, False))
+    with_cache = _error(lambda: call(**args(2, True)))
+    assert counts() == (2, 1)
+    kv_plan.set_plan_cache(False)
+    assert _error(lambda: call(**args(2, True))) == with_cache
+    assert "k_out overlaps v in memory" in with_cache[1]
+
+
 def test_rows_of_q_out_checked_on_hits():
     """A q_out whose heads are 256 elements apart and rows 128: rows i and i + 1 interleave, rows i and
     i + 2 overlap. Valid at n = 2; the same signature at n = 3 raises the error of validation."""

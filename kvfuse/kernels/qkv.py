@@ -628,16 +628,6 @@ _TAIL_PARAMS = ("q2_ptr", "sq2_n", "sq2_h", "k2_ptr", "sk2_n", "sk2_h", "qo2_ptr
                 "kd2_ptr", "kd2_blk", "kd2_tok", "kd2_head")
 
 
-def _tail_args(t, cache_strides=None):
-    """A tail tensor's kernel arguments: (tensor, token stride, head stride), or for a cache tail (tensor,
-    block, token, head strides); Nones for an absent tail (the kernel's one-tensor code)."""
-    if t is None:
-        return (None,) * (3 if cache_strides is None else 4)
-    if cache_strides is not None:
-        return (t, *cache_strides(t))
-    return (t, t.stride(0), t.stride(1))
-
-
 def _per_head(scale) -> bool:
     return scale is not None and scale.numel() > 1
 
@@ -673,8 +663,12 @@ def launch_args(plan, tensor=None):
         return tensor(stand_in if getattr(plan, field) is None else field)
 
     def tail(field, cache_strides=None):
+        """A second part's arguments: (tensor, token stride, head stride), or for a cache (tensor, block,
+        token, head strides); Nones for a head held whole (the kernel's one-tensor code)."""
         t = getattr(plan, field)
-        return _tail_args(t, cache_strides) if t is None else (tensor(field), *_tail_args(t, cache_strides)[1:])
+        if t is None:
+            return (None,) * (3 if cache_strides is None else 4)
+        return (tensor(field), *(cache_strides(t) if cache_strides is not None else (t.stride(0), t.stride(1))))
 
     v = plan.k if plan.v is None else plan.v   # without caches (or V) v is not read: k stands in
     if plan.has_cache:
@@ -757,7 +751,6 @@ def run(plan) -> None:
 
 # --------------------------------------------------------------------------- launches kept per call signature
 _PARAMS = tuple(inspect.signature(qkv_kernel.fn).parameters.values())
-_PARAM_NAMES = tuple(p.name for p in _PARAMS)
 # every parameter up to the last one that is not a constexpr goes positionally in a kept launch, the
 # constexprs after it by name (kvfuse.kernels.launcher.Launch substitutes tensors in positional arguments
 # only, and its direct launch needs every later parameter among the keyword arguments)

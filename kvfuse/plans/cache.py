@@ -1,6 +1,8 @@
 """The plan cache: validated call signatures kept with what validation produced, so that a repeated
 call skips validation and, on the Triton backend, reuses its launch parameters; the keys' building
-blocks; the switch (``KVFUSE_PLAN_CACHE``, :func:`set_plan_cache`)."""
+blocks; the switch (``KVFUSE_PLAN_CACHE``, :func:`set_plan_cache`). The fused operator, the store /
+load entry points and the GQA entry (kvfuse.plans.gqa: its own key and template, built from these)
+share it."""
 from __future__ import annotations
 
 import math
@@ -13,7 +15,8 @@ from ..args import NormArgs, RopeArgs
 from ..backend import env_flag
 from .types import CacheEntry
 
-# Validated signatures of the fused operator, store_kv_cache and load_paged_kv_cache are kept with
+# Validated signatures of the fused operator, store_kv_cache and load_paged_kv_cache (and of
+# fused_qk_norm_rope_store_kv: kvfuse.plans.gqa says what its key holds) are kept with
 # what validation produced. A key holds every value that validation (kvfuse.plans.fused and
 # .cache_io, formats.check_cache, formats.addressing_for, check_cast_combination, infer_layout) and
 # the launch parameters (the kernels' router) read, and no tensor:

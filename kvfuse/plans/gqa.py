@@ -1,6 +1,8 @@
 """Validation of :func:`kvfuse.fused_qk_norm_rope_store_kv` (SPEC §11 and §5) into a
 :class:`~.types.GQAPlan`, and its aliasing check: q_out, k_out, k_cache and v_cache must not overlap
-each other or any input (q_out may be q itself, k_out k itself: in place)."""
+each other or any input (q_out may be q itself, k_out k itself: in place). ``prepare`` validates a
+call; ``prepare_call`` (an eager call) finds its signature's :class:`GQATemplate` in the plan cache,
+or validates and stores one, and still checks what depends on the call's pointers and n."""
 from __future__ import annotations
 
 import dataclasses
@@ -454,9 +456,9 @@ def call_signature(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_
     else:
         slots_key = rows_key(slot_mapping, n)
     key = ("gqa", _heads_key(q, n), _heads_key(k, n), _heads_key(v, n), cache_key, optional_tensor_key(v_cache),
-           slots_key, norm_args_key(q_norm_args), norm_args_key(k_norm_args), rope_args_key(rope_args, n), _scale_key(k_scale),
-           _scale_key(v_scale), type(layout), layout, _heads_key(q_out, n), type(numerics), numerics,
-           _heads_key(k_out, n), _scale_key(q_scale), type(scale_convention), scale_convention)
+           slots_key, norm_args_key(q_norm_args), norm_args_key(k_norm_args), rope_args_key(rope_args, n),
+           _scale_key(k_scale), _scale_key(v_scale), type(layout), layout, _heads_key(q_out, n), type(numerics),
+           numerics, _heads_key(k_out, n), _scale_key(q_scale), type(scale_convention), scale_convention)
     return key, ()
 
 
@@ -498,7 +500,9 @@ class _Aliasing:
             t = getattr(plan, field)
             if t is None or field in allocated:
                 continue                        # absent, or allocated by the call: overlaps nothing
-            found = span_terms(t, field in _ROWS_FIELDS or field in _OWN_LENGTH_FIELDS)
+            # rows: a token per row (v without caches is not validated: rows only where it has n of them)
+            rows = field in _OWN_LENGTH_FIELDS or (field in _ROWS_FIELDS and t.dim() > 0 and t.shape[0] == plan.n)
+            found = span_terms(t, rows)
             if found is None:
                 continue                        # no bytes at any n
             at.append(i)
