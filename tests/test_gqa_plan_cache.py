@@ -3,8 +3,9 @@ signature of kvfuse.fused_qk_norm_rope_store_kv keeps its plan and its Triton la
 
 - hits and misses are counted; new tensors and argument objects of a signature hit; a change of what
   validation reads (dtype, shape, strides, a scale's value, a pair, a PagedAppend) misses;
-- a rejected call raises the same error with the cache warm and with it off, and never hits; the
-  aliasing rules and the rows of a q_out given are checked on every hit (same errors);
+- a rejected call raises the same error with the cache warm and with it off (one rejected by
+  validation is never stored); the aliasing rules and the rows of a q_out given are checked on every
+  hit (same errors);
 - the bytes written with the cache on equal those with it off, on the reference and interpreter
   backends, for the calls that hit; the kept launch passes what the uncached launch passes;
 - the plan a template binds is the validated one; allocated outputs are new each call; the cache
