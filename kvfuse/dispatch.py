@@ -6,6 +6,8 @@ Every public entry point validates into a plan (:mod:`kvfuse.plans`) and hands i
 - ``call_fused(template, tensors)``: the fused operator. The hot path (a launchable call on the
   Triton backend, no data checks, not tracing) launches with the parameters kept in the plan cache;
   anything else binds the plan and goes through ``execute``.
+- ``call_gqa(template, tensors)``: the GQA entry point, the same way (its launches kept by
+  kvfuse.kernels.qkv.run_template).
 - ``execute(plan)``: while ``torch.compiler.is_compiling()`` (or inside ``with via_ops():``, which runs
   eager calls through the ops too: their tests, an engine that wants the op path) the plan's custom op
   (``through_op``: one opaque call that writes into buffers it was given), else ``run``.
@@ -30,7 +32,7 @@ from .plans.types import GQAPlan, GroupPlan, LoadPlan, Plan, StorePlan
 from .reference import cache as _reference_cache
 from .reference import chain as _reference_chain
 
-__all__ = ["call_fused", "execute", "through_op", "via_ops", "run", "run_data_checks", "kernels",
+__all__ = ["call_fused", "call_gqa", "execute", "through_op", "via_ops", "run", "run_data_checks", "kernels",
            "GROUP_ONE_LAUNCH_MAX_N"]
 
 # a group runs as one launch while its largest call has at most this many tokens; above, call by call:
@@ -68,6 +70,10 @@ class _InterpreterLaunches:
         with self._lock:
             return self._entry_points.run_gqa(plan)
 
+    def run_gqa_template(self, template, tensors):
+        with self._lock:
+            return self._entry_points.run_gqa_template(template, tensors)
+
     def store(self, *args):
         with self._lock:
             return self._entry_points.store(*args)
@@ -81,7 +87,8 @@ _kernels = None
 
 
 def kernels():
-    """The Triton kernels' entry points (run_template, run_plan, run_group, run_gqa, store, load),
+    """The Triton kernels' entry points (run_template, run_plan, run_group, run_gqa, run_gqa_template, store,
+    load),
     imported lazily (triton is only needed by the triton backend)."""
     global _kernels
     if _kernels is None:
@@ -89,7 +96,8 @@ def kernels():
 
         from .kernels import grouped, qkv, router
         entry_points = SimpleNamespace(run_template=router.run_template, run_plan=router.run_plan, store=router.store,
-                                       load=router.load, run_group=grouped.run_group, run_gqa=qkv.run)
+                                       load=router.load, run_group=grouped.run_group, run_gqa=qkv.run,
+                                       run_gqa_template=qkv.run_template)
         _kernels = _InterpreterLaunches(entry_points) if router.INTERPRET else entry_points
     return _kernels
 
@@ -120,6 +128,18 @@ def call_fused(template, tensors):
     else:
         execute(template.bind(tensors))
     return template.result(tensors)
+
+
+def call_gqa(template, tensors):
+    """One call of the GQA entry point from its plan-cache template (kvfuse.plans.gqa.prepare_call). The
+    hot path (compiled kernels or the interpreter, no data checks, not through the op) launches with the
+    launch kept with the template; anything else binds the plan and goes through ``execute``."""
+    if (template.device_type != "meta" and tensors[template.rows_at].shape[0] and not torch.compiler.is_compiling()
+            and not _route.ops and not _backend.checks_enabled()
+            and _backend.resolve_backend(template.device, template.device_type) == "triton"):
+        kernels().run_gqa_template(template, tensors)
+    else:
+        execute(template.bind(tensors))
 
 
 def execute(plan):

@@ -12,14 +12,19 @@ reads K and V back by slot, for attention written in PyTorch and for tests.
 
 Validation (:mod:`kvfuse.plans.gqa`: every rule raises ValueError / TypeError naming the argument,
 before anything is written) produces a :class:`~kvfuse.plans.types.GQAPlan`, which
-:mod:`kvfuse.dispatch` runs.
+:mod:`kvfuse.dispatch` runs; an eager call's validated signature is kept in the plan cache
+(:mod:`kvfuse.plans.cache`), so a repeated one skips validation (the aliasing rules are still checked)
+and reuses its launch.
 """
 from __future__ import annotations
+
+import torch
 
 from . import dispatch as _dispatch
 from .reference.cache import load_gqa_kv as _load_gqa_kv
 from .plans import gqa as _gqa
 from .numerics_profiles import NUMERICS
+from .plans.cache import plan_cache_enabled
 from .plans.gqa import CACHE_DTYPES
 from .plans.types import GQA_LAYOUTS as LAYOUTS, GQAPlan
 
@@ -72,6 +77,12 @@ def fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_norm_
     Returns ``q_out`` (the tensor or pair written); without caches ``(q_out, k_out)``. Raises ValueError /
     TypeError naming the argument before anything is written.
     """
+    if not torch.compiler.is_compiling() and plan_cache_enabled():
+        template, tensors = _gqa.prepare_call(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args,
+                                              rope_args, k_scale, v_scale, layout, q_out, numerics, k_out, q_scale,
+                                              scale_convention)
+        _dispatch.call_gqa(template, tensors)
+        return template.result(tensors)
     plan = _gqa.prepare(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale,
                         v_scale, layout, q_out, numerics, k_out, q_scale, scale_convention)
     _dispatch.execute(plan)

@@ -29,6 +29,9 @@ docs/design.md has the reasons and proofs.
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 import triton
 import triton.language as tl
@@ -38,12 +41,15 @@ from . import config
 from .blocks import block_offset_of_slot, cs_rows, reciprocal_std, rope1_pairs, rotate, store_bf16, tree_sum
 from .codes import NATIVE_INTEGER
 from ..numerics_profiles import ACTIVATION_CODES, PROFILES
-from .config import FORCED, INTERPRET, cdiv, native, next_pow2
+from ..plans.types import LAUNCHES_PER_TEMPLATE
+from .config import DIRECT_LAUNCH, FORCED, INTERPRET, cdiv, native, next_pow2
+from .launcher import Launch, tensor_arg
 from .router import pdl_launch, with_pdl
 from .gluon.common import table_entry
 from .numerics import div_rn_by_reciprocal, encode_e4m3, load_f32, round_bf16
 
-__all__ = ["qkv_kernel", "launch_table", "launch_config", "launch_args", "run", "INTERPRET"]
+__all__ = ["qkv_kernel", "launch_table", "launch_config", "launch_args", "run", "template_launch", "run_template",
+           "INTERPRET"]
 
 # the ACT and NUMERICS constexprs, from kvfuse.numerics_profiles' table
 ACT_BF16 = tl.constexpr(ACTIVATION_CODES[torch.bfloat16])
@@ -633,16 +639,6 @@ _TAIL_PARAMS = ("q2_ptr", "sq2_n", "sq2_h", "k2_ptr", "sk2_n", "sk2_h", "qo2_ptr
                 "kd2_ptr", "kd2_blk", "kd2_tok", "kd2_head")
 
 
-def _tail_args(t, cache_strides=None):
-    """A tail tensor's kernel arguments: (tensor, token stride, head stride), or for a cache tail (tensor,
-    block, token, head strides); Nones for an absent tail (the kernel's one-tensor code)."""
-    if t is None:
-        return (None,) * (3 if cache_strides is None else 4)
-    if cache_strides is not None:
-        return (t, *cache_strides(t))
-    return (t, t.stride(0), t.stride(1))
-
-
 def _per_head(scale) -> bool:
     return scale is not None and scale.numel() > 1
 
@@ -652,12 +648,21 @@ def _codes(t):
     return t.view(torch.uint8) if t is not None and t.dtype == torch.float8_e4m3fn else t
 
 
-def launch_args(plan):
-    """(grid, positional args, keyword args) of qkv_kernel for a validated kvfuse.gqa.GQAPlan."""
+def _kernel_tensor(plan, field):
+    """The plan's tensor ``field`` as the kernel takes it: an fp8 one as its e4m3 codes (bytes)."""
+    return _codes(getattr(plan, field))
+
+
+def launch_args(plan, tensor=None):
+    """(grid, positional args, keyword args) of qkv_kernel for a validated kvfuse.gqa.GQAPlan.
+    ``tensor(field)`` is what goes where the plan's tensor ``field`` goes (default: that tensor, an
+    fp8 one as its codes); it is asked only for the fields the plan has (a launch kept for a call
+    signature passes placeholders, kvfuse.kernels.launcher.tensor_arg)."""
+    if tensor is None:
+        tensor = functools.partial(_kernel_tensor, plan)
     q, k = plan.q, plan.k
-    v = k if plan.v is None else plan.v        # without caches (or V) v is not read
     n, hq, hkv, d = plan.n, q.shape[1], k.shape[1], plan.head_dim
-    dv = d if plan.v is None else v.shape[2]
+    dv = d if plan.v is None else plan.v.shape[2]
     block_d, block_dv = next_pow2(d), next_pow2(dv)
     bm, g, nw = launch_config(n, block_d, max(hq, hkv))
     qg, kg = cdiv(hq, g), cdiv(hkv, g)
@@ -665,31 +670,42 @@ def launch_args(plan):
     rope = plan.positions is not None
     by_value = plan.scales_by_value
 
-    def or_q(t):   # q stands in for a tensor the call does not have (never dereferenced)
-        return q if t is None else t
+    def given(field, stand_in="q"):   # the stand-in for a tensor the call does not have (never dereferenced)
+        return tensor(stand_in if getattr(plan, field) is None else field)
 
+    def tail(field, cache_strides=None):
+        """A second part's arguments: (tensor, token stride, head stride), or for a cache (tensor, block,
+        token, head strides); Nones for a head held whole (the kernel's one-tensor code)."""
+        t = getattr(plan, field)
+        if t is None:
+            return (None,) * (3 if cache_strides is None else 4)
+        return (tensor(field), *(cache_strides(t) if cache_strides is not None else (t.stride(0), t.stride(1))))
+
+    v = plan.k if plan.v is None else plan.v   # without caches (or V) v is not read: k stands in
     if plan.has_cache:
-        k_dst = (_codes(plan.k_cache), *plan.cache_strides(plan.k_cache))   # e4m3 codes written as bytes
-        v_dst = (_codes(or_q(plan.v_cache)), *(plan.cache_strides(plan.v_cache) if plan.has_v else (0, 0, 0)))
-        k_dst_tail = _tail_args(_codes(plan.k_cache_tail), plan.cache_strides)
-        slots = (q, 0) if plan.paged_append else (plan.slot_mapping, plan.slot_mapping.stride(0))
+        k_dst = (tensor("k_cache"), *plan.cache_strides(plan.k_cache))   # e4m3 codes written as bytes
+        v_dst = (given("v_cache"), *(plan.cache_strides(plan.v_cache) if plan.has_v else (0, 0, 0)))
+        k_dst_tail = tail("k_cache_tail", plan.cache_strides)
+        slots = (tensor("q"), 0) if plan.paged_append else (tensor("slot_mapping"), plan.slot_mapping.stride(0))
         cap = plan.capacity
     else:          # k's programs write k_out (token and head strides in the cache's token and head slots)
-        k_dst = (_codes(plan.k_out), 0, plan.k_out.stride(0), plan.k_out.stride(1))
-        v_dst = (q, 0, 0, 0)
+        k_dst = (tensor("k_out"), 0, plan.k_out.stride(0), plan.k_out.stride(1))
+        v_dst = (tensor("q"), 0, 0, 0)
         t = plan.k_out_tail
-        k_dst_tail = (None,) * 4 if t is None else (_codes(t), None, t.stride(0), t.stride(1))
-        slots = (q, 0)
+        k_dst_tail = (None,) * 4 if t is None else (tensor("k_out_tail"), None, t.stride(0), t.stride(1))
+        slots = (tensor("q"), 0)
         cap = 0
     if by_value:       # the scales themselves (fp32 arguments)
         k_sc, v_sc, q_sc = plan.k_scale_value, plan.v_scale_value, plan.q_scale_value
     else:
-        k_sc, v_sc, q_sc = or_q(plan.k_scale), or_q(plan.v_scale), plan.q_scale
+        k_sc, v_sc = given("k_scale"), given("v_scale")
+        q_sc = None if plan.q_scale is None else tensor("q_scale")
     args = (
-        q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
-        _codes(plan.q_out), plan.q_out.stride(0), plan.q_out.stride(1),
-        or_q(plan.q_weight), plan.q_eps, or_q(plan.k_weight), plan.k_eps,
-        or_q(plan.positions), plan.positions.stride(0) if rope else 0, or_q(plan.cos_sin),
+        tensor("q"), q.stride(0), q.stride(1), tensor("k"), k.stride(0), k.stride(1),
+        given("v", "k"), v.stride(0), v.stride(1),
+        tensor("q_out"), plan.q_out.stride(0), plan.q_out.stride(1),
+        given("q_weight"), plan.q_eps, given("k_weight"), plan.k_eps,
+        given("positions"), plan.positions.stride(0) if rope else 0, given("cos_sin"),
         plan.cos_sin.stride(0) if rope else 0, plan.cos_sin.shape[0] if rope else 0,
         *slots, *k_dst, *v_dst,
         k_sc, v_sc,
@@ -719,8 +735,7 @@ def launch_args(plan):
     # the newer arguments only where a call uses them (their defaults, None, are compile-time constants)
     if plan.split:
         options["SPLIT"] = plan.split
-        tails = (*_tail_args(plan.q_tail), *_tail_args(plan.k_tail), *_tail_args(_codes(plan.q_out_tail)),
-                 *k_dst_tail)
+        tails = (*tail("q_tail"), *tail("k_tail"), *tail("q_out_tail"), *k_dst_tail)
         options.update(zip(_TAIL_PARAMS, tails))
     if plan.q_fp8:
         options["Q_FP8"] = True
@@ -730,9 +745,9 @@ def launch_args(plan):
     if by_value:
         options["SCALE_BY_VALUE"] = True
     if plan.paged_append:
-        options.update(pa_b=plan.append_batch_indices, pa_p=plan.append_positions, pa_indptr=plan.append_kv_indptr,
-                       pa_idx=plan.append_kv_indices, pa_nreq=plan.append_kv_indptr.shape[0] - 1,
-                       pa_nidx=plan.append_kv_indices.shape[0])
+        options.update(pa_b=tensor("append_batch_indices"), pa_p=tensor("append_positions"),
+                       pa_indptr=tensor("append_kv_indptr"), pa_idx=tensor("append_kv_indices"),
+                       pa_nreq=plan.append_kv_indptr.shape[0] - 1, pa_nidx=plan.append_kv_indices.shape[0])
     if not plan.has_v and plan.has_cache:
         options["HAS_V"] = False
     groups = qg + (2 * kg if plan.has_cache and plan.has_v else kg)
@@ -743,3 +758,55 @@ def run(plan) -> None:
     """Launch qkv_kernel for a validated plan with n >= 1 (q_out set)."""
     grid, args, options = launch_args(plan)
     qkv_kernel[grid](*args, **with_pdl(options, pdl_launch(plan.q)))
+
+
+# --------------------------------------------------------------------------- launches kept per call signature
+_PARAMS = tuple(inspect.signature(qkv_kernel.fn).parameters.values())
+# every parameter up to the last one that is not a constexpr goes positionally in a kept launch, the
+# constexprs after it by name (kvfuse.kernels.launcher.Launch substitutes tensors in positional arguments
+# only, and its direct launch needs every later parameter among the keyword arguments)
+_POSITIONAL = 1 + max(i for i, p in enumerate(_PARAMS) if "constexpr" not in str(p.annotation))
+
+
+def _all_parameters(args: tuple, options: dict) -> tuple:
+    """launch_args' (args, options) as (every parameter up to _POSITIONAL in order, the remaining
+    constexprs and the launch options by name), defaults written out: the same bound arguments."""
+    named = dict(options)
+    positional = list(args)
+    for p in _PARAMS[len(args):_POSITIONAL]:
+        positional.append(named.pop(p.name) if p.name in named else p.default)
+    for p in _PARAMS[_POSITIONAL:]:
+        named.setdefault(p.name, p.default)
+    return tuple(positional), named
+
+
+def template_launch(plan, tensor_index: dict, num_tensors: int, pdl: bool) -> Launch:
+    """The launch of ``plan`` with its tensors left open (kvfuse.kernels.launcher.Launch): ``tensor_index``
+    maps each GQAPlan tensor field to its position in the call's tensors (as the kernel takes them)."""
+    grid, args, options = launch_args(plan, tensor_arg)
+    args, named = _all_parameters(args, with_pdl(options, pdl))
+    return Launch("qkv_kernel", grid, args, named, tensor_index, num_tensors, globals(), stand_in="q",
+                  allow_direct=DIRECT_LAUNCH)
+
+
+def run_template(template, tensors: tuple) -> None:
+    """Launch qkv_kernel for one call of a validated signature (kvfuse.plans.gqa.GQATemplate; ``tensors``:
+    the call's, by GQAPlan field): its launch is built on the first call of each batch size n (and, with
+    a PagedAppend, each num_requests and number of pages: kernel arguments) and kept with the template
+    (built and not kept while force_config is active). n = 0 launches nothing."""
+    q = tensors[template.rows_at]
+    n = q.shape[0]
+    if n == 0:
+        return
+    pdl = pdl_launch(q)
+    key = (n, pdl) if template.lengths_at is None else \
+        (n, pdl) + tuple(tensors[i].shape[0] for i in template.lengths_at)
+    launches = template.launches
+    launch = launches.get(key)
+    if launch is None or FORCED.cfg is not None:
+        launch = template_launch(template.bind(tensors), template.tensor_index, len(tensors), pdl)
+        if FORCED.cfg is None:
+            if len(launches) >= LAUNCHES_PER_TEMPLATE:
+                launches.clear()
+            launches[key] = launch
+    launch.run(template.kernel_tensors(tensors))

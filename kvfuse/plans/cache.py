@@ -1,6 +1,8 @@
 """The plan cache: validated call signatures kept with what validation produced, so that a repeated
 call skips validation and, on the Triton backend, reuses its launch parameters; the keys' building
-blocks; the switch (``KVFUSE_PLAN_CACHE``, :func:`set_plan_cache`)."""
+blocks; the switch (``KVFUSE_PLAN_CACHE``, :func:`set_plan_cache`). The fused operator, the store /
+load entry points and the GQA entry (kvfuse.plans.gqa: its own key and template, built from these)
+share it."""
 from __future__ import annotations
 
 import math
@@ -9,10 +11,12 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..args import NormArgs, RopeArgs
 from ..backend import env_flag
 from .types import CacheEntry
 
-# Validated signatures of the fused operator, store_kv_cache and load_paged_kv_cache are kept with
+# Validated signatures of the fused operator, store_kv_cache and load_paged_kv_cache (and of
+# fused_qk_norm_rope_store_kv: kvfuse.plans.gqa says what its key holds) are kept with
 # what validation produced. A key holds every value that validation (kvfuse.plans.fused and
 # .cache_io, formats.check_cache, formats.addressing_for, check_cast_combination, infer_layout) and
 # the launch parameters (the kernels' router) read, and no tensor:
@@ -161,6 +165,26 @@ def optional_rows_key(t, n):
 
 def optional_tensor_key(t):
     return None if t is None else tensor_key(t)
+
+
+def rope_args_key(r, n):
+    """Key of a RopeArgs, or None for None: positions as rows, the table, each scalar field with its
+    type. Raises TypeError for any other object (a subclass too): its call is validated every time."""
+    if r is None:
+        return None
+    if type(r) is not RopeArgs:
+        raise TypeError(f"rope_args of class {type(r).__name__} is not keyed")
+    return (rows_key(r.positions, n), tensor_key(r.cos_sin_cache), type(r.rotary_dim), r.rotary_dim,
+            type(r.offset), r.offset, type(r.is_neox), r.is_neox, type(r.conjugate), r.conjugate)
+
+
+def norm_args_key(a):
+    """Key of a NormArgs, or None for None (raises TypeError for any other object, as rope_args_key)."""
+    if a is None:
+        return None
+    if type(a) is not NormArgs:
+        raise TypeError(f"norm args of class {type(a).__name__} are not keyed")
+    return tensor_key(a.weight), number_key(a.eps), optional_tensor_key(a.bias), type(a.kind), a.kind
 
 
 def number_key(v):

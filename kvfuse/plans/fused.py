@@ -12,8 +12,8 @@ import torch
 from ..args import CastArgs, ContiguousOutArgs, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
 from ..formats import PRESETS, KVCacheFormat, q_dtype, sf_dtype
 from ..overlap import INF, OverlapCheck, addresses_known, row_limit, span_terms
-from .cache import NO_KEY, number_key, optional_rows_key, optional_tensor_key, rows_key, tensor_alignment, \
-    tensor_key, validated
+from .cache import NO_KEY, number_key, optional_rows_key, optional_tensor_key, rope_args_key, rows_key, \
+    tensor_alignment, tensor_key, validated
 from .rules import check_cast_args, check_index_vector, check_rope_args, check_tensor, infer_layout, is_real
 from .types import (BIAS, COS_SIN, NORM_KINDS, NUM_CALL_TENSORS, OUT_ARG0, OUT_ARG1, OUT_ARG2, OUT_STAGES,
                     POSITIONS, WEIGHT, X, X_TAIL, Plan, PlanTemplate)
@@ -345,9 +345,7 @@ def call_signature(x, norm_args, rope_args, hadamard_args, cast_args, out_args):
     if rope_args is None:
         rope_key = None
     elif type(rope_args) is RopeArgs:
-        r = rope_args
-        rope_key = (rows_key(r.positions, n), tensor_key(r.cos_sin_cache), type(r.rotary_dim), r.rotary_dim,
-                    type(r.offset), r.offset, type(r.is_neox), r.is_neox, type(r.conjugate), r.conjugate)
+        rope_key = rope_args_key(rope_args, n)
     else:
         return NO_KEY
     if hadamard_args is None:

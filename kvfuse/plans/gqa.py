@@ -1,18 +1,22 @@
 """Validation of :func:`kvfuse.fused_qk_norm_rope_store_kv` (SPEC §11 and §5) into a
 :class:`~.types.GQAPlan`, and its aliasing check: q_out, k_out, k_cache and v_cache must not overlap
-each other or any input (q_out may be q itself, k_out k itself: in place)."""
+each other or any input (q_out may be q itself, k_out k itself: in place). ``prepare`` validates a
+call; ``prepare_call`` (an eager call) finds its signature's :class:`GQATemplate` in the plan cache,
+or validates and stores one, and still checks what depends on the call's pointers and n."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 
 import torch
 
-from ..overlap import addresses_known, row_limit, same_elements, tensors_overlap
+from ..overlap import INF, addresses_known, row_limit, same_elements, span_terms, tensors_overlap
 from ..numerics_profiles import ACTIVATION_DTYPES, profile
 from ..args import PagedAppend
+from .cache import norm_args_key, number_key, optional_tensor_key, rope_args_key, rows_key, tensor_key, validated
 from .rules import INDEX_DTYPES, check_index_vector, check_rms_norm, check_rope_args, check_tensor
-from .types import GQA_LAYOUTS, GQAPlan
+from .types import GQA_LAYOUTS, CacheEntry, GQAPlan
 
 # an unquantized cache holds the activations' dtype
 CACHE_DTYPES = ACTIVATION_DTYPES + (torch.float8_e4m3fn,)
@@ -389,3 +393,250 @@ def prepare(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_ar
     if addresses_known(plan.device):
         check_overlap(plan)
     return plan
+
+
+# =============================================================================== the plan cache
+# A validated signature of this entry point keeps a GQATemplate in the plan cache (kvfuse.plans.cache: the
+# switch, the size, what a key holds). The key (call_signature) holds every value validate reads: per
+# tensor its type, dtype, shape, strides and device, a leading dim equal to the call's n (q's) written
+# ROWS for the tensors whose rows are tokens (q, k, v, q_out, k_out, their tails, slot_mapping,
+# rope_args.positions, a PagedAppend's batch_indices and positions); a PagedAppend's kv_indptr and
+# kv_indices without their lengths (validation reads only whether kv_indptr is empty; the kernel takes
+# both lengths as arguments, so its launches are kept per length too); a pair (a head held as two
+# tensors) as its type and both tensors; argument objects by exact class and field (each value with its
+# type, floats with their sign); scales given as numbers by value (fp32 kernel arguments); layout,
+# numerics and scale_convention with their types. Read on every call instead: whether the rows of a
+# q_out / k_out given overlap at this n (a signature keeps the largest n for which they do not), and the
+# aliasing rules (_Aliasing: byte spans from the data pointers, then check_overlap where two meet).
+_ROWS_FIELDS = frozenset(("q_out", "k_out", "q_out_tail", "k_out_tail", "q", "k", "v", "q_tail", "k_tail",
+                          "slot_mapping", "positions", "append_batch_indices", "append_positions"))
+_OWN_LENGTH_FIELDS = frozenset(("append_kv_indptr", "append_kv_indices"))   # lengths not in the key
+_AT = {field: i for i, field in enumerate(_FIELDS)}
+_Q, _Q_OUT, _K_OUT = _AT["q"], _AT["q_out"], _AT["k_out"]
+_ALIASING_MEMO_SIZE = 64
+
+
+def _pair(x):
+    """(first, tail) of a validated argument that may be a pair; (x, None) otherwise."""
+    return (x[0], x[1]) if isinstance(x, (tuple, list)) else (x, None)
+
+
+def _heads_key(x, n):
+    """Key of q, k, v, q_out or k_out: None, a tensor of rows, or a pair of them."""
+    if x is None:
+        return None
+    if type(x) in (tuple, list):
+        return (type(x), len(x)) + tuple(rows_key(t, n) for t in x)
+    return rows_key(x, n)
+
+
+def _index_key(t):
+    """Key of a PagedAppend's kv_indptr / kv_indices: its length left out (see above)."""
+    return (type(t), t.dtype, t.dim(), t.stride(), t.device, t.numel() == 0)
+
+
+def _scale_key(s):
+    return None if s is None else tensor_key(s) if isinstance(s, torch.Tensor) else number_key(s)
+
+
+def call_signature(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_args=None, rope_args=None,
+                   k_scale=None, v_scale=None, layout="NHD", q_out=None, numerics="staged", k_out=None, q_scale=None,
+                   scale_convention="divide"):
+    """(key, pinned) of a call (see "the plan cache" above); may raise for arguments it cannot key, which
+    are then validated (and rejected) on every call."""
+    n = (q[0] if type(q) in (tuple, list) else q).shape[0]
+    if k_cache is None:
+        cache_key = None
+    elif type(k_cache) in (tuple, list):
+        cache_key = (type(k_cache), len(k_cache)) + tuple(map(tensor_key, k_cache))
+    else:
+        cache_key = tensor_key(k_cache)
+    if slot_mapping is None:
+        slots_key = None
+    elif type(slot_mapping) is PagedAppend:
+        pa = slot_mapping
+        slots_key = (PagedAppend, rows_key(pa.batch_indices, n), rows_key(pa.positions, n), _index_key(pa.kv_indptr),
+                     _index_key(pa.kv_indices))
+    else:
+        slots_key = rows_key(slot_mapping, n)
+    key = ("gqa", _heads_key(q, n), _heads_key(k, n), _heads_key(v, n), cache_key, optional_tensor_key(v_cache),
+           slots_key, norm_args_key(q_norm_args), norm_args_key(k_norm_args), rope_args_key(rope_args, n),
+           _scale_key(k_scale), _scale_key(v_scale), type(layout), layout, _heads_key(q_out, n), type(numerics),
+           numerics, _heads_key(k_out, n), _scale_key(q_scale), type(scale_convention), scale_convention)
+    return key, ()
+
+
+def _call_tensors(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale, v_scale,
+                  q_out, k_out, q_scale) -> list:
+    """The tensors of a validated call by GQAPlan field, in _FIELDS' order (None where absent)."""
+    q, q_tail = _pair(q)
+    k, k_tail = _pair(k)
+    kc, kc_tail = _pair(k_cache)
+    qo, qo_tail = _pair(q_out)
+    ko, ko_tail = _pair(k_out)
+    if isinstance(slot_mapping, PagedAppend):
+        pa = slot_mapping
+        slots, append = None, (pa.batch_indices, pa.positions, pa.kv_indptr, pa.kv_indices)
+    else:
+        slots, append = slot_mapping, (None, None, None, None)
+    pos, cs = (None, None) if rope_args is None else (rope_args.positions, rope_args.cos_sin_cache)
+    return [qo, ko, kc, v_cache, qo_tail, ko_tail, kc_tail, q, k, v, q_tail, k_tail, slots,
+            None if q_norm_args is None else q_norm_args.weight, None if k_norm_args is None else k_norm_args.weight,
+            pos, cs, _tensor_or_none(k_scale), _tensor_or_none(v_scale), _tensor_or_none(q_scale), *append]
+
+
+def _tensor_or_none(s):
+    return s if isinstance(s, torch.Tensor) else None     # a scale given as a number is in the template
+
+
+class _Aliasing:
+    """SPEC §5 on every call of one signature, cheaply: each tensor's byte span [data_ptr, data_ptr +
+    fixed + per_row * rows) (rows: n, or a PagedAppend vector's own length) for every output / other pair
+    of check_overlap's; a pair whose spans meet passes when it is an output and its input in place (the
+    same pointer, and strides equal: the key holds them), or when a call with the same pair at the same
+    distance and span sizes passed; any other meeting runs check_overlap on the call (exact; its errors)."""
+
+    __slots__ = ("at", "terms", "own", "pairs", "passed")
+
+    def __init__(self, plan: GQAPlan, allocated: frozenset):
+        at, terms, own = [], [], []
+        for i, field in enumerate(_FIELDS):
+            t = getattr(plan, field)
+            if t is None or field in allocated:
+                continue                        # absent, or allocated by the call: overlaps nothing
+            # rows: a token per row (v without caches is not validated: rows only where it has n of them)
+            rows = field in _OWN_LENGTH_FIELDS or (field in _ROWS_FIELDS and t.dim() > 0 and t.shape[0] == plan.n)
+            found = span_terms(t, rows)
+            if found is None:
+                continue                        # no bytes at any n
+            at.append(i)
+            terms.append(found)
+            own.append(field in _OWN_LENGTH_FIELDS)
+        pairs = []
+        for kk, i in enumerate(at):
+            if i >= _OUTPUTS:
+                break
+            for jj, j in enumerate(at):
+                if j == i or (j < _OUTPUTS and j < i):
+                    continue
+                a, b = getattr(plan, _FIELDS[i]), getattr(plan, _FIELDS[j])
+                in_place = None
+                if (_FIELDS[i], _FIELDS[j]) in _IN_PLACE and a.dtype == b.dtype and a.shape[1:] == b.shape[1:] and \
+                        all(x == y for x, y, size in zip(a.stride()[1:], b.stride()[1:], a.shape[1:]) if size > 1):
+                    in_place = a.stride(0) == b.stride(0)   # True: the same elements at every n, False: at n = 1
+                pairs.append((kk, jj, in_place))
+        self.at, self.terms, self.own, self.pairs = tuple(at), tuple(terms), tuple(own), tuple(pairs)
+        self.passed = {}                        # (pair, distance, span sizes) of calls that passed
+
+    def __call__(self, tensors, n: int, template: "GQATemplate") -> None:
+        if n == 0:
+            check_overlap(template.bind(tensors))
+            return
+        ptrs, sizes = [], []
+        for i, (fixed, per_row), own in zip(self.at, self.terms, self.own):
+            t = tensors[i]
+            ptrs.append(t.data_ptr())
+            rows = t.shape[0] if own else n
+            sizes.append(fixed + per_row * rows if rows else 0)
+        meeting = None
+        for kk, jj, in_place in self.pairs:
+            pk, pj = ptrs[kk], ptrs[jj]
+            if pj < pk + sizes[kk] and pk < pj + sizes[jj]:
+                if in_place is not None and pk == pj and (in_place or n == 1):
+                    continue                    # the output is its input itself
+                key = (kk, jj, pj - pk, sizes[kk], sizes[jj])
+                if key not in self.passed:
+                    meeting = (meeting or []) + [key]
+        if meeting is None:
+            return
+        check_overlap(template.bind(tensors))   # raises with the error of an uncached call
+        passed = self.passed
+        if len(passed) + len(meeting) > _ALIASING_MEMO_SIZE:
+            passed.clear()
+        passed.update(dict.fromkeys(meeting, True))
+
+
+class GQATemplate(CacheEntry):
+    """A validated signature of :func:`kvfuse.fused_qk_norm_rope_store_kv`: its GQAPlan without tensors.
+    A call's tensors are a tuple by GQAPlan field in _FIELDS' order (``tensors``); ``bind`` makes them
+    the call's plan, ``result`` what the call returns. ``launches``: the Triton launches kept per batch
+    size (kvfuse.kernels.qkv.run_template)."""
+
+    __slots__ = ("plan", "allocate", "row_limit", "aliasing", "device", "device_type", "has_cache", "q_pair",
+                 "k_out_pair", "codes_at", "lengths_at", "launches")
+    rows_at = _Q                               # q: its leading dim is the call's n
+    tensor_index = _AT
+
+    def __init__(self, plan: GQAPlan, allocate: tuple):
+        super().__init__()
+        given_outputs = [getattr(plan, f) for f in ("q_out", "q_out_tail", "k_out", "k_out_tail")
+                         if f not in allocate and getattr(plan, f) is not None]
+        self.row_limit = min((row_limit(t, "") for t in given_outputs), default=INF)
+        allocated = frozenset(f for f, _ in allocate)
+        self.aliasing = _Aliasing(plan, allocated) if addresses_known(plan.device) else None
+        self.plan = dataclasses.replace(plan, **{f: None for f in _FIELDS})
+        self.allocate = tuple((_AT[f], _AT[like]) for f, like in allocate)   # (output, the tensor it is shaped like)
+        self.device, self.device_type = plan.device, plan.device.type
+        self.has_cache = plan.has_cache
+        self.q_pair = plan.q_out_tail is not None or "q_out_tail" in allocated      # q_out returned as a pair
+        self.k_out_pair = plan.k_out_tail is not None or "k_out_tail" in allocated
+        self.codes_at = tuple(i for i, f in enumerate(_FIELDS) if getattr(plan, f) is not None
+                              and getattr(plan, f).dtype == torch.float8_e4m3fn)
+        self.lengths_at = (_AT["append_kv_indptr"], _AT["append_kv_indices"]) if plan.paged_append else None
+        self.launches = {}
+
+    def bind(self, tensors) -> GQAPlan:
+        plan = GQAPlan.__new__(GQAPlan)      # a shallow copy of the template's plan (copy.copy costs more)
+        plan.__dict__.update(self.plan.__dict__)
+        plan.__dict__.update(zip(_FIELDS, tensors))
+        return plan
+
+    def kernel_tensors(self, tensors) -> tuple:
+        """The tensors as the kernel takes them: an fp8 one as its e4m3 codes (bytes)."""
+        if not self.codes_at:
+            return tensors
+        out = list(tensors)
+        for i in self.codes_at:
+            out[i] = out[i].view(torch.uint8)
+        return tuple(out)
+
+    def result(self, tensors):
+        """What the call returns: q_out (a pair for a pair), and without caches k_out too."""
+        q_out = (tensors[_Q_OUT], tensors[_AT["q_out_tail"]]) if self.q_pair else tensors[_Q_OUT]
+        if self.has_cache:
+            return q_out
+        return q_out, ((tensors[_K_OUT], tensors[_AT["k_out_tail"]]) if self.k_out_pair else tensors[_K_OUT])
+
+
+def _new_template(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale, v_scale,
+                  layout, q_out, numerics, k_out, q_scale, scale_convention) -> GQATemplate:
+    plan = validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale, v_scale,
+                    layout, q_out, numerics, k_out, q_scale, scale_convention)
+    allocate = []
+    if plan.q_out is None:
+        allocate += [("q_out", "q")] + ([("q_out_tail", "q_tail")] if plan.q_tail is not None else [])
+    if not plan.has_cache and plan.k_out is None:
+        allocate += [("k_out", "k")] + ([("k_out_tail", "k_tail")] if plan.k_tail is not None else [])
+    return GQATemplate(plan, tuple(allocate))
+
+
+def prepare_call(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_args=None, rope_args=None,
+                 k_scale=None, v_scale=None, layout="NHD", q_out=None, numerics="staged", k_out=None, q_scale=None,
+                 scale_convention="divide"):
+    """(template, tensors) of an eager call: its signature's template (found in the plan cache, or
+    validated and stored), the call's tensors with the outputs it allocates, the aliasing rules checked.
+    Raises what ``prepare`` raises."""
+    args = (q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale, v_scale, layout,
+            q_out, numerics, k_out, q_scale, scale_convention)
+    template = validated(call_signature, _new_template, *args)
+    tensors = _call_tensors(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale,
+                            v_scale, q_out, k_out, q_scale)
+    n = tensors[_Q].shape[0]
+    if n > template.row_limit:
+        validate(*args)    # raises: a q_out / k_out whose rows overlap at this n (the error of an uncached call)
+    for i, like in template.allocate:
+        t = tensors[like]
+        tensors[i] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    if template.aliasing is not None:
+        template.aliasing(tensors, n, template)
+    return template, tuple(tensors)
