@@ -4,7 +4,7 @@ The path sizes its grid by the compiled variant's occupancy (kvfuse.kernels.gluo
 the variant without a norm (NO_NORM, 48 registers a thread for sm_90 with Triton 3.6) fits twice the CTAs
 of the normed ones (92-96 registers) and runs slower at n = 65536 (2026-12-03). This times the DeepSeek V3
 writes at fixed CTAs per SM (every point byte-checked against the portable kernel), CUDA-graph replay.
-Not yet run on a GPU (its one attempt, 2026-12-03, stopped at a bug in its first line, since fixed).
+Run on the H200 on 2026-12-04: benchmarks/results/2026-12-04_h200_flashmla_occupancy.txt.
 
   python benchmarks/flashmla_occupancy.py [--workloads a,b] [--n 65536,262144] [--ctas 0,6,8,10,12,16]
 (--ctas 0: the occupancy the path computes.) Prints one line per (workload, n).
