@@ -51,7 +51,8 @@ def fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_norm_
             to ``k_out`` and v is not read (it may be None; slot_mapping and v_scale None too). k_cache
             with v and v_cache None: a K cache alone (MLA's latent). k_cache may be a pair of caches
             (its heads' first S columns, the rest: FlashInfer's MLA kpe / ckv caches).
-        slot_mapping: int32 / int64 [n]; slot s goes to block s // block_size, offset s % block_size;
+        slot_mapping: int32 / int64 [n], or a :class:`kvfuse.PagedAppend` (FlashInfer's page addressing, read
+            by the kernel: SPEC §11); slot s goes to block s // block_size, offset s % block_size;
             a slot < 0 or >= num_blocks * block_size writes nothing.
         q_norm_args, k_norm_args: NormArgs (kind "rms", weight [D] bf16 / fp16 / fp32 shared by the heads) or None.
         rope_args: RopeArgs or None (offset None means 0 here: RoPE on the first rotary_dim dims; cos_sin_cache

@@ -216,3 +216,22 @@ def test_paged_append_errors(label, change, exc, match):
     kw["slot_mapping"] = dataclasses.replace(kw["slot_mapping"], **change)
     with pytest.raises(exc, match=match):
         kvfuse.fused_qk_norm_rope_store_kv(**kw)
+
+
+def test_paged_append_duplicate_slots_fail_the_data_checks(monkeypatch):
+    """With the data checks on, two tokens that FlashInfer's addressing sends to one valid slot are a
+    ValueError before anything is written (the slots are computed first); out-of-range ones are not."""
+    import dataclasses
+    kw = _kw(seed=39, paged_append=True, rotary_dim=0)
+    pa = kw["slot_mapping"]
+    same = dataclasses.replace(pa, batch_indices=torch.ones_like(pa.batch_indices),
+                               positions=torch.zeros_like(pa.positions))          # page kv_indices[1], offset 0
+    past = dataclasses.replace(same, kv_indices=torch.full_like(pa.kv_indices, 1 << 20))   # pages past the cache
+    before = kw["k_cache"].clone()
+    monkeypatch.setattr(kvfuse.backend, "_checks_override", None)      # restored after the test
+    kvfuse.set_checks(True)
+    with pytest.raises(ValueError, match="slot_mapping holds duplicate valid slots"):
+        kvfuse.fused_qk_norm_rope_store_kv(**{**kw, "slot_mapping": same})
+    assert torch.equal(kw["k_cache"].view(torch.uint8), before.view(torch.uint8))
+    kvfuse.fused_qk_norm_rope_store_kv(**{**kw, "slot_mapping": past})            # writes nothing, no error
+    assert torch.equal(kw["k_cache"].view(torch.uint8), before.view(torch.uint8))
