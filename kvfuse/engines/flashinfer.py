@@ -172,8 +172,9 @@ def _scale(value, name: str) -> float:
 
 
 def _rope_parts(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox):
-    """The checked inputs as kvfuse sees them: (q, k, rope_args, is_mla, nope widths (q's, k's), k_nope as
-    given or created); q and k a pair (rope, nope) where the nope part has columns, k with a head axis."""
+    """The checked inputs as kvfuse sees them: (q, k, rope_args, is_mla, no_rope_dim, q_nope, k_nope; the
+    nope parts as given, or created with 0 columns for None); q and k a pair (rope, nope) where the nope
+    part has columns, k with a head axis."""
     _checks.activations(q_rope, "q_rope", 3, _QUANT_DTYPES)
     _checks.tensor(k_rope, "k_rope")
     is_mla = k_rope.dim() == 2
@@ -209,7 +210,7 @@ def _rope_parts(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox)
     rope = RopeArgs(pos_ids, cos_sin_cache, rope_dim, bool(is_neox), offset=0)
     q = (q_rope, q_nope) if nope else q_rope
     k = (k3, kn3) if nope else k3
-    return q, k, rope, is_mla, nope, k_nope
+    return q, k, rope, is_mla, nope, q_nope, k_nope
 
 
 def _pair(first, tail, nope):
@@ -239,11 +240,11 @@ def rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is
     like the inputs in e4m3 when None. ``enable_pdl``: kvfuse decides programmatic dependent launch
     itself (the flag is accepted and not needed). Returns (q_rope_out, k_rope_out, q_nope_out, k_nope_out).
     One launch of :func:`kvfuse.fused_qk_norm_rope_store_kv` (no caches, k to k_out)."""
-    q, k, rope, is_mla, nope, k_nope = _rope_parts(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox)
-    q_nope_in = q[1] if nope else q_rope.new_empty(q_rope.shape[0], q_rope.shape[1], 0)
+    q, k, rope, is_mla, nope, q_nope, k_nope = _rope_parts(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids,
+                                                           is_neox)
     dt = _quantize_dtype(quantize_dtype, (q_rope_out, k_rope_out, q_nope_out, k_nope_out))
     outs = [o if o is not None else torch.empty(ref.shape, dtype=dt, device=ref.device)
-            for o, ref in ((q_rope_out, q_rope), (k_rope_out, k_rope), (q_nope_out, q_nope_in), (k_nope_out, k_nope))]
+            for o, ref in ((q_rope_out, q_rope), (k_rope_out, k_rope), (q_nope_out, q_nope), (k_nope_out, k_nope))]
     for o, name in zip(outs, ("q_rope_out", "k_rope_out", "q_nope_out", "k_nope_out")):
         _checks.tensor(o, name)
     k_outs = [o.unsqueeze(1) if is_mla else o for o in outs[1::2]]
@@ -280,8 +281,8 @@ def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, c
     also leaves its q outputs unwritten; kvfuse writes them). Returns (q_rope_out, q_nope_out). One
     launch of :func:`kvfuse.fused_qk_norm_rope_store_kv`, which reads the addressing itself
     (:class:`kvfuse.PagedAppend`)."""
-    q, k, rope, is_mla, nope, _ = _rope_parts(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox)
-    q_nope_in = q[1] if nope else q_rope.new_empty(q_rope.shape[0], q_rope.shape[1], 0)
+    q, k, rope, is_mla, nope, q_nope, _ = _rope_parts(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids,
+                                                      is_neox)
     dt = _quantize_dtype(quantize_dtype, (q_rope_out, q_nope_out))
     if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
         raise ValueError("paged_kv_cache must be a tuple of 2 tensors")
@@ -311,7 +312,7 @@ def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, c
     if cache_page != page_size:
         raise ValueError(f"page_size: {page_size} differs from the caches' page size {cache_page}")
     q_outs = [o if o is not None else torch.empty(ref.shape, dtype=dt, device=ref.device)
-              for o, ref in ((q_rope_out, q_rope), (q_nope_out, q_nope_in))]
+              for o, ref in ((q_rope_out, q_rope), (q_nope_out, q_nope))]
     slots = PagedAppend(*(_int_vector(t, name) for t, name in ((kv_indices, "kv_indices"), (kv_indptr, "kv_indptr"),
                                                                 (batch_indices, "batch_indices"),
                                                                 (positions, "positions"))))
