@@ -12,9 +12,10 @@ Scope: the backend chosen with ``use_backend`` is per thread (a thread that neve
 ``KVFUSE_BACKEND``); ``set_checks`` and every environment variable are per process.
 
 ``set_pdl(True)`` or ``KVFUSE_PDL=1`` launches the kernels with programmatic dependent launch
-(Hopper and newer, compiled kernels only; off by default).
+(Hopper and newer, compiled kernels only; off by default); ``set_pdl(True, early_reads=True)`` or
+``KVFUSE_PDL=early`` also reads the slots and positions before the wait (opt-in, SPEC §1).
 
-Boolean environment switches (``KVFUSE_CHECKS``, ``KVFUSE_PDL``, ``KVFUSE_PLAN_CACHE``, ``KVFUSE_GLUON``,
+Boolean environment switches (``KVFUSE_CHECKS``, ``KVFUSE_PDL`` (which also takes "early"), ``KVFUSE_PLAN_CACHE``, ``KVFUSE_GLUON``,
 ``KVFUSE_DIRECT_LAUNCH``, ``TRITON_INTERPRET``) are read with :func:`env_flag`: 0/1/true/false/
 yes/no/on/off in any case, surrounding whitespace ignored, an empty value counts as unset;
 anything else is a ValueError naming the variable.
@@ -170,18 +171,39 @@ def checks_enabled() -> bool:
     return env_flag("KVFUSE_CHECKS")
 
 
-def set_pdl(enabled: bool) -> None:
+PDL_MODES = ("off", "on", "early")
+
+
+def set_pdl(enabled: bool, early_reads: bool = False) -> None:
     """Programmatic dependent launch on or off for the whole process (overrides KVFUSE_PDL): each
     kernel may start while the previous kernel on the stream finishes and waits for it (griddepcontrol)
     before its first read of x, the positions or the slots. Bytes unchanged; works in CUDA graphs.
-    Takes effect on Hopper and newer GPUs with compiled kernels; elsewhere it changes nothing."""
+    Takes effect on Hopper and newer GPUs with compiled kernels; elsewhere it changes nothing.
+
+    ``early_reads`` (opt-in, with ``enabled``; ``KVFUSE_PDL=early``): the kernels that support it (SPEC
+    §1) also read the slots, the positions and their cos/sin rows before the wait, and only x after it:
+    for engines whose slot mapping and positions were written before the previous kernel on the stream
+    started (prepared at the start of a step). A producer of those still running would be raced."""
     global _pdl_override
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-    _pdl_override = enabled
+    if not isinstance(early_reads, bool):
+        raise TypeError(f"early_reads must be a bool, got {type(early_reads).__name__}")
+    if early_reads and not enabled:
+        raise ValueError("early_reads=True needs enabled=True (reads before the wait exist only under PDL)")
+    _pdl_override = "early" if early_reads else "on" if enabled else "off"
+
+
+def pdl_mode() -> str:
+    """"off", "on" or "early" (on, with the early reads of :func:`set_pdl`): set_pdl's choice, else
+    KVFUSE_PDL (a boolean word, or "early")."""
+    if _pdl_override is not None:
+        return _pdl_override
+    if getenv("KVFUSE_PDL", "").strip().lower() == "early":
+        return "early"
+    return "on" if env_flag("KVFUSE_PDL") else "off"
 
 
 def pdl_enabled() -> bool:
-    if _pdl_override is not None:
-        return _pdl_override
-    return env_flag("KVFUSE_PDL")
+    """Whether programmatic dependent launch is on (either mode of :func:`pdl_mode`)."""
+    return pdl_mode() != "off"

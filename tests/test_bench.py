@@ -70,6 +70,14 @@ def test_parse_config_defaults_and_quick():
     assert c.sizes == [8, 2] and c.workloads == ["index_q"] and c.peers == ["stages", "fused"] and c.cold_l2
 
 
+def test_parse_config_pdl_modes():
+    assert bench.parse_config([]).pdl is False
+    assert bench.parse_config(["--pdl"]).pdl is True
+    assert bench.parse_config(["--pdl", "--pdl-early"]).pdl == "early"
+    with pytest.raises(ValueError, match="--pdl-early"):
+        bench.parse_config(["--pdl-early"])
+
+
 # ----------------------------------------------------------------------------- byte model
 def test_moved_bytes_main_fp8_by_hand():
     wl = bench.WORKLOADS["main_fp8"]

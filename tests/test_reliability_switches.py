@@ -177,6 +177,7 @@ def test_every_boolean_switch_is_read_through_env_flag():
     """No kvfuse module reads a boolean environment variable except through env_flag (the variables
     read otherwise are not booleans: a backend name, an integer mode, a list, a path)."""
     not_boolean = {"KVFUSE_BACKEND", "KVFUSE_NATIVE_CASTS", "KVFUSE_GLUON_SKIP", "OUT"}
+    not_boolean |= {"KVFUSE_PDL"}   # a boolean word through env_flag, or "early" (compared first, raw)
     reads = re.compile(r"""(?:os\.environ\.get|os\.getenv|getenv|os\.environ\[)\(?\s*["']([A-Z_]+)["']""")
     found = {}
     for path in KVFUSE_DIR.rglob("*.py"):
@@ -188,6 +189,62 @@ def test_every_boolean_switch_is_read_through_env_flag():
     for path in KVFUSE_DIR.rglob("*.py"):
         flagged |= set(re.findall(r"""env_flag\(\s*["']([A-Z_]+)["']""", path.read_text()))
     assert flagged == set(BOOLEAN_SWITCHES), flagged
+
+
+# =========================================================================== set_pdl
+@pytest.fixture
+def pdl_restored(monkeypatch):
+    monkeypatch.setattr(kv_backend, "_pdl_override", None)
+    monkeypatch.delenv("KVFUSE_PDL", raising=False)
+    yield monkeypatch
+
+
+@pytest.mark.parametrize("value,mode", [(None, "off"), ("0", "off"), ("1", "on"), (" yes", "on"), ("early", "early"),
+                                        ("EARLY ", "early")])
+def test_pdl_mode_follows_the_variable(pdl_restored, value, mode):
+    if value is not None:
+        pdl_restored.setenv("KVFUSE_PDL", value)
+    assert kvfuse.pdl_mode() == mode
+    assert kvfuse.pdl_enabled() is (mode != "off")
+
+
+def test_pdl_variable_rejects_other_words_by_name(pdl_restored):
+    pdl_restored.setenv("KVFUSE_PDL", "earliest")
+    with pytest.raises(ValueError, match="KVFUSE_PDL"):
+        kvfuse.pdl_mode()
+
+
+def test_set_pdl_modes_and_errors(pdl_restored):
+    pdl_restored.setenv("KVFUSE_PDL", "early")
+    kvfuse.set_pdl(False)                                  # overrides the variable
+    assert kvfuse.pdl_mode() == "off" and not kvfuse.pdl_enabled()
+    kvfuse.set_pdl(True)
+    assert kvfuse.pdl_mode() == "on"
+    kvfuse.set_pdl(True, early_reads=True)
+    assert kvfuse.pdl_mode() == "early" and kvfuse.pdl_enabled()
+    with pytest.raises(ValueError, match="early_reads"):
+        kvfuse.set_pdl(False, early_reads=True)
+    with pytest.raises(TypeError, match="early_reads"):
+        kvfuse.set_pdl(True, early_reads=1)
+    with pytest.raises(TypeError, match="enabled"):
+        kvfuse.set_pdl("early")
+    assert kvfuse.pdl_mode() == "early"                    # the rejected calls changed nothing
+
+
+def test_with_pdl_names_early_reads_only_where_the_kernel_has_them():
+    from kvfuse.kernels import router
+    assert router.with_pdl({"A": 1}, router.PDL_OFF) == {"A": 1}
+    assert router.with_pdl({"A": 1}, router.PDL_EARLY) == {"A": 1, "PDL": True, "launch_pdl": True}
+    assert router.with_pdl({"PDL_EARLY": False}, router.PDL_ON) == {"PDL_EARLY": False, "PDL": True,
+                                                                     "launch_pdl": True}
+    assert router.with_pdl({"PDL_EARLY": False}, router.PDL_EARLY)["PDL_EARLY"] is True
+
+
+def test_pdl_launch_is_off_on_the_cpu_in_every_mode(pdl_restored):
+    from kvfuse.kernels import router
+    for early in (False, True):
+        kvfuse.set_pdl(True, early_reads=early)
+        assert router.pdl_launch(torch.zeros(1)) == router.PDL_OFF
 
 
 # =========================================================================== use_backend

@@ -57,6 +57,8 @@ def parse_config(argv: Optional[Sequence[str]]) -> Config:
                    f"tokens at positions 0..len-1) or uniform (positions uniform in [0, {MAX_POSITION}))")
     p.add_argument("--pdl", action="store_true", help="run kvfuse with programmatic dependent launch "
                    "(kvfuse.set_pdl(True)): each call of a graph may start while the previous one finishes")
+    p.add_argument("--pdl-early", action="store_true", help="with --pdl: the opt-in early reads "
+                   "(kvfuse.set_pdl(True, early_reads=True)): slots and positions read before the wait")
     p.add_argument("--pdl-pairs", action="store_true", help="also time, per workload and n, a producer kernel "
                    "that writes x followed by the fused call, PDL off and on (the call's share: pair - producer)")
     p.add_argument("--no-plot", action="store_true")
@@ -80,13 +82,15 @@ def parse_config(argv: Optional[Sequence[str]]) -> Config:
         raise ValueError(f"--n: expected a comma list of integers, got {a.n!r}") from None
     if not sizes or any(v < 1 for v in sizes):
         raise ValueError(f"--n: sizes must be >= 1, got {sizes}")
+    if a.pdl_early and not a.pdl:
+        raise ValueError("--pdl-early: needs --pdl (the early reads exist only under PDL)")
     return Config(workloads=workloads, sizes=sizes, peers=[x for x in PEERS if x in peers],
                   peer_max_n=a.peer_max_n, cold_l2=a.cold_l2, out=a.out, quick=a.quick,
                   budget_s=a.budget_s if a.budget_s is not None else (75.0 if a.quick else 330.0),
                   compile_budget_s=(a.compile_budget_s if a.compile_budget_s is not None
                                     else (25.0 if a.quick else 100.0)),
                   max_x_elems=a.max_x_elems, seed=a.seed, slots=a.slots, regime=a.regime, plot=not a.no_plot,
-                  progress=not a.no_progress, pdl=a.pdl, pdl_pairs=a.pdl_pairs)
+                  progress=not a.no_progress, pdl="early" if a.pdl_early else a.pdl, pdl_pairs=a.pdl_pairs)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

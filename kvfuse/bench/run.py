@@ -49,7 +49,8 @@ class Config:
     regime: str = "auto"
     plot: bool = True
     progress: bool = True
-    pdl: bool = False          # the whole suite with programmatic dependent launch (kvfuse.set_pdl)
+    pdl: object = False        # the whole suite with programmatic dependent launch (kvfuse.set_pdl): False,
+                               # True, or "early" (set_pdl(True, early_reads=True))
     pdl_pairs: bool = False    # also time producer + call pairs, PDL off and on (measure_pdl_pairs)
 
 
@@ -177,6 +178,12 @@ def _free(device, big: bool) -> None:
         torch.cuda.empty_cache()
 
 
+def _set_pdl_mode(mode) -> None:
+    """kvfuse.set_pdl from a bench setting or :func:`kvfuse.pdl_mode`'s value: False / "off", True / "on",
+    "early"."""
+    _backend.set_pdl(mode not in (False, "off"), early_reads=mode == "early")
+
+
 def measure_pdl_pairs(cfg: Config, device, timer) -> List[dict]:
     """GPU us per pair [a producer kernel that writes x (and lets its dependents launch), then the fused
     call], replayed in a CUDA graph with kvfuse's PDL off and on, and of the producer alone; the call's
@@ -202,7 +209,7 @@ def measure_pdl_pairs(cfg: Config, device, timer) -> List[dict]:
                     producer()
                     call()
                 row["pair_pdl_us" if pdl else "pair_us"] = timer.measure([pair]).gpu_us
-            _backend.set_pdl(cfg.pdl)
+            _set_pdl_mode(cfg.pdl)
             row["call_us"] = row["pair_us"] - row["producer_us"]
             row["call_pdl_us"] = row["pair_pdl_us"] - row["producer_us"]
             pairs.append(row)
@@ -305,16 +312,16 @@ def run_on_device(cfg: Config, device="cuda", timer=None, measure=measure_device
     if timer is None:
         timer = CudaTimer(graph_calls=10 if cfg.quick else 20, target_s=0.02 if cfg.quick else 0.05,
                           eager_target_s=0.015 if cfg.quick else 0.03, max_reps=15 if cfg.quick else 40)
-    pdl_before = _backend.pdl_enabled()
+    pdl_before = _backend.pdl_mode()
     try:
-        _backend.set_pdl(cfg.pdl)
+        _set_pdl_mode(cfg.pdl)
         records = run_suite(cfg, device, timer, dev.get("copy_GBps"), dev.get("floor_us"),
                             progress=bar, log=bar.write, **suite_kwargs)
         pairs = measure_pdl_pairs(cfg, device, timer) if cfg.pdl_pairs else []
     finally:
         bar.close()
-        _backend.set_pdl(pdl_before)
-    targets = check_targets(records, pdl=cfg.pdl)
+        _set_pdl_mode(pdl_before)
+    targets = check_targets(records, pdl=bool(cfg.pdl))
     elapsed = time.perf_counter() - t_start
     summary = (f"copy bandwidth {_f(dev.get('copy_GBps'), '.0f')} GB/s; launch floor {_f(dev.get('floor_us'), '.2f')}"
                f" us; total {elapsed:.0f} s. GPU us: per call, CUDA-graph replay ('graph') or CUDA events around "

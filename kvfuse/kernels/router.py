@@ -171,21 +171,36 @@ def fast_path(plan: Plan, pdl: bool = False):
 _PDL_CAPABLE = {}       # device index -> compute capability >= 9.0 (griddepcontrol: Hopper and newer)
 
 
-def pdl_launch(x: torch.Tensor) -> bool:
-    """Whether this call launches with programmatic dependent launch: kvfuse.set_pdl / KVFUSE_PDL on,
-    compiled kernels, and x on a Hopper-or-newer GPU."""
-    if INTERPRET or not _backend.pdl_enabled() or x.device.type != "cuda":
-        return False
+PDL_OFF, PDL_ON, PDL_EARLY = 0, 1, 2   # pdl_launch's answers
+
+
+def pdl_launch(x: torch.Tensor) -> int:
+    """How this call launches: PDL_OFF, PDL_ON (programmatic dependent launch: kvfuse.set_pdl / KVFUSE_PDL
+    on, compiled kernels, x on a Hopper-or-newer GPU) or PDL_EARLY (on, with the opt-in early reads)."""
+    if INTERPRET or x.device.type != "cuda":
+        return PDL_OFF
+    mode = _backend.pdl_mode()
+    if mode == "off":
+        return PDL_OFF
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     capable = _PDL_CAPABLE.get(index)
     if capable is None:
         capable = _PDL_CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return capable
+    if not capable:
+        return PDL_OFF
+    return PDL_EARLY if mode == "early" else PDL_ON
 
 
-def with_pdl(options: dict, pdl: bool) -> dict:
-    """A kernel's keyword arguments with its PDL constexpr and Triton's launch_pdl option set."""
-    return {**options, "PDL": True, "launch_pdl": True} if pdl else options
+def with_pdl(options: dict, pdl: int) -> dict:
+    """A kernel's keyword arguments with its PDL constexpr and Triton's launch_pdl option set; under
+    PDL_EARLY also its PDL_EARLY constexpr, for the kernels whose options name one (those that read the
+    slots and positions before the wait when asked; the others keep every read after it)."""
+    if not pdl:
+        return options
+    out = {**options, "PDL": True, "launch_pdl": True}
+    if pdl == PDL_EARLY and "PDL_EARLY" in options:
+        out["PDL_EARLY"] = True
+    return out
 
 
 def fused_launch(plan: Plan, tensor_index: dict, num_tensors: int, pdl: bool = False) -> Launch:
@@ -249,7 +264,7 @@ def run_template(template, tensors: tuple) -> None:
         return
     launches = template.launches
     pdl = pdl_launch(x)
-    key = (n, True) if pdl else n
+    key = (n, pdl) if pdl else n
     launch = launches.get(key)
     if launch is None or FORCED.cfg is not None:
         launch = fused_launch(template.bind(tensors), template.tensor_index, template.num_tensors, pdl)
