@@ -229,8 +229,12 @@ def _unfilled_bf16(shape, *_, **__):
     return torch.empty(shape, dtype=torch.bfloat16)
 
 
+PDL_MODES = (R.PDL_OFF, R.PDL_ON, R.PDL_EARLY)   # router.pdl_launch's answers: every call runs under each
+PDL_LABELS = {R.PDL_OFF: "", R.PDL_ON: " [pdl]", R.PDL_EARLY: " [pdl early]"}
+
+
 def record_variants(progress=None) -> Book:
-    """Run every call of SOURCES into recorders, without and with PDL."""
+    """Run every call of SOURCES into recorders, without PDL, with it, and with its early reads."""
     import gqa_cases
     import group_cases
     import kernel_cases
@@ -239,8 +243,8 @@ def record_variants(progress=None) -> Book:
                    (group_cases, "random_bf16", _unfilled_bf16)]):
         for source in SOURCES:
             for label, call in source():
-                for pdl in (False, True):
-                    book.label = label + (" [pdl]" if pdl else "")
+                for pdl in PDL_MODES:
+                    book.label = label + PDL_LABELS[pdl]
                     with recording(book, pdl):
                         call()
             if progress:
@@ -252,18 +256,20 @@ def recording_gaps(book: Book) -> list:
     """What the recording should have seen and did not: a launched kernel of KERNEL_MODULES never
     recorded, or a kernel with a PDL parameter recorded without both of its values (a launch path
     that no longer looks its kernel or ``pdl_launch`` up where ``recording`` replaces them)."""
-    seen = {}
+    seen, seen_early = {}, {}
     for v in book.variants.values():
         seen.setdefault(v.name, set()).add(v.constexpr("PDL"))
+        seen_early.setdefault(v.name, set()).add(v.constexpr("PDL_EARLY"))
     gaps = []
     for module in KERNEL_MODULES:
         for name, value in vars(module).items():
             if isinstance(value, JITFunction) and name.endswith("_kernel"):
-                want = {True, False} if "PDL" in value.arg_names else {None}
-                got = seen.get(value.fn.__name__, set())
-                if not want <= got:
-                    gaps.append(f"{module.__name__}.{name}: recorded with PDL {sorted(got, key=str)}, "
-                                f"want {sorted(want, key=str)}")
+                for param, book_of in (("PDL", seen), ("PDL_EARLY", seen_early)):
+                    want = {True, False} if param in value.arg_names else {None}
+                    got = book_of.get(value.fn.__name__, set())
+                    if not want <= got:
+                        gaps.append(f"{module.__name__}.{name}: recorded with {param} {sorted(got, key=str)}, "
+                                    f"want {sorted(want, key=str)}")
     return gaps
 
 

@@ -79,13 +79,14 @@ def _cases():
 CASES = _cases() if torch.cuda.is_available() else []
 
 
-def _pdl_call(case, graph: bool):
-    """The case's kvfuse call with PDL on, right after a producer that writes x late; its outputs."""
+def _pdl_call(case, graph: bool, early: bool = False):
+    """The case's kvfuse call with PDL on (``early``: with its early reads of the slots and positions, which
+    the producer does not write), right after a producer that writes x late; its outputs."""
     args, outs, storage = build(case, "cuda")
     x = args["x"]
     src = x.clone()
     x.fill_(float("nan"))
-    kvfuse.set_pdl(True)
+    kvfuse.set_pdl(True, early_reads=early)
     try:
         with kvfuse.use_backend("triton"):
             kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(**{**args, "x": src})   # compile, warm the plan
@@ -108,17 +109,52 @@ def _pdl_call(case, graph: bool):
     return res
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["pdl", "pdl early reads"])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 @pytest.mark.parametrize("side_stream", [False, True], ids=["current stream", "side stream"])
 @pytest.mark.parametrize("label,case", CASES, ids=[label for label, _ in CASES])
-def test_pdl_call_waits_for_the_producer(label, case, graph, side_stream):
+def test_pdl_call_waits_for_the_producer(label, case, graph, side_stream, early):
     ref = run_case(case, "reference", "cuda")
     if side_stream:
         with torch.cuda.stream(torch.cuda.Stream()):
-            got = _pdl_call(case, graph)
+            got = _pdl_call(case, graph, early)
     else:
-        got = _pdl_call(case, graph)
+        got = _pdl_call(case, graph, early)
     assert diff_bytes(ref, got) == 0, label + " :: " + diff_report(ref, got)
+
+
+def test_early_reads_reach_every_fast_path():
+    """Under set_pdl(True, early_reads=True) each fast path launches with its PDL_EARLY constexpr on (for
+    at least one case; the cast alone of main_latent names none and keeps every read after the wait),
+    and no launch of the portable kernel names one."""
+    early_by_path = {}
+    real = router.with_pdl
+    current = {}
+
+    def spy(options, pdl):
+        out = real(options, pdl)
+        if out.get("PDL_EARLY"):
+            early_by_path[current["label"].split()[0]] = True
+        if current["label"].startswith("plain"):
+            assert "PDL_EARLY" not in options, current["label"]
+        return out
+
+    router.with_pdl = spy
+    kvfuse.set_pdl(True, early_reads=True)
+    cache_was = kvfuse.plan_cache_enabled()
+    kvfuse.set_plan_cache(False)
+    try:
+        with kvfuse.use_backend("triton"):
+            for label, case in CASES:
+                current["label"] = label
+                args, _, _ = build(case, "cuda")
+                kvfuse.fused_norm_rope_hadamard_cast_store_kvcache(**args)
+    finally:
+        router.with_pdl = real
+        kvfuse.set_pdl(False)
+        kvfuse.set_plan_cache(cache_was)
+    names = {module.__name__.rsplit(".", 1)[1] for module in router.FAST_PATH_MODULES}
+    assert names <= set(early_by_path), (names, early_by_path)
 
 
 @pytest.mark.parametrize("n", [1, 300])

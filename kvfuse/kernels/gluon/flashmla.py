@@ -267,7 +267,7 @@ if gluon is not None:
         W_BF16: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, ROWS_PER_WARP: gl.constexpr,
         PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr, NEOX: gl.constexpr, FLOOR_E: gl.constexpr,
         PDL: gl.constexpr, SPLIT_X: gl.constexpr = False, LATENT_NORM: gl.constexpr = False,
-        NO_NORM: gl.constexpr = False, NO_ROPE: gl.constexpr = False,
+        NO_NORM: gl.constexpr = False, NO_ROPE: gl.constexpr = False, PDL_EARLY: gl.constexpr = False,
     ):
         """A program walks over the tiles pid, pid + num_programs, ... (R = ROWS_PER_WARP * num_warps
         rows each; warp w owns rows w * ROWS_PER_WARP ..). QUANT_DIM / GROUP / SF_FP32: the format
@@ -280,7 +280,8 @@ if gluon is not None:
         LATENT_NORM (V32): the RMSNorm covers the quantized columns only (weight [QUANT_DIM]); the tail
         goes into RoPE as it came. NO_NORM: no norm (w_ptr None; engines hand the latent normalized).
         NO_ROPE: no RoPE (pos_ptr, cs_ptr None: vLLM's concat_and_cache_mla, the context-parallel second
-        pass). All four default off (a launch without them names none)."""
+        pass). All four default off (a launch without them names none). PDL_EARLY (with PDL): the first tile's
+        positions, slots and cos/sin rows are read before the wait, x after it (kvfuse.set_pdl's early_reads)."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = ROWS_PER_WARP * NW
         TAIL_WORD0: gl.constexpr = QUANT_DIM // 2                       # the tail's first word in x's row
@@ -337,15 +338,23 @@ if gluon is not None:
                 wt_lo = gl.load(w_ptr + QUANT_DIM + 2 * lane)
                 wt_hi = gl.load(w_ptr + QUANT_DIM + 2 * lane + 1)
 
-        pdl_wait(PDL)                                                   # after the weight loads
+        if not PDL_EARLY:
+            pdl_wait(PDL)                                               # after the weight loads
         pid = gl.program_id(0)
         num_programs = gl.num_programs(0)
         num_tiles = gl.cdiv(n_rows, R)
         if PIPELINE:
             rows = pid * R + r_idx                                      # [R] int32 (n_rows < 2**30: host)
             pos, slot = _row_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32, NO_ROPE)
-            xw, xt = _load_x(x_ptr, sx_w, xt_ptr, sxt_w, rows, n_rows, word, lane, TAIL_WORD0, OFFSETS32, SPLIT_X)
-            cos, sin = _row_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP, OFFSETS32, NEOX, NO_ROPE)
+            if PDL_EARLY:
+                cos, sin = _row_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP, OFFSETS32, NEOX, NO_ROPE)
+                pdl_wait(PDL)                                           # x only after it
+                xw, xt = _load_x(x_ptr, sx_w, xt_ptr, sxt_w, rows, n_rows, word, lane, TAIL_WORD0, OFFSETS32,
+                                 SPLIT_X)
+            else:
+                xw, xt = _load_x(x_ptr, sx_w, xt_ptr, sxt_w, rows, n_rows, word, lane, TAIL_WORD0, OFFSETS32,
+                                 SPLIT_X)
+                cos, sin = _row_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP, OFFSETS32, NEOX, NO_ROPE)
             for tile in range(pid, num_tiles, num_programs):
                 rows = tile * R + r_idx
                 next_rows = rows + num_programs * R
@@ -364,6 +373,28 @@ if gluon is not None:
                 slot = next_slot
                 xw = next_xw
                 xt = next_xt
+        elif PDL_EARLY:
+            # the first tile's indices and cos/sin rows before the wait, its x after it; the later tiles as
+            # without (loading them a tile ahead measured slower at 4096 rows). A program past the last
+            # tile (none: the grid has at most one per tile) would write nothing: its rows are >= n_rows.
+            rows = pid * R + r_idx
+            pos, slot = _row_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32, NO_ROPE)
+            cos, sin = _row_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP, OFFSETS32, NEOX, NO_ROPE)
+            pdl_wait(PDL)
+            xw, xt = _load_x(x_ptr, sx_w, xt_ptr, sxt_w, rows, n_rows, word, lane, TAIL_WORD0, OFFSETS32, SPLIT_X)
+            _write_rows(xw, xt, cos, sin, pos, slot, rows, n_rows, w_lo, w_hi, wt_lo, wt_hi, sin_flip, eps, P,
+                        cache_ptr, s_blk, data_tok, sf_tok, sf_off, tail_off, block_size, capacity, lane, qword,
+                        R, LLANE, LQ, QUANT_DIM, GROUP, SF_FP32, SLOT32, LOG2_BLOCK, OFFSETS32, NEOX, FLOOR_E,
+                        LATENT_NORM, NO_NORM, NO_ROPE)
+            for tile in range(pid + num_programs, num_tiles, num_programs):
+                rows = tile * R + r_idx
+                pos, slot = _row_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32, NO_ROPE)
+                xw, xt = _load_x(x_ptr, sx_w, xt_ptr, sxt_w, rows, n_rows, word, lane, TAIL_WORD0, OFFSETS32, SPLIT_X)
+                cos, sin = _row_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, pair_col, LP, OFFSETS32, NEOX, NO_ROPE)
+                _write_rows(xw, xt, cos, sin, pos, slot, rows, n_rows, w_lo, w_hi, wt_lo, wt_hi, sin_flip, eps, P,
+                            cache_ptr, s_blk, data_tok, sf_tok, sf_off, tail_off, block_size, capacity, lane, qword,
+                            R, LLANE, LQ, QUANT_DIM, GROUP, SF_FP32, SLOT32, LOG2_BLOCK, OFFSETS32, NEOX, FLOOR_E,
+                            LATENT_NORM, NO_NORM, NO_ROPE)
         else:
             for tile in range(pid, num_tiles, num_programs):
                 rows = tile * R + r_idx
@@ -436,7 +467,7 @@ def launch_parts(plan, tensor, num_warps: int, rows_per_warp: int, pipeline: boo
                       ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline), OFFSETS32=max(spans) < INT32_LIMIT,
                       NEOX=bool(plan.is_neox) if plan.positions is not None else True,
                       FLOOR_E=NO_FLOOR.value if plan.cast.floor_exp is None else plan.cast.floor_exp,
-                      PDL=False, **input_constexprs(plan))
+                      PDL=False, **input_constexprs(plan), PDL_EARLY=False)
     options = compile_options(num_warps)
     tiles = -(-n // (rows_per_warp * num_warps))
     grid = occupancy_grid(mla_tail_kernel, _resident, x, tiles, args, {**plan_tensors(plan), "x_tail": plan.x_tail},

@@ -87,12 +87,9 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(sq, [R, 8]), LL, assert_trivial=True)
 
     @gluon.jit
-    def _load_tile(x_ptr, sx_w, pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, word, OFFSETS32: gl.constexpr,
-                   CONTIG: gl.constexpr, LOG2_HEADS: gl.constexpr):
-        """Positions and slots [R] and x's two chunks as int32 words [R, 8, 4]. Rows past n_rows load row
-        n_rows - 1 (unmasked loads: no zero-fill, no predicates; such rows store nothing). CONTIG: row
-        r is head r % 2^LOG2_HEADS of token r >> LOG2_HEADS (the token's position), and there are no
-        slots (the returned ``slot`` is a placeholder)."""
+    def _tile_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32: gl.constexpr, CONTIG: gl.constexpr,
+                      LOG2_HEADS: gl.constexpr):
+        """Positions and slots [R] of ``_load_tile``."""
         r = as_offset(gl.minimum(rows, n_rows - 1), OFFSETS32)
         if CONTIG:
             pos = gl.load(pos_ptr + (r >> LOG2_HEADS) * s_pos)
@@ -100,9 +97,26 @@ if gluon is not None:
         else:
             pos = gl.load(pos_ptr + r * s_pos)
             slot = gl.load(slot_ptr + r * s_slot)
+        return pos, slot
+
+    @gluon.jit
+    def _tile_x(x_ptr, sx_w, rows, n_rows, word, OFFSETS32: gl.constexpr):
+        """x's two chunks [R, 8, 4] of ``_load_tile``."""
+        r = as_offset(gl.minimum(rows, n_rows - 1), OFFSETS32)
         xw_ptr = x_ptr.to(gl.pointer_type(gl.int32)) + expand_rows(r * sx_w) + word  # [R, 8, 4]
         xa = gl.load(xw_ptr)                                    # columns 8l .. 8l + 7
         xb = gl.load(xw_ptr + 32)                               # columns 64 + 8l .. 64 + 8l + 7
+        return xa, xb
+
+    @gluon.jit
+    def _load_tile(x_ptr, sx_w, pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, word, OFFSETS32: gl.constexpr,
+                   CONTIG: gl.constexpr, LOG2_HEADS: gl.constexpr):
+        """Positions and slots [R] and x's two chunks as int32 words [R, 8, 4]. Rows past n_rows load row
+        n_rows - 1 (unmasked loads: no zero-fill, no predicates; such rows store nothing). CONTIG: row
+        r is head r % 2^LOG2_HEADS of token r >> LOG2_HEADS (the token's position), and there are no
+        slots (the returned ``slot`` is a placeholder)."""
+        pos, slot = _tile_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32, CONTIG, LOG2_HEADS)
+        xa, xb = _tile_x(x_ptr, sx_w, rows, n_rows, word, OFFSETS32)
         return pos, slot, xa, xb
 
     @gluon.jit
@@ -499,7 +513,7 @@ if gluon is not None:
         LOG2_BLOCK: gl.constexpr, ROWS_PER_THREAD: gl.constexpr, PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr,
         PACKED_E2M1: gl.constexpr, NORM: gl.constexpr, CONTIG: gl.constexpr, LOG2_HEADS: gl.constexpr,
         LAYER: gl.constexpr, HAS_BIAS: gl.constexpr, B_BF16: gl.constexpr, NEOX: gl.constexpr, ROPE_A: gl.constexpr,
-        HAD: gl.constexpr, PDL: gl.constexpr,
+        HAD: gl.constexpr, PDL: gl.constexpr, PDL_EARLY: gl.constexpr = False,
     ):
         """A program walks over the tiles pid, pid + num_programs, ... of R = 4 * ROWS_PER_THREAD *
         num_warps rows. CAST: CAST_E4M3 / CAST_E2M1; G the group; SF: one of codes.SF_* (group_scales).
@@ -513,7 +527,9 @@ if gluon is not None:
         columns 0..63 (chunk A), else 64..127. HAD: the Hadamard (* had_scale) before the cast. CONTIG: contiguous outputs instead of a
         cache (kvfuse's (q, sf) of a cast without a cache: the indexer's Q): row r is head r % 2^LOG2_HEADS
         of token r >> LOG2_HEADS, its codes go to cache_ptr + r * q_row and its scales to sf_ptr + r *
-        sf_row (bytes); the slot and cache-geometry arguments are not read."""
+        sf_row (bytes); the slot and cache-geometry arguments are not read. PDL_EARLY (with PDL): the first
+        tile's positions, slots and cos/sin rows are read before the wait, x after it (kvfuse.set_pdl's
+        early_reads)."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = 4 * ROWS_PER_THREAD * NW
         # words [R, 8, 4]: lane l of a row owns 4 int32 words (8 bf16 columns) of each chunk
@@ -569,16 +585,25 @@ if gluon is not None:
             bb_lo = wa_lo
             bb_hi = wa_lo
 
-        pdl_wait(PDL)                                                   # after the weight loads
+        if not PDL_EARLY:
+            pdl_wait(PDL)                                               # after the weight loads
         pid = gl.program_id(0)
         num_programs = gl.num_programs(0)
         num_tiles = gl.cdiv(n_rows, R)
         if PIPELINE:
             rows = pid * R + r_idx                                      # [R] int32 (n_rows < 2**30: host)
-            pos, slot, xa, xb = _load_tile(x_ptr, sx_w, pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, word,
-                                           OFFSETS32, CONTIG, LOG2_HEADS)
-            c_lo, c_hi, s_lo, s_hi = _load_cos_sin(cs_ptr, s_cs, P, pos, cs_col, word, R, LW, LCROW, OFFSETS32,
-                                                   NEOX)
+            if PDL_EARLY:
+                pos, slot = _tile_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32, CONTIG,
+                                          LOG2_HEADS)
+                c_lo, c_hi, s_lo, s_hi = _load_cos_sin(cs_ptr, s_cs, P, pos, cs_col, word, R, LW, LCROW, OFFSETS32,
+                                                       NEOX)
+                pdl_wait(PDL)                                           # x only after it
+                xa, xb = _tile_x(x_ptr, sx_w, rows, n_rows, word, OFFSETS32)
+            else:
+                pos, slot, xa, xb = _load_tile(x_ptr, sx_w, pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, word,
+                                               OFFSETS32, CONTIG, LOG2_HEADS)
+                c_lo, c_hi, s_lo, s_hi = _load_cos_sin(cs_ptr, s_cs, P, pos, cs_col, word, R, LW, LCROW, OFFSETS32,
+                                                       NEOX)
             for tile in range(pid, num_tiles, num_programs):
                 rows = tile * R + r_idx
                 next_rows = rows + num_programs * R
@@ -597,6 +622,31 @@ if gluon is not None:
                 slot = next_slot
                 xa = next_xa
                 xb = next_xb
+        elif PDL_EARLY:
+            # the first tile's indices and cos/sin rows before the wait, its x after it; the later tiles as
+            # without. A program past the last tile (none: the grid has at most one per tile) would store
+            # nothing: its rows are >= n_rows.
+            rows = pid * R + r_idx
+            pos, slot = _tile_indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32, CONTIG, LOG2_HEADS)
+            c_lo, c_hi, s_lo, s_hi = _load_cos_sin(cs_ptr, s_cs, P, pos, cs_col, word, R, LW, LCROW, OFFSETS32, NEOX)
+            pdl_wait(PDL)
+            xa, xb = _tile_x(x_ptr, sx_w, rows, n_rows, word, OFFSETS32)
+            _write_rows(xa, xb, c_lo, c_hi, s_lo, s_hi, pos, slot, rows, n_rows, wa_lo, wa_hi, wb_lo, wb_hi,
+                        ba_lo, ba_hi, bb_lo, bb_hi, eps, had_scale, P, cache_ptr, s_blk, sf_off, sf_tok,
+                        block_size, capacity, lane, partner_flip, sgn1, sgn2, sgn4, sf_ptr, q_row, sf_row,
+                        R, LL, CAST, G, SF, PACKED_E2M1, SLOT32, LOG2_BLOCK, OFFSETS32, NORM, CONTIG,
+                        LAYER, HAS_BIAS, NEOX, ROPE_A, HAD)
+            for tile in range(pid + num_programs, num_tiles, num_programs):
+                rows = tile * R + r_idx
+                pos, slot, xa, xb = _load_tile(x_ptr, sx_w, pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, word,
+                                               OFFSETS32, CONTIG, LOG2_HEADS)
+                c_lo, c_hi, s_lo, s_hi = _load_cos_sin(cs_ptr, s_cs, P, pos, cs_col, word, R, LW,
+                                                       LCROW, OFFSETS32, NEOX)
+                _write_rows(xa, xb, c_lo, c_hi, s_lo, s_hi, pos, slot, rows, n_rows, wa_lo, wa_hi, wb_lo, wb_hi,
+                            ba_lo, ba_hi, bb_lo, bb_hi, eps, had_scale, P, cache_ptr, s_blk, sf_off, sf_tok,
+                            block_size, capacity, lane, partner_flip, sgn1, sgn2, sgn4, sf_ptr, q_row, sf_row,
+                            R, LL, CAST, G, SF, PACKED_E2M1, SLOT32, LOG2_BLOCK, OFFSETS32, NORM, CONTIG,
+                            LAYER, HAS_BIAS, NEOX, ROPE_A, HAD)
         else:
             for tile in range(pid, num_tiles, num_programs):
                 rows = tile * R + r_idx
@@ -711,7 +761,8 @@ def launch_args(plan, tensor, num_warps: int, rows_per_thread: int, pipeline: bo
                       CONTIG=contig, LOG2_HEADS=heads.bit_length() - 1, LAYER=plan.norm_kind == "layer",
                       HAS_BIAS=plan.bias is not None,
                       B_BF16=plan.bias is None or plan.bias.dtype == torch.bfloat16, NEOX=bool(plan.is_neox),
-                      ROPE_A=plan.rope_offset == 0, HAD=plan.hadamard_scale is not None, PDL=False)
+                      ROPE_A=plan.rope_offset == 0, HAD=plan.hadamard_scale is not None, PDL=False,
+                      PDL_EARLY=False)   # named: router.with_pdl turns it on under kvfuse.set_pdl's early_reads
     options = compile_options(num_warps)
     return args, constexprs, options
 

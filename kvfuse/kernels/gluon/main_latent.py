@@ -268,6 +268,7 @@ if gluon is not None:
         W_BF16: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, ROWS_PER_WARP: gl.constexpr,
         PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr, FP4: gl.constexpr, NEOX: gl.constexpr,
         CAST_ONLY: gl.constexpr, PDL: gl.constexpr, FILL_SECTOR: gl.constexpr, FLOOR_E: gl.constexpr,
+        PDL_EARLY: gl.constexpr = False,
     ):
         """A program walks over the tiles pid, pid + num_programs, ... (R = ROWS_PER_WARP * num_warps
         rows each; warp w owns rows w * ROWS_PER_WARP ..). LOG2_BLOCK: log2(block_size) when it is a
@@ -279,7 +280,9 @@ if gluon is not None:
         cast of x: kvfuse.mla.store_gathered, the CP second pass); w_ptr, pos_ptr and cs_ptr are stand-ins
         (x), never read. FILL_SECTOR: prefetch each MAIN_FP8 record's reserved-byte sector into L2 before
         its stores (``fill_sector``: large launches). FLOOR_E: the scale_floor's exponent of the UE8M0 records
-        (MAIN_MXFP8's -13), NO_FLOOR for MAIN_FP8 (and unused by FP4): that value compiles to the code of before."""
+        (MAIN_MXFP8's -13), NO_FLOOR for MAIN_FP8 (and unused by FP4): that value compiles to the code of before.
+        PDL_EARLY (with PDL, never with CAST_ONLY): the first tile's positions, slots and cos/sin rows are read
+        before the wait, x after it (kvfuse.set_pdl's early_reads; off: every read after the wait)."""
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = ROWS_PER_WARP * NW
         # words [R, 8, 4, 8]: lane l = 4 * d1 + d2 owns the 8 int32 words (bf16 columns 16 l .. 16 l + 15)
@@ -329,15 +332,21 @@ if gluon is not None:
             w_pair = gl.load(w_ptr + 448 + pair_col).to(gl.float32)     # [1, 8, 4, 2]
         tail_buf = gl.allocate_shared_memory(gl.int32, [R, 32], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
-        pdl_wait(PDL)                                                   # after the weight loads
+        if not PDL_EARLY:
+            pdl_wait(PDL)                                               # after the weight loads
         pid = gl.program_id(0)
         num_programs = gl.num_programs(0)
         num_tiles = gl.cdiv(n_rows, R)
         if PIPELINE:
             rows = pid * R + r_idx                                      # [R] int32 (n_rows < 2**31 - R: host)
             pos, slot = _indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32, CAST_ONLY)
-            xw, xp = _load_x(x_ptr, sx_w, rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
-            cs = _tile_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, cs_col, xp, LPLANE, OFFSETS32, CAST_ONLY)
+            if PDL_EARLY:
+                cs = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, cs_col, LPLANE, OFFSETS32)
+                pdl_wait(PDL)                                           # x only after it
+                xw, xp = _load_x(x_ptr, sx_w, rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
+            else:
+                xw, xp = _load_x(x_ptr, sx_w, rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
+                cs = _tile_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, cs_col, xp, LPLANE, OFFSETS32, CAST_ONLY)
             for tile in range(pid, num_tiles, num_programs):
                 rows = tile * R + r_idx
                 next_rows = rows + num_programs * R
@@ -355,6 +364,28 @@ if gluon is not None:
                 slot = next_slot
                 xw = next_xw
                 xp = next_xp
+        elif PDL_EARLY:
+            # the first tile's indices and cos/sin rows before the wait, its x after it; the later tiles as
+            # without (loading them a tile ahead measured slower at 4096 rows). A program past the last
+            # tile (none: the grid has at most one per tile) would write nothing: its rows are >= n_rows.
+            rows = pid * R + r_idx
+            pos, slot = _indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32, CAST_ONLY)
+            cs = _load_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, cs_col, LPLANE, OFFSETS32)
+            pdl_wait(PDL)
+            xw, xp = _load_x(x_ptr, sx_w, rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
+            _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
+                        cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
+                        qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4, NEOX, CAST_ONLY,
+                        FILL_SECTOR, FLOOR_E)
+            for tile in range(pid + num_programs, num_tiles, num_programs):
+                rows = tile * R + r_idx
+                pos, slot = _indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32, CAST_ONLY)
+                xw, xp = _load_x(x_ptr, sx_w, rows, n_rows, word, pair_col, LPLANE, OFFSETS32)
+                cs = _tile_cos_sin(cs_ptr, s_cs, P, pos, rows, n_rows, cs_col, xp, LPLANE, OFFSETS32, CAST_ONLY)
+                _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
+                            cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
+                            qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4, NEOX, CAST_ONLY,
+                            FILL_SECTOR, FLOOR_E)
         else:
             for tile in range(pid, num_tiles, num_programs):
                 rows = tile * R + r_idx
@@ -469,6 +500,8 @@ def launch_parts_records(rec: MainRecords, tensor, n: int, eps: float, x, weight
                       OFFSETS32=max(spans) < INT32_LIMIT, FP4=rec.fp4, NEOX=bool(neox), CAST_ONLY=cast_only,
                       PDL=False, FILL_SECTOR=fill_sector(rec, n),
                       FLOOR_E=NO_FLOOR.value if rec.floor_exp is None else rec.floor_exp)
+    if not cast_only:
+        constexprs["PDL_EARLY"] = False   # named: router.with_pdl turns it on under kvfuse.set_pdl's early_reads
     options = compile_options(num_warps)
     tiles = -(-n // (rows_per_warp * num_warps))
     tensors = dict(x=x, weight=weight, positions=positions, cos_sin=cos_sin, slot_mapping=slot_mapping,
