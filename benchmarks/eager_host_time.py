@@ -1,0 +1,180 @@
+"""Host time of one eager call on a GPU, beside its GPU time: kvfuse's entry points and the engines' adapters.
+
+For each call (n tokens, default 1), with the plan cache on (kvfuse's default) and off:
+
+- "host us": the wall time of the call itself (time.perf_counter_ns around it, no synchronize), median
+  over single calls taken between short pauses in which the GPU drains, so the launch queue is never
+  full: what an engine running the layer eagerly pays on the host per call, the launch included;
+- "loop us": a loop of calls then one synchronize, per call (max(host, GPU) per call);
+- "GPU us": CUDA-graph replay of the same call, per call (``kvfuse.bench``'s timer: 20 calls in one graph;
+  one graph launch per call would measure the graph launches).
+
+Calls: kvfuse's fused entry (``kvfuse.bench`` workloads: DeepSeek V4 MAIN_FP8, V3 (kv_c, k_pe), the V3.2
+indexer K), the GQA entry (Llama 3 8B / Qwen3 8B with fp8 caches), and the adapters
+``kvfuse.engines.vllm.reshape_and_cache_flash`` (fp8), ``concat_and_cache_mla`` (fp8_ds_mla),
+``fused_qk_norm_rope`` and ``kvfuse.engines.flashinfer.rope_quantize_fp8_append_paged_kv_cache``.
+Needs a GPU. Usage: python benchmarks/eager_host_time.py [--n 1] [--samples 400] [--json OUT.json]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+import kvfuse
+from kvfuse import bench
+from kvfuse.bench.timing import CudaTimer
+from kvfuse.engines import flashinfer as fi
+from kvfuse.engines import vllm
+
+WORKLOADS = ("dsv4_main_fp8", "dsv3_main_kv_c_k_pe", "dsv32_index_k", "llama3_8b_fp8", "qwen3_8b_fp8")
+
+
+def _workload_call(name: str, n: int, dev: torch.device):
+    wl = bench.WORKLOADS[name]
+    return bench.fused_call(wl, bench.build_inputs(wl, n, dev))
+
+
+def _adapters(n: int, dev: torch.device) -> dict:
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device=dev, dtype=torch.float32, generator=g).to(dtype)
+
+    blocks, bs, hkv, hq, d = 64, 16, 8, 32, 128
+    slots = torch.randperm(blocks * bs, device=dev, generator=g)[:n].to(torch.int64)
+    k, v = randn(n, hkv, d), randn(n, hkv, d)
+    kc = torch.empty(blocks, bs, hkv, d, device=dev, dtype=torch.uint8)
+    vc = torch.empty_like(kc)
+    one = torch.ones((), device=dev, dtype=torch.float32)
+    kv_c, k_pe = randn(n, 512), randn(n, 64)
+    mla_cache = torch.empty(blocks, 64, 656, device=dev, dtype=torch.uint8)
+    qkv = randn(n, (hq + 2 * hkv) * d)
+    wq, wk = randn(d), randn(d)
+    cos_sin = randn(4096, d, dtype=torch.float32)
+    cos_sin_64 = cos_sin[:, :64].contiguous()
+    pos = torch.randint(0, 4096, (n,), device=dev, generator=g)
+    # FlashInfer: one request per token, one page each
+    q_rope, q_nope = randn(n, hq, 64), randn(n, hq, 64)
+    k_rope, k_nope = k[..., :64].contiguous(), k[..., 64:].contiguous()
+    fkc = torch.empty(blocks, bs, hkv, d, device=dev, dtype=torch.float8_e4m3fn)
+    fvc = torch.empty_like(fkc)
+    kv_indices = torch.randperm(blocks, device=dev, generator=g)[:n].to(torch.int32)
+    kv_indptr = torch.arange(n + 1, device=dev, dtype=torch.int32)
+    batch_indices = torch.arange(n, device=dev, dtype=torch.int32)
+    positions = torch.zeros(n, device=dev, dtype=torch.int32)
+    q_rope_out = torch.empty(n, hq, 64, device=dev, dtype=torch.float8_e4m3fn)
+    q_nope_out = torch.empty_like(q_rope_out)
+    return {
+        "vllm.reshape_and_cache_flash (fp8, Llama 3 8B heads)":
+            lambda: vllm.reshape_and_cache_flash(k, v, kc, vc, slots, "fp8", one, one),
+        "vllm.concat_and_cache_mla (fp8_ds_mla)":
+            lambda: vllm.concat_and_cache_mla(kv_c, k_pe, mla_cache, slots, "fp8_ds_mla", one),
+        "vllm.fused_qk_norm_rope (Qwen3 8B heads)":
+            lambda: vllm.fused_qk_norm_rope(qkv, hq, hkv, hkv, d, 1e-6, wq, wk, cos_sin, True, pos),
+        "flashinfer.rope_quantize_fp8_append_paged_kv_cache (GQA)":
+            lambda: fi.rope_quantize_fp8_append_paged_kv_cache(
+                q_rope, k_rope, q_nope, k_nope, v, cos_sin_64, pos, (fkc, fvc), kv_indices, kv_indptr, batch_indices,
+                positions, is_neox=True, quantize_dtype=torch.float8_e4m3fn, page_size=bs,
+                q_rope_out=q_rope_out, q_nope_out=q_nope_out),
+    }
+
+
+def host_us(fn, samples: int) -> float:
+    """Median wall time of single calls, each after the GPU has drained (no queueing behind earlier work)."""
+    times = []
+    gc.disable()
+    try:
+        for _ in range(samples):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter_ns()
+            fn()
+            times.append(time.perf_counter_ns() - t0)
+    finally:
+        gc.enable()
+    return statistics.median(times) / 1e3
+
+
+def loop_us(fn, calls: int = 500, repeats: int = 5) -> float:
+    out = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter_ns() - t0) / calls)
+    return statistics.median(out) / 1e3
+
+
+def graph_us(fn) -> float:
+    """GPU us per call: kvfuse.bench's CUDA-graph timer (20 calls in one graph, median over replays)."""
+    return CudaTimer().measure([fn]).gpu_us
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--samples", type=int, default=400)
+    p.add_argument("--json", default=None)
+    p.add_argument("--profile", default=None, help="cProfile 2000 eager calls of the calls whose name contains this")
+    p.add_argument("--dry-run", action="store_true", help="CPU: build every call and run it once (TRITON_INTERPRET=1)")
+    a = p.parse_args(argv)
+    dev = torch.device("cpu" if a.dry_run else "cuda")
+    calls = {f"kvfuse bench {w}": _workload_call(w, a.n, dev) for w in WORKLOADS}
+    calls.update(_adapters(a.n, dev))
+    if a.dry_run:
+        with kvfuse.use_backend("triton"):
+            for name, fn in calls.items():
+                fn()
+                print("ran", name)
+        return
+    if a.profile:
+        import cProfile
+        import pstats
+        for name, fn in calls.items():
+            if a.profile in name:
+                for _ in range(50):
+                    fn()
+                prof = cProfile.Profile()
+                prof.enable()
+                for i in range(2000):
+                    fn()
+                    if i % 100 == 99:
+                        torch.cuda.synchronize()
+                prof.disable()
+                print(f"--- {name}")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+        return
+    rows = []
+    for name, fn in calls.items():
+        row = {"call": name, "n": a.n}
+        for cache in (True, False):
+            kvfuse.set_plan_cache(cache)
+            for _ in range(20):
+                fn()
+            key = "on" if cache else "off"
+            row[f"host_us_cache_{key}"] = host_us(fn, a.samples)
+            row[f"loop_us_cache_{key}"] = loop_us(fn)
+        kvfuse.set_plan_cache(True)
+        row["gpu_us"] = graph_us(fn)
+        rows.append(row)
+        print(f"{name:62s} host {row['host_us_cache_on']:6.2f} (cache off {row['host_us_cache_off']:6.2f})  "
+              f"loop {row['loop_us_cache_on']:6.2f}  GPU {row['gpu_us']:5.2f} us", flush=True)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "python": platform.python_version(),
+            "cpu": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d"),
+            "pdl": kvfuse.pdl_enabled()}
+    print(json.dumps(meta))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
