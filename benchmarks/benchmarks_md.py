@@ -1,21 +1,26 @@
-"""BENCHMARKS.md (repository root) from ONE ``kvfuse bench`` result JSON (:func:`kvfuse.bench.write_json`):
-kvfuse's figures from that run beside the engines' kernels.
+"""BENCHMARKS.md (repository root) from the committed results of two runs: kvfuse's own tables from ONE
+``kvfuse bench`` result JSON (:func:`kvfuse.bench.write_json`), and kvfuse beside the engines' kernels
+from ONE run of the side-by-side harness (``../shared/peers``, its ``peers.json``).
 
     python benchmarks/benchmarks_md.py RESULT.json            # write BENCHMARKS.md
+    python benchmarks/benchmarks_md.py RESULT.json --peers PEERS.json   # the side-by-side run to render
     python benchmarks/benchmarks_md.py RESULT.json --stdout   # print it instead
     python benchmarks/benchmarks_md.py RESULT.json --check    # exit 1 when BENCHMARKS.md differs
     python benchmarks/benchmarks_md.py RESULT.json --gqa GQA.json   # the GQA / MHA section from a later run
     python benchmarks/benchmarks_md.py RESULT.json --group G.json   # the Grouped section from a later run
 
-Without RESULT.json: the latest H200 result under benchmarks/results/ (DEFAULT below).
+Without RESULT.json: the latest ``benchmarks/results/*_full_bench.json``; without --peers: the latest
+``benchmarks/results/*_peers.json`` (its ``_log.txt`` beside it, when present, adds the software and the
+byte checks' partners).
 
-Every kvfuse figure comes from that JSON: its device, software, date, copy bandwidth, launch floor and
-byte accounting, and the GPU time of each (workload, n, peer). The engines' figures are constants here
-(:data:`ENGINE_FIGURES`, cited as :data:`ENGINE_SOURCE`), each tied to the kvfuse workloads that do the
-same work; a figure no kvfuse workload matches is listed under "Not measured here", and a section
-whose workloads the run lacks says which command produces them. The Targets section recomputes the
-project's targets (:func:`kvfuse.bench.check_targets`, as it stands) from the run's records.
-:func:`render` does the work; tests/test_benchmarks_md.py imports this file with benchmarks/ on its path.
+Every kvfuse-only figure comes from the bench JSON: its device, software, date, copy bandwidth, launch
+floor and byte accounting, and the GPU time of each (workload, n, peer). Every engine figure comes from the
+peers JSON, beside the kvfuse row it was measured against in that run (the row's ``vs``): both rows of a
+comparison are from the same run, inputs and moment. Nothing here holds a measured figure; what the JSON
+does not record (the engines' releases, layout notes) is text keyed by engine or row name. The Targets
+section recomputes the project's targets (:func:`kvfuse.bench.check_targets`, as it stands) from the bench
+run's records. :func:`render` does the work; tests/test_benchmarks_md.py imports this file with benchmarks/
+on its path.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -33,15 +39,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvfuse.bench import (FLOOR_SIZES, FLOOR_TARGET, GQA_PEERS, PCT_COPY_N, TARGET_KINDS, WORKLOADS,  # noqa: E402
-                          Record, Workload, check_targets)
+                          Record, check_targets)
 from kvfuse.dispatch import GROUP_ONE_LAUNCH_MAX_N  # noqa: E402
-from kvfuse.formats import INDEX_FP8_FP32  # noqa: E402
 
-__all__ = ["ENGINE_SOURCE", "ENGINE_FIGURES", "EngineFigure", "TIE", "render", "candidates", "resolve",
-           "verdict", "cast_only"]
+__all__ = ["ENGINE_RELEASES", "PEERS_GROUPS", "ROW_NOTES", "TIE", "render", "verdict", "cast_only",
+           "engine_rows", "latest"]
 
-ENGINE_SOURCE = ("engines' kernels, measured beside kvfuse on one H200 (FlashInfer 0.7.2, SGLang 0.5.23, "
-                 "vLLM 0.33), CUDA-graph replay, median")
 TIE = 0.03                   # kvfuse / engine within 1 +- TIE: "even"
 DECODE_MAX = 256             # the decode table: n <= this
 PREFILL_MIN = 4096           # the prefill table: n >= this
@@ -49,91 +52,33 @@ SIZES = "1,256,4096,65536"   # the sizes the suggested commands measure
 GQA_SIZES = "1,64,256,4096,65536"
 FULL_SIZES = GQA_SIZES + ",262144"   # the full run: the writes' large-n targets too (larger inputs skip themselves)
 GROUP_PREFIX = "group_"
+# the full run's first workloads: the bench's forms of the calls the engines' kernels also make (MAIN_FP8 and
+# FLASHMLA_MODEL1 writes, the V3.2 indexer K, the MAIN_FP8 cast, V4's Q + KV in one launch)
+ENGINE_CALL_WORKLOADS = ("main_fp8_gptj", "flashmla_model1_gptj", "dsv32_index_k", "main_fp8_cast", "group_dsv4_q_kv")
 
-
-def _index_cast_only(w: Workload) -> bool:
-    """A 128-d fp8 index write of the cast alone (no norm, no RoPE, no Hadamard)."""
-    return w.kind == "write" and w.fmt == INDEX_FP8_FP32 and not (w.norm or w.rope or w.hadamard)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineFigure:
-    """GPU us of one engine kernel (strings: cited as measured) for one call, and the kvfuse workloads that
-    do the same work: ``workloads`` by name (identical definitions; the first one the run has is used) and
-    any workload of :data:`kvfuse.bench.WORKLOADS` for which ``match`` holds. ``pdl``: the engine ran with
-    programmatic dependent launch (True), without (False), or as it runs by default (None). ``section``:
-    "write" (the decode and prefill tables), "cast" or "group". ``note``: what differs, or why no kvfuse
-    workload matches."""
-    call: str
-    engine: str
-    us: Tuple[Tuple[int, str], ...]
-    section: str = "write"
-    pdl: Optional[bool] = None
-    workloads: Tuple[str, ...] = ()
-    match: Optional[Callable[[Workload], bool]] = None
-    note: str = ""
-
-    @property
-    def label(self) -> str:
-        return self.engine + {True: " (PDL)", False: " (no PDL)", None: ""}[self.pdl]
-
-
-_MAIN = "MAIN_FP8 write, norm + GPT-J RoPE"
-_MODEL1 = "FLASHMLA_MODEL1 write, norm + GPT-J RoPE"
-_INDEX = "128-d fp8 index write, V3.2 style (RoPE at offset 0)"
-_INDEX_NOTE = ("kvfuse's dsv32_index_k is the model's whole chain: LayerNorm + bias, NEOX RoPE on the first 64, "
-               "Hadamard, INDEX_FP8_FP32")
-_CAST_MAIN = "the cast alone, MAIN_FP8 record"
-_FLASHINFER_LAYOUT = ("FlashInfer's kernel writes its own page layout, not the MAIN_FP8 record: each 64-token page "
-                      "holds 64 code rows of 512 B, then 64 scale rows of 16 B (528 B a token, no reserved bytes); "
-                      "the slot pattern of its figure is not recorded")
-_PAGEWISE, _PAGEWISE_OF, _PAGEWISE_N = "main_fp8_pagewise_cast", "main_fp8_cast", 65536   # that layout, the record
-_FLASHINFER_CAST_NOTE = (_FLASHINFER_LAYOUT + ". In that layout kvfuse's portable kernel writes the same codes in "
-                         "26.11 us at 65536 tokens against 31.28 us as MAIN_FP8 records (H200, 2026-12-01, "
-                         "`main_fp8_pagewise_cast`; docs/performance.md)")   # a run without both: measured then
-_CAST_INDEX = "the cast alone, 128-d fp8 index write"
-
-ENGINE_FIGURES: Tuple[EngineFigure, ...] = (
-    EngineFigure(_MAIN, "SGLang DeepSeek V4 JIT kernel", (((1, "1.06"), (4096, "3.13"), (65536, "37.6"))), pdl=True,
-                 workloads=("main_fp8_gptj", "dsv4_main_fp8")),
-    EngineFigure(_MAIN, "SGLang DeepSeek V4 JIT kernel", (((1, "1.50"), (4096, "3.80"), (65536, "38.8"))), pdl=False,
-                 workloads=("main_fp8_gptj", "dsv4_main_fp8")),
-    EngineFigure(_MODEL1, "SGLang DeepSeek V4 kernel", ((1, "1.10"),), pdl=True,
-                 workloads=("flashmla_model1_gptj", "dsv4_main_model1")),
-    EngineFigure(_MODEL1, "SGLang DeepSeek V4 kernel", ((1, "1.46"),), pdl=False,
-                 workloads=("flashmla_model1_gptj", "dsv4_main_model1")),
-    EngineFigure(_MODEL1, "vLLM DeepSeek V4 kernel", ((1, "2.12"), (4096, "4.89"), (65536, "51.0")),
-                 workloads=("flashmla_model1_gptj", "dsv4_main_model1")),
-    EngineFigure(_INDEX, "SGLang V3.2 indexer kernel with LayerNorm", ((1, "1.30"), (4096, "2.48"), (65536, "21.1")),
-                 pdl=True, workloads=("dsv32_index_k",), note=_INDEX_NOTE),
-    EngineFigure(_INDEX, "SGLang V3.2 indexer kernel with LayerNorm", ((65536, "15.7"),), pdl=False,
-                 workloads=("dsv32_index_k",), note=_INDEX_NOTE),
-    EngineFigure(_CAST_MAIN, "FlashInfer DeepSeek Triton `quantize_cache`", ((1, "1.52"), (4096, "2.64"),
-                                                                            (65536, "26.2")),
-                 section="cast", workloads=("main_fp8_cast",), note=_FLASHINFER_CAST_NOTE),
-    EngineFigure(_CAST_INDEX, "SGLang `fused_store_index_k_cache`", ((1, "1.03"),), section="cast", pdl=True,
-                 match=_index_cast_only),
-    EngineFigure(_CAST_INDEX, "SGLang `fused_store_index_k_cache`", ((4096, "2.02"), (65536, "11.2")),
-                 section="cast", match=_index_cast_only),
-    EngineFigure("Q of 64 heads + the KV write, one launch (DeepSeek V4)", "vLLM DeepSeek V4 fused Q + KV kernel",
-                 ((1, "2.26"), (4096, "149")), section="group", workloads=("group_dsv4_q_kv",),
-                 note="kvfuse's group_dsv4_q_kv writes the KV as a MAIN_FP8 record (528 bytes) where vLLM's DeepSeek "
-                      "V4 cache holds FLASHMLA_MODEL1 records (584 bytes); Q (64 heads of 512, bf16 read and written: "
-                      "128 KiB per token) is most of the bytes either way"),
-    EngineFigure("576-d RoPE + quantization", "FlashInfer `rope_quantize_fp8_append_paged_kv_cache`", ((256, "2.70"),),
-                 note="The 576-d workloads of kvfuse (flashmla_v32, dsv3_main_v32) add an RMSNorm and write "
-                      "FLASHMLA_V32 records (an fp32 scale per 128 dims and a bf16 RoPE tail); FlashInfer's kernel "
-                      "quantizes with per-tensor scales and quantizes Q too: not the same work"),
-)
-
-
-# =============================================================================== reading the JSON
-def candidates(fig: EngineFigure) -> List[str]:
-    """The kvfuse workloads that do ``fig``'s work: its names, then the matching workloads of the bench."""
-    names = list(fig.workloads)
-    if fig.match is not None:
-        names += [name for name, w in WORKLOADS.items() if fig.match(w) and name not in names]
-    return names
+# ------------------------------------------------------------------ the side-by-side harness (../shared/peers)
+PEERS_HARNESS = "../shared/peers"
+# its groups (README's table; bench_peers.GROUPS): the JSON's group name -> (the harness's key, what is written)
+PEERS_GROUPS = {
+    "dsv4_flashmla": ("A", "DeepSeek V4, FLASHMLA_MODEL1 cache"),
+    "dsv4_main_fp8": ("B", "DeepSeek V4, MAIN_FP8 cache"),
+    "dsv4_main_fp4": ("C", "DeepSeek V4, MAIN_FP4 cache"),
+    "dsv3_flashmla": ("D", "DeepSeek V3, FLASHMLA_V32 cache"),
+    "dsv32_index": ("E", "DeepSeek V3.2 indexer K, INDEX_FP8_FP32"),
+    "gqa": ("F", "GQA / MHA: Llama 3 8B, Qwen3 8B"),
+}
+PEERS_SIZES = (1, 256, 4096, 65536)     # bench_peers.py's --sizes default
+PEERS_BIG = 262144                      # its --big default, for every group but the GQA one
+# the releases the harness builds, from its README (the JSON records none; a JSON with "releases" wins)
+ENGINE_RELEASES = {"flashinfer": "FlashInfer 0.7.2.post1", "sglang": "SGLang 0.5.23", "vllm": "vLLM 0.33.0"}
+# what a row's own note (the JSON's) does not say: the layout difference behind its bytes and time
+ROW_NOTES = {
+    "flashinfer triton ds-v4.1 quantize_cache mxfp8":
+        "FlashInfer writes its own page layout, not the MAIN_FP8 record: a 64-token page holds its tokens' "
+        "512-byte code rows, then their 16-byte scale rows (528 bytes a token, no reserved bytes), where a "
+        "MAIN_FP8 record is 532 bytes with 4 reserved bytes never written (docs/performance.md, \"The cast "
+        "alone\")",
+}
 
 
 def _fused(report: dict) -> Dict[Tuple[str, int], dict]:
@@ -145,12 +90,6 @@ def _run_workloads(report: dict) -> List[str]:
     """The run's workloads, in its order."""
     names = list(report.get("workloads", {}))
     return names + [w for w in dict.fromkeys(r["workload"] for r in report["results"]) if w not in names]
-
-
-def resolve(fig: EngineFigure, report: dict) -> Optional[str]:
-    """The first of :func:`candidates` that the run measured (a fused figure at some n), else None."""
-    measured = {w for w, _ in _fused(report)}
-    return next((w for w in candidates(fig) if w in measured), None)
 
 
 def verdict(kvfuse_us: float, engine_us: float) -> str:
@@ -199,18 +138,6 @@ def _pct(rec: Optional[dict]) -> str:
     return "-" if v is None else f"{v:.1f}%"
 
 
-def _note(fig: EngineFigure, report: dict) -> str:
-    """``fig.note``; FlashInfer's cast note quotes the run's own figures of the page layout and of the MAIN_FP8
-    record (:data:`_PAGEWISE`, :data:`_PAGEWISE_OF` at :data:`_PAGEWISE_N`) when it has both."""
-    fused = _fused(report)
-    page, rec = fused.get((_PAGEWISE, _PAGEWISE_N)), fused.get((_PAGEWISE_OF, _PAGEWISE_N))
-    if fig.note != _FLASHINFER_CAST_NOTE or page is None or rec is None:
-        return fig.note
-    return (f"{_FLASHINFER_LAYOUT}. In that layout kvfuse writes the same codes in this run in {_us(page['gpu_us'])} "
-            f"us at {_PAGEWISE_N} tokens against {_us(rec['gpu_us'])} us as MAIN_FP8 records (`{_PAGEWISE}` against "
-            f"`{_PAGEWISE_OF}`; docs/performance.md)")
-
-
 def _mark(v: str) -> str:
     return f"**{v}**" if v == "wins" else v
 
@@ -245,8 +172,220 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> List[str]:
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
+# =============================================================================== the side-by-side run
+SIDE_BY_SIDE = "Beside the engines' kernels"
+_MODEL_TAG = re.compile(r"^\[[^\]]*\]\s*")        # "[llama-3-8b fp8] " before a GQA row's call
+_PDL_TAG = re.compile(r"\s*(\[PDL\]|\(PDL off\))$")
+
+
+def latest(pattern: str) -> Optional[Path]:
+    """The last file of benchmarks/results/ matching ``pattern`` by name (the names start with their date)."""
+    found = sorted((ROOT / "benchmarks" / "results").glob(pattern))
+    return found[-1] if found else None
+
+
+def engine_of(row: str) -> str:
+    """The engine of a peers row: its first word after the model tag ("flashinfer", "sglang", "vllm")."""
+    return _MODEL_TAG.sub("", row).split(" ", 1)[0].lower()
+
+
+def engine_rows(peers: dict) -> List[Tuple[str, str]]:
+    """(group, row) of every engine row of a peers JSON, in its order: the rows that are no kvfuse call
+    (``pdl`` None; kvfuse's rows record PDL on or off)."""
+    return list(dict.fromkeys((r["group"], r["row"]) for r in peers.get("records", []) if r.get("pdl") is None))
+
+
+def _engine_pdl(row: str) -> str:
+    tag = _PDL_TAG.search(row)
+    return "as it launches" if tag is None else ("on" if tag.group(1) == "[PDL]" else "off")
+
+
+def _log_facts(peers: dict, log: Optional[str]) -> dict:
+    """What the run's log adds to its JSON: the software line, tvm_ffi's version, the launch floor, and each
+    byte check's n and partner ({(group, row): (n, partner)})."""
+    facts: dict = {"checks": {}}
+    if not log:
+        return facts
+    m = re.search(r"^device: [^|\n]*\| (.+)$", log, re.M)
+    if m:
+        facts["software"] = ", ".join(p.strip().replace("triton", "Triton") for p in m.group(1).split("|"))
+    m = re.search(r"^tvm_ffi (\S+)", log, re.M)
+    if m:
+        facts["tvm_ffi"] = m.group(1)
+    m = re.search(r"^launch floor: ([0-9.]+) us", log, re.M)
+    if m:
+        facts["floor_us"] = float(m.group(1))
+    lines = log.splitlines()
+    for c in peers.get("checks", []):
+        head, tail = f"[check {c['group']} n=", f": {c['result']}"
+        for line in lines:
+            n, sep, rest = line[len(head):].partition(f"] {c['row']} vs ")
+            if line.startswith(head) and sep and line.endswith(tail) and n.isdigit():
+                facts["checks"][(c["group"], c["row"])] = (int(n), rest[:-len(tail)])
+                break
+    return facts
+
+
+def _releases(peers: dict) -> Tuple[Dict[str, str], str]:
+    recorded = peers.get("releases")
+    if recorded:
+        return dict(recorded), "recorded in the JSON"
+    return ENGINE_RELEASES, f"the harness's README, `{PEERS_HARNESS}/README.md`: the JSON does not record them"
+
+
+def _groups(peers: dict) -> List[str]:
+    return list(dict.fromkeys(r["group"] for r in peers.get("records", [])))
+
+
+def _run_command(peers: dict) -> str:
+    keys = [PEERS_GROUPS.get(g, (g, ""))[0] for g in _groups(peers)]
+    sizes = sorted(peers.get("sizes", []))
+    args = f" --groups {','.join(keys)}" if keys else ""
+    small = [n for n in sizes if n != PEERS_BIG]
+    if small and small != list(PEERS_SIZES):
+        args += f" --sizes {','.join(map(str, small))}"
+    if sizes and PEERS_BIG not in sizes and any(g != "gqa" for g in _groups(peers)):
+        args += " --big ''"
+    return f"`bash .peers/run.sh{args}`"
+
+
+def _peers_how(peers: dict, source: str, facts: dict) -> List[str]:
+    releases, said = _releases(peers)
+    date = re.match(r"\d{4}-\d{2}-\d{2}", Path(source).name)
+    copy = peers.get("copy_GBps")
+    software = facts.get("software", "not recorded (the JSON holds none; its log does)")
+    if facts.get("tvm_ffi"):
+        software += f", apache-tvm-ffi {facts['tvm_ffi']}"
+    present = ", ".join(f"{PEERS_GROUPS.get(g, ('?', ''))[0]} (`{g}`)" for g in _groups(peers)) or "none"
+    return [
+        "### How the engines' rows were produced", "",
+        f"- Side-by-side result: `{source}` (its log and summary table beside it: `_log.txt`, "
+        "`_summary_table.md`), one run of the side-by-side harness (`bench_peers.py` of "
+        f"`{PEERS_HARNESS}`, kept outside this repository because it holds the engines' code); groups {present}.",
+        f"- Device: {peers.get('device', 'not recorded')}; {software}; date "
+        f"{date.group(0) + ' (from the file name)' if date else 'not recorded'}; copy bandwidth "
+        f"{'not measured' if copy is None else f'{copy / 1e3:.2f} TB/s'}"
+        + (f", launch floor {facts['floor_us']:.2f} us" if "floor_us" in facts else "") + " (the harness's own).",
+        "- Releases: " + ", ".join(releases[e] for e in sorted(releases)) + f" ({said}).",
+        "- Builds: the engines' CUDA kernels (FlashInfer's RoPE and paged-append modules, SGLang's JIT "
+        "kernels, vLLM's CUDA kernels transcribed from vllm-project/vllm) compiled with nvcc for sm_90a as "
+        "TVM-FFI modules, the way each engine's JIT builds them; their Triton kernels (FlashInfer's DeepSeek "
+        "`quantize_cache`, vLLM's `quantize_and_insert_k`) taken from the released wheels and compiled by the "
+        "device's Triton.",
+        "- Rows: every kvfuse row is one of kvfuse's real calls (`kvfuse.mla` with a `kvfuse.models` "
+        "configuration, `GQAConfig.store_kv`, or an adapter of `kvfuse.engines`) doing the work of the engine "
+        "rows measured against it (each engine row's `vs` in the JSON); both on the same input tensors "
+        "(`kvfuse.bench.build_inputs` for the model's workload), one after the other in one process.",
+        "- Time: GPU us per call, several calls captured in one CUDA graph, median per call over replays "
+        "(`kvfuse.bench.CudaTimer`; † marks a row timed with CUDA events around eager calls). PDL: a "
+        "\"[PDL]\" kvfuse row runs with `kvfuse.set_pdl(True)` against the engine's PDL launch, a \"(PDL "
+        "off)\" row against its launch without; an engine row with neither tag runs as the engine launches it.",
+        "- Byte check: at n = 256 the rows are built again on fresh inputs and called once each; an engine "
+        "row's records at the written slots (and its Q output where both write one) are compared byte for "
+        "byte with those of the kvfuse row it names (the log names both; the row of a PDL pair without PDL "
+        "is not checked).",
+        f"- Command: {_run_command(peers)} on the GPU, after `bash {PEERS_HARNESS}/build_here.sh setup` and "
+        f"`bash {PEERS_HARNESS}/build_here.sh all` on a machine with nvcc (the JSON does not record its "
+        "command: this is the harness's command for the groups and sizes it holds).",
+        "- The kvfuse-only tables of the other sections come from the `kvfuse bench` run named in \"How it was "
+        "measured\", a separate run: a kvfuse call measured in both has a figure in each. Compare an engine's "
+        "figure with the kvfuse figure beside it here, from the same run, inputs and moment.",
+    ]
+
+
+def _cell(rec: Optional[dict]) -> str:
+    if rec is None:
+        return "-"
+    if rec.get("status") != "ok" or not rec.get("gpu_us"):
+        return rec.get("status", "-") + (f" ({rec['err']})" if rec.get("err") and rec.get("status") == "skipped"
+                                         else "")
+    return _us(rec["gpu_us"]) + ("" if rec.get("method", "graph") == "graph" else " †")
+
+
+def _peers_group(peers: dict, group: str, facts: dict) -> List[str]:
+    releases, _ = _releases(peers)
+    recs = [r for r in peers.get("records", []) if r["group"] == group]
+    by_row: Dict[str, Dict[int, dict]] = {}
+    for r in recs:
+        by_row.setdefault(r["row"], {})[r["n"]] = r
+    checks = {c["row"]: c["result"] for c in peers.get("checks", []) if c["group"] == group}
+    key, what = PEERS_GROUPS.get(group, ("?", "a group this generator does not know"))
+    out = [f"### {key}. {what} (`{group}`)", ""]
+    rows, wins, even, total = [], 0, 0, 0
+    for g, label in engine_rows(peers):
+        if g != group:
+            continue
+        mine = by_row[label]
+        vs = next((r["vs"] for r in mine.values() if r.get("vs")), None)
+        theirs = by_row.get(vs, {}) if vs else {}
+        kv_pdl = next((r["pdl"] for r in theirs.values()), None)
+        check_n, partner = facts["checks"].get((group, label), (256, None))
+        for n in sorted(mine):
+            e, k = mine[n], theirs.get(n)
+            ok = (e.get("status") == "ok" and e.get("gpu_us") and k is not None and k.get("status") == "ok"
+                  and k.get("gpu_us"))
+            mark = verdict(k["gpu_us"], e["gpu_us"]) if ok else "-"
+            wins, even, total = wins + (mark == "wins"), even + (mark == "even"), total + bool(ok)
+            check = ""
+            if n == check_n:
+                check = checks.get(label, "not checked")
+                if partner is not None and partner != vs:
+                    check += f" (against `{partner}`)"
+            pair = [releases.get(engine_of(label), "not recorded"), label, vs or "-",
+                    f"{'-' if kv_pdl is None else ('on' if kv_pdl else 'off')} / {_engine_pdl(label)}"]
+            first = n == min(mine)          # the pair's cells once, on its first size
+            rows.append((pair if first else [""] * len(pair)) +
+                        [str(n), _cell(k) if vs else "-", _cell(e), f"{k['gpu_us'] / e['gpu_us']:.2f}" if ok else "-",
+                         _mark(mark), check])
+    if rows:
+        out += _table(["engine", "engine row", "kvfuse row (its `vs`)", "PDL: kvfuse / engine", "n", "kvfuse us",
+                       "engine us", "kvfuse / engine", "kvfuse", "bytes equal (byte check)"], rows)
+        out += ["", f"kvfuse wins {wins} of these {total} comparisons ({even} even, {total - wins - even} lost). "
+                "A pair's engine, rows and PDL are named on its first line."]
+    else:
+        out.append("This group of the run has no engine row.")
+    notes: Dict[str, str] = {}
+    for label, per in by_row.items():
+        base = _PDL_TAG.sub("", label)
+        note = next((r.get("note") for r in per.values() if r.get("note")), "")
+        extra = ROW_NOTES.get(label) or ROW_NOTES.get(base)
+        notes.setdefault(base, "; ".join(t for t in (note, extra) if t))
+    out += ["", "The rows (the harness's notes, and what differs):", ""]
+    out += [f"- `{base}`: {note or 'no note'}." for base, note in notes.items()]
+    own = [(label, facts["checks"].get((group, label), (None, None))[1], result) for label, result in checks.items()
+           if (group, label) not in engine_rows(peers)]
+    if own:
+        out += ["", "Byte checks between kvfuse's own calls:", ""]
+        out += [f"- `{label}`" + (f" against `{partner}`" if partner else "") + f": {result}."
+                for label, partner, result in own]
+    return out
+
+
+def _peers_section(peers: Optional[dict], source: Optional[str], log: Optional[str]) -> List[str]:
+    out = [f"## {SIDE_BY_SIDE}", "",
+           "kvfuse's calls and the engines' own kernels doing the same work, measured side by side in one run "
+           "of the side-by-side harness: every engine row of that run beside the kvfuse row it was measured "
+           "against, both figures from the run's JSON, with the ratio, the verdict and the byte check.", ""]
+    if peers is None:
+        return out + [f"No side-by-side result was given: `bash .peers/run.sh` (the harness `{PEERS_HARNESS}`) "
+                      "writes one; commit it as `benchmarks/results/<date>_<device>_peers.json` and pass it with "
+                      "`--peers`."]
+    facts = _log_facts(peers, log)
+    out += _peers_how(peers, source or "the peers JSON", facts)
+    for group in _groups(peers):
+        out += [""] + _peers_group(peers, group, facts)
+    lacking = [g for g in PEERS_GROUPS if g not in _groups(peers)]
+    if lacking:
+        keys = ",".join(PEERS_GROUPS[g][0] for g in lacking)
+        out += ["", "Groups of the harness this run lacks: " + "; ".join(
+            f"{PEERS_GROUPS[g][0]} (`{g}`: {PEERS_GROUPS[g][1]})" for g in lacking) +
+            f". `bash .peers/run.sh --groups {keys}` measures them."]
+    return out
+
+
 # =============================================================================== sections
-def _measured(report: dict, source: str) -> List[str]:
+def _measured(report: dict, source: str, peers_source: Optional[str]) -> List[str]:
+    peers_text = f"`{peers_source}`" if peers_source else "(none given here)"
     meta, dev = report.get("meta", {}), report.get("device", {})
     cfg = meta.get("config", {})
     inputs = report.get("inputs", {})
@@ -287,7 +426,8 @@ def _measured(report: dict, source: str) -> List[str]:
     lines = [
         "## How it was measured",
         "",
-        f"- Source: `{source}`, one `kvfuse bench` run; command {_command_of_run(meta)}.",
+        f"- Source of kvfuse's own tables (every section but \"{SIDE_BY_SIDE}\"): `{source}`, one `kvfuse "
+        f"bench` run; command {_command_of_run(meta)}.",
         f"- Device: {hw}" + (f" ({extra})" if extra else "") + f"; {software}.",
         f"- Date: {_date(meta.get('date'))}.",
         f"- Copy bandwidth: {copy_text}. Launch floor: {floor_text}.",
@@ -296,74 +436,12 @@ def _measured(report: dict, source: str) -> List[str]:
         f"- Inputs: {inputs_text}.",
         f"- Byte accounting (GB/s and % of copy): {report.get('accounting', 'not recorded')}; GB/s = those bytes / "
         "GPU time, % of copy = GB/s / copy bandwidth. Every peer of a point is charged the same bytes.",
-        f"- Engines' figures: {ENGINE_SOURCE}. They are constants of the generator (`benchmarks/benchmarks_md.py`), "
-        "each beside the kvfuse workload that does the same work; PDL as marked.",
-        f"- Verdicts: kvfuse **wins** when its time is below the engine's by more than {TIE:.0%}, loses when "
-        f"above by more than {TIE:.0%}, and is even otherwise.",
+        f"- Engines' figures: none in this run; they come from the side-by-side run {peers_text} "
+        f"(\"{SIDE_BY_SIDE}\": each engine row beside the kvfuse row it was measured against in that run).",
+        f"- Verdicts: kvfuse **wins** when its time is below the other's (an engine's, or a peer's of the "
+        f"bench) by more than {TIE:.0%}, loses when above by more than {TIE:.0%}, and is even otherwise.",
     ]
     return lines
-
-
-def _engine_rows(report: dict, figs: Sequence[EngineFigure], keep: Callable[[int], bool], with_copy: bool):
-    fused = _fused(report)
-    calls = list(dict.fromkeys(f.call for f in ENGINE_FIGURES))
-    keyed, missing, wins, total = [], [], 0, 0
-    for rank, fig in enumerate(figs):
-        names = candidates(fig)
-        if not names:
-            continue
-        wl = resolve(fig, report)
-        for n, engine in fig.us:
-            if not keep(n):
-                continue
-            if wl is None:
-                missing.append((names[0], fig, n, engine))
-                continue
-            rec = fused.get((wl, n))
-            if rec is None:
-                ratio, mark, kv = "-", f"not in this run at n = {n}", "-"
-            else:
-                r = rec["gpu_us"] / float(engine)
-                mark = verdict(rec["gpu_us"], float(engine))
-                ratio, kv = f"{r:.2f}", _us(rec["gpu_us"]) + ("" if rec.get("gpu_method") == "graph" else " (events)")
-                wins += mark == "wins"
-                total += 1
-            row = [fig.call, f"`{wl}`", str(n), kv]
-            if with_copy:
-                row.append(_pct(rec))
-            row += [fig.label, engine, ratio, _mark(mark)]
-            keyed.append(((calls.index(fig.call), n, rank), row))
-    rows = [row for _, row in sorted(keyed, key=lambda kr: kr[0])]
-    return rows, missing, wins, total
-
-
-def _comparison(report: dict, section: str, keep: Callable[[int], bool], with_copy: bool,
-                command: bool = True) -> List[str]:
-    """The engine figures of ``section`` at the sizes ``keep`` selects beside the run's figures; the figures
-    whose kvfuse workload the run lacks are listed with (``command``) the command that measures it."""
-    figs = [f for f in ENGINE_FIGURES if f.section == section]
-    rows, missing, wins, total = _engine_rows(report, figs, keep, with_copy)
-    out = []
-    if rows:
-        head = ["call", "kvfuse workload", "n", "kvfuse us"] + (["kvfuse % of copy"] if with_copy else []) + \
-               ["engine kernel", "engine us", "kvfuse / engine", "kvfuse"]
-        out += _table(head, rows)
-        out += ["", f"kvfuse wins {wins} of these {total} comparisons."]
-        notes = list(dict.fromkeys(_note(f, report) for f in figs if f.note and candidates(f) and resolve(f, report)))
-        out += [f"- {note}." for note in notes]
-        if not report.get("meta", {}).get("config", {}).get("pdl") and any("(PDL)" in r[-4] for r in rows):
-            out.append("- kvfuse ran without PDL here: the engines' \"(no PDL)\" rows compare like with like "
-                       "(`kvfuse bench --pdl` times kvfuse with it).")
-    if missing:
-        names = list(dict.fromkeys(m[0] for m in missing))
-        out += ["", "Engine figures whose kvfuse workload is not in this run" +
-                (f" ({_cmd(names)} measures " + ", ".join(f"`{w}`" for w in names) + "):" if command else ":"), ""]
-        waiting: Dict[Tuple[str, str], List[str]] = {}
-        for w, fig, n, engine in missing:
-            waiting.setdefault((w, f"{fig.call}: {fig.engine}"), []).append(
-                f"{engine} us at n = {n}" + {True: " (PDL)", False: " (no PDL)", None: ""}[fig.pdl])
-        out += [f"- `{w}` ({what}): {', '.join(figures)}" for (w, what), figures in waiting.items()]
-    return out
 
 
 def _alone(report: dict, names: Sequence[str], keep: Callable[[int], bool], with_copy: bool) -> List[str]:
@@ -389,9 +467,7 @@ def _alone(report: dict, names: Sequence[str], keep: Callable[[int], bool], with
 
 def _size_section(report: dict, title: str, intro: str, keep, with_copy: bool) -> List[str]:
     names = [w for w in _run_workloads(report) if _category(report, w) == "write"]
-    out = [title, "", intro, ""]
-    comp = _comparison(report, "write", keep, with_copy)
-    out += comp or ["No engine figure of these sizes matches a workload of this run."]
+    out = [title, "", intro + f" kvfuse's calls alone; the engines' kernels at these sizes: \"{SIDE_BY_SIDE}\"."]
     alone = _alone(report, names, keep, with_copy)
     if alone:
         out += ["", "Every DeepSeek-family (MLA) workload of the run at these sizes (GPU us" +
@@ -446,11 +522,9 @@ def _cast_section(report: dict) -> List[str]:
            "`main_fp8_cast`: what `kvfuse.mla.store_gathered` runs; an index cast-only workload where the "
            "bench has one).", ""]
     if not names:
-        out += ["This run has no cast-only workload."]
-    out += _comparison(report, "cast", lambda n: True, True)
-    if names:
-        out += ["", "GPU us (% of copy in parentheses):", ""] + _alone(report, names, lambda n: True, True)
-    return out
+        casts = [w for w in WORKLOADS if _category(report, w) == "cast"]
+        return out + [f"This run has no cast-only workload. {_cmd(casts, FULL_SIZES)} measures them."]
+    return out + ["GPU us (% of copy in parentheses):", ""] + _alone(report, names, lambda n: True, True)
 
 
 def _group_section(report: dict, own_source: Optional[str] = None) -> List[str]:
@@ -467,13 +541,11 @@ def _group_section(report: dict, own_source: Optional[str] = None) -> List[str]:
         if own_source is not None:
             out.append(_run_line(report, own_source))
         out += [f"- `{w}`: {descr.get(w, {}).get('description', '')}" for w in names] + [""]
-        out += _comparison(report, "group", lambda n: True, True)
-        out += ["", "GPU us per call and the other peers of the run:", ""] + _peer_table(report, names, "calls")
+        out += ["GPU us per call and the other peers of the run:", ""] + _peer_table(report, names, "calls")
         return out
     known = [w for w in WORKLOADS if w.startswith(GROUP_PREFIX)]
     if known:
         out.append(f"This run has no grouped workload. {_cmd(known, SIZES, 'fused,calls,stages')} measures them.")
-        out += _comparison(report, "group", lambda n: True, True, command=False)
     else:
         out.append(f"This run has no grouped workload, and `kvfuse.bench.WORKLOADS` has none yet: once it has "
                    f"`{GROUP_PREFIX}*` workloads, `python -m kvfuse.cli bench --workloads <their names> --n {SIZES} "
@@ -561,28 +633,11 @@ def _targets_section(report: dict) -> List[str]:
     return out + ["", f"{sum(t['status'] == 'PASS' for t in measured)} of the {len(measured)} measured targets met."]
 
 
-def _not_measured() -> List[str]:
-    out = ["## Not measured here", "",
-           "Engine figures with no kvfuse workload doing the same work (listed, never matched to a different "
-           "call):", ""]
-    groups: Dict[Tuple[str, str], List[EngineFigure]] = {}
-    for fig in ENGINE_FIGURES:
-        if not candidates(fig):
-            groups.setdefault((fig.call, fig.engine), []).append(fig)
-    for (call, engine), figs in groups.items():
-        tag = {True: " (PDL)", False: " (no PDL)", None: ""}
-        sizes = ", ".join(f"{u} us at n = {n}{tag[f.pdl]}" for f in figs for n, u in f.us)
-        why = next((f.note for f in figs if f.note), "")
-        if any(f.match is _index_cast_only for f in figs):
-            why = "The bench has no 128-d fp8 index workload of the cast alone (INDEX_FP8_FP32, no norm, no RoPE)"
-        out.append(f"- {call}: {engine}, {sizes}. {why or 'No kvfuse workload does this call'}.")
-    return out
-
-
 def full_run_workloads() -> List[str]:
-    """The workloads of a run that fills every table: the engines' matches (the first of each), the
-    models' DeepSeek calls, the cast-only, grouped and GQA workloads of the bench (one of each definition)."""
-    names = [c[0] for c in (candidates(f) for f in ENGINE_FIGURES) if c]
+    """The workloads of a run that fills every table: the bench's forms of the engines' calls
+    (:data:`ENGINE_CALL_WORKLOADS`), the models' DeepSeek calls, the cast-only, grouped and GQA workloads of
+    the bench (one of each definition)."""
+    names = list(ENGINE_CALL_WORKLOADS)
     names += [w for w, d in WORKLOADS.items() if w.startswith(("dsv", GROUP_PREFIX)) or d.kind == "gqa"
               or (d.kind == "write" and cast_only(w))]
     out, seen = [], set()
@@ -597,32 +652,43 @@ def full_run_workloads() -> List[str]:
 def _regenerate() -> List[str]:
     peers = ",".join(["fused"] + list(GQA_PEERS) + ["calls", "stages"])
     return ["## Regenerating", "",
-            "One run that fills every table, with programmatic dependent launch as the engines' PDL figures "
-            "(add `compile` to `--peers` for the torch.compile peer; it is slow):",
+            "One `kvfuse bench` run that fills every kvfuse table, with programmatic dependent launch (add "
+            "`compile` to `--peers` for the torch.compile peer; it is slow), and one run of the side-by-side "
+            f"harness (`{PEERS_HARNESS}`: build it on a machine with nvcc, run it on the GPU from the repository "
+            "root; its README says more):",
             "", "```bash",
             f"python -m kvfuse.cli bench --pdl --workloads {','.join(full_run_workloads())} --n {FULL_SIZES} "
             f"--peers {peers} --budget-s 500 --out bench-out",
-            "cp bench-out/kvfuse_bench.json benchmarks/results/<date>_<device>_bench.json",
-            "python benchmarks/benchmarks_md.py benchmarks/results/<date>_<device>_bench.json",
+            "cp bench-out/kvfuse_bench.json benchmarks/results/<date>_<device>_full_bench.json",
+            f"bash {PEERS_HARNESS}/build_here.sh setup && bash {PEERS_HARNESS}/build_here.sh all   # nvcc, sm_90a",
+            "OUT=peers-out bash .peers/run.sh                      # on the GPU: every group",
+            "cp peers-out/peers.json benchmarks/results/<date>_<device>_peers.json",
+            "cp peers-out/peers_log.txt benchmarks/results/<date>_<device>_peers_log.txt",
+            "cp peers-out/summary_table.md benchmarks/results/<date>_<device>_peers_summary_table.md",
+            "python benchmarks/benchmarks_md.py     # the latest *_full_bench.json and *_peers.json",
             "```"]
 
 
 def render(report: dict, source: str = "the result JSON", gqa_report: Optional[dict] = None,
            gqa_source: Optional[str] = None, group_report: Optional[dict] = None,
-           group_source: Optional[str] = None) -> str:
+           group_source: Optional[str] = None, peers: Optional[dict] = None, peers_source: Optional[str] = None,
+           peers_log: Optional[str] = None) -> str:
     """BENCHMARKS.md (Markdown, ending with a newline) for one bench result (the dict of its JSON);
     ``source``: how the document names that JSON. ``gqa_report`` / ``gqa_source``: a later run whose GQA
     workloads fill the GQA / MHA section instead (when that kernel changed after the run of the rest);
-    ``group_report`` / ``group_source`` the same for the Grouped section."""
+    ``group_report`` / ``group_source`` the same for the Grouped section. ``peers`` / ``peers_source`` /
+    ``peers_log``: the side-by-side run (its JSON's dict, its name, the text of its log or None) whose rows
+    fill the section beside the engines."""
     later = [name for name, rep in (("Grouped", group_report), ("GQA / MHA", gqa_report)) if rep is not None]
     one = "one `kvfuse bench` run" if not later else \
         f"one `kvfuse bench` run (the {' and the '.join(later)} section{'s' if len(later) > 1 else ''}: " \
         f"a later run of {'their' if len(later) > 1 else 'its'} own, named there)"
     lines = ["# Benchmarks", "",
-             f"kvfuse's GPU time per call, from {one}, beside the engines' kernels that do the same "
-             "work. Generated by `python benchmarks/benchmarks_md.py` from the run's JSON: regenerate it, do not "
-             "edit it.", ""]
-    lines += _measured(report, source) + [""]
+             f"kvfuse's GPU time per call, from {one}, and kvfuse beside the engines' kernels that do the same "
+             "work, from one run of the side-by-side harness (\"" + SIDE_BY_SIDE + "\"). Generated by `python "
+             "benchmarks/benchmarks_md.py` from the runs' JSON: regenerate it, do not edit it.", ""]
+    lines += _measured(report, source, peers_source if peers is not None else None) + [""]
+    lines += _peers_section(peers, peers_source, peers_log) + [""]
     lines += _size_section(report, f"## Decode (n <= {DECODE_MAX})", "One token per sequence: the launch and "
                            "its latency dominate.", lambda n: n <= DECODE_MAX, False) + [""]
     lines += _size_section(report, f"## Prefill (n >= {PREFILL_MIN})", "Whole sequences: DRAM bandwidth "
@@ -634,12 +700,10 @@ def render(report: dict, source: str = "the result JSON", gqa_report: Optional[d
     lines += (_gqa_section(report) if gqa_report is None else
               _gqa_section(gqa_report, gqa_source or "the GQA result JSON")) + [""]
     lines += _targets_section(report) + [""]
-    lines += _not_measured() + [""]
     lines += _regenerate()
     return "\n".join(lines).rstrip() + "\n"
 
 
-DEFAULT = ROOT / "benchmarks" / "results" / "2026-12-02_h200_full_bench.json"
 TARGET = ROOT / "BENCHMARKS.md"
 
 
@@ -651,9 +715,20 @@ def source_name(path: Path) -> str:
         return str(path)
 
 
+def read_peers(path: Path) -> Tuple[dict, str, Optional[str]]:
+    """A peers JSON: its dict, its name for the document, and the text of its log (``X_log.txt`` beside
+    ``X.json``) or None."""
+    log = path.with_name(path.name[:-len(".json")] + "_log.txt") if path.name.endswith(".json") else None
+    return (json.loads(path.read_text()), source_name(path),
+            log.read_text() if log is not None and log.exists() else None)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("result", nargs="?", default=str(DEFAULT), help="a kvfuse_bench.json (default: %(default)s)")
+    p.add_argument("result", nargs="?", default=None,
+                   help="a kvfuse_bench.json (default: the latest benchmarks/results/*_full_bench.json)")
+    p.add_argument("--peers", default=None, help="the side-by-side harness's peers.json (default: the latest "
+                                                "benchmarks/results/*_peers.json)")
     p.add_argument("--gqa", default=None, help="a later kvfuse_bench.json whose GQA workloads fill the GQA / MHA "
                                               "section (named there)")
     p.add_argument("--group", default=None, help="a later kvfuse_bench.json whose grouped workloads fill the "
@@ -663,23 +738,29 @@ def main(argv=None) -> int:
     modes.add_argument("--stdout", action="store_true", help="print the document instead of writing it")
     modes.add_argument("--check", action="store_true", help="exit 1 when --out differs from the rendering")
     args = p.parse_args(argv)
-    path = Path(args.result)
+    path = Path(args.result) if args.result else latest("*_full_bench.json")
+    peers_path = Path(args.peers) if args.peers else latest("*_peers.json")
+    if path is None:
+        p.error("no RESULT.json given and no benchmarks/results/*_full_bench.json")
     gqa = Path(args.gqa) if args.gqa else None
     group = Path(args.group) if args.group else None
+    peers = read_peers(peers_path) if peers_path is not None else (None, None, None)
     text = render(json.loads(path.read_text()), source_name(path),
                   json.loads(gqa.read_text()) if gqa else None, source_name(gqa) if gqa else None,
-                  json.loads(group.read_text()) if group else None, source_name(group) if group else None)
+                  json.loads(group.read_text()) if group else None, source_name(group) if group else None,
+                  *peers)
     out = Path(args.out)
+    what = f"{path}" + (f" and {peers_path}" if peers_path is not None else "")
     if args.stdout:
         sys.stdout.write(text)
     elif args.check:
         if not out.exists() or out.read_text() != text:
-            print(f"{out} differs from the rendering of {path}: run python benchmarks/benchmarks_md.py {path}",
-                  file=sys.stderr)
+            print(f"{out} differs from the rendering of {what}: run python benchmarks/benchmarks_md.py {path}"
+                  + (f" --peers {peers_path}" if peers_path is not None else ""), file=sys.stderr)
             return 1
     else:
         out.write_text(text)
-        print(f"wrote {os.path.relpath(out)} from {path}")
+        print(f"wrote {os.path.relpath(out)} from {what}")
     return 0
 
 

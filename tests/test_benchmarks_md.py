@@ -1,9 +1,10 @@
 """BENCHMARKS.md's generator (benchmarks/benchmarks_md.py, imported with benchmarks/ on the path):
-rendered from small synthetic bench results built here (through bench.build_report and JSON, as a run
-writes them), its tables must hold that run's numbers beside the engines' figures, with the verdicts, and
-say how to produce what the run lacks. The committed BENCHMARKS.md must be what the generator renders
-from the JSON it names."""
-import dataclasses
+rendered from small synthetic results built here (bench results through bench.build_report and JSON, as a
+run writes them; peers results as the side-by-side harness writes them), its kvfuse tables must hold the
+bench run's numbers and its side-by-side tables every engine row of the peers run beside the kvfuse row it
+was measured against, with the ratio, verdict and byte check, and say how to produce what a run lacks. The
+committed BENCHMARKS.md must be what the generator renders from the JSONs it names, with no engine figure
+that its peers JSON does not hold."""
 import json
 import re
 import sys
@@ -63,7 +64,7 @@ def test_how_it_was_measured_comes_from_the_json():
     for want in ("`benchmarks/results/x.json`", "`python -m kvfuse.cli bench --n 1,4096`",
                  "NVIDIA H200 (132 SMs, compute capability 9.0, 139.8 GiB)", "torch 9.9.9+test (CUDA 13.0)",
                  "Triton 3.9.1", "Python 3.11.0", "2027-02-03 04:05 UTC", "4.32 TB/s", "0.87 us", "PDL off",
-                 "paged slots", "decode inputs for n <= 256", report["accounting"], benchmarks_md.ENGINE_SOURCE):
+                 "paged slots", "decode inputs for n <= 256", report["accounting"]):
         assert want in how, want
     assert "PDL on" in benchmarks_md.render(make_report(MLA, pdl=True))
     assert "session" not in text.lower() and not re.search(r"#\d", text)
@@ -76,52 +77,25 @@ def test_a_run_of_python_m_kvfuse_bench_is_named_by_that_command(script):
     assert "command `python -m kvfuse.bench --n 1`" in benchmarks_md.render(dict(make_report(MLA), meta=meta))
 
 
-def test_decode_and_prefill_tables_hold_the_runs_numbers_beside_the_engines():
+def test_decode_and_prefill_tables_hold_the_runs_numbers_alone():
+    """The kvfuse-only tables: every write workload of the run at the section's sizes, GPU us (and % of copy
+    in prefill) from its records; no engine figure in them."""
     report = make_report(MLA)
     text = benchmarks_md.render(report)
-    decode = rows(section(text, "Decode"))
-    # MAIN_FP8 + GPT-J at n = 1: 1.234 against SGLang's 1.06 (PDL, loses) and 1.50 (no PDL, wins)
-    assert ["MAIN_FP8 write, norm + GPT-J RoPE", "`dsv4_main_fp8`", "1", "1.23",
-            "SGLang DeepSeek V4 JIT kernel (PDL)", "1.06", f"{1.234 / 1.06:.2f}", "loses"] in decode
-    assert ["MAIN_FP8 write, norm + GPT-J RoPE", "`dsv4_main_fp8`", "1", "1.23",
-            "SGLang DeepSeek V4 JIT kernel (no PDL)", "1.50", f"{1.234 / 1.50:.2f}", "**wins**"] in decode
-    # the index write at n = 1: 1.31 against 1.30 is within 3%: even
-    assert ["128-d fp8 index write, V3.2 style (RoPE at offset 0)", "`dsv32_index_k`", "1", "1.31",
-            "SGLang V3.2 indexer kernel with LayerNorm (PDL)", "1.30", "1.01", "even"] in decode
-    assert all(int(r[2]) <= 256 for r in decode if r[0].startswith(("MAIN", "128", "FLASH")))
-    # prefill: GPU us, % of copy from the record, the engine's figure
+    decode, prefill = section(text, "Decode"), section(text, "Prefill")
     fused = {(r["workload"], r["n"]): r for r in report["results"]}
+    descr = report["workloads"]
+    assert ["`dsv4_main_fp8`", descr["dsv4_main_fp8"]["description"], "1.23"] in rows(decode)
+    assert ["`main_fp4`", descr["main_fp4"]["description"], "2.50"] in rows(decode)
     pct = fused[("dsv4_main_fp8", 65536)]["pct_copy"]
-    prefill = rows(section(text, "Prefill"))
-    assert ["MAIN_FP8 write, norm + GPT-J RoPE", "`dsv4_main_fp8`", "65536", "40.00", f"{pct:.1f}%",
-            "SGLang DeepSeek V4 JIT kernel (PDL)", "37.6", f"{40 / 37.6:.2f}", "loses"] in prefill
-    assert ["128-d fp8 index write, V3.2 style (RoPE at offset 0)", "`dsv32_index_k`", "65536", "12.50",
-            f"{fused[('dsv32_index_k', 65536)]['pct_copy']:.1f}%", "SGLang V3.2 indexer kernel with LayerNorm (no PDL)",
-            "15.7", f"{12.5 / 15.7:.2f}", "**wins**"] in prefill
-    # the run has n = 4096 of dsv4_main_fp8 but not of dsv32_index_k: that row says so
-    assert any(r[1] == "`dsv32_index_k`" and r[2] == "4096" and "not in this run" in r[-1] for r in prefill)
-    # every workload of the run, engine figure or not, at the section's sizes
-    assert ["`main_fp4`", report["workloads"]["main_fp4"]["description"], "2.50"] in decode
-    alone = [r for r in prefill if r[0] == "`main_fp4`"]
-    assert alone and alone[0][-2:] == ["-", f"45.60 ({fused[('main_fp4', 65536)]['pct_copy']:.0f}%)"]
-    # the FLASHMLA_MODEL1 figures: no workload of this run does that write -> the command that measures it
-    waiting = section(text, "Decode")
-    assert "Engine figures whose kvfuse workload is not in this run" in waiting
-    assert "--workloads flashmla_model1_gptj" in waiting
-    assert ("- `flashmla_model1_gptj` (FLASHMLA_MODEL1 write, norm + GPT-J RoPE: vLLM DeepSeek V4 kernel): "
-            "2.12 us at n = 1") in waiting
-    assert "kvfuse wins 1 of these 3 comparisons." in section(text, "Decode")
-
-
-def test_identical_definitions_stand_in_for_each_other_and_the_first_listed_wins():
-    for fig in benchmarks_md.ENGINE_FIGURES:
-        defs = [dataclasses.replace(bench.WORKLOADS[w], name="", description="") for w in fig.workloads]
-        assert all(d == defs[0] for d in defs), fig.workloads        # the same work under another name
-    pts = [("dsv4_main_model1", 1, "fused", 1.9), ("flashmla_model1_gptj", 1, "fused", 2.2)]
-    decode = rows(section(benchmarks_md.render(make_report(pts)), "Decode"))
-    vllm = [r for r in decode if len(r) > 4 and r[4] == "vLLM DeepSeek V4 kernel"]
-    assert vllm == [["FLASHMLA_MODEL1 write, norm + GPT-J RoPE", "`flashmla_model1_gptj`", "1", "2.20",
-                     "vLLM DeepSeek V4 kernel", "2.12", f"{2.2 / 2.12:.2f}", "loses"]]
+    assert ["`dsv4_main_fp8`", descr["dsv4_main_fp8"]["description"],
+            f"3.46 ({fused[('dsv4_main_fp8', 4096)]['pct_copy']:.0f}%)", f"40.00 ({pct:.0f}%)"] in rows(prefill)
+    assert ["`dsv32_index_k`", descr["dsv32_index_k"]["description"], "-",
+            f"12.50 ({fused[('dsv32_index_k', 65536)]['pct_copy']:.0f}%)"] in rows(prefill)
+    for part in (decode, prefill):
+        assert "engine us" not in part and benchmarks_md.SIDE_BY_SIDE in part
+    assert "This run measured no DeepSeek-family (MLA) workload at these sizes." in section(
+        benchmarks_md.render(make_report([("main_fp4", 1, "fused", 2.5)])), "Prefill")
 
 
 def test_cast_only_section():
@@ -129,36 +103,13 @@ def test_cast_only_section():
            ("main_fp8_cast", 65536, "fused", 31.2)]
     report = make_report(pts)
     cast = section(benchmarks_md.render(report), "Cast only")
-    got = rows(cast)
-    assert ["the cast alone, MAIN_FP8 record", "`main_fp8_cast`", "65536", "31.20",
-            f"{report['results'][2]['pct_copy']:.1f}%", "FlashInfer DeepSeek Triton `quantize_cache`", "26.2",
-            f"{31.2 / 26.2:.2f}", "loses"] in got
-    assert ["the cast alone, MAIN_FP8 record", "`main_fp8_cast`", "1", "1.42",
-            f"{report['results'][0]['pct_copy']:.1f}%", "FlashInfer DeepSeek Triton `quantize_cache`", "1.52",
-            f"{1.42 / 1.52:.2f}", "**wins**"] in got
+    pct = [r["pct_copy"] for r in report["results"]]
+    assert ["`main_fp8_cast`", report["workloads"]["main_fp8_cast"]["description"], f"1.42 ({pct[0]:.0f}%)",
+            f"2.55 ({pct[1]:.0f}%)", f"31.20 ({pct[2]:.0f}%)"] in rows(cast)
     # not in the run: the command that measures it
     absent = section(benchmarks_md.render(make_report(MLA)), "Cast only")
-    assert "This run has no cast-only workload" in absent and "--workloads main_fp8_cast" in absent
-    assert "- `main_fp8_cast` (the cast alone, MAIN_FP8 record: FlashInfer DeepSeek Triton `quantize_cache`): " \
-           "1.52 us at n = 1, 2.64 us at n = 4096, 26.2 us at n = 65536" in absent
-
-
-def test_cast_note_quotes_the_runs_page_layout_figures_when_it_has_them():
-    """FlashInfer's cast note: the run's own main_fp8_pagewise_cast and main_fp8_cast at 65536 when it has
-    both, else the figures measured before (a constant)."""
-    before = "kvfuse's portable kernel writes the same codes in 26.11 us at 65536 tokens against 31.28 us as MAIN_FP8"
-    both = make_report([("main_fp8_cast", 65536, "fused", 30.2864), ("main_fp8_pagewise_cast", 65536, "fused", 25.6528),
-                        ("main_fp8_pagewise_cast", 4096, "fused", 2.9)])
-    cast = section(benchmarks_md.render(both), "Cast only")
-    assert ("In that layout kvfuse writes the same codes in this run in 25.65 us at 65536 tokens against 30.29 us as "
-            "MAIN_FP8 records (`main_fp8_pagewise_cast` against `main_fp8_cast`; docs/performance.md).") in cast
-    assert "26.11" not in cast and "31.28" not in cast
-    assert "FlashInfer's kernel writes its own page layout, not the MAIN_FP8 record" in cast
-    for pts in ([("main_fp8_cast", 65536, "fused", 30.2864)],                                 # no page layout
-                [("main_fp8_cast", 65536, "fused", 30.2864), ("main_fp8_pagewise_cast", 4096, "fused", 2.9)],
-                [("main_fp8_cast", 4096, "fused", 2.5), ("main_fp8_pagewise_cast", 65536, "fused", 25.6528)]):
-        cast = section(benchmarks_md.render(make_report(pts)), "Cast only")
-        assert before in cast and "the same codes in this run" not in cast, pts
+    assert "This run has no cast-only workload" in absent and "main_fp8_cast" in absent
+    assert re.search(r"`python -m kvfuse\.cli bench --workloads [^`]*main_fp8_cast", absent)
 
 
 def _at_pct(workload, n, pct):
@@ -180,7 +131,8 @@ def test_targets_section_recomputes_the_current_targets_from_the_runs_records():
     text = benchmarks_md.render(report)
     titles = re.findall(r"^## (.+)$", text, re.M)
     assert titles.index("Targets") == titles.index("GQA / MHA (`fused_qk_norm_rope_store_kv`)") + 1
-    assert titles.index("Not measured here") == titles.index("Targets") + 1
+    assert titles.index("Regenerating") == titles.index("Targets") + 1
+    assert titles.index(benchmarks_md.SIDE_BY_SIDE) == titles.index("How it was measured") + 1
     targets = section(text, "Targets")
     assert "recomputed from this run" in targets and "reporting, not asserting" in targets
     assert 'docs/performance.md ("Targets")' in targets and "95" not in targets
@@ -245,7 +197,7 @@ def test_gqa_section_from_a_later_run_names_that_run_and_only_its_figures():
     assert "PDL on." in gqa and f"launch floor {DEVICE['floor_us']:.2f} us" in gqa
     assert ["`llama3_8b_fp8`", "1", "1.81"] == rows(gqa)[0][:3] and "9.87" not in text
     assert "(the GQA / MHA section: a later run of its own, named there)" in text.splitlines()[2]
-    assert "- Source: `benchmarks/results/a.json`" in section(text, "How it was measured")
+    assert "`benchmarks/results/a.json`, one `kvfuse bench` run" in section(text, "How it was measured")
     plain = benchmarks_md.render(main, "benchmarks/results/a.json")       # control: without it, the main run's
     assert "9.87" in section(plain, "GQA") and "Source of this section" not in plain
 
@@ -254,8 +206,6 @@ def test_grouped_section_from_group_workloads_or_how_to_produce_them():
     absent = section(benchmarks_md.render(make_report(MLA)), "Grouped")
     assert "This run has no grouped workload" in absent and "--peers fused,calls,stages" in absent
     assert all(w in absent for w in bench.WORKLOADS if w.startswith("group_"))
-    assert "- `group_dsv4_q_kv` (Q of 64 heads + the KV write, one launch (DeepSeek V4): vLLM DeepSeek V4 fused " \
-           "Q + KV kernel): 2.26 us at n = 1, 149 us at n = 4096" in absent
     pts = [("group_dsv4_q_kv", 1, "fused", 2.0), ("group_dsv4_q_kv", 1, "calls", 3.1),
            ("group_dsv4_q_kv", 1, "stages", 9.0), ("group_dsv4_q_kv", 4096, "fused", 160.0),
            ("group_dsv4_q_kv", 4096, "calls", 161.0), ("group_dsv4_layer", 1, "fused", 3.21)]
@@ -263,18 +213,12 @@ def test_grouped_section_from_group_workloads_or_how_to_produce_them():
     grouped = section(benchmarks_md.render(report), "Grouped")
     table = rows(grouped)
     pct = {(r["workload"], r["n"]): r["pct_copy"] for r in report["results"] if r["peer"] == "fused"}
-    assert ["Q of 64 heads + the KV write, one launch (DeepSeek V4)", "`group_dsv4_q_kv`", "4096", "160.0",
-            f"{pct[('group_dsv4_q_kv', 4096)]:.1f}%", "vLLM DeepSeek V4 fused Q + KV kernel", "149",
-            f"{160 / 149:.2f}", "loses"] in table
-    assert ["Q of 64 heads + the KV write, one launch (DeepSeek V4)", "`group_dsv4_q_kv`", "1", "2.00",
-            f"{pct[('group_dsv4_q_kv', 1)]:.1f}%", "vLLM DeepSeek V4 fused Q + KV kernel", "2.26",
-            f"{2 / 2.26:.2f}", "**wins**"] in table
     assert ["`group_dsv4_q_kv`", "1", "2.00", f"{pct[('group_dsv4_q_kv', 1)]:.1f}%", "3.10 (1.55x)",
             "9.00 (4.50x)", "**wins**"] in table
     assert ["`group_dsv4_q_kv`", "4096", "160.0", f"{pct[('group_dsv4_q_kv', 4096)]:.1f}%", "161.0 (1.01x)", "-",
             "even"] in table
     assert ["`group_dsv4_layer`", "1", "3.21", f"{pct[('group_dsv4_layer', 1)]:.1f}%", "-", "-", "-"] in table
-    assert "fused vs calls" in grouped and "MAIN_FP8 record (528 bytes)" in grouped
+    assert "fused vs calls" in grouped and "engine us" not in grouped
     assert report["workloads"]["group_dsv4_layer"]["description"] in grouped
     assert "group_dsv4_q_kv" not in section(benchmarks_md.render(report), "Decode")
 
@@ -290,8 +234,6 @@ def test_grouped_section_from_a_later_run_names_that_run_and_only_its_figures():
     grouped = section(text, "Grouped")
     assert "- Source of this section: `benchmarks/results/c.json`, its own `kvfuse bench` run" in grouped
     table = rows(grouped)
-    engine = next(r for r in table if r[1:3] == ["`group_dsv4_q_kv`", "4096"])
-    assert engine[3] == "139.4" and engine[-1] == "**wins**"
     assert ["`group_dsv4_q_kv`", "4096", "139.4"] in [r[:3] for r in table] and "calls us" not in grouped
     assert "162.3" not in text and "161.5" not in text
     assert "(the Grouped section: a later run of its own, named there)" in text.splitlines()[2]
@@ -303,21 +245,6 @@ def test_grouped_section_from_a_later_run_names_that_run_and_only_its_figures():
         section(both, "Grouped")
 
 
-def test_figures_without_a_kvfuse_workload_are_listed_not_matched():
-    text = benchmarks_md.render(make_report(MLA + [("flashmla_v32", 256, "fused", 2.1)]))
-    missing = section(text, "Not measured here")
-    unmatched = [f for f in benchmarks_md.ENGINE_FIGURES if not benchmarks_md.candidates(f)]
-    assert {f.engine for f in unmatched} >= {"FlashInfer `rope_quantize_fp8_append_paged_kv_cache`"}
-    for fig in unmatched:
-        assert fig.engine in missing
-        assert fig.engine not in text.replace(missing, "")                # in no table
-        for n, us in fig.us:
-            assert f"{us} us at n = {n}" in missing
-    for fig in benchmarks_md.ENGINE_FIGURES:
-        if benchmarks_md.candidates(fig):
-            assert fig.engine not in missing
-
-
 def test_verdict_thresholds():
     assert benchmarks_md.verdict(0.96, 1.0) == "wins"
     assert benchmarks_md.verdict(1.02, 1.0) == "even" and benchmarks_md.verdict(0.98, 1.0) == "even"
@@ -325,9 +252,10 @@ def test_verdict_thresholds():
 
 
 def test_committed_benchmarks_md_is_the_rendering_of_the_json_it_names():
-    """BENCHMARKS.md is generated: `python benchmarks/benchmarks_md.py RESULT.json` after a new run."""
+    """BENCHMARKS.md is generated: `python benchmarks/benchmarks_md.py RESULT.json --peers PEERS.json` after
+    new runs; both JSONs it names are committed."""
     text = (ROOT / "BENCHMARKS.md").read_text()
-    source = re.search(r"^- Source: `([^`]+)`", text, re.M).group(1)
+    source = re.search(r"^- Source of kvfuse's own tables [^`]*`([^`]+)`", text, re.M).group(1)
     path = ROOT / source
     if not path.exists():
         pytest.fail(f"BENCHMARKS.md names {source}, which is not in the repository: commit the result JSON")
@@ -340,7 +268,29 @@ def test_committed_benchmarks_md_is_the_rendering_of_the_json_it_names():
             later[title] = (json.loads((ROOT / m.group(1)).read_text()), m.group(1))
     gqa = later.get("GQA", (None, None))
     group = later.get("Grouped", (None, None))
-    assert text == benchmarks_md.render(json.loads(path.read_text()), source, *gqa, *group)
+    peers_source = re.search(r"^- Side-by-side result: `([^`]+)`", text, re.M).group(1)
+    if not (ROOT / peers_source).exists():
+        pytest.fail(f"BENCHMARKS.md names {peers_source}, which is not in the repository: commit the peers JSON")
+    peers = benchmarks_md.read_peers(ROOT / peers_source)
+    assert peers[1] == peers_source and peers[2] is not None        # its log is committed beside it
+    assert text == benchmarks_md.render(json.loads(path.read_text()), source, *gqa, *group, *peers)
+    if (source, peers_source) == (_latest_name("*_full_bench.json"), _latest_name("*_peers.json")):
+        assert benchmarks_md.main(["--check"]) == 0            # the defaults: `--check` alone passes
+
+
+def _latest_name(pattern):
+    return str(sorted((ROOT / "benchmarks" / "results").glob(pattern))[-1].relative_to(ROOT))
+
+
+def test_without_arguments_it_renders_the_latest_full_bench_and_peers_results(tmp_path):
+    out = tmp_path / "B.md"
+    assert benchmarks_md.main(["--out", str(out)]) == 0
+    text = out.read_text()
+    assert f"`{_latest_name('*_full_bench.json')}`, one `kvfuse bench` run" in text
+    assert f"- Side-by-side result: `{_latest_name('*_peers.json')}`" in text
+    assert benchmarks_md.main(["--out", str(out), "--check"]) == 0
+    out.write_text(text.replace("| **wins** |", "| even |", 1))
+    assert benchmarks_md.main(["--out", str(out), "--check"]) == 1
 
 
 def test_the_commands_it_suggests_are_valid_bench_options():
@@ -355,6 +305,176 @@ def test_the_commands_it_suggests_are_valid_bench_options():
         cfg = bench.parse_config(shlex.split(args))
         assert cfg.workloads
     full = bench.parse_config(["--workloads", ",".join(benchmarks_md.full_run_workloads())])
-    wanted = {c[0] for c in map(benchmarks_md.candidates, benchmarks_md.ENGINE_FIGURES) if c}
-    assert wanted <= set(full.workloads) and {w for w, d in bench.WORKLOADS.items() if d.kind == "gqa"} <= \
-        set(full.workloads)
+    assert set(benchmarks_md.ENGINE_CALL_WORKLOADS) <= set(full.workloads)
+    assert {w for w, d in bench.WORKLOADS.items() if d.kind == "gqa"} <= set(full.workloads)
+
+
+# ------------------------------------------------------------------ the side-by-side run (peers JSON)
+KV_CAST, VLLM_MLA = "kvfuse write_main_cache_gathered (cast only)", "vllm concat_and_cache_mla fp8_ds_mla"
+FI_CAST = "flashinfer triton ds-v4.1 quantize_cache mxfp8"
+LL = "[llama-3-8b fp8] "
+KV_PDL, KV_OFF = LL + "kvfuse GQAConfig.store_kv [PDL]", LL + "kvfuse GQAConfig.store_kv (PDL off)"
+FI_PDL = LL + "flashinfer rope_quantize_fp8_append_paged_kv_cache [PDL]"
+FI_OFF = LL + "flashinfer rope_quantize_fp8_append_paged_kv_cache (PDL off)"
+ODD = LL + "someengine fused_everything"
+
+
+def make_peers(rows, checks=(), **extra):
+    """rows: (group, row, vs, pdl, {n: gpu_us | 'skipped'}[, method]) -> the dict of a peers.json as
+    bench_peers.py writes it (a kvfuse row's pdl True / False, an engine row's None; ratio = row / vs)."""
+    times = {(g, label, n): us for g, label, _, _, per, *_ in rows for n, us in per.items()}
+    records = []
+    for g, label, vs, pdl, per, *method in rows:
+        for n, us in per.items():
+            rec = dict(group=g, n=n, row=label, bytes=1000 * n, vs=vs, note=f"note of {label}", pdl=pdl,
+                       check=None)
+            if us == "skipped":
+                rec.update(status="skipped", err="n > 4096")
+            else:
+                rec.update(status="ok", gpu_us=us, method=method[0] if method else "graph", eager_us=us + 9,
+                           gbps=1000 * n / us / 1e3, tnote="")
+                ref = times.get((g, vs, n))
+                if vs:
+                    rec["ratio"] = us / ref if isinstance(ref, float) else None
+            records.append(rec)
+    sizes = sorted({n for row in rows for n in row[4]})
+    return json.loads(json.dumps(dict(copy_GBps=4187.5, device="NVIDIA H200", sizes=sizes, elapsed_s=9.0,
+                                      records=records, checks=[dict(group=g, row=r, result=m) for g, r, m in checks],
+                                      **extra)))
+
+
+PEERS = make_peers([
+    ("dsv3_flashmla", KV_CAST, None, False, {1: 1.5, 256: 1.8, 4096: 3.0}),
+    ("dsv3_flashmla", VLLM_MLA, KV_CAST, None, {1: 2.0, 256: 1.82, 4096: 2.5}),
+    ("gqa", KV_PDL, None, True, {1: 1.25, 256: 2.5, 4096: "skipped"}),
+    ("gqa", KV_OFF, None, False, {1: 1.5, 256: 2.75, 4096: 26.0}),
+    ("gqa", FI_PDL, KV_PDL, None, {1: 2.0, 256: 3.25, 4096: 30.5}),
+    ("gqa", FI_OFF, KV_OFF, None, {1: 2.25, 256: 3.75, 4096: 31.0}, "events"),
+    ("gqa", ODD, None, None, {1: 7.75}),
+    ("dsv4_main_fp8", "kvfuse write_main_cache_gathered (cast only)", None, False, {65536: 30.5}),
+    ("dsv4_main_fp8", FI_CAST, "kvfuse write_main_cache_gathered (cast only)", None, {65536: 26.25}),
+], checks=[("dsv3_flashmla", VLLM_MLA, "100.00% of 1234 bytes equal (cache 100.00%)"),
+           ("gqa", FI_PDL, "98.46% of 5678 bytes equal (k 96.92%, v 100.00%)")])
+
+
+def side_rows(text):
+    """The side-by-side tables' rows by group, a pair's named cells carried to its following lines:
+    {group: [[engine, engine row, kvfuse row, PDL, n, kvfuse us, engine us, ratio, verdict, check]]}."""
+    out, group, last = {}, None, None
+    for line in section(text, benchmarks_md.SIDE_BY_SIDE).splitlines():
+        m = re.match(r"^### .*\(`([^`]+)`\)$", line)
+        if m:
+            group = m.group(1)
+            out[group] = []
+        elif group and line.startswith("| ") and not line.startswith("| engine |"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if cells[0]:
+                last = cells[:4]
+            out[group].append(last + cells[4:])
+    return out
+
+
+def test_side_by_side_puts_every_engine_row_beside_its_vs_row():
+    text = benchmarks_md.render(make_report(MLA), "benchmarks/results/x.json", peers=PEERS,
+                                peers_source="benchmarks/results/2027-01-02_h200_peers.json")
+    got = side_rows(text)
+    assert list(got) == ["dsv3_flashmla", "gqa", "dsv4_main_fp8"]          # the run's order
+    d = got["dsv3_flashmla"]
+    # n = 1: kvfuse 1.5 against vLLM's 2.0 wins; 256: 1.8 against 1.82 even (the check's size); 4096 loses
+    assert d == [["vLLM 0.33.0", VLLM_MLA, KV_CAST, "off / as it launches", "1", "1.50", "2.00", "0.75", "**wins**", ""],
+                 ["vLLM 0.33.0", VLLM_MLA, KV_CAST, "off / as it launches", "256", "1.80", "1.82", "0.99", "even",
+                  "100.00% of 1234 bytes equal (cache 100.00%)"],
+                 ["vLLM 0.33.0", VLLM_MLA, KV_CAST, "off / as it launches", "4096", "3.00", "2.50", "1.20", "loses", ""]]
+    f = got["gqa"]
+    fi_pdl = [r for r in f if r[1] == FI_PDL]
+    assert fi_pdl[0][:9] == ["FlashInfer 0.7.2.post1", FI_PDL, KV_PDL, "on / on", "1", "1.25", "2.00", "0.62",
+                             "**wins**"]
+    assert fi_pdl[1][-1] == "98.46% of 5678 bytes equal (k 96.92%, v 100.00%)"
+    assert fi_pdl[2][4:9] == ["4096", "skipped (n > 4096)", "30.50", "-", "-"]       # kvfuse's row skipped there
+    fi_off = [r for r in f if r[1] == FI_OFF]
+    assert fi_off[0][3:9] == ["off / off", "1", "1.50", "2.25 †", "0.67", "**wins**"]   # † : timed with events
+    assert fi_off[1][-1] == "not checked"
+    assert [r for r in f if r[1] == ODD] == [["not recorded", ODD, "-", "- / as it launches", "1", "-", "7.75", "-",
+                                              "-", ""]]
+    assert "kvfuse wins 1 of these 3 comparisons (1 even, 1 lost)." in text
+    assert "kvfuse wins 5 of these 5 comparisons (0 even, 0 lost)." in text
+    # the JSON's notes, and the layout note keyed by the row's name
+    assert f"- `{LL}flashinfer rope_quantize_fp8_append_paged_kv_cache`: note of {FI_PDL}." in text
+    assert f"- `{FI_CAST}`: note of {FI_CAST}; {benchmarks_md.ROW_NOTES[FI_CAST]}." in text
+    # the groups the run lacks, and the command that measures them
+    assert ("Groups of the harness this run lacks: A (`dsv4_flashmla`: DeepSeek V4, FLASHMLA_MODEL1 cache); C "
+            "(`dsv4_main_fp4`") in text and "`bash .peers/run.sh --groups A,C,E` measures them." in text
+    how = section(text, benchmarks_md.SIDE_BY_SIDE)
+    for want in ("- Side-by-side result: `benchmarks/results/2027-01-02_h200_peers.json`", "date 2027-01-02",
+                 "copy bandwidth 4.19 TB/s", "FlashInfer 0.7.2.post1, SGLang 0.5.23, vLLM 0.33.0 (the harness's README",
+                 "`bash .peers/run.sh --groups D,F,B --big ''`", "nvcc for sm_90a",
+                 "CUDA graph, median", "at n = 256", "groups D (`dsv3_flashmla`), F (`gqa`), B (`dsv4_main_fp8`)",
+                 "not recorded (the JSON holds none; its log does)"):
+        assert want in how, want
+    assert "`benchmarks/results/2027-01-02_h200_peers.json`" in section(text, "How it was measured")
+
+
+def test_a_peers_log_adds_the_software_and_names_a_check_partner_other_than_vs():
+    log = "\n".join(["device: NVIDIA H200 | torch 9.9+test | triton 3.6.0 | kvfuse 0.1.0",
+                     "tvm_ffi 0.1.11 | torch DLPack exchange API: True", "launch floor: 0.84 us (...)",
+                     f"[check dsv3_flashmla n=256] {VLLM_MLA} vs kvfuse something else: "
+                     "100.00% of 1234 bytes equal (cache 100.00%)",
+                     f"[check gqa n=1] {FI_PDL} vs {KV_PDL}: 98.46% of 5678 bytes equal (k 96.92%, v 100.00%)"])
+    text = benchmarks_md.render(make_report(MLA), peers=PEERS, peers_source="p.json", peers_log=log)
+    how = section(text, benchmarks_md.SIDE_BY_SIDE)
+    assert "NVIDIA H200; torch 9.9+test, Triton 3.6.0, kvfuse 0.1.0, apache-tvm-ffi 0.1.11;" in how
+    assert "launch floor 0.84 us" in how and "date not recorded" in how
+    got = side_rows(text)
+    assert got["dsv3_flashmla"][1][-1] == \
+        "100.00% of 1234 bytes equal (cache 100.00%) (against `kvfuse something else`)"
+    fi_pdl = [r for r in got["gqa"] if r[1] == FI_PDL]
+    assert fi_pdl[0][-1] == "98.46% of 5678 bytes equal (k 96.92%, v 100.00%)" and fi_pdl[1][-1] == ""   # n = 1
+
+
+def test_releases_recorded_in_the_json_win_and_no_peers_run_says_so():
+    peers = dict(PEERS, releases={"flashinfer": "FlashInfer 9.9", "vllm": "vLLM 8.8"})
+    text = benchmarks_md.render(make_report(MLA), peers=peers, peers_source="p.json")
+    assert "- Releases: FlashInfer 9.9, vLLM 8.8 (recorded in the JSON)." in text
+    assert side_rows(text)["dsv3_flashmla"][0][0] == "vLLM 8.8"
+    none = section(benchmarks_md.render(make_report(MLA)), benchmarks_md.SIDE_BY_SIDE)
+    assert "No side-by-side result was given" in none and "|" not in none
+    assert "(none given here)" in benchmarks_md.render(make_report(MLA))
+
+
+def test_the_committed_side_by_side_tables_hold_every_engine_row_and_only_the_jsons_figures():
+    """Every engine row of the committed peers JSON appears beside its vs row; every figure of the engine
+    and kvfuse columns is that JSON's (formatted as rendered), every ratio and verdict follows from them."""
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    peers_source = re.search(r"^- Side-by-side result: `([^`]+)`", text, re.M).group(1)
+    peers = json.loads((ROOT / peers_source).read_text())
+    recs = {(r["group"], r["row"], r["n"]): r for r in peers["records"]}
+    got = side_rows(text)
+    seen = set()
+    for group, table in got.items():
+        for _, engine_row, vs, _, n, kv_us, engine_us, ratio, mark, _ in table:
+            e = recs[(group, engine_row, int(n))]
+            assert e["pdl"] is None and (e["vs"] or "-") == vs
+            assert engine_us == benchmarks_md._us(e["gpu_us"]), (engine_row, n)
+            k = recs[(group, vs, int(n))]
+            assert kv_us == benchmarks_md._us(k["gpu_us"]), (vs, n)
+            assert ratio == f"{k['gpu_us'] / e['gpu_us']:.2f}"
+            assert mark.strip("*") == benchmarks_md.verdict(k["gpu_us"], e["gpu_us"])
+            assert abs(e["ratio"] - e["gpu_us"] / k["gpu_us"]) < 1e-9         # the JSON's own ratio agrees
+            seen.add((group, engine_row, int(n)))
+    assert seen == {k for k, r in recs.items() if r["pdl"] is None}
+    assert set(got) == {r["group"] for r in peers["records"]}
+    for c in peers["checks"]:
+        if c["row"] in {k[1] for k in seen}:
+            assert c["result"] in section(text, benchmarks_md.SIDE_BY_SIDE)
+
+
+def test_engine_time_targets_are_figures_of_a_committed_peers_run():
+    """kvfuse.bench.ENGINE_TIME_TARGETS (the Targets section's engine column) quotes an engine row of a
+    committed side-by-side JSON at every n."""
+    held = {}
+    for path in (ROOT / "benchmarks" / "results").glob("*_peers*.json"):
+        for r in json.loads(path.read_text())["records"]:
+            if r["pdl"] is None and r.get("gpu_us"):
+                held.setdefault(r["row"], set()).add((r["n"], round(r["gpu_us"], 2)))
+    for workload, (engine, times) in bench.ENGINE_TIME_TARGETS.items():
+        assert any({(n, us) for n, us in times.items()} <= pairs for pairs in held.values()), (workload, engine)
