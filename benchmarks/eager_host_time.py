@@ -9,7 +9,8 @@ For each call (n tokens, default 1), with the plan cache on (kvfuse's default) a
 - "GPU us": CUDA-graph replay of the same call, per call (``kvfuse.bench``'s timer: 20 calls in one graph;
   one graph launch per call would measure the graph launches).
 
-Calls: kvfuse's fused entry (``kvfuse.bench`` workloads: DeepSeek V4 MAIN_FP8, V3 (kv_c, k_pe), the V3.2
+Calls: two floors (torch's add_ on one element, a one-program Triton kernel: what a launch costs on this
+host), kvfuse's fused entry (``kvfuse.bench`` workloads: DeepSeek V4 MAIN_FP8, V3 (kv_c, k_pe), the V3.2
 indexer K), the GQA entry (Llama 3 8B / Qwen3 8B with fp8 caches), and the adapters
 ``kvfuse.engines.vllm.reshape_and_cache_flash`` (fp8), ``concat_and_cache_mla`` (fp8_ds_mla),
 ``fused_qk_norm_rope`` and ``kvfuse.engines.flashinfer.rope_quantize_fp8_append_paged_kv_cache``.
@@ -85,6 +86,15 @@ def _adapters(n: int, dev: torch.device) -> dict:
     }
 
 
+def _floors(dev: torch.device) -> dict:
+    """What any launch costs on this host: torch's own add_ on one element, and a one-program Triton kernel
+    (kvfuse.bench's launch-floor kernel) launched through Triton's launcher."""
+    from kvfuse.bench.timing import _tiny_kernel
+    buf = torch.zeros(1, dtype=torch.int32, device=dev)
+    return {"floor: torch add_ (one element)": lambda: buf.add_(1),
+            "floor: a one-program Triton kernel": lambda: _tiny_kernel[(1,)](buf)}
+
+
 def host_us(fn, samples: int) -> float:
     """Median wall time of single calls, each after the GPU has drained (no queueing behind earlier work)."""
     times = []
@@ -126,7 +136,8 @@ def main(argv=None) -> None:
     p.add_argument("--dry-run", action="store_true", help="CPU: build every call and run it once (TRITON_INTERPRET=1)")
     a = p.parse_args(argv)
     dev = torch.device("cpu" if a.dry_run else "cuda")
-    calls = {f"kvfuse bench {w}": _workload_call(w, a.n, dev) for w in WORKLOADS}
+    calls = _floors(dev)
+    calls.update({f"kvfuse bench {w}": _workload_call(w, a.n, dev) for w in WORKLOADS})
     calls.update(_adapters(a.n, dev))
     if a.dry_run:
         with kvfuse.use_backend("triton"):
