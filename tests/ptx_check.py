@@ -55,7 +55,7 @@ GQA_TAILS = ("q2_ptr", "sq2_n", "sq2_h", "k2_ptr", "sk2_n", "sk2_h", "qo2_ptr", 
              "kd2_blk", "kd2_tok", "kd2_head")
 GQA_PAGED_APPEND = ("pa_b", "pa_p", "pa_indptr", "pa_idx", "pa_nreq", "pa_nidx")
 ONE_PART = {**{name: None for name in GQA_TAILS + GQA_PAGED_APPEND}, "qs_ptr": None, "SPLIT": 0, "Q_FP8": False,
-            "SCALE_MUL": False, "SCALE_BY_VALUE": False, "HAS_V": True}
+            "SCALE_MUL": False, "SCALE_BY_VALUE": False, "HAS_V": True, "V_FP8": None}
 
 
 def compile_ptx(fn, consts, num_warps=4, ptr_types=None):
