@@ -100,12 +100,21 @@ class GQACacheFormat:
 
 
 _VLLM_FLASH = "vLLM 0.33.0, vllm/v1/attention/backends/flash_attn.py (FlashAttention), triton_attn.py (unified_attention)"
+_VLLM_PER_TOKEN_HEAD = ("vLLM 0.33.0, vllm/v1/attention/backends/triton_attn.py (TritonAttentionImpl: scale caches "
+                        "from _ensure_scale_caches, read by unified_attention)")
 _FLASHINFER = "FlashInfer 0.7.2, flashinfer/decode.py, prefill.py (BatchDecode/PrefillWithPagedKVCacheWrapper)"
 
 PRESETS = {f.name: f for f in (
     GQACacheFormat("auto", "act", None, "none", reader=f"{_VLLM_FLASH}; {_FLASHINFER}"),
     GQACacheFormat("fp8_e4m3", "e4m3", torch.float8_e4m3fn, "static", qmax=448.0,
                    reader=f"{_VLLM_FLASH}, k_scale / v_scale as descale; {_FLASHINFER}, k_scale / v_scale"),
+    GQACacheFormat("fp8_e5m2", "e5m2", torch.float8_e5m2, "static", qmax=57344.0,
+                   reader="vLLM 0.33.0, vllm/v1/attention/backends/triton_attn.py (unified_attention, "
+                          f"kv_cache_dtype 'fp8_e5m2'); {_FLASHINFER}, kv dtype float8_e5m2"),
+    GQACacheFormat("fp8_per_token_head", "e4m3", torch.float8_e4m3fn, "token_head", scale_dtype=torch.float32,
+                   qmax=448.0, reader=_VLLM_PER_TOKEN_HEAD),
+    GQACacheFormat("int8_per_token_head", "int8", torch.int8, "token_head", scale_dtype=torch.float32,
+                   qmax=127.0, reader=_VLLM_PER_TOKEN_HEAD),
 )}
 # other names of a preset (vLLM's "fp8" is its "fp8_e4m3")
 ALIASES = {"fp8": "fp8_e4m3"}

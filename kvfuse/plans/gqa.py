@@ -503,6 +503,7 @@ _OWN_LENGTH_FIELDS = frozenset(("append_kv_indptr", "append_kv_indices"))   # le
 _AT = {field: i for i, field in enumerate(_FIELDS)}
 _Q, _Q_OUT, _K_OUT = _AT["q"], _AT["q_out"], _AT["k_out"]
 _ALIASING_MEMO_SIZE = 64
+_CODE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)   # written by the kernel as bytes
 
 
 def _pair(x):
@@ -672,7 +673,7 @@ class GQATemplate(CacheEntry):
         self.q_pair = plan.q_out_tail is not None or "q_out_tail" in allocated      # q_out returned as a pair
         self.k_out_pair = plan.k_out_tail is not None or "k_out_tail" in allocated
         self.codes_at = tuple(i for i, f in enumerate(_FIELDS) if getattr(plan, f) is not None
-                              and getattr(plan, f).dtype == torch.float8_e4m3fn)
+                              and getattr(plan, f).dtype in _CODE_DTYPES)
         self.lengths_at = (_AT["append_kv_indptr"], _AT["append_kv_indices"]) if plan.paged_append else None
         self.launches = {}
 
@@ -683,7 +684,7 @@ class GQATemplate(CacheEntry):
         return plan
 
     def kernel_tensors(self, tensors) -> tuple:
-        """The tensors as the kernel takes them: an fp8 one as its e4m3 codes (bytes)."""
+        """The tensors as the kernel takes them: a cache of codes (e4m3, e5m2, int8) as bytes."""
         if not self.codes_at:
             return tensors
         out = list(tensors)

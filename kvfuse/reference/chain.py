@@ -10,7 +10,7 @@ from .. import gqa_formats
 from ..numerics_profiles import profile
 from ..plans.types import CastSpec, Plan
 from .numerics import F32
-from .stages import dequantize, hadamard, norm, quantize, quantize_per_tensor, rmsnorm, rope
+from .stages import dequantize, hadamard, norm, quantize, quantize_per_tensor, quantize_per_token_head, rmsnorm, rope
 from .cache import paged_append_slots, store, store_paged
 
 
@@ -102,13 +102,16 @@ def _cache_format(fmt, cache, act):
 
 
 def _cache_rows(fmt, y32, rounded, scale, prof, convention):
-    """The rows [n, H, D] a cache of format ``fmt`` receives for the values y32 (fp32) / rounded (the
-    activations' dtype): the rounded values ("auto"), or the codes of the fp32 or rounded value (the
-    profile says which) by the static scale."""
+    """(rows [n, H, D], scales [n, H] or None) a cache of format ``fmt`` receives for the values y32 (fp32) /
+    rounded (the activations' dtype): the rounded values ("auto"), or the codes of the fp32 or rounded value
+    (the profile says which) by the static scale, or by each row's own scale (returned: the scale cache's)."""
     if fmt.code == "act":
-        return rounded
-    if fmt.scale == "static" and fmt.code == "e4m3":
-        return quantize_per_tensor(y32 if prof.cast_reads_fp32 else rounded, scale, convention)
+        return rounded, None
+    x = y32 if prof.cast_reads_fp32 else rounded
+    if fmt.scale == "static" and fmt.code in ("e4m3", "e5m2"):
+        return quantize_per_tensor(x, scale, convention, fmt.code), None
+    if fmt.scale == "token_head":
+        return quantize_per_token_head(x.to(F32), fmt.code)
     raise NotImplementedError(f"the reference has no cast for the GQA cache format {fmt.name!r}")
 
 
@@ -141,7 +144,9 @@ def qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_out, q_weig
                                                  scale_convention))
     else:
         kf = _cache_format(k_format, k_cache, act)
-        krows = _cache_rows(kf, k32, ky, k_scale, prof, scale_convention)
+        krows, kscales = _cache_rows(kf, k32, ky, k_scale, prof, scale_convention)
+        if kscales is not None:
+            store_paged(k_scale_cache.unsqueeze(-1), slot_mapping, kscales[..., None], layout)
         if k_cache_tail is None:
             store_paged(k_cache, slot_mapping, krows, layout)
         else:
@@ -150,7 +155,10 @@ def qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_out, q_weig
             store_paged(k_cache_tail, slot_mapping, krows[..., split:], layout)
         if v_cache is not None:
             vf = _cache_format(v_format, v_cache, act)
-            store_paged(v_cache, slot_mapping, _cache_rows(vf, v.to(F32), v, v_scale, prof, scale_convention), layout)
+            vrows, vscales = _cache_rows(vf, v.to(F32), v, v_scale, prof, scale_convention)
+            store_paged(v_cache, slot_mapping, vrows, layout)
+            if vscales is not None:
+                store_paged(v_scale_cache.unsqueeze(-1), slot_mapping, vscales[..., None], layout)
     _write(q_out, q_out_tail, _cast_or_round(q32, qy, q_out.dtype == torch.float8_e4m3fn, q_scale, prof,
                                              scale_convention))
 
