@@ -102,11 +102,11 @@ def row_amax(a, mask):
 
 @triton.jit
 def token_head_scale(amax, QMAX: tl.constexpr):
-    """vLLM's per-(token, head) scale, IEEE: max(amax / QMAX, 1e-6) (a NaN amax stays NaN) and its reciprocal
-    1 / s, each correctly rounded."""
+    """vLLM's per-(token, head) scale, IEEE: max(amax / QMAX, 1e-6) (a NaN amax gives the canonical NaN
+    0x7fc00000: the GPU's NaN bits differ from the CPU's) and its reciprocal 1 / s, each correctly rounded."""
     zero = tl.zeros_like(amax)
     s = tl.div_rn(amax, zero + QMAX)
-    s = tl.where(s != s, s, tl.maximum(s, 1e-6))
+    s = tl.where(s != s, float("nan"), tl.maximum(s, 1e-6))
     return s, tl.div_rn(zero + 1.0, s)
 
 

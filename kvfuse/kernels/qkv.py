@@ -309,10 +309,11 @@ def _nan_max(a, b):
 @triton.jit
 def _pth_codes(y, r, PTH: tl.constexpr, NATIVE: tl.constexpr):
     """The per-(token, head) codes of rows y [M, ., .] by their scales' reciprocals r [M]: t = y * r (one
-    rounding), then e4m3 (PTH_E4M3, saturating at 448) or vLLM's int8 rounding (PTH_INT8), as bytes."""
+    rounding), then e4m3 (PTH_E4M3, saturating at 448; NaN 0x7f whatever its sign) or vLLM's int8 rounding
+    (PTH_INT8), as bytes."""
     t = y * r[:, None, None]
     if PTH == PTH_E4M3:
-        c = encode_e4m3(t, NATIVE)
+        c = tl.where(t != t, 0x7F, encode_e4m3(t, NATIVE))
     else:
         c = encode_int8_rhaz(t).to(tl.uint8)
     return c

@@ -243,11 +243,11 @@ TOKEN_HEAD_MIN_SCALE = 1e-6
 
 def token_head_scales(x: torch.Tensor, qmax: float) -> torch.Tensor:
     """fp32 [..., D] -> the scale of each row [...]: max(amax / qmax, 1e-6), amax = max |x| over the row (NaN
-    when the row holds one), a correctly rounded fp32 division, the bound 1e-6 as fp32 (vLLM's
-    _reshape_cache_per_token_head, SPEC §11)."""
+    when the row holds one: the canonical NaN 0x7fc00000), a correctly rounded fp32 division, the bound 1e-6
+    as fp32 (vLLM's _reshape_cache_per_token_head, SPEC §11)."""
     amax = x.abs().amax(-1)
     s = torch.div(amax, _f32(qmax, x))
-    return torch.where(torch.isnan(s), s, torch.maximum(s, _f32(TOKEN_HEAD_MIN_SCALE, x)))
+    return torch.where(torch.isnan(s), _f32(float("nan"), x), torch.maximum(s, _f32(TOKEN_HEAD_MIN_SCALE, x)))
 
 
 def encode_int8_round_half_away(t: torch.Tensor) -> torch.Tensor:
@@ -268,6 +268,7 @@ def quantize_per_token_head(x: torch.Tensor, code: str):
     t = x * r[..., None]
     if code == "e4m3":
         codes = encode_e4m3(torch.clamp(t, -FMAX["e4m3"], FMAX["e4m3"]))
+        codes = torch.where(torch.isnan(t), torch.full_like(codes, 0x7F), codes)     # NaN 0x7f, whatever its sign
     else:
         codes = encode_int8_round_half_away(t).view(torch.uint8)
     return codes, s
