@@ -99,7 +99,8 @@ class GQACacheFormat:
         return head_dim * self.value_bytes(act) + self.scale_bytes(head_dim)
 
 
-_VLLM_FLASH = "vLLM 0.33.0, vllm/v1/attention/backends/flash_attn.py (FlashAttention), triton_attn.py (unified_attention)"
+_VLLM_FLASH = ("vLLM 0.33.0, vllm/v1/attention/backends/flash_attn.py (FlashAttention), triton_attn.py "
+               "(unified_attention)")
 _VLLM_PER_TOKEN_HEAD = ("vLLM 0.33.0, vllm/v1/attention/backends/triton_attn.py (TritonAttentionImpl: scale caches "
                         "from _ensure_scale_caches, read by unified_attention)")
 _FLASHINFER = "FlashInfer 0.7.2, flashinfer/decode.py, prefill.py (BatchDecode/PrefillWithPagedKVCacheWrapper)"

@@ -388,7 +388,8 @@ PTH_BAD = [
      "v_scale_cache: expected dtype torch.float32, got torch.bfloat16"),
     ("scale cache shape", lambda kw: dict(k_scale_cache=kw["k_scale_cache"][:, :, :1]), ValueError,
      "k_scale_cache: expected shape"),
-    ("scale cache expanded", lambda kw: dict(k_scale_cache=kw["k_scale_cache"][:, :1].expand(kw["k_scale_cache"].shape)),
+    ("scale cache expanded",
+     lambda kw: dict(k_scale_cache=kw["k_scale_cache"][:, :1].expand(kw["k_scale_cache"].shape)),
      ValueError, "k_scale_cache: its elements overlap in memory"),
     ("static scale given", dict(k_scale=torch.ones(1)), ValueError,
      "k_scale must be None without a static-scale k_format ('fp8_per_token_head' here)"),
@@ -544,3 +545,69 @@ def test_every_bf16_value_through_v(fmt, scale):
     ref = every_bf16_run(fmt, scale, "reference")
     got = every_bf16_run(fmt, scale, "triton")
     assert not diff_report(ref, got), diff_report(ref, got)
+
+
+# --------------------------------------------------------------------------- vLLM's per-(token, head) writer
+class _Mode:       # stands for vLLM's KVQuantMode (read by its name)
+    def __init__(self, name):
+        self.name = name
+
+
+@pytest.mark.parametrize("mode,dtype", [("INT8_PER_TOKEN_HEAD", torch.int8), ("FP8_PER_TOKEN_HEAD", torch.uint8)])
+def test_vllm_per_token_head_adapter(mode, dtype):
+    """kvfuse.engines.vllm's writer with vLLM's signature and its allocation (per (head, slot) a row of codes
+    and scale padding, the caches wider than head_size, the scales strided fp32 views of the same bytes):
+    the bytes of the GQA entry on the written columns and scales, the padding bytes left alone, and
+    vLLM's rule (written out above) for V."""
+    from kvfuse.engines import vllm as ops
+    n, h, d, nb, bs = 5, 2, 64, 3, 4
+    g = torch.Generator().manual_seed(81)
+    key, value = (torch.randn(n, h, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    row = 2 * (d + 4)
+    raw = torch.randint(0, 256, (nb * bs * h * row,), generator=g, dtype=torch.int64).to(torch.uint8)
+    kv = raw.view(nb, bs, h, row)
+    key_cache, value_cache = kv[..., :d + 4].view(dtype), kv[..., d + 4:].view(dtype)     # [.., d + 4]: padded rows
+    f32 = raw.view(torch.float32)
+    ks = torch.as_strided(f32, (nb, bs, h), (bs * h * row // 4, h * row // 4, row // 4), d // 4)
+    vs = torch.as_strided(f32, (nb, bs, h), (bs * h * row // 4, h * row // 4, row // 4), (2 * d + 4) // 4)
+    slots = torch.tensor([3, -1, 0, 11, 6])
+    before = raw.clone()
+    ops.triton_reshape_and_cache_flash_per_token_head_quant(key, value, key_cache, value_cache, ks, vs, slots,
+                                                            _Mode(mode))
+    codes, scales = _vllm_per_token_head(value, "int8" if dtype == torch.int8 else "e4m3")
+    for i, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        b, o = divmod(s, bs)
+        assert torch.equal(value_cache[b, o, :, :d].view(torch.int8), codes[i]) and torch.equal(vs[b, o], scales[i])
+    written = torch.zeros(nb, bs, dtype=torch.bool)
+    written.view(-1)[slots[slots >= 0]] = True
+    assert torch.equal(raw.view(nb, bs, -1)[~written], before.view(nb, bs, -1)[~written])
+    # the same call on the GQA entry
+    raw2 = before.clone()
+    kv2 = raw2.view(nb, bs, h, row)
+    fmt = "int8_per_token_head" if dtype == torch.int8 else "fp8_per_token_head"
+    cdt = torch.int8 if dtype == torch.int8 else torch.float8_e4m3fn
+    f32b = raw2.view(torch.float32)
+    kvfuse.fused_qk_norm_rope_store_kv(key[:, :0], key, value, kv2[..., :d].view(cdt),
+                                       kv2[..., d + 4:2 * d + 4].view(cdt), slots, k_format=fmt, v_format=fmt,
+                                       k_scale_cache=torch.as_strided(f32b, ks.shape, ks.stride(), ks.storage_offset()),
+                                       v_scale_cache=torch.as_strided(f32b, vs.shape, vs.stride(), vs.storage_offset()))
+    assert torch.equal(raw, raw2)
+
+
+def test_vllm_per_token_head_adapter_errors():
+    from kvfuse.engines import vllm as ops
+    key = torch.zeros(2, 1, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 4, 1, 64, dtype=torch.int8)
+    sc = torch.zeros(2, 4, 1)
+    with pytest.raises(ValueError, match="kv_quant_mode: expected one of"):
+        ops.triton_reshape_and_cache_flash_per_token_head_quant(key, key, cache, cache.clone(), sc, sc.clone(),
+                                                                torch.zeros(2, dtype=torch.long), "INT4_PER_TOKEN_HEAD")
+    with pytest.raises(TypeError, match="key_cache: an fp8 e4m3 cache must be uint8 or float8_e4m3fn"):
+        ops.triton_reshape_and_cache_flash_per_token_head_quant(key, key, cache, cache.clone(), sc, sc.clone(),
+                                                                torch.zeros(2, dtype=torch.long), "FP8_PER_TOKEN_HEAD")
+    with pytest.raises(ValueError, match="k_scale_cache: expected shape"):
+        ops.triton_reshape_and_cache_flash_per_token_head_quant(key, key, cache, cache.clone(), sc[:, :2], sc.clone(),
+                                                                torch.zeros(2, dtype=torch.long),
+                                                                _Mode("INT8_PER_TOKEN_HEAD"))

@@ -849,7 +849,8 @@ def launch_args(plan, tensor=None):
         options["HAS_V"] = False
     elif plan.has_v and (vf.scale == "static") != fp8:    # caches of two formats
         options["V_FP8"] = vf.scale == "static"
-    for which, fmt, scale_cache in (("K", kf, plan.k_scale_cache), ("V", vf if plan.has_v else None, plan.v_scale_cache)):
+    for which, fmt, scale_cache in (("K", kf, plan.k_scale_cache),
+                                    ("V", vf if plan.has_v else None, plan.v_scale_cache)):
         if fmt is None:
             continue
         if fmt.code == "e5m2":

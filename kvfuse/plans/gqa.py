@@ -572,7 +572,8 @@ def _call_tensors(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_a
     else:
         slots, append = slot_mapping, (None, None, None, None)
     pos, cs = (None, None) if rope_args is None else (rope_args.positions, rope_args.cos_sin_cache)
-    return [qo, ko, kc, v_cache, qo_tail, ko_tail, kc_tail, k_scale_cache, v_scale_cache, q, k, v, q_tail, k_tail, slots,
+    return [qo, ko, kc, v_cache, qo_tail, ko_tail, kc_tail, k_scale_cache, v_scale_cache, q, k, v, q_tail, k_tail,
+            slots,
             None if q_norm_args is None else q_norm_args.weight, None if k_norm_args is None else k_norm_args.weight,
             pos, cs, _tensor_or_none(k_scale), _tensor_or_none(v_scale), _tensor_or_none(q_scale), *append]
 
