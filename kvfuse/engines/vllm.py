@@ -106,16 +106,7 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     one shape, one element (per tensor) or num_heads elements (head h divided by scale[h], as vLLM's
     kernel reads ``k_scale[head]`` when ``k_scale.numel() > 1``); the scales are ignored for "auto".
     """
-    _checks.activations(key, "key", 3, _FLASH_DTYPES)
-    _checks.tensor(value, "value")
-    if value.dtype != key.dtype:
-        raise TypeError(f"value: expected key's dtype {key.dtype}, got {value.dtype}")
-    _checks.activations(value, "value", 3, _FLASH_DTYPES)
-    _checks.slots(slot_mapping)
-    _checks.head_size(key.shape[-1], "key", 8)
-    _checks.head_size(value.shape[-1], "value", 8)
-    if value.shape[0] != key.shape[0]:
-        raise ValueError(f"value: expected {key.shape[0]} tokens like key, got {value.shape[0]}")
+    _flash_key_value(key, value, slot_mapping)
     kind = _cache_dtype(kv_cache_dtype, ("auto",) + FP8_KV_CACHE_DTYPES)
     if kind == "auto":
         key_cache = _auto_cache(key_cache, "key_cache", key.dtype)
@@ -128,6 +119,21 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     with _checks.engine_names(_GQA_NAMES):
         fused_qk_norm_rope_store_kv(key[:m, :0], key[:m], value[:m], key_cache, value_cache, slot_mapping,
                                     k_scale=k_scale, v_scale=v_scale, layout="NHD")
+
+
+def _flash_key_value(key, value, slot_mapping) -> None:
+    """The flash writers' key [num_tokens, num_heads, head_size] and value (key's dtype, bf16 / fp16 / fp32,
+    head sizes a multiple of 8, as many tokens) and slot_mapping, with vLLM's argument names."""
+    _checks.activations(key, "key", 3, _FLASH_DTYPES)
+    _checks.tensor(value, "value")
+    if value.dtype != key.dtype:
+        raise TypeError(f"value: expected key's dtype {key.dtype}, got {value.dtype}")
+    _checks.activations(value, "value", 3, _FLASH_DTYPES)
+    _checks.slots(slot_mapping)
+    _checks.head_size(key.shape[-1], "key", 8)
+    _checks.head_size(value.shape[-1], "value", 8)
+    if value.shape[0] != key.shape[0]:
+        raise ValueError(f"value: expected {key.shape[0]} tokens like key, got {value.shape[0]}")
 
 
 def triton_reshape_and_cache_flash_per_token_head_quant(key, value, key_cache, value_cache, k_scale_cache,
@@ -148,14 +154,7 @@ def triton_reshape_and_cache_flash_per_token_head_quant(key, value, key_cache, v
         raise ValueError(f"kv_quant_mode: expected one of {tuple(PER_TOKEN_HEAD_MODES)} (vLLM's KVQuantMode), "
                          f"got {kv_quant_mode!r}")
     fmt = PER_TOKEN_HEAD_MODES[mode.upper()]
-    _checks.activations(key, "key", 3, _FLASH_DTYPES)
-    _checks.tensor(value, "value")
-    if value.dtype != key.dtype:
-        raise TypeError(f"value: expected key's dtype {key.dtype}, got {value.dtype}")
-    _checks.activations(value, "value", 3, _FLASH_DTYPES)
-    _checks.slots(slot_mapping)
-    if value.shape[0] != key.shape[0]:
-        raise ValueError(f"value: expected {key.shape[0]} tokens like key, got {value.shape[0]}")
+    _flash_key_value(key, value, slot_mapping)
     caches = []
     for cache, name, width in ((key_cache, "key_cache", key.shape[-1]), (value_cache, "value_cache", value.shape[-1])):
         if fmt == "fp8_per_token_head":
