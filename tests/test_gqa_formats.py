@@ -611,3 +611,32 @@ def test_vllm_per_token_head_adapter_errors():
         ops.triton_reshape_and_cache_flash_per_token_head_quant(key, key, cache, cache.clone(), sc[:, :2], sc.clone(),
                                                                 torch.zeros(2, dtype=torch.long),
                                                                 _Mode("INT8_PER_TOKEN_HEAD"))
+
+
+def test_opcheck_per_token_head():
+    """The custom op with int8 per-(token, head) caches and their scale caches (mutated, declared so)."""
+    from kvfuse.plans import opargs
+    op = torch.ops.kvfuse.fused_qk_norm_rope_store_kv.default
+    fc = FormatCase(GQACase(n=4, hq=2, hkv=2, d=64, seed=91), "int8_per_token_head", "int8_per_token_head")
+    kw, _, _, _ = build_format_call(fc)
+    for name in ("k_scale_cache", "v_scale_cache"):
+        kw[name] = torch.zeros(kw[name].shape)          # finite values: opcheck compares with allclose
+    args = opargs.flatten(kvfuse.plans.gqa.prepare(**kw))
+    with kvfuse.use_backend("reference"):
+        torch.library.opcheck(op, args)
+
+
+def test_compiled_call_equals_eager():
+    """Under torch.compile(fullgraph=True) the call (through the custom op) writes the eager call's bytes."""
+    fc = FormatCase(GQACase(n=4, hq=2, hkv=2, d=64, seed=92), "fp8_per_token_head", "fp8_e5m2")
+    outs = []
+    for compiled in (False, True):
+        kw, storages, _, q_buf = build_format_call(fc)
+        fn = kvfuse.fused_qk_norm_rope_store_kv
+        if compiled:
+            torch._dynamo.reset()
+            fn = torch.compile(fn, fullgraph=True, backend="eager")
+        with kvfuse.use_backend("reference"):
+            fn(**kw)
+        outs.append([s.clone() for s in storages.values()] + [q_buf.view(torch.uint8).clone()])
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
