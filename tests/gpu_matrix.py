@@ -382,4 +382,11 @@ def gqa_format_cases():
             for n, layout in ((513, "NHD"), (3, "HND")):
                 case = GQACase(n=n, d=128, hq=6, hkv=3, layout=layout, seed=n + i)
                 out.append((f"gqa_formats {name} inline d128_n{n}_{layout}", FormatCase(case, name, name, inline=True)))
+    # K's cache as two (FlashInfer's kpe / ckv) with a per-row scale over both; the multiply convention
+    out.append(("gqa_formats fp8_per_token_head k_cache_split d576_n9", FormatCase(
+        GQACase(n=9, d=576, hq=16, hkv=1, split=64, k_cache_split=True, v_cache=False, rotary_dim=64, neox=False,
+                seed=9), "fp8_per_token_head", None)))
+    out.append(("gqa_formats fp8_e5m2/fp8_e4m3 multiply d128_n300", FormatCase(
+        GQACase(n=300, hq=6, hkv=3, layout="HND", scale_convention="multiply", scale_per_head="k", seed=300),
+        "fp8_e5m2", "fp8_e4m3")))
     return out

@@ -96,7 +96,8 @@ def _static_scale(case: GQACase, which: str, device):
 def build_format_call(fc: FormatCase, device="cpu"):
     """(keyword arguments, {name: storage} of the caches and scale caches, inputs, q_out buffer)."""
     case = fc.base
-    assert not case.fp8 and case.kv_cache and not case.k_cache_split and (fc.v_format is None) == (not case.v_cache)
+    assert not case.fp8 and case.kv_cache and (fc.v_format is None) == (not case.v_cache)
+    assert not (fc.inline and case.k_cache_split)
     kw, _, inputs, q_buf = build(case, device)
     g = torch.Generator().manual_seed(case.seed + 1000)
     act = case.act
@@ -112,6 +113,10 @@ def build_format_call(fc: FormatCase, device="cpu"):
         for which, fmt in fmts.items():
             dim = case.d if which == "k" else case.v_dim
             kw[which + "_cache"], storages[which] = _guarded(case, fmt.dtype_for(act), dim, 16, g, device)
+            if which == "k" and case.k_cache_split:      # K's cache as two (its heads' first split columns, the rest)
+                first, storages["k"] = _guarded(case, fmt.dtype_for(act), case.split, 16, g, device)
+                rest, storages["k_rest"] = _guarded(case, fmt.dtype_for(act), case.d - case.split, 32, g, device)
+                kw["k_cache"] = (first, rest)
             if fmt.stores_scale:
                 kw[which + "_scale_cache"], storages[which + "_scales"] = _guarded_scales(case, g, device)
     for which, fmt in fmts.items():

@@ -261,6 +261,12 @@ FORMAT_CASES += [
     FormatCase(GQACase(dtype="fp32", numerics="fused", dv=64, layout="HND", seed=35), "fp8_per_token_head",
                "int8_per_token_head"),
     FormatCase(GQACase(v_cache=False, neox=False, seed=36, paged_append=True), "int8_per_token_head", None),
+    # K's cache as two (FlashInfer's kpe / ckv split) with its scale per row over both; FlashInfer's multiply
+    # convention with e5m2 and per-head scales
+    FormatCase(GQACase(split=64, k_cache_split=True, v_cache=False, rotary_dim=64, hq=4, hkv=1, seed=37),
+               "fp8_per_token_head", None),
+    FormatCase(GQACase(scale_convention="multiply", scale_per_head="k", hq=6, hkv=3, layout="HND", seed=38),
+               "fp8_e5m2", "fp8_e4m3"),
 ]
 
 
@@ -640,3 +646,13 @@ def test_compiled_call_equals_eager():
             fn(**kw)
         outs.append([s.clone() for s in storages.values()] + [q_buf.view(torch.uint8).clone()])
     assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+@INTERPRETER
+def test_per_token_head_int64_slot_path(monkeypatch):
+    """The slots' int64 path (caches of 2^31 slots and more) addresses the scale caches as the codes."""
+    from kvfuse.kernels import config
+    monkeypatch.setattr(config, "INT32_LIMIT", 4)
+    fc = FormatCase(GQACase(n=6, hq=2, hkv=2, layout="HND", seed=93), "int8_per_token_head", "fp8_per_token_head")
+    report = diff_report(run_format_case(fc, "reference"), run_format_case(fc, "triton"))
+    assert not report, report
