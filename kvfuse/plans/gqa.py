@@ -51,7 +51,7 @@ def _check_cache(cache, name, layout, nb_bs, heads, dim, dev, act=None, fmt=None
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cache).__name__}")
     if fmt is not None:
         want = fmt.dtype_for(act) if act is not None else fmt.cache_dtype
-        if want is None and cache.dtype not in ACTIVATION_DTYPES or want is not None and cache.dtype != want:
+        if (cache.dtype not in ACTIVATION_DTYPES) if want is None else (cache.dtype != want):
             what = ' or '.join(map(str, ACTIVATION_DTYPES)) if want is None else str(want)
             raise TypeError(f"{name}: expected dtype {what} ({fmt_name} {fmt.name!r}), got {cache.dtype}")
     allowed = (cache.dtype,) if fmt is not None else (ACTIVATION_DTYPES if act is None else (act,)) + tuple(_INFERRED)
