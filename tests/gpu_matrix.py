@@ -348,3 +348,45 @@ def gqa_cases():
         case = GQACase(n=n, d=d, seed=n * 7 + d, **{"hq": 6, "hkv": 3, **v})
         out.append((f"gqa d{d}_n{n}_" + "_".join(f"{k}={v[k]}" for k in v), case))
     return out
+
+
+# ------------------------------------------------------------------------------ GQA cache formats
+def gqa_format_cases():
+    """The GQA section's cache formats (kvfuse.gqa_formats.PRESETS; tests/gqa_format_cases.py): (label,
+    FormatCase) with every preset as K's format and as V's, each in the kernel's two row forms (halves: NEOX
+    RoPE over the whole head; rows: partial or GPT-J RoPE) at a decode (one program) and a batch of many
+    programs, crossed in turn with the layouts, activations' dtypes, profiles and per-head static scales;
+    and vLLM's inline scales for the formats that store theirs. Derived from PRESETS: a preset added there
+    gets its cases here (test_gqa_formats.py checks that each is reached)."""
+    from gqa_cases import GQACase
+    from gqa_format_cases import FormatCase
+    from kvfuse.gqa_formats import PRESETS
+    names = list(PRESETS)
+    out = []
+    for i, name in enumerate(names):
+        other = names[(i + 1) % len(names)]
+        features = [
+            (1, 128, name, other, dict(layout="NHD")),                                           # halves, decode
+            (300, 128, other, name, dict(layout="HND", neox=False, numerics="fused_fp32_cast",
+                                        dtype="fp16" if i % 2 else "bf16", q_norm="fp16" if i % 2 else "bf16",
+                                        k_norm="fp16" if i % 2 else "fp32", cos_sin="fp16" if i % 2 else "fp32")),
+            (260, 64, name, name, dict(rotary_dim=32, scale_per_head="kv", numerics="fused", block_size=16)),
+            (5, 256, name, name, dict(layout="HND", split=64, rotary_dim=64, dtype="fp32")),      # rows, heads as pairs
+        ]
+        for n, d, kf, vf, v in features:
+            hq, hkv = GQA_HEADS[d]
+            case = GQACase(n=n, d=d, hq=hq, hkv=hkv, seed=n * 7 + d + i, **v)
+            out.append((f"gqa_formats {kf}/{vf} d{d}_n{n}_" + "_".join(f"{k}={v[k]}" for k in v),
+                        FormatCase(case, kf, vf)))
+        if PRESETS[name].scale == "token_head":
+            for n, layout in ((513, "NHD"), (3, "HND")):
+                case = GQACase(n=n, d=128, hq=6, hkv=3, layout=layout, seed=n + i)
+                out.append((f"gqa_formats {name} inline d128_n{n}_{layout}", FormatCase(case, name, name, inline=True)))
+    # K's cache as two (FlashInfer's kpe / ckv) with a per-row scale over both; the multiply convention
+    out.append(("gqa_formats fp8_per_token_head k_cache_split d576_n9", FormatCase(
+        GQACase(n=9, d=576, hq=16, hkv=1, split=64, k_cache_split=True, v_cache=False, rotary_dim=64, neox=False,
+                seed=9), "fp8_per_token_head", None)))
+    out.append(("gqa_formats fp8_e5m2/fp8_e4m3 multiply d128_n300", FormatCase(
+        GQACase(n=300, hq=6, hkv=3, layout="HND", scale_convention="multiply", scale_per_head="k", seed=300),
+        "fp8_e5m2", "fp8_e4m3")))
+    return out

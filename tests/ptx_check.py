@@ -54,8 +54,11 @@ ONE_INPUT = {"xt_ptr": None, "sxt_n": None, "sxt_h": None}
 GQA_TAILS = ("q2_ptr", "sq2_n", "sq2_h", "k2_ptr", "sk2_n", "sk2_h", "qo2_ptr", "so2_n", "so2_h", "kd2_ptr",
              "kd2_blk", "kd2_tok", "kd2_head")
 GQA_PAGED_APPEND = ("pa_b", "pa_p", "pa_indptr", "pa_idx", "pa_nreq", "pa_nidx")
-ONE_PART = {**{name: None for name in GQA_TAILS + GQA_PAGED_APPEND}, "qs_ptr": None, "SPLIT": 0, "Q_FP8": False,
-            "SCALE_MUL": False, "SCALE_BY_VALUE": False, "HAS_V": True}
+# the caches' formats: K and V of one (FP8's), static casts to e4m3, no per-(token, head) scales
+GQA_SCALE_CACHES = ("ksc_ptr", "ksc_blk", "ksc_tok", "ksc_head", "vsc_ptr", "vsc_blk", "vsc_tok", "vsc_head")
+ONE_PART = {**{name: None for name in GQA_TAILS + GQA_PAGED_APPEND + GQA_SCALE_CACHES}, "qs_ptr": None, "SPLIT": 0,
+            "Q_FP8": False, "SCALE_MUL": False, "SCALE_BY_VALUE": False, "HAS_V": True, "V_FP8": None,
+            "K_E5M2": False, "V_E5M2": False, "K_PTH": 0, "V_PTH": 0}
 
 
 def compile_ptx(fn, consts, num_warps=4, ptr_types=None):
@@ -163,6 +166,17 @@ def gqa_variants():
                                                  "BLOCK_DV": 1024, "NEOX": False, "HAS_V": False},
                                                 q_parts + ("kd2_ptr", "kd2_blk", "kd2_tok", "kd2_head")), \
         {**part_ptrs, "kd2_ptr": "*u8"}
+    # the other cache formats (kvfuse.gqa_formats): e5m2 by static scales; K and V of two formats (a bf16 K
+    # cache, an e5m2 V cache); per-(token, head) scales (e4m3 in the halves form, int8 in the rows form)
+    yield "gqa_e5m2_neox_heads4", {**base, "BLOCK_M": 2, "G": 4, "K_E5M2": True, "V_E5M2": True}, ptrs
+    yield "gqa_bf16_k_e5m2_v_per_head_scales", {**base, "BLOCK_M": 2, "G": 2, "FP8": False, "V_FP8": True,
+                                                "V_E5M2": True, "V_SCALE_PER_HEAD": True}, {**ptrs, "kc_ptr": "*bf16"}
+    scale_caches = {"ksc_ptr": "*fp32", "vsc_ptr": "*fp32"}
+    yield "gqa_fp8_per_token_head_neox_heads4", passed({**base, "BLOCK_M": 2, "G": 4, "FP8": False, "K_PTH": 1,
+                                                        "V_PTH": 1}, GQA_SCALE_CACHES), {**ptrs, **scale_caches}
+    yield "gqa_int8_per_token_head_rows_fp32_cast", passed({**base, "BLOCK_M": 4, "G": 2, "HALVES": False, "R": 64,
+                                                            "FP8": False, "K_PTH": 2, "V_PTH": 2, "NUMERICS": 2},
+                                                           GQA_SCALE_CACHES), {**ptrs, **scale_caches}
 
 
 def grouped_variants():
@@ -272,7 +286,7 @@ def gqa_fp8_fma_findings(ptx: str, twin: str) -> list:
 
 def _gqa_fp8_fma_findings(ptx: str, consts: dict, ptrs: dict) -> list:
     """gqa_fp8_fma_findings with the twin compiled here."""
-    twin = compile_ptx(Q.qkv_kernel, {**consts, "FP8": False, "Q_FP8": False}, num_warps=1,
+    twin = compile_ptx(Q.qkv_kernel, {**consts, "FP8": False, "Q_FP8": False, "V_FP8": None}, num_warps=1,
                        ptr_types={**ptrs, "kc_ptr": "*bf16", "vc_ptr": "*bf16", "qo_ptr": "*bf16", "qo2_ptr": "*bf16",
                                   "kd2_ptr": "*bf16"})
     return gqa_fp8_fma_findings(ptx, twin)
@@ -292,7 +306,8 @@ def main() -> int:
             print(f"{name:36s} {code_fingerprint(ptx)}")
             continue
         bad = sorted(set(BAD.findall(ptx)))
-        if fn is Q.qkv_kernel and (consts["FP8"] or consts.get("Q_FP8")) and not consts.get("SCALE_MUL"):
+        if fn is Q.qkv_kernel and (consts["FP8"] or consts.get("Q_FP8") or consts.get("V_FP8")) and \
+                not consts.get("SCALE_MUL"):
             # (a multiply holds no fma)
             bad = _gqa_fp8_fma_findings(ptx, consts, ptrs)
         stores = {}

@@ -11,6 +11,8 @@ semantics, each one call of a kvfuse entry point: swap ``from vllm import _custo
 - :func:`concat_and_cache_mla`: the MLA [kv_c | k_pe] record: "auto" and "fp8" -> the GQA entry (kv_c
   and k_pe as K and V of one head, written into the two column ranges of the record); "fp8_ds_mla" ->
   the fused entry into ``formats.FLASHMLA_V32``.
+- :func:`triton_reshape_and_cache_flash_per_token_head_quant`: the fp8 / int8 per-(token, head) caches ->
+  the GQA entry with k_format / v_format and the scale caches (vllm.v1.attention.ops, not _custom_ops).
 
 What vLLM accepts beyond kvfuse's domain (fp8_e5m2, head sizes not a multiple of 8 in
 reshape_and_cache_flash, and for the MLA and indexer writers fp16 / fp32 inputs, per-head scales, head
@@ -29,12 +31,15 @@ from ..models import INDEX_FP8_UE8M0_FP32
 from . import _checks
 
 __all__ = ["reshape_and_cache_flash", "fused_qk_norm_rope", "indexer_k_quant_and_cache", "concat_and_cache_mla",
-           "FP8_KV_CACHE_DTYPES"]
+           "triton_reshape_and_cache_flash_per_token_head_quant", "FP8_KV_CACHE_DTYPES"]
 
 # vLLM's names of the e4m3 cache dtype (both select e4m3 in its DISPATCH_BY_KV_CACHE_DTYPE)
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 _GQA_NAMES = {"k": "key", "v": "value", "k_cache": "key_cache", "v_cache": "value_cache",
-              "k_scale": "k_scale", "v_scale": "v_scale", "slot_mapping": "slot_mapping"}
+              "k_scale": "k_scale", "v_scale": "v_scale", "slot_mapping": "slot_mapping",
+              "k_scale_cache": "k_scale_cache", "v_scale_cache": "v_scale_cache"}
+# vLLM's KVQuantMode names of the per-(token, head) caches -> kvfuse.gqa_formats presets
+PER_TOKEN_HEAD_MODES = {"FP8_PER_TOKEN_HEAD": "fp8_per_token_head", "INT8_PER_TOKEN_HEAD": "int8_per_token_head"}
 _MLA_NAMES = {"k": "kv_c", "v": "k_pe", "k_cache": "kv_cache", "v_cache": "kv_cache", "k_scale": "scale",
               "v_scale": "scale", "x": "kv_c", "out_args.kv_cache": "kv_cache",
               "out_args.slot_mapping": "slot_mapping"}
@@ -101,16 +106,7 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     one shape, one element (per tensor) or num_heads elements (head h divided by scale[h], as vLLM's
     kernel reads ``k_scale[head]`` when ``k_scale.numel() > 1``); the scales are ignored for "auto".
     """
-    _checks.activations(key, "key", 3, _FLASH_DTYPES)
-    _checks.tensor(value, "value")
-    if value.dtype != key.dtype:
-        raise TypeError(f"value: expected key's dtype {key.dtype}, got {value.dtype}")
-    _checks.activations(value, "value", 3, _FLASH_DTYPES)
-    _checks.slots(slot_mapping)
-    _checks.head_size(key.shape[-1], "key", 8)
-    _checks.head_size(value.shape[-1], "value", 8)
-    if value.shape[0] != key.shape[0]:
-        raise ValueError(f"value: expected {key.shape[0]} tokens like key, got {value.shape[0]}")
+    _flash_key_value(key, value, slot_mapping)
     kind = _cache_dtype(kv_cache_dtype, ("auto",) + FP8_KV_CACHE_DTYPES)
     if kind == "auto":
         key_cache = _auto_cache(key_cache, "key_cache", key.dtype)
@@ -123,6 +119,58 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     with _checks.engine_names(_GQA_NAMES):
         fused_qk_norm_rope_store_kv(key[:m, :0], key[:m], value[:m], key_cache, value_cache, slot_mapping,
                                     k_scale=k_scale, v_scale=v_scale, layout="NHD")
+
+
+def _flash_key_value(key, value, slot_mapping) -> None:
+    """The flash writers' key [num_tokens, num_heads, head_size] and value (key's dtype, bf16 / fp16 / fp32,
+    head sizes a multiple of 8, as many tokens) and slot_mapping, with vLLM's argument names."""
+    _checks.activations(key, "key", 3, _FLASH_DTYPES)
+    _checks.tensor(value, "value")
+    if value.dtype != key.dtype:
+        raise TypeError(f"value: expected key's dtype {key.dtype}, got {value.dtype}")
+    _checks.activations(value, "value", 3, _FLASH_DTYPES)
+    _checks.slots(slot_mapping)
+    _checks.head_size(key.shape[-1], "key", 8)
+    _checks.head_size(value.shape[-1], "value", 8)
+    if value.shape[0] != key.shape[0]:
+        raise ValueError(f"value: expected {key.shape[0]} tokens like key, got {value.shape[0]}")
+
+
+def triton_reshape_and_cache_flash_per_token_head_quant(key, value, key_cache, value_cache, k_scale_cache,
+                                                        v_scale_cache, slot_mapping, kv_quant_mode):
+    """vLLM 0.33's ``triton_reshape_and_cache_flash_per_token_head_quant``
+    (vllm/v1/attention/ops/triton_reshape_and_cache_flash.py): ``key`` [num_tokens, num_heads, head_size] and
+    ``value`` [num_tokens, num_heads, head_size_v] (bf16, fp16 or fp32, one dtype) into NHD caches quantized per
+    (token, head), each row's fp32 scale max(amax / QMAX, 1e-6) stored at [block, offset, head] of
+    ``k_scale_cache`` / ``v_scale_cache`` ([num_blocks, block_size, num_heads], any strides: vLLM's views of
+    the caches' padding). ``kv_quant_mode``: vLLM's KVQuantMode (read by its name) or that name,
+    "FP8_PER_TOKEN_HEAD" (caches float8_e4m3fn, or uint8 as vLLM allocates them) or "INT8_PER_TOKEN_HEAD"
+    (int8 caches); INT4_PER_TOKEN_HEAD is not supported. Caches wider than the heads (vLLM passes rows with
+    their scale padding) get their first head_size columns written. A slot -1 writes nothing. The numerics
+    are SPEC §11's (vLLM's rule in IEEE operations; vLLM's own division is approximate: docs/engines.md).
+    """
+    mode = getattr(kv_quant_mode, "name", kv_quant_mode)
+    if not isinstance(mode, str) or mode.upper() not in PER_TOKEN_HEAD_MODES:
+        raise ValueError(f"kv_quant_mode: expected one of {tuple(PER_TOKEN_HEAD_MODES)} (vLLM's KVQuantMode), "
+                         f"got {kv_quant_mode!r}")
+    fmt = PER_TOKEN_HEAD_MODES[mode.upper()]
+    _flash_key_value(key, value, slot_mapping)
+    caches = []
+    for cache, name, width in ((key_cache, "key_cache", key.shape[-1]), (value_cache, "value_cache", value.shape[-1])):
+        if fmt == "fp8_per_token_head":
+            cache = _checks.fp8_cache(cache, name)
+        else:
+            _checks.tensor(cache, name)
+            if cache.dtype != torch.int8:
+                raise TypeError(f"{name}: expected dtype torch.int8 for {mode}, got {cache.dtype}")
+        if cache.dim() == 4 and cache.shape[-1] > width:
+            cache = cache[..., :width]         # the row's codes, its scale padding left alone
+        caches.append(cache)
+    m = _leading_tokens(slot_mapping, key.shape[0], "key")
+    with _checks.engine_names(_GQA_NAMES):
+        fused_qk_norm_rope_store_kv(key[:m, :0], key[:m], value[:m], caches[0], caches[1], slot_mapping,
+                                    layout="NHD", k_format=fmt, v_format=fmt, k_scale_cache=k_scale_cache,
+                                    v_scale_cache=v_scale_cache)
 
 
 def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight, cos_sin_cache,

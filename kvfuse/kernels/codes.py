@@ -1,4 +1,4 @@
-"""The names of the kernels' numeric constexpr switches (CAST, SF, OUT_STAGE, DEST, ROPE, NATIVE,
+"""The names of the kernels' numeric constexpr switches (CAST, SF, OUT_STAGE, DEST, ROPE, NATIVE, PTH,
 FLOOR_E), defined once for the portable kernels (portable.py, store_load.py, numerics.py, qkv.py)
 and the Gluon fast paths (gluon/*.py).
 
@@ -42,6 +42,11 @@ NATIVE_INTEGER = tl.constexpr(0)     # integer round-to-nearest-even on the bit 
 NATIVE_GUARDED = tl.constexpr(1)     # native conversions, e4m3 with its explicit signed-zero guard
 NATIVE_UNGUARDED = tl.constexpr(2)   # native, e4m3 unguarded where the codes are only stored
 
+# PTH: a GQA cache quantized per (token, head), its fp32 scale stored (kvfuse.gqa_formats scale "token_head")
+PTH_NONE = tl.constexpr(0)           # not quantized so (the activations' dtype, or a static scale)
+PTH_E4M3 = tl.constexpr(1)           # e4m3 codes, scale amax / 448 ("fp8_per_token_head")
+PTH_INT8 = tl.constexpr(2)           # int8 codes, scale amax / 127 ("int8_per_token_head")
+
 # FLOOR_E without a scale_floor (numerics.group_scales and ue8m0_exponent)
 NO_FLOOR = tl.constexpr(-999)
 
@@ -51,3 +56,4 @@ SF_CODES = {"ue8m0": SF_UE8M0.value, "ue8m0_fp32": SF_UE8M0_FP32.value, "e4m3": 
             "fp32": SF_FP32.value}
 STAGE_CODES = {None: STAGE_NONE.value, "norm": STAGE_NORM.value, "transform": STAGE_TRANSFORM.value,
                "cast_back": STAGE_CAST_BACK.value}
+PTH_CODES = {"fp8_per_token_head": PTH_E4M3.value, "int8_per_token_head": PTH_INT8.value}

@@ -67,6 +67,59 @@ def encode_e4m3(t, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def encode_e5m2(t, NATIVE: tl.constexpr):
+    """fp32 -> e5m2 code (uint8), RTNE, saturating at 57344 (the clamp of SPEC §11), sign kept (-0 -> 0x80), NaN
+    0x7f with its sign (kvfuse.reference.encode_e5m2): encode_e4m3's scheme with 2 mantissa bits."""
+    if NATIVE:
+        c = t.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        if NATIVE == NATIVE_GUARDED:
+            # |t| <= 2^-17 (half the smallest subnormal, a tie to even) rounds to a signed zero
+            neg_zero = ((t.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+            c = tl.where(tl.abs(t) <= 7.62939453125e-06, neg_zero, c)
+    else:
+        u = t.to(tl.uint32, bitcast=True)
+        sign = (u >> 24) & 0x80
+        ax = tl.minimum(tl.abs(t), 57344.0)
+        au = ax.to(tl.uint32, bitcast=True)
+        code_n = ((au + 0xFFFFF + ((au >> 21) & 1)) >> 21) - 448      # rebias 127 -> 15, keep 2 mantissa bits
+        # subnormals are multiples of 2^-16: ax*65536 (exact) + 2^23 rounds to the integer k (RTNE)
+        code_s = (ax * 65536.0 + 8388608.0).to(tl.uint32, bitcast=True) - 0x4B000000
+        code = tl.where(ax < 6.103515625e-05, code_s, code_n)
+        code = tl.where(t != t, 0x7F, code)
+        c = (code | sign).to(tl.uint8)
+    return c
+
+
+@triton.jit
+def row_amax(a, mask):
+    """The largest |a| over the last two axes of a [M, ., .] where mask, NaN where any of those is NaN
+    (tl.max alone ignores NaN on the GPU and not in the interpreter); 0 for a row without live values."""
+    live = tl.where(mask, a, 0.0)
+    amax = tl.max(tl.max(tl.abs(live), axis=2), axis=1)
+    nan = tl.max(tl.max((live != live).to(tl.int32), axis=2), axis=1)
+    return tl.where(nan > 0, float("nan"), amax)
+
+
+@triton.jit
+def token_head_scale(amax, QMAX: tl.constexpr):
+    """vLLM's per-(token, head) scale, IEEE: max(amax / QMAX, 1e-6) (a NaN amax gives the canonical NaN
+    0x7fc00000: the GPU's NaN bits differ from the CPU's) and its reciprocal 1 / s, each correctly rounded."""
+    zero = tl.zeros_like(amax)
+    s = tl.div_rn(amax, zero + QMAX)
+    s = tl.where(s != s, float("nan"), tl.maximum(s, 1e-6))
+    return s, tl.div_rn(zero + 1.0, s)
+
+
+@triton.jit
+def encode_int8_rhaz(t):
+    """fp32 -> int8 (int32 in [-128, 127]) as vLLM's int8 cache writer: t + 0.5 (t >= 0) or t - 0.5 rounded
+    once, clamped to [-128, 127], truncated toward zero; NaN -> 0."""
+    u = tl.where(t >= 0, t + 0.5, t - 0.5)
+    u = tl.where(t != t, 0.0, tl.minimum(tl.maximum(u, -128.0), 127.0))
+    return u.to(tl.int32)
+
+
+@triton.jit
 def div_rn_by_reciprocal(y, d, r):
     """y / d for one divisor 2^-64 <= d <= 2^64 and r = div_rn(1, d): Markstein's correction of q0 = y * r
     by its exact remainder, q = fma(fma(q0, d, 0 - y), 0 - r, q0), three instructions instead of a

@@ -39,14 +39,15 @@ from triton.language.extra.cuda import gdc_wait
 
 from . import config
 from .blocks import block_offset_of_slot, cs_rows, reciprocal_std, rope1_pairs, rotate, store_bf16, tree_sum
-from .codes import NATIVE_INTEGER
+from .codes import NATIVE_INTEGER, PTH_CODES, PTH_E4M3, PTH_INT8
 from ..numerics_profiles import ACTIVATION_CODES, PROFILES
 from ..plans.types import LAUNCHES_PER_TEMPLATE
 from .config import DIRECT_LAUNCH, FORCED, INTERPRET, cdiv, native, next_pow2
 from .launcher import Launch, tensor_arg
 from .router import pdl_launch, with_pdl
 from .gluon.common import table_entry
-from .numerics import div_rn_by_reciprocal, encode_e4m3, load_f32, round_bf16
+from .numerics import (div_rn_by_reciprocal, encode_e4m3, encode_e5m2, encode_int8_rhaz, load_f32, round_bf16,
+                       row_amax, token_head_scale)
 
 __all__ = ["qkv_kernel", "launch_table", "launch_config", "launch_args", "run", "template_launch", "run_template",
            "INTERPRET"]
@@ -247,13 +248,13 @@ def _record(slot, rmask, c_blk, c_tok, block_size, capacity, SLOT32: tl.constexp
 
 @triton.jit
 def _store_record(c_ptr, addr, y, mask, sc, rcp, fast, FP8: tl.constexpr, NATIVE: tl.constexpr,
-                  ACT: tl.constexpr = 0, SCALE_MUL: tl.constexpr = False):
+                  ACT: tl.constexpr = 0, SCALE_MUL: tl.constexpr = False, E5M2: tl.constexpr = False):
     """Values y of the activations' dtype ACT (in fp32) at element offsets addr: their bits (bf16; fp16 /
     fp32 converted exactly), or (FP8; c_ptr a byte pointer)
     e4m3(f(y) / f(scale)) with the division's bits (sc, rcp, fast: _scale), or under SCALE_MUL (the
     multiply convention) e4m3(f(y) * f(scale)), one fp32 product. Both encoders saturate at
     448, so the clamp of SPEC §11 changes no byte of a finite input and is left out (as in the portable
-    kernel)."""
+    kernel). E5M2: e5m2 codes instead (encode_e5m2 saturates at 57344)."""
     if FP8:
         if SCALE_MUL:
             t = y * sc
@@ -261,7 +262,10 @@ def _store_record(c_ptr, addr, y, mask, sc, rcp, fast, FP8: tl.constexpr, NATIVE
             t = div_rn_by_reciprocal(y, sc, rcp)
         else:
             t = tl.div_rn(y, tl.zeros_like(y) + sc)
-        tl.store(c_ptr + addr, encode_e4m3(t, NATIVE), mask=mask)
+        if E5M2:
+            tl.store(c_ptr + addr, encode_e5m2(t, NATIVE), mask=mask)
+        else:
+            tl.store(c_ptr + addr, encode_e4m3(t, NATIVE), mask=mask)
     elif ACT == ACT_BF16:
         store_bf16(c_ptr, addr, y, mask)
     elif ACT == ACT_FP16:
@@ -272,15 +276,62 @@ def _store_record(c_ptr, addr, y, mask, sc, rcp, fast, FP8: tl.constexpr, NATIVE
 
 @triton.jit
 def _store_row(dst_ptr, addr, dst2_ptr, addr2, col, mask, y, sc, rcp, fast, FP8: tl.constexpr,
-               NATIVE: tl.constexpr, ACT: tl.constexpr, SCALE_MUL: tl.constexpr, SPLIT: tl.constexpr):
+               NATIVE: tl.constexpr, ACT: tl.constexpr, SCALE_MUL: tl.constexpr, SPLIT: tl.constexpr,
+               E5M2: tl.constexpr = False):
     """_store_record of the rows y [M, NV, VEC] (columns col) at dst_ptr + addr, or, for a destination held
     as two tensors (dst2_ptr not None), columns < SPLIT there and the others at dst2_ptr + addr2."""
     if dst2_ptr is None:
-        _store_record(dst_ptr, addr, y, mask, sc, rcp, fast, FP8, NATIVE, ACT, SCALE_MUL)
+        _store_record(dst_ptr, addr, y, mask, sc, rcp, fast, FP8, NATIVE, ACT, SCALE_MUL, E5M2)
     else:
-        _store_record(dst_ptr, addr, y, mask & (col < SPLIT)[None, :, :], sc, rcp, fast, FP8, NATIVE, ACT, SCALE_MUL)
+        _store_record(dst_ptr, addr, y, mask & (col < SPLIT)[None, :, :], sc, rcp, fast, FP8, NATIVE, ACT, SCALE_MUL,
+                      E5M2)
         _store_record(dst2_ptr, addr2, y, mask & (col >= SPLIT)[None, :, :], sc, rcp, fast, FP8, NATIVE, ACT,
-                      SCALE_MUL)
+                      SCALE_MUL, E5M2)
+
+
+@triton.jit
+def _pth_scale(amax, PTH: tl.constexpr):
+    """(scale, 1 / scale) [M] of rows quantized per (token, head) from their amax: token_head_scale with the
+    code's QMAX (448 for e4m3, 127 for int8)."""
+    if PTH == PTH_E4M3:
+        QMAX: tl.constexpr = 448.0
+    else:
+        QMAX: tl.constexpr = 127.0
+    return token_head_scale(amax, QMAX)
+
+
+@triton.jit
+def _nan_max(a, b):
+    """max(a, b) that is NaN where either is (tl.maximum leaves NaN unspecified)."""
+    return tl.where(a != a, a, tl.where(b != b, b, tl.maximum(a, b)))
+
+
+@triton.jit
+def _pth_codes(y, r, PTH: tl.constexpr, NATIVE: tl.constexpr):
+    """The per-(token, head) codes of rows y [M, ., .] by their scales' reciprocals r [M]: t = y * r (one
+    rounding), then e4m3 (PTH_E4M3, saturating at 448; NaN 0x7f whatever its sign) or vLLM's int8 rounding
+    (PTH_INT8), as bytes."""
+    t = y * r[:, None, None]
+    if PTH == PTH_E4M3:
+        c = tl.where(t != t, 0x7F, encode_e4m3(t, NATIVE))
+    else:
+        c = encode_int8_rhaz(t).to(tl.uint8)
+    return c
+
+
+@triton.jit
+def _store_pth_row(dst_ptr, addr, dst2_ptr, addr2, col, mask, y, amax, sc_ptr, sc_addr, sc_mask, PTH: tl.constexpr,
+                   NATIVE: tl.constexpr, SPLIT: tl.constexpr):
+    """Rows y [M, NV, VEC] quantized per (token, head) (their amax [M]: row_amax) to byte codes at dst_ptr + addr
+    (a destination held as two: _store_row's split), and their scales [M] at sc_ptr + sc_addr where sc_mask."""
+    s, r = _pth_scale(amax, PTH)
+    c = _pth_codes(y, r, PTH, NATIVE)
+    if dst2_ptr is None:
+        tl.store(dst_ptr + addr, c, mask=mask)
+    else:
+        tl.store(dst_ptr + addr, c, mask=mask & (col < SPLIT)[None, :, :])
+        tl.store(dst2_ptr + addr2, c, mask=mask & (col >= SPLIT)[None, :, :])
+    tl.store(sc_ptr + sc_addr, s, mask=sc_mask)
 
 
 @triton.jit
@@ -294,7 +345,8 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
               ACT: tl.constexpr = 0, NUMERICS: tl.constexpr = 0, x2_ptr=None, s2_n=None, s2_h=None,
               dst2_ptr=None, dst2_n=None, dst2_h=None, c2_blk=None, SPLIT: tl.constexpr = 0,
               SCALE_MUL: tl.constexpr = False, SCALE_BY_VALUE: tl.constexpr = False, pa_b=None, pa_p=None,
-              pa_indptr=None, pa_idx=None, pa_nreq=None, pa_nidx=None):
+              pa_indptr=None, pa_idx=None, pa_nreq=None, pa_nidx=None, E5M2: tl.constexpr = False,
+              PTH: tl.constexpr = 0, sc_ptr=None, sc_blk=None, sc_tok=None, sc_head=None):
     """Heads h0 .. h0 + G - 1 (those < H) of q or k for BLOCK_M tokens: norm -> RoPE -> the row at dst_ptr:
     q_out (bf16; token stride dst_n, which may be q itself), or (TO_CACHE) the record of the token's slot
     in a cache of (block, token) strides (c_blk, dst_n), bf16 or e4m3 by the scale. Every load that waits
@@ -308,8 +360,11 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
     strides s2_n, s2_h) holds its columns from SPLIT on, and a destination held as two, dst2_ptr (strides
     c2_blk, dst2_n, dst2_h as dst_ptr's), the same columns. SCALE_BY_VALUE: scale_ptr is the scale itself
     (an fp32 argument); SCALE_MUL: the cast multiplies by it (_store_record). pa_*: the slots from
-    FlashInfer's append addressing (_load_slots)."""
-    KEEP_F32: tl.constexpr = STORE_FP8 and NUMERICS == NUMERICS_FP32_CAST
+    FlashInfer's append addressing (_load_slots). E5M2: the static cast writes e5m2 codes. PTH (STORE_FP8
+    False; kvfuse/kernels/codes.py): each row quantized by its own scale (_pth_scale of its amax over the
+    whole head), the codes as bytes at dst_ptr, the scale at sc_ptr (the scale cache: (block, token, head)
+    strides sc_blk, sc_tok, sc_head)."""
+    KEEP_F32: tl.constexpr = (STORE_FP8 or PTH != 0) and NUMERICS == NUMERICS_FP32_CAST
     pos = tok
     slot = tok
     sc = eps
@@ -350,6 +405,9 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
         s = load_f32(cs_ptr, csrow[:, None, None] + HALF + jj[None, :, :], pm, CS_BF16)
         rcp, fast, ok, dst_tok = _destination(sc, slot, tok, rmask, dst_n, c_blk, block_size, capacity, TO_CACHE,
                                               STORE_FP8, SLOT32)
+        sc_tok_addr = dst_tok
+        if PTH:
+            _, sc_tok_addr = _record(slot, rmask, sc_blk, sc_tok, block_size, capacity, SLOT32)
         for g in tl.static_range(G):
             h = h0 + g
             rm = tl.where(h < H, rmask, False)     # (rmask & scalar: int32 in the interpreter)
@@ -361,14 +419,19 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
             # from it (a pair's partner is its own other half, not a reload)
             dst = (dst_tok + h.to(tl.int64) * dst_h)[:, None, None] + jj[None, :, :]
             mk = (ok & rm)[:, None, None] & (jj >= 0)[None, :, :]
-            if STORE_FP8 and SCALE_PER_HEAD:
+            if PTH:
+                s_row, r_row = _pth_scale(_nan_max(row_amax(ya, mk), row_amax(yb, mk)), PTH)
+                tl.store(dst_ptr + dst, _pth_codes(ya, r_row, PTH, NATIVE), mask=mk)
+                tl.store(dst_ptr + dst + HALF, _pth_codes(yb, r_row, PTH, NATIVE), mask=mk)
+                tl.store(sc_ptr + sc_tok_addr + h.to(tl.int64) * sc_head, s_row, mask=ok & rm)
+            elif STORE_FP8 and SCALE_PER_HEAD:
                 sch = scs[g]
                 rch, fsh = _scale_rcp(sch)
-                _store_record(dst_ptr, dst, ya, mk, sch, rch, fsh, STORE_FP8, NATIVE, ACT, SCALE_MUL)
-                _store_record(dst_ptr, dst + HALF, yb, mk, sch, rch, fsh, STORE_FP8, NATIVE, ACT, SCALE_MUL)
+                _store_record(dst_ptr, dst, ya, mk, sch, rch, fsh, STORE_FP8, NATIVE, ACT, SCALE_MUL, E5M2)
+                _store_record(dst_ptr, dst + HALF, yb, mk, sch, rch, fsh, STORE_FP8, NATIVE, ACT, SCALE_MUL, E5M2)
             else:
-                _store_record(dst_ptr, dst, ya, mk, sc, rcp, fast, STORE_FP8, NATIVE, ACT, SCALE_MUL)
-                _store_record(dst_ptr, dst + HALF, yb, mk, sc, rcp, fast, STORE_FP8, NATIVE, ACT, SCALE_MUL)
+                _store_record(dst_ptr, dst, ya, mk, sc, rcp, fast, STORE_FP8, NATIVE, ACT, SCALE_MUL, E5M2)
+                _store_record(dst_ptr, dst + HALF, yb, mk, sc, rcp, fast, STORE_FP8, NATIVE, ACT, SCALE_MUL, E5M2)
     else:
         NV: tl.constexpr = BLOCK_D // VEC
         col = tl.arange(0, NV)[:, None] * VEC + tl.arange(0, VEC)[None, :]              # [NV, VEC]
@@ -403,6 +466,9 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
             tl.debug_barrier()     # every read of the rows (the partner reloads) comes before the stores
         rcp, fast, ok, dst_tok = _destination(sc, slot, tok, rmask, dst_n, c_blk, block_size, capacity, TO_CACHE,
                                               STORE_FP8, SLOT32)
+        sc_tok_addr = dst_tok
+        if PTH:
+            _, sc_tok_addr = _record(slot, rmask, sc_blk, sc_tok, block_size, capacity, SLOT32)
         dst2_tok = dst_tok
         if dst2_ptr is not None:
             if TO_CACHE:
@@ -420,14 +486,18 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
             dst2 = dst
             if dst2_ptr is not None:
                 dst2 = (dst2_tok + h.to(tl.int64) * dst2_h)[:, None, None] + (col - SPLIT)[None, :, :]
-            if STORE_FP8 and SCALE_PER_HEAD:
+            if PTH:
+                mk = (ok & rm)[:, None, None] & cmask[None, :, :]
+                _store_pth_row(dst_ptr, dst, dst2_ptr, dst2, col, mk, y, row_amax(y, mk), sc_ptr,
+                               sc_tok_addr + h.to(tl.int64) * sc_head, ok & rm, PTH, NATIVE, SPLIT)
+            elif STORE_FP8 and SCALE_PER_HEAD:
                 sch = scs[g]
                 rch, fsh = _scale_rcp(sch)
                 _store_row(dst_ptr, dst, dst2_ptr, dst2, col, (ok & rm)[:, None, None] & cmask[None, :, :], y, sch,
-                           rch, fsh, STORE_FP8, NATIVE, ACT, SCALE_MUL, SPLIT)
+                           rch, fsh, STORE_FP8, NATIVE, ACT, SCALE_MUL, SPLIT, E5M2)
             else:
                 _store_row(dst_ptr, dst, dst2_ptr, dst2, col, (ok & rm)[:, None, None] & cmask[None, :, :], y, sc,
-                           rcp, fast, STORE_FP8, NATIVE, ACT, SCALE_MUL, SPLIT)
+                           rcp, fast, STORE_FP8, NATIVE, ACT, SCALE_MUL, SPLIT, E5M2)
 
 
 @triton.jit
@@ -453,12 +523,17 @@ def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, 
              capacity, vs_ptr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, VEC: tl.constexpr, G: tl.constexpr,
              FP8: tl.constexpr, SLOT32: tl.constexpr, NATIVE: tl.constexpr, SCALE_PER_HEAD: tl.constexpr = False,
              ACT: tl.constexpr = 0, SCALE_MUL: tl.constexpr = False, SCALE_BY_VALUE: tl.constexpr = False,
-             pa_b=None, pa_p=None, pa_indptr=None, pa_idx=None, pa_nreq=None, pa_nidx=None):
+             pa_b=None, pa_p=None, pa_indptr=None, pa_idx=None, pa_nreq=None, pa_nidx=None,
+             E5M2: tl.constexpr = False, PTH: tl.constexpr = 0, sc_ptr=None, sc_blk=None, sc_tok=None, sc_head=None):
     """Heads h0 .. h0 + G - 1 (those < H) of v: copied (bf16 cache: the bits) or cast by v_scale into the
     records of the tokens' slots in vc_ptr ((block, token, head) strides c_blk, c_tok, dst_h). The slot,
     the scale and every head's values are loaded before anything waits on a load
     (_qk_heads); the values of a token whose slot is invalid are loaded and not stored. SCALE_MUL,
-    SCALE_BY_VALUE: as in _qk_heads."""
+    SCALE_BY_VALUE, E5M2, PTH and the scale cache sc_*: as in _qk_heads."""
+    if PTH:
+        VALUES: tl.constexpr = True        # loaded as fp32 values (else as FP8 says: values or bits)
+    else:
+        VALUES: tl.constexpr = FP8
     NVV: tl.constexpr = BLOCK_DV // VEC
     colv = tl.arange(0, NVV)[:, None] * VEC + tl.arange(0, VEC)[None, :]               # [NVV, VEC]
     vmask = colv < DV
@@ -474,21 +549,27 @@ def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, 
             sc = tl.load(vs_ptr)
     vals = ()                                      # every head's loads before any store
     for g in tl.static_range(G):
-        vals = vals + (_v_load(v_ptr, sv_n, sv_h, h0 + g, H, tok, rmask, colv, vmask, FP8, ACT),)
+        vals = vals + (_v_load(v_ptr, sv_n, sv_h, h0 + g, H, tok, rmask, colv, vmask, VALUES, ACT),)
     rcp, fast, ok, dst_tok = _destination(sc, slot, tok, rmask, c_tok, c_blk, block_size, capacity, True, FP8,
                                           SLOT32)
+    sc_tok_addr = dst_tok
+    if PTH:
+        _, sc_tok_addr = _record(slot, rmask, sc_blk, sc_tok, block_size, capacity, SLOT32)
     for g in tl.static_range(G):
         h = h0 + g
         val = vals[g]
         dst = (dst_tok + h.to(tl.int64) * dst_h)[:, None, None] + colv[None, :, :]
         okm = tl.where(h < H, ok, False)[:, None, None] & vmask[None, :, :]
-        if FP8:
+        if PTH:
+            _store_pth_row(vc_ptr, dst, None, dst, colv, okm, val, row_amax(val, okm), sc_ptr,
+                           sc_tok_addr + h.to(tl.int64) * sc_head, tl.where(h < H, ok, False), PTH, NATIVE, 0)
+        elif FP8:
             if SCALE_PER_HEAD:
                 sch = scs[g]
                 rch, fsh = _scale_rcp(sch)
-                _store_record(vc_ptr, dst, val, okm, sch, rch, fsh, FP8, NATIVE, ACT, SCALE_MUL)
+                _store_record(vc_ptr, dst, val, okm, sch, rch, fsh, FP8, NATIVE, ACT, SCALE_MUL, E5M2)
             else:
-                _store_record(vc_ptr, dst, val, okm, sc, rcp, fast, FP8, NATIVE, ACT, SCALE_MUL)
+                _store_record(vc_ptr, dst, val, okm, sc, rcp, fast, FP8, NATIVE, ACT, SCALE_MUL, E5M2)
         elif ACT == ACT_FP32:
             tl.store(vc_ptr.to(tl.pointer_type(tl.uint32)) + dst, val, mask=okm)
         else:
@@ -541,6 +622,13 @@ def qkv_kernel(
     pa_b=None, pa_p=None, pa_indptr=None, pa_idx=None, pa_nreq=None, pa_nidx=None,
     SPLIT: tl.constexpr = 0, Q_FP8: tl.constexpr = False, SCALE_MUL: tl.constexpr = False,
     SCALE_BY_VALUE: tl.constexpr = False, HAS_V: tl.constexpr = True,
+    V_FP8: tl.constexpr = None,             # v_cache cast by v_scale (None: as FP8 says; caches of two formats)
+    # the caches' other formats (kvfuse.gqa_formats): the static casts' codes e5m2 instead of e4m3; a cache
+    # quantized per (token, head) (PTH, kvfuse/kernels/codes.py) with its scale cache's pointer and (block,
+    # token, head) strides
+    K_E5M2: tl.constexpr = False, V_E5M2: tl.constexpr = False, K_PTH: tl.constexpr = 0, V_PTH: tl.constexpr = 0,
+    ksc_ptr=None, ksc_blk=None, ksc_tok=None, ksc_head=None, vsc_ptr=None, vsc_blk=None, vsc_tok=None,
+    vsc_head=None,
 ):
     """One program: BLOCK_M tokens of G heads of one kind (see the module docstring). PDL (programmatic
     dependent launch): wait for the previous kernel before the first read. No early launch_dependents:
@@ -575,11 +663,16 @@ def qkv_kernel(
                   D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, G, K_NORM, KW_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16,
                   HALVES, KV_CACHE, FP8, SLOT32, NATIVE, K_SCALE_PER_HEAD, ACT, NUMERICS, k2_ptr, sk2_n, sk2_h,
                   kd2_ptr, kd2_tok, kd2_head, kd2_blk, SPLIT, SCALE_MUL, SCALE_BY_VALUE, pa_b, pa_p, pa_indptr,
-                  pa_idx, pa_nreq, pa_nidx)
+                  pa_idx, pa_nreq, pa_nidx, K_E5M2, K_PTH, ksc_ptr, ksc_blk, ksc_tok, ksc_head)
     elif KV_CACHE and HAS_V:
+        if V_FP8 is None:       # V's cache of K's format
+            v_fp8: tl.constexpr = FP8
+        else:
+            v_fp8: tl.constexpr = V_FP8
         _v_heads(v_ptr, sv_n, sv_h, (grp - QG - KG) * G, HKV, tok, rmask, vc_ptr, vc_blk, vc_tok, vc_head, slot_ptr,
-                 s_slot, block_size, capacity, vs_ptr, DV, BLOCK_DV, VEC, G, FP8, SLOT32, NATIVE, V_SCALE_PER_HEAD,
-                 ACT, SCALE_MUL, SCALE_BY_VALUE, pa_b, pa_p, pa_indptr, pa_idx, pa_nreq, pa_nidx)
+                 s_slot, block_size, capacity, vs_ptr, DV, BLOCK_DV, VEC, G, v_fp8, SLOT32, NATIVE, V_SCALE_PER_HEAD,
+                 ACT, SCALE_MUL, SCALE_BY_VALUE, pa_b, pa_p, pa_indptr, pa_idx, pa_nreq, pa_nidx, V_E5M2, V_PTH,
+                 vsc_ptr, vsc_blk, vsc_tok, vsc_head)
 
 
 # --------------------------------------------------------------------------- launch configuration
@@ -643,9 +736,12 @@ def _per_head(scale) -> bool:
     return scale is not None and scale.numel() > 1
 
 
+BYTE_CODE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)   # passed to the kernel as bytes
+
+
 def _codes(t):
-    """An fp8 tensor as the bytes the kernel writes (e4m3 codes), others as they are."""
-    return t.view(torch.uint8) if t is not None and t.dtype == torch.float8_e4m3fn else t
+    """A cache of codes (e4m3, e5m2, int8) as the bytes the kernel writes, others as they are."""
+    return t.view(torch.uint8) if t is not None and t.dtype in BYTE_CODE_DTYPES else t
 
 
 def _kernel_tensor(plan, field):
@@ -666,7 +762,8 @@ def launch_args(plan, tensor=None):
     block_d, block_dv = next_pow2(d), next_pow2(dv)
     bm, g, nw = launch_config(n, block_d, max(hq, hkv))
     qg, kg = cdiv(hq, g), cdiv(hkv, g)
-    fp8 = plan.k_fp8
+    kf, vf = plan.k_fmt, plan.v_fmt
+    fp8 = kf.scale == "static"            # k's destination cast by k_scale (e4m3, or e5m2: K_E5M2)
     rope = plan.positions is not None
     by_value = plan.scales_by_value
 
@@ -750,6 +847,19 @@ def launch_args(plan, tensor=None):
                        pa_nreq=plan.append_kv_indptr.shape[0] - 1, pa_nidx=plan.append_kv_indices.shape[0])
     if not plan.has_v and plan.has_cache:
         options["HAS_V"] = False
+    elif plan.has_v and (vf.scale == "static") != fp8:    # caches of two formats
+        options["V_FP8"] = vf.scale == "static"
+    for which, fmt, scale_cache in (("K", kf, plan.k_scale_cache),
+                                    ("V", vf if plan.has_v else None, plan.v_scale_cache)):
+        if fmt is None:
+            continue
+        if fmt.code == "e5m2":
+            options[which + "_E5M2"] = True
+        if fmt.scale == "token_head":
+            options[which + "_PTH"] = PTH_CODES[fmt.name]
+            field = which.lower() + "_scale_cache"
+            options.update(zip((f"{which.lower()}sc_ptr", f"{which.lower()}sc_blk", f"{which.lower()}sc_tok",
+                                f"{which.lower()}sc_head"), (tensor(field), *plan.cache_strides(scale_cache))))
     groups = qg + (2 * kg if plan.has_cache and plan.has_v else kg)
     return (cdiv(n, bm) * groups,), args, options
 

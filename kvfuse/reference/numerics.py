@@ -41,6 +41,20 @@ def encode_e4m3(t: torch.Tensor) -> torch.Tensor:
     return (code | sign).to(torch.uint8)
 
 
+def encode_e5m2(t: torch.Tensor) -> torch.Tensor:
+    """fp32 with |t| <= 57344 -> e5m2 bytes (uint8), round to nearest even, sign kept (a negative value that
+    rounds to zero gives 0x80), NaN 0x7f with its sign: encode_e4m3's scheme with 2 mantissa bits."""
+    u = t.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    sign = (u >> 24) & 0x80
+    ax = t.abs()
+    au = ax.view(torch.int32).to(torch.int64)
+    normal = ((au + 0xFFFFF + ((au >> 21) & 1)) >> 21) - 448      # rebias 127 -> 15, keep 2 mantissa bits
+    subnormal = torch.round(ax * 65536.0).to(torch.int64)            # multiples of 2^-16; round() is half-even
+    code = torch.where(ax < 2.0 ** -14, subnormal, normal)
+    code = torch.where(torch.isnan(t), torch.full_like(code, 0x7F), code)
+    return (code | sign).to(torch.uint8)
+
+
 def decode_e4m3(b: torch.Tensor) -> torch.Tensor:
     """e4m3fn bytes (uint8 or float8_e4m3fn) -> fp32 (exact)."""
     return b.view(torch.float8_e4m3fn).to(F32)

@@ -9,7 +9,7 @@ import torch
 
 from ..formats import FMAX, SCALE_FORMATS, scale_floor_exponent
 from .numerics import (AMAX_MARGIN, E4M3_SF_MIN, F32, _f32, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3,
-                       pack_e2m1, round_to_bf16, unpack_e2m1)
+                       encode_e5m2, pack_e2m1, round_to_bf16, unpack_e2m1)
 
 
 def pairwise_sum(p: torch.Tensor) -> torch.Tensor:
@@ -220,13 +220,55 @@ def canonical_nan(y: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(y), nan, y)
 
 
-def quantize_per_tensor(x: torch.Tensor, scale, convention: str = "divide") -> torch.Tensor:
+def quantize_per_tensor(x: torch.Tensor, scale, convention: str = "divide", code: str = "e4m3") -> torch.Tensor:
     """bf16 / fp16 / fp32 [..., H, D] -> e4m3 codes (uint8) with one fp32 scale for the whole tensor or one per head:
     e4m3(clamp(f(x) / f(scale), -448, 448)), a correctly rounded division (by a tensor, also on CUDA),
     round to nearest even; ``convention`` "multiply": e4m3(clamp(f(x) * f(scale), -448, 448)), one fp32
-    product (FlashInfer's). ``scale``: fp32 with one element, or [H] (head h's), or a number (its fp32)."""
+    product (FlashInfer's). ``scale``: fp32 with one element, or [H] (head h's), or a number (its fp32).
+    ``code`` "e5m2": e5m2 codes, clamped to [-57344, 57344]."""
     if not isinstance(scale, torch.Tensor):
         scale = torch.tensor(float(scale), dtype=F32, device=x.device)
     s = (scale[:, None] if scale.numel() > 1 else scale.reshape(())).to(F32)
     t = x.to(F32) * s if convention == "multiply" else torch.div(x.to(F32), s)
+    if code == "e5m2":
+        return encode_e5m2(torch.clamp(t, -E5M2_MAX, E5M2_MAX))
     return encode_e4m3(torch.clamp(t, -FMAX["e4m3"], FMAX["e4m3"]))
+
+
+E5M2_MAX = 57344.0
+# vLLM's per-(token, head) quantization: (QMAX, the smallest scale)
+TOKEN_HEAD_QMAX = {"e4m3": 448.0, "int8": 127.0}
+TOKEN_HEAD_MIN_SCALE = 1e-6
+
+
+def token_head_scales(x: torch.Tensor, qmax: float) -> torch.Tensor:
+    """fp32 [..., D] -> the scale of each row [...]: max(amax / qmax, 1e-6), amax = max |x| over the row (NaN
+    when the row holds one: the canonical NaN 0x7fc00000), a correctly rounded fp32 division, the bound 1e-6
+    as fp32 (vLLM's _reshape_cache_per_token_head, SPEC §11)."""
+    amax = x.abs().amax(-1)
+    s = torch.div(amax, _f32(qmax, x))
+    return torch.where(torch.isnan(s), _f32(float("nan"), x), torch.maximum(s, _f32(TOKEN_HEAD_MIN_SCALE, x)))
+
+
+def encode_int8_round_half_away(t: torch.Tensor) -> torch.Tensor:
+    """fp32 -> int8 codes as vLLM's int8 cache writer: t + 0.5 for t >= 0, else t - 0.5 (one fp32 rounding),
+    clamped to [-128, 127], truncated toward zero (the store); NaN -> 0."""
+    u = torch.where(t >= 0, t + _f32(0.5, t), t - _f32(0.5, t))
+    u = torch.where(torch.isnan(t), torch.zeros_like(u), torch.clamp(u, -128.0, 127.0))
+    return u.to(torch.int32).to(torch.int8)
+
+
+def quantize_per_token_head(x: torch.Tensor, code: str):
+    """fp32 [n, H, D] -> (codes [n, H, D] as uint8 bytes, scales fp32 [n, H]): each (token, head) row by its own
+    scale s (:func:`token_head_scales`), t = x * (1 / s) (the reciprocal and the product each rounded once),
+    then e4m3(clamp(t, -448, 448)) (``code`` "e4m3") or :func:`encode_int8_round_half_away` ("int8")."""
+    x = x.to(F32)
+    s = token_head_scales(x, TOKEN_HEAD_QMAX[code])
+    r = torch.div(torch.ones_like(s), s)
+    t = x * r[..., None]
+    if code == "e4m3":
+        codes = encode_e4m3(torch.clamp(t, -FMAX["e4m3"], FMAX["e4m3"]))
+        codes = torch.where(torch.isnan(t), torch.full_like(codes, 0x7F), codes)     # NaN 0x7f, whatever its sign
+    else:
+        codes = encode_int8_round_half_away(t).view(torch.uint8)
+    return codes, s
