@@ -227,6 +227,26 @@ def test_positions_overlapping_q_out_are_rejected_at_every_size():
     assert kv_plan.plan_cache_info().hits == 1
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_through_the_op_and_torch_compile():
+    """The custom op carries the mRoPE section and the V-norm (the plan's fields as op arguments):
+    torch.compile(fullgraph=True) of a call writes the eager call's bytes."""
+    import torch._dynamo
+    torch._dynamo.reset()
+
+    def step(**kw):
+        return kvfuse.fused_qk_norm_rope_store_kv(**kw).float() * 2
+
+    case = GQACase(mrope="interleaved", v_norm="bf16", fp8=True, q_out_none=True, seed=21)
+    kw1, storages1, _, _ = build(case)
+    kw2, storages2, _, _ = build(case)
+    with kvfuse.use_backend("reference"):
+        want = step(**kw1)
+        got = torch.compile(step, fullgraph=True, backend="aot_eager")(**kw2)
+    assert torch.equal(want, got)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(storages1, storages2))
+
+
 # =============================================================================== validation
 def _kw(**rope):
     kw, _, _, _ = build(GQACase(mrope="chunked"))

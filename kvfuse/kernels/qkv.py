@@ -8,10 +8,12 @@ uniform over the program; its G heads are unrolled, their rows all loaded before
 and what depends only on the token (position, cos / sin, norm weights, slot, the cast's scale and
 reciprocal) is loaded once for them:
 
-* q: RMSNorm (optional) -> RoPE (optional) -> q_out (which may be q itself);
+* q: RMSNorm (optional) -> RoPE (optional; mRoPE: each frequency's position from one of three rows,
+  MROPE_*) -> q_out (which may be q itself);
 * k: the same with k's weight -> the cache record of the token's slot (the activations' dtype, or e4m3
   by k_scale), or without caches (KV_CACHE False) k_out (which may be k itself);
-* v: copied (a cache of the activations' dtype: the bits) or quantized by v_scale into its record.
+* v: copied (a cache of the activations' dtype: the bits) or quantized by v_scale into its record; under
+  V_NORM first RMS-normed as q and k are (with or without a weight).
 
 ACT (bf16 / fp16 / fp32 activations) and NUMERICS (the profile: where values are rounded to ACT) come
 from kvfuse.numerics_profiles; their defaults (bf16, "staged") compile to the same code as before they
