@@ -6,7 +6,7 @@ partial-NeoX case engines have got wrong); the kernel through Triton's interpret
 reference over chunked / interleaved sections, NEOX / GPT-J, partial rotary, pairs, every numerics profile
 and dtype, with positions out of range in single rows; text positions (three equal rows) as plain RoPE;
 the V-norm (weightless and with a weight) likewise; the plan cache across batch sizes; every validation
-rule; the model configurations and the position helpers."""
+rule; the model configurations and the position helpers. (Through torch.compile: tests/test_gqa_api.py.)"""
 import dataclasses
 
 import pytest
@@ -225,26 +225,6 @@ def test_positions_overlapping_q_out_are_rejected_at_every_size():
         with pytest.raises(ValueError, match="q_out overlaps rope_args.positions"):
             kvfuse.fused_qk_norm_rope_store_kv(**kw)
     assert kv_plan.plan_cache_info().hits == 1
-
-
-@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
-def test_through_the_op_and_torch_compile():
-    """The custom op carries the mRoPE section and the V-norm (the plan's fields as op arguments):
-    torch.compile(fullgraph=True) of a call writes the eager call's bytes."""
-    import torch._dynamo
-    torch._dynamo.reset()
-
-    def step(**kw):
-        return kvfuse.fused_qk_norm_rope_store_kv(**kw).float() * 2
-
-    case = GQACase(mrope="interleaved", v_norm="bf16", fp8=True, q_out_none=True, seed=21)
-    kw1, storages1, _, _ = build(case)
-    kw2, storages2, _, _ = build(case)
-    with kvfuse.use_backend("reference"):
-        want = step(**kw1)
-        got = torch.compile(step, fullgraph=True, backend="aot_eager")(**kw2)
-    assert torch.equal(want, got)
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(storages1, storages2))
 
 
 # =============================================================================== validation
