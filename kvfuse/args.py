@@ -25,9 +25,10 @@ class NormArgs:
     weight (and bias): [k], 1 <= k <= head_dim, bf16 or fp32 (fp16 too for the GQA entry, which takes
     [head_dim] only), contiguous: the norm covers the first k
     dims, the others pass through it unchanged (k = head_dim: the whole row). eps: a finite float > 0
-    (used as fp32). bias: only with kind "layer".
+    (used as fp32). bias: only with kind "layer". weight None: a weightless RMSNorm ``y = x * rstd``
+    (Gemma 4's V-norm), accepted only as the GQA entry's ``v_norm_args``.
     """
-    weight: torch.Tensor
+    weight: Optional[torch.Tensor]
     eps: float = 1e-6
     bias: Optional[torch.Tensor] = None
     kind: str = "rms"
@@ -42,6 +43,13 @@ class RopeArgs:
     (bf16 accepted; fp16 too for the GQA entry), cos in the first rotary_dim/2 columns, sin in the last; last dim contiguous.
     is_neox: pairs (offset + j, offset + half + j); else interleaved pairs (offset + 2j, offset + 2j + 1).
     offset: defaults to head_dim - rotary_dim (the tail). conjugate: rotate by -angle.
+
+    mRoPE (Qwen2-VL / Qwen2.5-VL / Qwen3-VL; the GQA entry only): ``mrope_section`` (t, h, w), three
+    positive ints summing to rotary_dim / 2, and positions int32/int64 [3, n] (rows: temporal, height,
+    width). Frequency j (pair j) takes its cos / sin from the table row of positions[row(j), token]:
+    chunked (``mrope_interleaved`` False, Qwen2/2.5-VL) row(j) = 0 for j < t, 1 for t <= j < t + h, 2
+    after; interleaved (Qwen3-VL) row(j) = 1 when j % 3 == 1 and j < 3h, 2 when j % 3 == 2 and j < 3w,
+    else 0. A pair whose own position is outside [0, max_position) is left unchanged (SPEC §11).
     """
     positions: torch.Tensor
     cos_sin_cache: torch.Tensor
@@ -49,6 +57,8 @@ class RopeArgs:
     is_neox: bool
     offset: Optional[int] = None
     conjugate: bool = False
+    mrope_section: Optional[tuple] = None
+    mrope_interleaved: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -644,10 +644,13 @@ def gqa_page(cfg: M.GQAConfig, n: int, block_size: int, seed: int, device) -> Li
     compared with the exact bf16 K (normed and rotated: the reference chain) and V."""
     qkv, (wq, wk), positions, cos_sin = _gqa_batch(cfg, n, seed, device)
     q, k, v = cfg.split_qkv(qkv)
-    qn, kn, rope = cfg.norm_args(wq), cfg.norm_args(wk), cfg.rope_args(positions, cos_sin)
+    positions = cfg.text_positions(positions)        # an mRoPE model's text positions [3, n]
+    qn, kn, rope, vn = cfg.norm_args(wq), cfg.norm_args(wk), cfg.rope_args(positions, cos_sin), cfg.v_norm_args()
     k_exact = R.qk_norm_rope(k, None if kn is None else kn.weight, cfg.norm_eps, positions, cos_sin, cfg.rotary_dim,
-                             0, cfg.rope_is_neox).float()
-    v_exact = v.float()
+                             0, cfg.rope_is_neox, mrope_section=cfg.mrope_section,
+                             mrope_interleaved=cfg.mrope_interleaved).float()
+    v_exact = v.float() if vn is None else \
+        R.rmsnorm(v, torch.ones(cfg.head_dim, device=device), cfg.norm_eps).float()     # Gemma 4's weightless V-norm
     blocks = -(-n // block_size)
     g = torch.Generator().manual_seed(seed + 1)
     slots = torch.randperm(blocks * block_size, generator=g)[:n].to(device)
@@ -662,7 +665,8 @@ def gqa_page(cfg: M.GQAConfig, n: int, block_size: int, seed: int, device) -> Li
         caches = [torch.zeros(shape, dtype=torch.uint8 if scales else dtype, device=device).view(dtype)
                   for _ in range(2)]
         ks, vs = (None, None) if scales is None else (torch.tensor([float(s)], device=device) for s in scales)
-        kvfuse.fused_qk_norm_rope_store_kv(q, k, v, caches[0], caches[1], slots, qn, kn, rope, ks, vs, "NHD")
+        kvfuse.fused_qk_norm_rope_store_kv(q, k, v, caches[0], caches[1], slots, qn, kn, rope, ks, vs, "NHD",
+                                           v_norm_args=vn)
         back = [c[blk, off].float() * (1.0 if s is None else s) for c, s in zip(caches, (ks, vs))]
         elem = 2 if scales is None else 1
         rows.append({"model": cfg.name, "cache": label,
@@ -709,6 +713,14 @@ def format_gqa_accuracy(rows: List[dict]) -> str:
                          for r in rows))
 
 
+def _gqa_rope_label(cfg: M.GQAConfig) -> str:
+    """The model's RoPE in words: NEOX RoPE, or its mRoPE sections (the demo's text positions)."""
+    if cfg.mrope_section is None:
+        return "NEOX RoPE"
+    order = "interleaved" if cfg.mrope_interleaved else "chunked"
+    return f"NEOX {order} mRoPE {list(cfg.mrope_section)} (text positions)"
+
+
 def run_gqa(args, device) -> int:
     cfg = M.get_gqa(args.gqa)
     n = args.n if args.n is not None else (65536 if device.type == "cuda" else 512)
@@ -721,7 +733,8 @@ def run_gqa(args, device) -> int:
             return 2
         rows = gqa_page(cfg, n, args.block_size, args.seed, device)
     print(f"kvfuse demo --gqa {cfg.name}: {cfg.num_heads} Q heads, {cfg.num_kv_heads} KV heads of {cfg.head_dim}, "
-          f"{'QK-norm, ' if cfg.qk_norm else ''}NEOX RoPE; {n} tokens, block_size {args.block_size}, device {device}, "
+          f"{'QK-norm, ' if cfg.qk_norm else ''}{_gqa_rope_label(cfg)}{', V-norm' if cfg.v_norm else ''}; {n} tokens, "
+          f"block_size {args.block_size}, device {device}, "
           f"backend {backend}")
     print(format_gqa_table(rows))
     print(f"\nnumerics= profiles of fused_qk_norm_rope_store_kv against an fp64 chain (bf16 activations, "

@@ -1,8 +1,8 @@
 """K and V of GQA / MHA attention (SPEC §11): :func:`fused_qk_norm_rope_store_kv`.
 
-For the models that are not MLA (Llama, Qwen3, Gemma 3, ...): one call takes the q, k, v heads of a
-batch of tokens (views of one packed QKV projection allowed; bf16, fp16 or fp32), applies the per-head
-QK-norm and RoPE to q and k, writes q back and scatters K and V by slot into paged caches of vLLM's
+For the models that are not MLA (Llama, Qwen3, Gemma 3 / 4, Qwen-VL, ...): one call takes the q, k, v heads
+of a batch of tokens (views of one packed QKV projection allowed; bf16, fp16 or fp32), applies the per-head
+QK-norm and RoPE (or mRoPE) to q and k and the optional V-norm to v, writes q back and scatters K and V by slot into paged caches of vLLM's
 layout ("NHD": [num_blocks, block_size, num_kv_heads, head_dim]) or FlashInfer's ("HND": [num_blocks,
 num_kv_heads, block_size, head_dim]), each in a format of :mod:`kvfuse.gqa_formats` (the activations'
 dtype, or float8_e4m3fn with fp32 scales given per tensor or per kv head, ...); without caches k is written
@@ -35,8 +35,9 @@ __all__ = ["fused_qk_norm_rope_store_kv", "load_gqa_kv_cache", "GQAPlan", "LAYOU
 def fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_args=None,
                                 rope_args=None, k_scale=None, v_scale=None, layout="NHD", q_out=None,
                                 numerics="staged", k_out=None, q_scale=None, scale_convention="divide", k_format=None,
-                                v_format=None, k_scale_cache=None, v_scale_cache=None):
-    """QK-norm -> RoPE on q and k, q written back, K and V scattered into paged caches: one launch.
+                                v_format=None, k_scale_cache=None, v_scale_cache=None, v_norm_args=None):
+    """QK-norm -> RoPE on q and k, q written back, K and V (V optionally RMS-normed) scattered into paged caches:
+    one launch.
 
     Args:
         q: bf16, fp16 or fp32 [n, Hq, D]; k: [n, Hkv, D]; v: [n, Hkv, Dv], all three of one dtype (the
@@ -58,7 +59,9 @@ def fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_norm_
             a slot < 0 or >= num_blocks * block_size writes nothing.
         q_norm_args, k_norm_args: NormArgs (kind "rms", weight [D] bf16 / fp16 / fp32 shared by the heads) or None.
         rope_args: RopeArgs or None (offset None means 0 here: RoPE on the first rotary_dim dims; cos_sin_cache
-            fp32 / bf16 / fp16). Weights and table are read as fp32 (exact).
+            fp32 / bf16 / fp16). Weights and table are read as fp32 (exact). With ``mrope_section`` (mRoPE,
+            Qwen2-VL / Qwen2.5-VL / Qwen3-VL) positions are [3, n] and each frequency takes its cos / sin from
+            one position row, chunked or interleaved (:class:`kvfuse.RopeArgs`, SPEC §11).
         k_scale, v_scale: for float8_e4m3fn caches (None otherwise; k_scale also for an fp8 k_out): fp32
             tensors of one element or one per kv head ([Hkv], contiguous), or numbers (passed to the
             kernel as fp32 arguments; then every scale of the call is a number): the cache holds
@@ -87,12 +90,16 @@ def fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_norm_
             block_size, Hkv] under NHD, [num_blocks, Hkv, block_size] under HND), any strides (views
             inside the cache's own allocation, as vLLM keeps them in the heads' padding, are fine when
             they share no element with the cache view).
+        v_norm_args: NormArgs (kind "rms") or None: an RMSNorm of each (token, head) row of v before the V cache
+            (Gemma 4), rounded as the QK-norm is under ``numerics``; weight [Dv] (bf16 / fp16 / fp32), or None
+            for a weightless norm (y = v * rstd). Only with v_cache.
 
     Returns ``q_out`` (the tensor or pair written); without caches ``(q_out, k_out)``. Raises ValueError /
     TypeError naming the argument before anything is written.
     """
     args = (q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale, v_scale, layout,
-            q_out, numerics, k_out, q_scale, scale_convention, k_format, v_format, k_scale_cache, v_scale_cache)
+            q_out, numerics, k_out, q_scale, scale_convention, k_format, v_format, k_scale_cache, v_scale_cache,
+            v_norm_args)
     if not torch.compiler.is_compiling() and plan_cache_enabled():
         template, tensors = _gqa.prepare_call(*args)
         _dispatch.call_gqa(template, tensors)

@@ -1,6 +1,7 @@
 """Named, frozen configurations of the real models whose write-KV paths kvfuse serves (SPEC §10, §11).
 
-The GQA / MHA models (Llama 3, Qwen3, Gemma 3, GPT-OSS) are :class:`GQAConfig` objects in :data:`GQA_MODELS`
+The GQA / MHA models (Llama 3, Qwen3, Gemma 3, GPT-OSS, Qwen2.5-VL / Qwen3-VL with mRoPE, Gemma 4 with its
+V-norm) are :class:`GQAConfig` objects in :data:`GQA_MODELS`
 (:func:`get_gqa`), served by :func:`kvfuse.fused_qk_norm_rope_store_kv`; the rest of this docstring is
 about the MLA models below.
 
@@ -33,13 +34,14 @@ from .args import NormArgs, RopeArgs
 from .formats import (FLASHMLA_MODEL1, FLASHMLA_V32, INDEX_FP8_FP32, INDEX_MXFP4, INDEX_MXFP8, MAIN_FP4, MAIN_FP8,
                       MAIN_MXFP8, KVCacheFormat)
 from .mla import MLAConfig
-from .rope import YarnScaling, cos_sin_cache
+from .rope import YarnScaling, cos_sin_cache, mrope_text_positions, proportional_cos_sin_cache
 
 __all__ = [
     "DEEPSEEK_V3", "DEEPSEEK_V32", "DEEPSEEK_V32_UE8M0", "DEEPSEEK_V32_SGLANG", "DEEPSEEK_V4", "DEEPSEEK_V4_FP4",
     "DEEPSEEK_V4_FLASHMLA", "DEEPSEEK_V41",
     "INDEX_FP8_UE8M0_FP32", "MODELS", "ALIASES", "get", "names",
     "GQAConfig", "LLAMA3_8B", "LLAMA3_70B", "QWEN3_8B", "QWEN3_32B", "GEMMA3_12B", "GPT_OSS_20B", "GPT_OSS_120B",
+    "QWEN25_VL_7B", "QWEN3_VL_8B", "GEMMA4_31B_SLIDING", "GEMMA4_31B_GLOBAL",
     "GQA_MODELS", "gqa_names", "get_gqa",
 ]
 
@@ -195,6 +197,11 @@ class GQAConfig:
         norm_eps: its eps (the model's rms_norm_eps).
     norm_weight_offset: the model scales by (offset + w) (Gemma: 1.0); :meth:`norm_args` passes
         ``offset + w.float()`` as an fp32 weight, the model's own fp32 sum.
+    mrope_section / mrope_interleaved: mRoPE (Qwen-VL): the (t, h, w) frequencies of the three position
+        rows, chunked or interleaved (:class:`kvfuse.RopeArgs`); None: plain RoPE, positions [n].
+    rope_rotated: "proportional" RoPE (Gemma 4's global layers): only the first rope_rotated of the
+        rotary_dim / 2 frequencies turn (:func:`kvfuse.rope.proportional_cos_sin_cache`); None: all.
+    v_norm: a weightless RMSNorm (eps norm_eps) of each v row before the V cache (Gemma 4).
     name / source: a label and the public sources the values come from.
     """
     name: str
@@ -209,6 +216,10 @@ class GQAConfig:
     norm_weight_offset: float = 0.0
     rope_scaling: Optional[YarnScaling] = None
     source: str = dataclasses.field(default="", repr=False)
+    mrope_section: Optional[tuple] = None
+    mrope_interleaved: bool = False
+    rope_rotated: Optional[int] = None
+    v_norm: bool = False
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -216,6 +227,12 @@ class GQAConfig:
                              f"({self.num_kv_heads})")
         if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
             raise ValueError(f"GQAConfig.rotary_dim must be even and in (0, head_dim], got {self.rotary_dim}")
+        if self.mrope_section is not None and (len(self.mrope_section) != 3
+                                               or sum(self.mrope_section) != self.rotary_dim // 2):
+            raise ValueError(f"GQAConfig.mrope_section must be three ints summing to rotary_dim / 2 "
+                             f"({self.rotary_dim // 2}), got {self.mrope_section}")
+        if self.rope_rotated is not None and not 0 <= self.rope_rotated <= self.rotary_dim // 2:
+            raise ValueError(f"GQAConfig.rope_rotated must be in [0, rotary_dim / 2], got {self.rope_rotated}")
 
     @property
     def qkv_width(self) -> int:
@@ -247,25 +264,41 @@ class GQAConfig:
         return NormArgs(w, eps=self.norm_eps)
 
     def rope_args(self, positions: torch.Tensor, cos_sin: torch.Tensor) -> RopeArgs:
-        return RopeArgs(positions, cos_sin, self.rotary_dim, self.rope_is_neox, offset=0)
+        """The RopeArgs of a call: positions [n], or [3, n] for an mRoPE model (:meth:`text_positions`)."""
+        return RopeArgs(positions, cos_sin, self.rotary_dim, self.rope_is_neox, offset=0,
+                        mrope_section=self.mrope_section, mrope_interleaved=self.mrope_interleaved)
+
+    def text_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """The positions a text-only batch passes: ``positions`` [n] itself, or for an mRoPE model its three
+        equal rows [3, n] (:func:`kvfuse.rope.mrope_text_positions`; images: :func:`kvfuse.rope.mrope_grid_positions`)."""
+        return positions if self.mrope_section is None else mrope_text_positions(positions)
+
+    def v_norm_args(self) -> Optional[NormArgs]:
+        """The V-norm's NormArgs (weightless, eps norm_eps), None for a model without one."""
+        return NormArgs(None, eps=self.norm_eps) if self.v_norm else None
 
     def cos_sin_cache(self, max_position: int, device=None) -> torch.Tensor:
         """fp32 [max_position, rotary_dim] of the model's RoPE with base rope_theta: YaRN-scaled when
-        rope_scaling is set (:func:`kvfuse.rope.yarn_cos_sin_cache`), else unscaled."""
+        rope_scaling is set (:func:`kvfuse.rope.yarn_cos_sin_cache`), proportional when rope_rotated is
+        (:func:`kvfuse.rope.proportional_cos_sin_cache`), else unscaled. mRoPE models use the same table."""
         if self.rope_scaling is not None:
             return self.rope_scaling.cos_sin_cache(max_position, self.rotary_dim, self.rope_theta, device)
+        if self.rope_rotated is not None:
+            return proportional_cos_sin_cache(max_position, self.rotary_dim, self.rope_rotated, self.rope_theta, device)
         return cos_sin_cache(max_position, self.rotary_dim, self.rope_theta, device)
 
     def store_kv(self, qkv, k_cache, v_cache, slot_mapping, positions, cos_sin, q_norm_weight=None,
                  k_norm_weight=None, k_scale=None, v_scale=None, layout="NHD", q_out=None, numerics="staged"):
-        """One layer's call: the packed projection qkv [n, qkv_width] -> q_out (returned), K and V into
-        the paged caches (see :func:`kvfuse.fused_qk_norm_rope_store_kv`; ``numerics``: its profile,
-        "staged", "fused" or "fused_fp32_cast", :mod:`kvfuse.numerics_profiles`)."""
+        """One layer's call: the packed projection qkv [n, qkv_width] -> q_out (returned), K and V (V-normed
+        for a model with v_norm) into the paged caches (see :func:`kvfuse.fused_qk_norm_rope_store_kv`;
+        positions [n], or [3, n] for an mRoPE model; ``numerics``: its profile, "staged", "fused" or
+        "fused_fp32_cast", :mod:`kvfuse.numerics_profiles`)."""
         from .gqa import fused_qk_norm_rope_store_kv
         q, k, v = self.split_qkv(qkv)
         return fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, self.norm_args(q_norm_weight),
                                            self.norm_args(k_norm_weight), self.rope_args(positions, cos_sin),
-                                           k_scale, v_scale, layout, q_out, numerics=numerics)
+                                           k_scale, v_scale, layout, q_out, numerics=numerics,
+                                           v_norm_args=self.v_norm_args())
 
 
 # Read in stored public snapshots: transformers' modeling_gemma3.py (Gemma3RMSNorm, Gemma3Attention,
@@ -351,8 +384,78 @@ GPT_OSS_120B = dataclasses.replace(
     source=GPT_OSS_20B.source.replace("gpt-oss-20b: 24 layers, 32 experts", "gpt-oss-120b: 36 layers, 128 experts"))
 """GPT-OSS 120B: the attention of GPT-OSS 20B (more layers and experts, the same per-layer KV write)."""
 
+# mRoPE models. Read: vLLM 0.33.0 vllm/model_executor/layers/rotary_embedding/mrope.py
+# (MRotaryEmbedding.forward_native, apply_interleaved_rope, _triton_mrope_forward) and its models/qwen3_vl.py
+# (Qwen3LLMModel on Qwen3's attention), qwen3.py / qwen2.py; transformers' apply_multimodal_rotary_pos_emb
+# (modeling_qwen2_vl.py: cos / sin split by mrope_section * 2, chunk i from row i % 3) and
+# Qwen3VLTextRotaryEmbedding.apply_interleaved_mrope (modeling_qwen3_vl.py: row 1 at j % 3 == 1, j < 3 h, row 2
+# at j % 3 == 2, j < 3 w, else row 0) as stored copies of those files show them. The hub config.json files
+# were not read here: their values below are as third-party copies quote them.
+QWEN25_VL_7B = GQAConfig(
+    name="qwen2.5-vl-7b", num_heads=28, num_kv_heads=4, head_dim=128, rotary_dim=128, rope_is_neox=True,
+    rope_theta=1000000.0, qk_norm=False, norm_eps=1e-6, mrope_section=(16, 24, 24), mrope_interleaved=False,
+    source=f"{_HF}/qwen2_5_vl/modeling_qwen2_5_vl.py and {_HF}/qwen2_vl/modeling_qwen2_vl.py (the text attention: "
+           "q / k / v with bias, no QK-norm; apply_multimodal_rotary_pos_emb: rotate_half = NEOX over the whole "
+           "head, cos / sin chunks of mrope_section [16, 24, 24] from the t, h, w position rows); vLLM "
+           "vllm/model_executor/layers/rotary_embedding/mrope.py (MRotaryEmbedding, chunked) and "
+           "vllm/model_executor/models/qwen2_5_vl.py; Qwen/Qwen2.5-VL-7B-Instruct config.json: hidden_size 3584, "
+           "num_attention_heads 28, num_key_value_heads 4 (head_dim 128), rope_theta 1000000, rms_norm_eps 1e-6, "
+           "rope_scaling {type mrope, mrope_section [16, 24, 24]}")
+"""Qwen2.5-VL 7B: 28 Q heads, 4 KV heads of 128, no QK-norm, NEOX mRoPE over the whole head with chunked
+sections (16, 24, 24): frequencies 0..15 from the temporal row, 16..39 from the height row, 40..63 from
+the width row (Qwen2-VL 7B has the same attention)."""
+
+QWEN3_VL_8B = dataclasses.replace(
+    QWEN3_8B, name="qwen3-vl-8b", rope_theta=5000000.0, mrope_section=(24, 20, 20), mrope_interleaved=True,
+    source=f"{_HF}/qwen3_vl/modeling_qwen3_vl.py (Qwen3VLTextAttention: q_norm / k_norm = Qwen3VLTextRMSNorm("
+           "head_dim) per head before RoPE, rotate_half = NEOX; Qwen3VLTextRotaryEmbedding.apply_interleaved_mrope: "
+           "frequencies interleaved t, h, w for mrope_section [24, 20, 20]); vLLM "
+           "vllm/model_executor/layers/rotary_embedding/mrope.py (mrope_interleaved) and "
+           "vllm/model_executor/models/qwen3_vl.py (Qwen3LLMModel: Qwen3's attention with q_norm / k_norm); "
+           "Qwen/Qwen3-VL-8B-Instruct text_config: hidden_size 4096, num_attention_heads 32, num_key_value_heads 8, "
+           "head_dim 128, rope_theta 5000000, rms_norm_eps 1e-6, rope_scaling {mrope_interleaved true, "
+           "mrope_section [24, 20, 20]} (as NVIDIA Megatron-Bridge's Qwen3VLModelProvider and third-party "
+           "test configurations quote them)")
+"""Qwen3-VL 8B: 32 Q heads, 8 KV heads of 128, Qwen3's per-head QK-norm, NEOX mRoPE over the whole head
+with interleaved sections (24, 20, 20): frequency j from the height row for j % 3 == 1 (j < 60), the width
+row for j % 3 == 2 (j < 60), else the temporal row."""
+
+# Gemma 4. Read in stored public snapshots: transformers' modeling_gemma4.py (Gemma4RMSNorm: fp32, x *
+# pow(mean(x^2) + eps, -0.5), times weight.float() unless with_scale=False, rounded once; the text attention:
+# q_norm, k_norm with weights, v_norm = Gemma4RMSNorm(head_dim, eps=rms_norm_eps, with_scale=False),
+# attention_k_eq_v: v = the raw k projection on the global layers), configuration_gemma4.py (rms_norm_eps 1e-6;
+# rope_parameters: sliding {default, theta 10000}, full {proportional, partial_rotary_factor 0.25, theta 1e6};
+# global_head_dim 512) and modeling_rope_utils.py (_compute_proportional_rope_parameters); vLLM 0.33.0
+# vllm/model_executor/models/gemma4.py (Gemma4Attention: q_norm / k_norm = RMSNorm(head_dim), v_norm =
+# RMSNorm(head_dim, has_weight=False), get_rope(is_neox_style=True)) and rotary_embedding/gemma4_rope.py
+# (Gemma4RotaryEmbedding: rotary_dim = head_size, zero frequencies past the rotated ones). Gemma 4 31B's head
+# counts (32 Q heads; 16 KV heads of 256 on sliding layers, 4 of 512 on global ones, k_eq_v) are as the
+# vllm-metal tests and a Core AI conversion's model card quote its config.json, which was not read here.
+_GEMMA4_SOURCE = (
+    f"{_HF}/gemma4/modeling_gemma4.py (Gemma4RMSNorm with / without scale; q_norm, k_norm, v_norm before RoPE "
+    f"and the cache), {_HF}/gemma4/configuration_gemma4.py (rms_norm_eps 1e-6, per-layer-type rope_parameters, "
+    "global_head_dim 512), src/transformers/modeling_rope_utils.py (_compute_proportional_rope_parameters); "
+    "vLLM vllm/model_executor/models/gemma4.py (Gemma4Attention: RMSNorm q_norm / k_norm, v_norm has_weight=False) "
+    "and vllm/model_executor/layers/rotary_embedding/gemma4_rope.py; google/gemma-4-31B: 32 Q heads, "
+    "num_key_value_heads 16 (head_dim 256), num_global_key_value_heads 4 (global_head_dim 512), "
+    "attention_k_eq_v on the global layers (as quoted by vllm-project/vllm-metal's tests and a Core AI "
+    "conversion's model card)")
+GEMMA4_31B_SLIDING = GQAConfig(
+    name="gemma-4-31b-sliding", num_heads=32, num_kv_heads=16, head_dim=256, rotary_dim=256, rope_is_neox=True,
+    rope_theta=10000.0, qk_norm=True, norm_eps=1e-6, v_norm=True, source=_GEMMA4_SOURCE)
+"""Gemma 4 31B's sliding-window layers: 32 Q heads, 16 KV heads of 256, QK-norm (weights used as they are,
+no 1 + w), NEOX RoPE over the whole head (base 10000), a weightless RMSNorm of V."""
+
+GEMMA4_31B_GLOBAL = dataclasses.replace(
+    GEMMA4_31B_SLIDING, name="gemma-4-31b-global", num_kv_heads=4, head_dim=512, rotary_dim=512, rope_theta=1000000.0,
+    rope_rotated=64)
+"""Gemma 4 31B's global layers: 32 Q heads, 4 KV heads of 512, QK-norm, "proportional" NEOX RoPE over the
+whole 512-d head (pairs (j, j + 256); only the first 64 frequencies turn, base 1e6 over 512), a weightless
+RMSNorm of V. With attention_k_eq_v the model's v is its raw k projection: pass the same tensor as k and v."""
+
 GQA_MODELS: Dict[str, GQAConfig] = {c.name: c for c in (LLAMA3_8B, LLAMA3_70B, QWEN3_8B, QWEN3_32B, GEMMA3_12B,
-                                                        GPT_OSS_20B, GPT_OSS_120B)}
+                                                        GPT_OSS_20B, GPT_OSS_120B, QWEN25_VL_7B, QWEN3_VL_8B,
+                                                        GEMMA4_31B_SLIDING, GEMMA4_31B_GLOBAL)}
 """The GQA / MHA configurations, by name (separate from the MLA configurations of :data:`MODELS`)."""
 
 

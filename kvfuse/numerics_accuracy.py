@@ -76,7 +76,7 @@ def profile_accuracy(cfg, act: torch.dtype, n: int, seed: int) -> List[Tuple[str
     x, (wq, wk), pos, cs = accuracy_inputs(cfg, n, seed)
     q, k, v = cfg.split_qkv(x.to(act))
     qn, kn = cfg.norm_args(wq.to(torch.bfloat16)), cfg.norm_args(wk.to(torch.bfloat16))
-    rope = cfg.rope_args(pos, cs)
+    rope = cfg.rope_args(cfg.text_positions(pos), cs)      # mRoPE models: the text positions [3, n]
     q_exact = exact_chain(q, qn and qn.weight, cfg.norm_eps, pos, cs, cfg)
     k_exact = exact_chain(k, kn and kn.weight, cfg.norm_eps, pos, cs, cfg)
     scale = (k_exact.abs().max() / 448.0).float()

@@ -1,6 +1,8 @@
 """The RoPE cos/sin tables that ``RopeArgs.cos_sin_cache`` takes, built one way for the whole project:
-:func:`cos_sin_cache` (the unscaled RoPE) and :func:`yarn_cos_sin_cache` (YaRN-scaled, GPT-OSS's), with
-:class:`YarnScaling` holding a model's YaRN parameters. :mod:`kvfuse.mla` (re-exported there as
+:func:`cos_sin_cache` (the unscaled RoPE), :func:`yarn_cos_sin_cache` (YaRN-scaled, GPT-OSS's) and
+:func:`proportional_cos_sin_cache` (Gemma 4's "proportional" RoPE), with :class:`YarnScaling` holding a
+model's YaRN parameters; and mRoPE's positions [3, n] (:func:`mrope_text_positions`,
+:func:`mrope_grid_positions`). :mod:`kvfuse.mla` (re-exported there as
 ``make_cos_sin_cache``), :mod:`kvfuse.models`, ``kvfuse bench``, ``kvfuse demo`` and the tests all call
 these, so they all rotate by the same fp32 values: angles, cosines and sines in fp64, rounded once.
 """
@@ -13,7 +15,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["cos_sin_cache", "yarn_cos_sin_cache", "yarn_attention_factor", "YarnScaling"]
+__all__ = ["cos_sin_cache", "yarn_cos_sin_cache", "yarn_attention_factor", "YarnScaling", "proportional_cos_sin_cache",
+           "mrope_text_positions", "mrope_grid_positions"]
 
 
 def _integer(value, name: str, minimum: int):
@@ -54,6 +57,47 @@ def cos_sin_cache(max_position: int, rotary_dim: int, base: float = 10000.0, dev
     _rotary_dim(rotary_dim)
     _real(base, "base", 0.0, inclusive=False)
     return _table(max_position, _inverse_frequencies(rotary_dim, base, device), 1.0)
+
+
+def proportional_cos_sin_cache(max_position: int, rotary_dim: int, rotated: int, base: float = 10000.0,
+                               device=None) -> torch.Tensor:
+    """fp32 ``[max_position, rotary_dim]`` of "proportional" RoPE (Gemma 4's global layers; transformers'
+    ``_compute_proportional_rope_parameters``, vLLM's ``Gemma4RotaryEmbedding``): frequency j is
+    base^(-2j / rotary_dim) for j < ``rotated`` and 0 for the others (cos 1, sin 0), so the rotation
+    spans the whole rotary_dim (pairs (j, j + rotary_dim / 2) under NEOX) while only the first
+    ``rotated`` pairs turn. Gemma 4: rotary_dim = head_dim = 512, rotated = 0.25 * 512 / 2 = 64.
+    Computed as :func:`cos_sin_cache` (fp64, rounded once)."""
+    _integer(max_position, "max_position", 0)
+    _rotary_dim(rotary_dim)
+    _real(base, "base", 0.0, inclusive=False)
+    if isinstance(rotated, bool) or not isinstance(rotated, numbers.Integral) or not 0 <= rotated <= rotary_dim // 2:
+        raise ValueError(f"rotated: expected an integer in [0, rotary_dim / 2 = {rotary_dim // 2}], got {rotated!r}")
+    inv = _inverse_frequencies(rotary_dim, base, device)
+    inv[rotated:] = 0.0
+    return _table(max_position, inv, 1.0)
+
+
+def mrope_text_positions(positions: torch.Tensor) -> torch.Tensor:
+    """mRoPE's positions [3, n] of text tokens: the three rows (temporal, height, width) all ``positions``
+    [n] (Qwen2-VL's ``get_rope_index`` for text, where mRoPE rotates exactly as plain RoPE). A new
+    contiguous tensor of the same dtype and device."""
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 1:
+        raise ValueError(f"positions: expected a 1-d tensor, got {getattr(positions, 'shape', type(positions))}")
+    return positions.unsqueeze(0).expand(3, -1).contiguous()
+
+
+def mrope_grid_positions(start: int, grid_t: int, grid_h: int, grid_w: int, dtype=torch.int64,
+                         device=None) -> torch.Tensor:
+    """mRoPE's positions [3, grid_t * grid_h * grid_w] of an image or video's tokens in the language model,
+    as Qwen2-VL's ``get_rope_index`` lays them out: tokens in (t, h, w) order, rows ``start + t``,
+    ``start + h``, ``start + w``. The grid is the language model's (the vision encoder's patch grid after
+    its spatial merge); Qwen2.5-VL / Qwen3-VL's scaling of video time is the caller's. The text after
+    the grid continues at ``max + 1`` of these positions."""
+    for name, v in (("start", start), ("grid_t", grid_t), ("grid_h", grid_h), ("grid_w", grid_w)):
+        _integer(v, name, 0 if name == "start" else 1)
+    t, h, w = torch.meshgrid(torch.arange(grid_t, device=device), torch.arange(grid_h, device=device),
+                             torch.arange(grid_w, device=device), indexing="ij")
+    return (torch.stack([t.reshape(-1), h.reshape(-1), w.reshape(-1)]) + start).to(dtype)
 
 
 def yarn_attention_factor(factor: float, mscale: Optional[float] = None,

@@ -290,6 +290,11 @@ GQA_VARIANTS = [
     dict(dtype="fp16", numerics="fused_fp32_cast", neox=False, cache="vllm"),
     dict(kv_cache=False, inplace=True, numerics="fused"),
     dict(kv_cache=False, dtype="fp16", rotary_dim=32, rope_offset=16, neox=False, k_norm="fp16", cos_sin="fp16"),
+    # mRoPE (MROPE_*: chunked in the halves form, interleaved in the whole-row form with partial GPT-J) and
+    # the V-norm (V_NORM: with a weight, and weightless into an fp8 cache whose cast reads fp32)
+    dict(mrope="chunked", fp8=True),
+    dict(mrope="interleaved", neox=False, rotary_dim=32, rope_offset=16, v_norm="bf16", layout="HND"),
+    dict(mrope="interleaved", v_norm="none", fp8=True, numerics="fused_fp32_cast", scale_per_head="v"),
 ]
 # head_dims that are not a multiple of 16 (the tile is their power of two): (d, n, features)
 GQA_ODD_HEAD_DIMS = [
@@ -312,6 +317,16 @@ GQA_PARTS = [
     (128, 9, dict(_FLASHINFER, kv_cache=False, k_out_fp8=True)),
     (128, 7, dict(split=32, fp8=True, scale_per_head="kv", rotary_dim=64, rope_offset=16, q_fp8=True)),
     (128, 260, dict(paged_append=True, idx32=True, layout="HND")),     # FlashInfer's append_paged_kv_cache
+]
+# Gemma 4's 512-d global heads with the V-norm (the wide tile's launch table, by rows), mRoPE with heads
+# held as two tensors and under the fused profile with fp16 activations
+GQA_MROPE_V_NORM = [
+    (512, 3, dict(hq=8, hkv=1, v_norm="none", fp8=True)),
+    (512, 300, dict(hq=8, hkv=2, v_norm="none", layout="HND", numerics="fused")),
+    (128, 5, dict(mrope="chunked", split=64, rotary_dim=64, fp8=True, q_fp8=True)),
+    (128, 4097, dict(mrope="interleaved", mrope_section=(24, 20, 20), hq=8, hkv=2)),     # Qwen3-VL's, prefill
+    (256, 200, dict(mrope="interleaved", v_norm="fp32", dtype="fp16", numerics="fused", q_norm="fp16",
+                    k_norm="fp16")),
 ]
 GQA_HEADS = {64: (12, 6), 128: (6, 3), 256: (4, 4)}   # partial groups: 64-d of 8 heads (q 8 + 4, kv 6), 128-d of 4 (q 4 + 2, kv 3)
 
@@ -344,7 +359,7 @@ def gqa_cases():
                 hq, hkv = GQA_HEADS[d]
                 case = GQACase(n=n, hq=hq, hkv=hkv, d=d, seed=n * 7 + d, **v)
                 out.append((f"gqa d{d}_n{n}_bm{cfg[0]}_g{cfg[1]}_w{cfg[2]}_" + "_".join(f"{k}={v[k]}" for k in v), case))
-    for d, n, v in GQA_ODD_HEAD_DIMS + GQA_PARTS:
+    for d, n, v in GQA_ODD_HEAD_DIMS + GQA_PARTS + GQA_MROPE_V_NORM:
         case = GQACase(n=n, d=d, seed=n * 7 + d, **{"hq": 6, "hkv": 3, **v})
         out.append((f"gqa d{d}_n{n}_" + "_".join(f"{k}={v[k]}" for k in v), case))
     return out

@@ -76,6 +76,9 @@ class GQACase:
     scale_numbers: bool = False          # the scales passed as Python floats
     paged_append: bool = False           # the slots as FlashInfer's append addressing (kvfuse.PagedAppend)
     seed: int = 0
+    mrope: str = ""                      # "chunked" / "interleaved": mRoPE, positions [3, n] (rows of a wider buffer)
+    mrope_section: tuple = ()            # () : t, h, w = rdim / 2 - 2 h, 3 rdim / 16, 3 rdim / 16
+    v_norm: Optional[str] = None         # V-norm: its weight's dtype ("bf16" / "fp16" / "fp32"), "none": weightless
 
     @property
     def act(self) -> torch.dtype:
@@ -88,6 +91,15 @@ class GQACase:
     @property
     def rdim(self) -> int:
         return self.d if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def section(self) -> tuple:
+        """The mRoPE section of the case (mrope_section, or one derived from the rotary dims)."""
+        if self.mrope_section:
+            return self.mrope_section
+        half = self.rdim // 2
+        h = 3 * half // 8
+        return (half - 2 * h, h, h)
 
     def describe(self) -> str:
         fields = dataclasses.asdict(self)
@@ -172,8 +184,18 @@ def build(case: GQACase, device="cpu"):
         pos = torch.randint(0, MAX_POS, (n,), generator=g)
         pos[2::4] = torch.tensor([-1, MAX_POS, MAX_POS + 9]).repeat(n)[: pos[2::4].numel()]   # identity rotations
         cs = cos_sin_cache(MAX_POS, case.rdim, ACT_DTYPES[case.cos_sin])
+        mrope = {}
+        if case.mrope:          # three rows of a wider buffer, each with positions out of range at other tokens
+            rows = torch.randint(0, MAX_POS, (3, n + 3), generator=g)
+            for r in range(3):
+                rows[r, r + 1:n:4] = torch.tensor([-1, MAX_POS, MAX_POS + 3]).repeat(n)[: rows[r, r + 1:n:4].numel()]
+            pos = rows[:, 1:n + 1]
+            mrope = dict(mrope_section=case.section, mrope_interleaved=case.mrope == "interleaved")
         kw["rope_args"] = kvfuse.RopeArgs(pos.to(idx).to(device), cs.to(device), case.rdim, case.neox,
-                                          case.rope_offset, case.conjugate)
+                                          case.rope_offset, case.conjugate, **mrope)
+    if case.v_norm is not None:
+        w = None if case.v_norm == "none" else (1.0 + 0.2 * torch.randn(dv, generator=g)).to(ACT_DTYPES[case.v_norm])
+        kw["v_norm_args"] = kvfuse.NormArgs(None if w is None else w.to(device), eps=1e-6)
     if not case.v_cache:
         kw["v"] = None
     if case.fp8:

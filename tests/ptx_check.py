@@ -33,7 +33,7 @@ PTR_TYPES = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "pos_ptr": "*
              # the GQA kernel (kvfuse/kernels/qkv.py)
              "k_ptr": "*bf16", "v_ptr": "*bf16", "qo_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
              "kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
-FLOATS = ("eps", "had_scale", "q_eps", "k_eps")
+FLOATS = ("eps", "had_scale", "q_eps", "k_eps", "v_eps")
 DIVISIBLE_BY_16 = ("sx_n", "sx_h", "sxt_n", "sxt_h", "s_cs", "so_n", "so_h", "sq_n", "sq_h", "s_blk",   # as in the benchmark's calls
                    "sk_n", "sk_h", "sv_n", "sv_h", "kc_blk", "kc_tok", "kc_head", "vc_blk", "vc_tok", "vc_head",
                    "sq2_n", "sq2_h", "sk2_n", "sk2_h", "so2_n", "so2_h", "kd2_blk", "kd2_tok", "kd2_head")
@@ -54,11 +54,15 @@ ONE_INPUT = {"xt_ptr": None, "sxt_n": None, "sxt_h": None}
 GQA_TAILS = ("q2_ptr", "sq2_n", "sq2_h", "k2_ptr", "sk2_n", "sk2_h", "qo2_ptr", "so2_n", "so2_h", "kd2_ptr",
              "kd2_blk", "kd2_tok", "kd2_head")
 GQA_PAGED_APPEND = ("pa_b", "pa_p", "pa_indptr", "pa_idx", "pa_nreq", "pa_nidx")
-# the caches' formats: K and V of one (FP8's), static casts to e4m3, no per-(token, head) scales
+# the caches' formats: K and V of one (FP8's), static casts to e4m3, no per-(token, head) scales; plain RoPE (no
+# mRoPE), no V-norm
 GQA_SCALE_CACHES = ("ksc_ptr", "ksc_blk", "ksc_tok", "ksc_head", "vsc_ptr", "vsc_blk", "vsc_tok", "vsc_head")
-ONE_PART = {**{name: None for name in GQA_TAILS + GQA_PAGED_APPEND + GQA_SCALE_CACHES}, "qs_ptr": None, "SPLIT": 0,
-            "Q_FP8": False, "SCALE_MUL": False, "SCALE_BY_VALUE": False, "HAS_V": True, "V_FP8": None,
-            "K_E5M2": False, "V_E5M2": False, "K_PTH": 0, "V_PTH": 0}
+GQA_MROPE = ("s_pos3",)
+GQA_V_NORM = ("vw_ptr", "v_eps")
+ONE_PART = {**{name: None for name in GQA_TAILS + GQA_PAGED_APPEND + GQA_SCALE_CACHES + GQA_MROPE + GQA_V_NORM},
+            "qs_ptr": None, "SPLIT": 0, "Q_FP8": False, "SCALE_MUL": False, "SCALE_BY_VALUE": False, "HAS_V": True,
+            "V_FP8": None, "K_E5M2": False, "V_E5M2": False, "K_PTH": 0, "V_PTH": 0, "MROPE_T": 0, "MROPE_H": 0,
+            "MROPE_W": 0, "MROPE_INTERLEAVED": False, "V_NORM": False, "VW_BF16": False, "LOG2_BLOCK_DV": 0}
 
 
 def compile_ptx(fn, consts, num_warps=4, ptr_types=None):
@@ -177,6 +181,23 @@ def gqa_variants():
     yield "gqa_int8_per_token_head_rows_fp32_cast", passed({**base, "BLOCK_M": 4, "G": 2, "HALVES": False, "R": 64,
                                                             "FP8": False, "K_PTH": 2, "V_PTH": 2, "NUMERICS": 2},
                                                            GQA_SCALE_CACHES), {**ptrs, **scale_caches}
+    # mRoPE (Qwen2.5-VL's chunked section in the halves form; Qwen3-VL's interleaved one, and a partial GPT-J
+    # rotation, in the whole-row form) and Gemma 4's V-norm (weightless into a bf16 cache; with a weight
+    # into an fp8 cache whose cast reads the fp32 value)
+    mrope = passed(base, GQA_MROPE)
+    yield "gqa_fp8_mrope_chunked_halves", {**mrope, "BLOCK_M": 2, "G": 4, "MROPE_T": 16, "MROPE_H": 24,
+                                           "MROPE_W": 24}, ptrs
+    yield "gqa_fp8_mrope_interleaved_rows", {**mrope, "BLOCK_M": 2, "G": 2, "HALVES": False, "MROPE_T": 24,
+                                             "MROPE_H": 20, "MROPE_W": 20, "MROPE_INTERLEAVED": True}, ptrs
+    yield "gqa_bf16_mrope_gptj_partial", {**mrope, "BLOCK_M": 4, "G": 2, "FP8": False, "HALVES": False, "R": 64,
+                                          "NEOX": False, "MROPE_T": 8, "MROPE_H": 12, "MROPE_W": 12},\
+        {**ptrs, "kc_ptr": "*bf16", "vc_ptr": "*bf16"}
+    v_norm = {**base, "D": 256, "BLOCK_D": 256, "LOG2_BLOCK_D": 8, "DV": 256, "BLOCK_DV": 256, "BLOCK_M": 2,
+              "V_NORM": True, "LOG2_BLOCK_DV": 8}
+    yield "gqa_bf16_v_norm_weightless_d256", {**passed(v_norm, ("v_eps",)), "FP8": False},\
+        {**ptrs, "kc_ptr": "*bf16", "vc_ptr": "*bf16"}
+    yield "gqa_fp8_v_norm_weight_fp32_cast", {**passed(v_norm, GQA_V_NORM), "NUMERICS": 2, "VW_BF16": True},\
+        {**ptrs, "vw_ptr": "*bf16"}
 
 
 def grouped_variants():

@@ -328,13 +328,15 @@ def _small_gqa(name, num_heads=4, num_kv_heads=2):
 
 
 @pytest.mark.skipif(not kvfuse.backend.interpreter_enabled(), reason="needs TRITON_INTERPRET=1")
-@pytest.mark.parametrize("name", ["llama3_8b_fp8", "qwen3_8b_fp8", "qwen3_8b_bf16", "gemma3_12b_fp8"])
+@pytest.mark.parametrize("name", ["llama3_8b_fp8", "qwen3_8b_fp8", "qwen3_8b_bf16", "gemma3_12b_fp8", "qwen3_vl_8b_fp8",
+                                  "qwen25_vl_7b_bf16", "gemma4_31b_sliding_fp8"])
 def test_gqa_stages_and_two_launch_write_the_fused_bytes_on_the_interpreter(name):
     """The GQA stage chain (fused operator on q, on k, the per-tensor cast, store_kv_cache) and the two-launch
     peer (kvfuse's GQA kernel for q/k, then for the K/V scatter) run through Triton's interpreter and write
     exactly the fused call's q_out and cache bytes (every byte of the poisoned outputs, the untouched cache
     records included), without changing their inputs: no QK-norm (Llama), QK-norm (Qwen3), fp32 1 + w
-    weights and 256-wide heads (Gemma 3), fp8 and bf16 caches."""
+    weights and 256-wide heads (Gemma 3), mRoPE text positions (Qwen-VL), the V-norm (Gemma 4), fp8 and bf16
+    caches."""
     wl = _small_gqa(name)
     inp = bench.build_inputs(wl, 5, "cpu", seed=4)
     before = [t.clone() for t in (inp.x, inp.positions, inp.slots)]

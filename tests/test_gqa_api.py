@@ -338,15 +338,18 @@ def test_op_on_triton_backend_equals_direct():
     assert not diff_report(direct, via_op)
 
 
-def test_compile_fullgraph_public_function():
-    """torch.compile(fullgraph=True) of a step calling the public function: it routes through the op."""
+@pytest.mark.parametrize("case", [GQACase(fp8=True, inplace=False, q_out_none=True, seed=45),
+                                  GQACase(mrope="interleaved", v_norm="bf16", fp8=True, q_out_none=True, seed=21)],
+                         ids=["plain", "mrope_v_norm"])
+def test_compile_fullgraph_public_function(case):
+    """torch.compile(fullgraph=True) of a step calling the public function: it routes through the op, which
+    carries the plan's fields (mRoPE's section and the V-norm too)."""
     torch._dynamo.reset()
 
     def step(**kw):
         q_out = kvfuse.fused_qk_norm_rope_store_kv(**kw)
         return q_out.float() * 2
 
-    case = GQACase(fp8=True, inplace=False, q_out_none=True, seed=45)
     kw1, storages1, _, _ = build(case)
     kw2, storages2, _, _ = build(case)
     with kvfuse.use_backend("reference"):

@@ -21,6 +21,10 @@ FACTS = {  # name: (Q heads, KV heads, head_dim, QK-norm, eps, norm weight offse
     "gemma-3-12b": (16, 8, 256, True, 1e-6, 1.0, 1e6),
     "gpt-oss-20b": (64, 8, 64, False, 1e-5, 0.0, 150000.0),
     "gpt-oss-120b": (64, 8, 64, False, 1e-5, 0.0, 150000.0),
+    "qwen2.5-vl-7b": (28, 4, 128, False, 1e-6, 0.0, 1e6),
+    "qwen3-vl-8b": (32, 8, 128, True, 1e-6, 0.0, 5e6),
+    "gemma-4-31b-sliding": (32, 16, 256, True, 1e-6, 0.0, 1e4),
+    "gemma-4-31b-global": (32, 4, 512, True, 1e-6, 0.0, 1e6),
 }
 
 

@@ -260,6 +260,11 @@ def _variants():
         ("cos_sin_dtype", GQACase(cos_sin="bf16"), None),
         ("cache_blocks", GQACase(extra_blocks=2), None),
         ("block_size", GQACase(block_size=8), None),
+        ("mrope_chunked", GQACase(mrope="chunked"), None),
+        ("mrope_interleaved", GQACase(mrope="interleaved"), None),
+        ("mrope_section", GQACase(mrope="chunked", mrope_section=(32, 16, 16)), None),
+        ("v_norm_weightless", GQACase(v_norm="none"), None),
+        ("v_norm_weight", GQACase(v_norm="bf16"), None),
     ]
 
 
@@ -279,7 +284,8 @@ def test_the_key_covers_every_argument_field():
     """call_signature keys the argument objects field by field, and _call_tensors takes every tensor field
     of the plan: a new field must join them."""
     keyed = {kvfuse.NormArgs: ("weight", "eps", "bias", "kind"),
-             kvfuse.RopeArgs: ("positions", "cos_sin_cache", "rotary_dim", "is_neox", "offset", "conjugate"),
+             kvfuse.RopeArgs: ("positions", "cos_sin_cache", "rotary_dim", "is_neox", "offset", "conjugate",
+                               "mrope_section", "mrope_interleaved"),
              kvfuse.PagedAppend: ("kv_indices", "kv_indptr", "batch_indices", "positions")}
     for cls, fields in keyed.items():
         assert tuple(f.name for f in dataclasses.fields(cls)) == fields, f"{cls.__name__}: update call_signature"

@@ -132,7 +132,7 @@ def _gqa_bytes(wl: Workload, n: int, index_bytes: int, cos_sin_bytes: int, weigh
         b["norm_weights"] = 2 * d * w_bytes
     rows = min(n, MAX_POSITION) if cos_sin_rows is None else cos_sin_rows
     b["cos_sin"] = rows * wl.rotary_dim * cos_sin_bytes
-    b["positions"] = n * index_bytes
+    b["positions"] = n * index_bytes * (1 if cfg.mrope_section is None else 3)     # mRoPE: [3, n]
     b["slots"] = n * (index_bytes if slot_bytes is None else slot_bytes)
     b["q_out"] = n * hq * d * 2
     b["k_cache"] = n * hkv * d * elem

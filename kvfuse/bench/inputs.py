@@ -221,13 +221,13 @@ def _gqa_inputs(wl: Workload, n: int, device, g: torch.Generator, positions, slo
     """kind "gqa": a packed projection [n, (Hq + 2 Hkv) D] (normal, per-token scales 2^-3..2^3), the model's
     norm weights (Gemma: 1 + w in fp32), its cos/sin table (GQAConfig.cos_sin_cache: GPT-OSS's YaRN), NHD
     caches of ``blocks`` blocks, per-tensor scales for fp8, and the positions and slots of
-    :func:`token_layout` (as every workload of the size)."""
+    :func:`token_layout` (as every workload of the size; an mRoPE model's as text positions [3, n])."""
     cfg = wl.gqa
     x = torch.randn((n, cfg.qkv_width), generator=g, device=device, dtype=torch.bfloat16)
     scale = torch.randint(-3, 4, (n, 1), generator=g, device=device)
     x.mul_(torch.exp2(scale.float()).to(torch.bfloat16))
     inp = Inputs(n=n, x=x, cos_sin=cfg.cos_sin_cache(MAX_POSITION, device),
-                 positions=positions.to(device), regime=regime, slot_pattern=slots)
+                 positions=cfg.text_positions(positions.to(device)), regime=regime, slot_pattern=slots)
     if cfg.qk_norm:
         raw = [(torch.randn(cfg.head_dim, generator=g, device=device) * 0.1
                 + (0.0 if cfg.norm_weight_offset else 1.0)).to(torch.bfloat16) for _ in range(2)]

@@ -74,16 +74,17 @@ def _gqa_args(wl: Workload, inp: Inputs):
     eps = cfg.norm_eps
     qn = NormArgs(inp.weight, eps) if cfg.qk_norm else None
     kn = NormArgs(inp.k_weight, eps) if cfg.qk_norm else None
-    rope = RopeArgs(inp.positions, inp.cos_sin, cfg.rotary_dim, cfg.rope_is_neox, 0)
+    rope = cfg.rope_args(inp.positions, inp.cos_sin)         # mRoPE models: text positions [3, n]
     return q, k, v, qn, kn, rope
 
 
 def _gqa_call(wl: Workload, inp: Inputs) -> Callable[[], None]:
     q, k, v, qn, kn, rope = _gqa_args(wl, inp)
     kc, vc, ks, vs, slots, out = inp.k_cache, inp.v_cache, inp.k_scale, inp.v_scale, inp.slots, inp.out
+    vn = wl.gqa.v_norm_args()
 
     def call():
-        fused_qk_norm_rope_store_kv(q, k, v, kc, vc, slots, qn, kn, rope, ks, vs, "NHD", out)
+        fused_qk_norm_rope_store_kv(q, k, v, kc, vc, slots, qn, kn, rope, ks, vs, "NHD", out, v_norm_args=vn)
     return call
 
 
@@ -114,8 +115,18 @@ def _gqa_stage_chain(wl: Workload, inp: Inputs) -> Callable[[], None]:
        :func:`_gqa_store_format`: the bytes as they are). The store copies dense bytes, so a bf16 V (a
        strided view of the packed projection) is first made dense by one torch copy.
 
+    An mRoPE model's text positions rotate as plain RoPE by their first row (the three rows are equal),
+    which the fused operator takes; a V-norm (Gemma 4) is one more launch of it on v, its weightless RMSNorm
+    as a norm by an fp32 weight of ones (the same bits), into a bf16 buffer.
+
     Byte-equal to the fused call (q_out and both caches). Every benchmark slot is valid."""
     q, k, v, qn, kn, rope = _gqa_args(wl, inp)
+    if rope.mrope_section is not None:
+        rope = dataclasses.replace(rope, positions=rope.positions[0], mrope_section=None, mrope_interleaved=False)
+    vn = None
+    if wl.gqa.v_norm:
+        vn = NormArgs(torch.ones(v.shape[-1], dtype=torch.float32, device=v.device), wl.gqa.norm_eps)
+        vbuf = torch.empty(v.shape, dtype=torch.bfloat16, device=v.device)
     fused = _api.fused_norm_rope_hadamard_cast_store_kvcache
     store = _api.store_kv_cache
     ks, vs, slots, kbuf = inp.k_scale, inp.v_scale, inp.slots, inp.rope_buf
@@ -126,11 +137,15 @@ def _gqa_stage_chain(wl: Workload, inp: Inputs) -> Callable[[], None]:
     def call():
         fused(q, qn, rope, out_args=qo)
         fused(k, kn, rope, out_args=kb)
+        v_in = v
+        if vn is not None:
+            fused(v, vn, out_args=ContiguousOutArgs(out=vbuf))
+            v_in = vbuf
         if ks is None:
-            kd, vd = kbuf, v
+            kd, vd = kbuf, v_in
         else:
             kd = reference.quantize_per_tensor(kbuf, ks).view(torch.bfloat16)
-            vd = reference.quantize_per_tensor(v, vs).view(torch.bfloat16)
+            vd = reference.quantize_per_tensor(v_in, vs).view(torch.bfloat16)
         store(kd, None, kc, slots, fmt)
         store(vd, None, vc, slots, fmt)
     return call
@@ -170,7 +185,7 @@ def _gqa_two_launch(wl: Workload, inp: Inputs) -> Callable[[], None]:
     v_part = v[..., :V_SINK_DIM]
     v_sink = torch.empty((n, 1, hkv, V_SINK_DIM), dtype=torch.bfloat16, device=k.device)
     plan = _gqa_plans.validate(kbuf, kbuf, v, inp.k_cache, inp.v_cache, inp.slots, None, None, None, inp.k_scale,
-                             inp.v_scale, "NHD")
+                             inp.v_scale, "NHD", v_norm_args=wl.gqa.v_norm_args())
     no_q = kbuf[:, :0]
     plan = dataclasses.replace(plan, q=no_q, q_out=no_q)
     out, run = inp.out, _dispatch.run
@@ -243,12 +258,15 @@ def make_chain(wl: Workload) -> Callable:
     fmt = wl.fmt
     had = None if not wl.hadamard else wl.head_dim ** -0.5
     if wl.kind == "gqa":
-        eps = wl.gqa.norm_eps
+        cfg = wl.gqa
+        eps = cfg.norm_eps
 
         def gqa_chain(q, k, v, k_cache, v_cache, slots, q_out, q_weight, k_weight, positions, cos_sin, k_scale,
                       v_scale):
             reference.qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slots, q_out, q_weight, eps, k_weight, eps,
-                                            positions, cos_sin, rd, 0, neox, False, k_scale, v_scale, "NHD")
+                                            positions, cos_sin, rd, 0, neox, False, k_scale, v_scale, "NHD",
+                                            mrope_section=cfg.mrope_section, mrope_interleaved=cfg.mrope_interleaved,
+                                            v_norm=cfg.v_norm, v_eps=eps)
         return gqa_chain
 
     def transform(x, weight, bias, positions, cos_sin):

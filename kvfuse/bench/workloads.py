@@ -63,10 +63,15 @@ class Workload:
 def _gqa(name, model, fp8):
     cfg = GQA_MODELS[model]
     norm = "QK-norm + " if cfg.qk_norm else ""
-    rope = "NEOX rope (YaRN table)" if cfg.rope_scaling else "NEOX rope"
+    rope = "NEOX rope (YaRN table)" if cfg.rope_scaling else "NEOX rope (proportional table)" if cfg.rope_rotated \
+        else "NEOX rope"
+    if cfg.mrope_section is not None:
+        rope = f"NEOX {'interleaved' if cfg.mrope_interleaved else 'chunked'} mRoPE {list(cfg.mrope_section)} " \
+               "(text positions [3, n])"
+    v = "V-norm, " if cfg.v_norm else ""
     return Workload(name, "gqa", cfg.head_dim, None, num_heads=cfg.num_heads + 2 * cfg.num_kv_heads, norm=cfg.qk_norm,
                     rotary_dim=cfg.rotary_dim, rope_offset=0, is_neox=cfg.rope_is_neox, gqa=cfg, cache_fp8=fp8,
-                    description=f"{model} q/k/v: {norm}{rope} -> q_out, K/V into {'fp8' if fp8 else 'bf16'} NHD "
+                    description=f"{model} q/k/v: {norm}{rope} -> q_out, {v}K/V into {'fp8' if fp8 else 'bf16'} NHD "
                                 f"caches ({cfg.num_heads}/{cfg.num_kv_heads} heads of {cfg.head_dim})")
 
 
@@ -154,6 +159,12 @@ WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
     _gqa("gpt_oss_20b_bf16", "gpt-oss-20b", False),
     _gqa("gpt_oss_20b_fp8", "gpt-oss-20b", True),
     _gqa("gpt_oss_120b_fp8", "gpt-oss-120b", True),
+    _gqa("qwen25_vl_7b_bf16", "qwen2.5-vl-7b", False),
+    _gqa("qwen25_vl_7b_fp8", "qwen2.5-vl-7b", True),
+    _gqa("qwen3_vl_8b_fp8", "qwen3-vl-8b", True),
+    _gqa("gemma4_31b_sliding_bf16", "gemma-4-31b-sliding", False),
+    _gqa("gemma4_31b_sliding_fp8", "gemma-4-31b-sliding", True),
+    _gqa("gemma4_31b_global_fp8", "gemma-4-31b-global", True),
 )}
 
 

@@ -172,10 +172,9 @@ def block_offset_of_slot(slot, rmask, block_size, capacity, SLOT32: tl.constexpr
 
 
 @triton.jit
-def rope1_pairs(cs_ptr, csrow, pok, col, HALF: tl.constexpr, R: tl.constexpr, ROPE_OFF: tl.constexpr,
-                 NEOX: tl.constexpr, CS_BF16: tl.constexpr):
-    """ROPE 1's pairing of the columns col [NV, VEC] and the tokens' cos / sin (csrow [M] their rows,
-    pok [M] in range): (first, in_rope [NV, VEC], rot_mask [M, NV, VEC], partner column, cos, sin)."""
+def rope1_pairing(col, HALF: tl.constexpr, R: tl.constexpr, ROPE_OFF: tl.constexpr, NEOX: tl.constexpr):
+    """ROPE 1's pairing of the columns col [NV, VEC]: (first: the pair's first element, in_rope, j: the
+    pair's frequency, partner column), j and partner 0 outside the rotated dims."""
     k = col - ROPE_OFF
     in_rope = (k >= 0) & (k < R)
     if NEOX:
@@ -186,8 +185,15 @@ def rope1_pairs(cs_ptr, csrow, pok, col, HALF: tl.constexpr, R: tl.constexpr, RO
         first = (k & 1) == 0
         j = k >> 1
         partner = tl.where(first, col + 1, col - 1)
-    j = tl.where(in_rope, j, 0)
-    partner = tl.where(in_rope, partner, 0)
+    return first, in_rope, tl.where(in_rope, j, 0), tl.where(in_rope, partner, 0)
+
+
+@triton.jit
+def rope1_pairs(cs_ptr, csrow, pok, col, HALF: tl.constexpr, R: tl.constexpr, ROPE_OFF: tl.constexpr,
+                 NEOX: tl.constexpr, CS_BF16: tl.constexpr):
+    """ROPE 1's pairing of the columns col [NV, VEC] and the tokens' cos / sin (csrow [M] their rows,
+    pok [M] in range): (first, in_rope [NV, VEC], rot_mask [M, NV, VEC], partner column, cos, sin)."""
+    first, in_rope, j, partner = rope1_pairing(col, HALF, R, ROPE_OFF, NEOX)
     rot_mask = pok[:, None, None] & in_rope[None, :, :]
     c = load_f32(cs_ptr, csrow[:, None, None] + j[None, :, :], rot_mask, CS_BF16)
     s = load_f32(cs_ptr, csrow[:, None, None] + HALF + j[None, :, :], rot_mask, CS_BF16)

@@ -8,10 +8,12 @@ uniform over the program; its G heads are unrolled, their rows all loaded before
 and what depends only on the token (position, cos / sin, norm weights, slot, the cast's scale and
 reciprocal) is loaded once for them:
 
-* q: RMSNorm (optional) -> RoPE (optional) -> q_out (which may be q itself);
+* q: RMSNorm (optional) -> RoPE (optional; mRoPE: each frequency's position from one of three rows,
+  MROPE_*) -> q_out (which may be q itself);
 * k: the same with k's weight -> the cache record of the token's slot (the activations' dtype, or e4m3
   by k_scale), or without caches (KV_CACHE False) k_out (which may be k itself);
-* v: copied (a cache of the activations' dtype: the bits) or quantized by v_scale into its record.
+* v: copied (a cache of the activations' dtype: the bits) or quantized by v_scale into its record; under
+  V_NORM first RMS-normed as q and k are (with or without a weight).
 
 ACT (bf16 / fp16 / fp32 activations) and NUMERICS (the profile: where values are rounded to ACT) come
 from kvfuse.numerics_profiles; their defaults (bf16, "staged") compile to the same code as before they
@@ -38,7 +40,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from . import config
-from .blocks import block_offset_of_slot, cs_rows, reciprocal_std, rope1_pairs, rotate, store_bf16, tree_sum
+from .blocks import (block_offset_of_slot, cs_rows, reciprocal_std, rope1_pairing, rope1_pairs, rotate, store_bf16,
+                     tree_sum)
 from .codes import NATIVE_INTEGER, PTH_CODES, PTH_E4M3, PTH_INT8
 from ..numerics_profiles import ACTIVATION_CODES, PROFILES
 from ..plans.types import LAUNCHES_PER_TEMPLATE
@@ -335,6 +338,39 @@ def _store_pth_row(dst_ptr, addr, dst2_ptr, addr2, col, mask, y, amax, sc_ptr, s
 
 
 @triton.jit
+def _mrope_rows(pos_t, pos_h, pos_w, rmask, P, s_cs, j, MROPE_T: tl.constexpr, MROPE_H: tl.constexpr,
+                MROPE_W: tl.constexpr, MROPE_INTERLEAVED: tl.constexpr):
+    """mRoPE's cos / sin rows (SPEC §11): frequency j [NV, VEC] of each token takes the position of row
+    t / h / w (pos_* [M], -1 where not rmask); chunked, j < T -> t, j < T + H -> h, else w; interleaved,
+    h where j % 3 == 1 and j < 3H, w where j % 3 == 2 and j < 3W, else t. (ok [M, NV, VEC]: that
+    position is in [0, P), its table row's element offset [M, NV, VEC], int64)."""
+    if MROPE_INTERLEAVED:
+        take_h = ((j % 3) == 1) & (j < 3 * MROPE_H)
+        take_w = ((j % 3) == 2) & (j < 3 * MROPE_W)
+    else:
+        take_h = (j >= MROPE_T) & (j < MROPE_T + MROPE_H)
+        take_w = j >= MROPE_T + MROPE_H
+    p = tl.where(take_h[None, :, :], pos_h[:, None, None],
+                 tl.where(take_w[None, :, :], pos_w[:, None, None], pos_t[:, None, None]))
+    ok = rmask[:, None, None] & (p >= 0) & (p < P)
+    return ok, tl.where(ok, p, 0).to(tl.int64) * s_cs
+
+
+@triton.jit
+def _mrope_pairs(cs_ptr, pos_t, pos_h, pos_w, rmask, P, s_cs, col, HALF: tl.constexpr, R: tl.constexpr,
+                 ROPE_OFF: tl.constexpr, NEOX: tl.constexpr, CS_BF16: tl.constexpr, MROPE_T: tl.constexpr,
+                 MROPE_H: tl.constexpr, MROPE_W: tl.constexpr, MROPE_INTERLEAVED: tl.constexpr):
+    """rope1_pairs under mRoPE: the same pairing of the columns col [NV, VEC], each pair's cos / sin from
+    its own position row (_mrope_rows), so rot_mask is per pair: (first, in_rope, rot_mask, partner, cos, sin)."""
+    first, in_rope, freq, partner = rope1_pairing(col, HALF, R, ROPE_OFF, NEOX)
+    ok, csrow = _mrope_rows(pos_t, pos_h, pos_w, rmask, P, s_cs, freq, MROPE_T, MROPE_H, MROPE_W, MROPE_INTERLEAVED)
+    rot_mask = ok & in_rope[None, :, :]
+    c = load_f32(cs_ptr, csrow + freq[None, :, :], rot_mask, CS_BF16)
+    s = load_f32(cs_ptr, csrow + HALF + freq[None, :, :], rot_mask, CS_BF16)
+    return first, in_rope, rot_mask, partner, c, s
+
+
+@triton.jit
 def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, rmask,
               dst_ptr, dst_n, dst_h, slot_ptr, s_slot, c_blk, block_size, capacity, scale_ptr,
               D: tl.constexpr, BLOCK_D: tl.constexpr, LOG2_BLOCK_D: tl.constexpr, VEC: tl.constexpr,
@@ -346,7 +382,9 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
               dst2_ptr=None, dst2_n=None, dst2_h=None, c2_blk=None, SPLIT: tl.constexpr = 0,
               SCALE_MUL: tl.constexpr = False, SCALE_BY_VALUE: tl.constexpr = False, pa_b=None, pa_p=None,
               pa_indptr=None, pa_idx=None, pa_nreq=None, pa_nidx=None, E5M2: tl.constexpr = False,
-              PTH: tl.constexpr = 0, sc_ptr=None, sc_blk=None, sc_tok=None, sc_head=None):
+              PTH: tl.constexpr = 0, sc_ptr=None, sc_blk=None, sc_tok=None, sc_head=None, s_pos3=None,
+              MROPE_T: tl.constexpr = 0, MROPE_H: tl.constexpr = 0, MROPE_W: tl.constexpr = 0,
+              MROPE_INTERLEAVED: tl.constexpr = False):
     """Heads h0 .. h0 + G - 1 (those < H) of q or k for BLOCK_M tokens: norm -> RoPE -> the row at dst_ptr:
     q_out (bf16; token stride dst_n, which may be q itself), or (TO_CACHE) the record of the token's slot
     in a cache of (block, token) strides (c_blk, dst_n), bf16 or e4m3 by the scale. Every load that waits
@@ -363,14 +401,22 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
     FlashInfer's append addressing (_load_slots). E5M2: the static cast writes e5m2 codes. PTH (STORE_FP8
     False; kvfuse/kernels/codes.py): each row quantized by its own scale (_pth_scale of its amax over the
     whole head), the codes as bytes at dst_ptr, the scale at sc_ptr (the scale cache: (block, token, head)
-    strides sc_blk, sc_tok, sc_head)."""
+    strides sc_blk, sc_tok, sc_head). MROPE_T > 0: mRoPE, positions [3, n] (row stride s_pos3, token stride
+    s_pos), each frequency's cos / sin from the row MROPE_T / _H / _W and MROPE_INTERLEAVED give it
+    (_mrope_rows)."""
     KEEP_F32: tl.constexpr = (STORE_FP8 or PTH != 0) and NUMERICS == NUMERICS_FP32_CAST
+    MROPE: tl.constexpr = MROPE_T > 0
     pos = tok
+    pos_h = tok
+    pos_w = tok
     slot = tok
     sc = eps
     scs = ()
     if ROPE:
         pos = tl.load(pos_ptr + tok * s_pos, mask=rmask, other=-1)
+        if MROPE:
+            pos_h = tl.load(pos_ptr + s_pos3 + tok * s_pos, mask=rmask, other=-1)
+            pos_w = tl.load(pos_ptr + 2 * s_pos3 + tok * s_pos, mask=rmask, other=-1)
     if TO_CACHE:
         slot = _load_slots(slot_ptr, s_slot, tok, rmask, block_size, pa_b, pa_p, pa_indptr, pa_idx, pa_nreq,
                            pa_nidx)
@@ -399,10 +445,15 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
         if HAS_NORM:
             wa = load_f32(w_ptr, jj, jj >= 0, W_BF16)
             wb = load_f32(w_ptr, HALF + jj, jj >= 0, W_BF16)
-        pok, csrow = cs_rows(pos, rmask, P, s_cs)
-        pm = pok[:, None, None] & (jj >= 0)[None, :, :]
-        c = load_f32(cs_ptr, csrow[:, None, None] + jj[None, :, :], pm, CS_BF16)
-        s = load_f32(cs_ptr, csrow[:, None, None] + HALF + jj[None, :, :], pm, CS_BF16)
+        if MROPE:
+            pm, csrow3 = _mrope_rows(pos, pos_h, pos_w, rmask, P, s_cs, jj, MROPE_T, MROPE_H, MROPE_W,
+                                     MROPE_INTERLEAVED)
+        else:
+            pok, csrow = cs_rows(pos, rmask, P, s_cs)
+            pm = pok[:, None, None] & (jj >= 0)[None, :, :]
+            csrow3 = csrow[:, None, None]
+        c = load_f32(cs_ptr, csrow3 + jj[None, :, :], pm, CS_BF16)
+        s = load_f32(cs_ptr, csrow3 + HALF + jj[None, :, :], pm, CS_BF16)
         rcp, fast, ok, dst_tok = _destination(sc, slot, tok, rmask, dst_n, c_blk, block_size, capacity, TO_CACHE,
                                               STORE_FP8, SLOT32)
         sc_tok_addr = dst_tok
@@ -444,9 +495,14 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
         w = c
         wp = c
         if ROPE:
-            pok, csrow = cs_rows(pos, rmask, P, s_cs)
-            first, in_rope, rot_mask, partner, c, s = rope1_pairs(cs_ptr, csrow, pok, col, R // 2, R, ROPE_OFF,
-                                                                   NEOX, CS_BF16)
+            if MROPE:
+                first, in_rope, rot_mask, partner, c, s = _mrope_pairs(cs_ptr, pos, pos_h, pos_w, rmask, P, s_cs, col,
+                                                                        R // 2, R, ROPE_OFF, NEOX, CS_BF16, MROPE_T,
+                                                                        MROPE_H, MROPE_W, MROPE_INTERLEAVED)
+            else:
+                pok, csrow = cs_rows(pos, rmask, P, s_cs)
+                first, in_rope, rot_mask, partner, c, s = rope1_pairs(cs_ptr, csrow, pok, col, R // 2, R, ROPE_OFF,
+                                                                       NEOX, CS_BF16)
             if HAS_NORM:
                 wp = load_f32(w_ptr, partner, in_rope, W_BF16)
         if HAS_NORM:
@@ -524,16 +580,20 @@ def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, 
              FP8: tl.constexpr, SLOT32: tl.constexpr, NATIVE: tl.constexpr, SCALE_PER_HEAD: tl.constexpr = False,
              ACT: tl.constexpr = 0, SCALE_MUL: tl.constexpr = False, SCALE_BY_VALUE: tl.constexpr = False,
              pa_b=None, pa_p=None, pa_indptr=None, pa_idx=None, pa_nreq=None, pa_nidx=None,
-             E5M2: tl.constexpr = False, PTH: tl.constexpr = 0, sc_ptr=None, sc_blk=None, sc_tok=None, sc_head=None):
+             E5M2: tl.constexpr = False, PTH: tl.constexpr = 0, sc_ptr=None, sc_blk=None, sc_tok=None, sc_head=None,
+             vw_ptr=None, v_eps=None, V_NORM: tl.constexpr = False, VW_BF16: tl.constexpr = False,
+             LOG2_BLOCK_DV: tl.constexpr = 0, BLOCK_M: tl.constexpr = 1, NUMERICS: tl.constexpr = 0):
     """Heads h0 .. h0 + G - 1 (those < H) of v: copied (bf16 cache: the bits) or cast by v_scale into the
     records of the tokens' slots in vc_ptr ((block, token, head) strides c_blk, c_tok, dst_h). The slot,
     the scale and every head's values are loaded before anything waits on a load
     (_qk_heads); the values of a token whose slot is invalid are loaded and not stored. SCALE_MUL,
-    SCALE_BY_VALUE, E5M2, PTH and the scale cache sc_*: as in _qk_heads."""
+    SCALE_BY_VALUE, E5M2, PTH and the scale cache sc_*: as in _qk_heads. V_NORM: each row is RMS-normed first
+    (eps v_eps; weight vw_ptr [DV], or none for vw_ptr None), rounded as the QK-norm is under NUMERICS
+    (_normed_act, _finish)."""
     if PTH:
-        VALUES: tl.constexpr = True        # loaded as fp32 values (else as FP8 says: values or bits)
+        VALUES: tl.constexpr = True        # loaded as fp32 values (else as FP8 and V_NORM say: values or bits)
     else:
-        VALUES: tl.constexpr = FP8
+        VALUES: tl.constexpr = FP8 or V_NORM
     NVV: tl.constexpr = BLOCK_DV // VEC
     colv = tl.arange(0, NVV)[:, None] * VEC + tl.arange(0, VEC)[None, :]               # [NVV, VEC]
     vmask = colv < DV
@@ -550,6 +610,9 @@ def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, 
     vals = ()                                      # every head's loads before any store
     for g in tl.static_range(G):
         vals = vals + (_v_load(v_ptr, sv_n, sv_h, h0 + g, H, tok, rmask, colv, vmask, VALUES, ACT),)
+    w = tl.full([NVV, VEC], 1.0, tl.float32)       # weightless: (v * rstd) * 1.0 is v * rstd exactly
+    if V_NORM and vw_ptr is not None:
+        w = load_f32(vw_ptr, colv, vmask, VW_BF16)
     rcp, fast, ok, dst_tok = _destination(sc, slot, tok, rmask, c_tok, c_blk, block_size, capacity, True, FP8,
                                           SLOT32)
     sc_tok_addr = dst_tok
@@ -558,6 +621,9 @@ def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, 
     for g in tl.static_range(G):
         h = h0 + g
         val = vals[g]
+        if V_NORM:
+            val = _v_normed(val, w, v_eps, DV, NVV, LOG2_BLOCK_DV, VEC, BLOCK_M, ACT, NUMERICS,
+                            (FP8 or PTH != 0) and NUMERICS == NUMERICS_FP32_CAST, NATIVE)
         dst = (dst_tok + h.to(tl.int64) * dst_h)[:, None, None] + colv[None, :, :]
         okm = tl.where(h < H, ok, False)[:, None, None] & vmask[None, :, :]
         if PTH:
@@ -570,10 +636,25 @@ def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, 
                 _store_record(vc_ptr, dst, val, okm, sch, rch, fsh, FP8, NATIVE, ACT, SCALE_MUL, E5M2)
             else:
                 _store_record(vc_ptr, dst, val, okm, sc, rcp, fast, FP8, NATIVE, ACT, SCALE_MUL, E5M2)
+        elif V_NORM:
+            _store_record(vc_ptr, dst, val, okm, sc, rcp, fast, False, NATIVE, ACT)
         elif ACT == ACT_FP32:
             tl.store(vc_ptr.to(tl.pointer_type(tl.uint32)) + dst, val, mask=okm)
         else:
             tl.store(vc_ptr.to(tl.pointer_type(tl.uint16)) + dst, val, mask=okm)
+
+
+@triton.jit
+def _v_normed(v, w, eps, DV: tl.constexpr, NVV: tl.constexpr, LOG2_BLOCK_DV: tl.constexpr, VEC: tl.constexpr,
+              BLOCK_M: tl.constexpr, ACT: tl.constexpr, NUMERICS: tl.constexpr, KEEP_F32: tl.constexpr,
+              NATIVE: tl.constexpr):
+    """The V-norm of rows v [M, NVV, VEC] (fp32, zeros past DV): the QK-norm's RMSNorm (adjacent-pairs sum of
+    squares over DV, (v * rstd) * w) and its rounding to the activations' dtype, none where the fp8 cast
+    reads the fp32 value (KEEP_F32)."""
+    LOG2_VEC: tl.constexpr = 3 if VEC == 8 else 2
+    ss = tree_sum(v * v, BLOCK_M, NVV, LOG2_BLOCK_DV - LOG2_VEC, VEC, LOG2_VEC, NATIVE == NATIVE_INTEGER)
+    r3 = reciprocal_std(ss, eps, DV, BLOCK_M)[:, None, None]
+    return _finish(_normed_act(v, r3, w[None, :, :], ACT, NUMERICS, NATIVE), ACT, NUMERICS, KEEP_F32, NATIVE)
 
 
 @triton.jit
@@ -620,6 +701,8 @@ def qkv_kernel(
     # FlashInfer's append addressing instead of slot_ptr (kvfuse.args.PagedAppend): batch_indices,
     # positions, kv_indptr, kv_indices, num_requests (len(kv_indptr) - 1), len(kv_indices)
     pa_b=None, pa_p=None, pa_indptr=None, pa_idx=None, pa_nreq=None, pa_nidx=None,
+    s_pos3=None,                            # mRoPE: positions [3, n]'s row stride (s_pos: its token stride)
+    vw_ptr=None, v_eps=None,                # V-norm: its weight [DV] (None: weightless) and eps
     SPLIT: tl.constexpr = 0, Q_FP8: tl.constexpr = False, SCALE_MUL: tl.constexpr = False,
     SCALE_BY_VALUE: tl.constexpr = False, HAS_V: tl.constexpr = True,
     V_FP8: tl.constexpr = None,             # v_cache cast by v_scale (None: as FP8 says; caches of two formats)
@@ -629,6 +712,9 @@ def qkv_kernel(
     K_E5M2: tl.constexpr = False, V_E5M2: tl.constexpr = False, K_PTH: tl.constexpr = 0, V_PTH: tl.constexpr = 0,
     ksc_ptr=None, ksc_blk=None, ksc_tok=None, ksc_head=None, vsc_ptr=None, vsc_blk=None, vsc_tok=None,
     vsc_head=None,
+    MROPE_T: tl.constexpr = 0, MROPE_H: tl.constexpr = 0, MROPE_W: tl.constexpr = 0,
+    MROPE_INTERLEAVED: tl.constexpr = False,
+    V_NORM: tl.constexpr = False, VW_BF16: tl.constexpr = False, LOG2_BLOCK_DV: tl.constexpr = 0,
 ):
     """One program: BLOCK_M tokens of G heads of one kind (see the module docstring). PDL (programmatic
     dependent launch): wait for the previous kernel before the first read. No early launch_dependents:
@@ -639,7 +725,9 @@ def qkv_kernel(
     kc_head) and no program reads v; not HAS_V: a K cache alone (MLA's latent). FP8: k's destination (and
     v's) holds e4m3 codes, Q_FP8: q_out does (scale qs_ptr); SCALE_BY_VALUE: ks_ptr, vs_ptr, qs_ptr are
     the scales themselves (fp32 arguments); SCALE_MUL: the casts multiply by the scale (FlashInfer's
-    convention) instead of dividing."""
+    convention) instead of dividing. MROPE_T / _H / _W (MROPE_T > 0: mRoPE, positions [3, n]) and
+    MROPE_INTERLEAVED: the mRoPE section and its order (_mrope_rows); V_NORM: v is RMS-normed before its
+    cache (_v_normed)."""
     if PDL:
         gdc_wait()
     pid = tl.program_id(0)
@@ -656,14 +744,16 @@ def qkv_kernel(
                   qo_ptr, so_n, so_h, slot_ptr, s_slot, kc_blk, block_size, capacity, qs_ptr,
                   D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, G, Q_NORM, QW_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16,
                   HALVES, False, Q_FP8, SLOT32, NATIVE, False, ACT, NUMERICS, q2_ptr, sq2_n, sq2_h,
-                  qo2_ptr, so2_n, so2_h, None, SPLIT, SCALE_MUL, SCALE_BY_VALUE)
+                  qo2_ptr, so2_n, so2_h, None, SPLIT, SCALE_MUL, SCALE_BY_VALUE, s_pos3=s_pos3, MROPE_T=MROPE_T,
+                  MROPE_H=MROPE_H, MROPE_W=MROPE_W, MROPE_INTERLEAVED=MROPE_INTERLEAVED)
     elif grp < QG + KG:
         _qk_heads(k_ptr, sk_n, sk_h, (grp - QG) * G, HKV, kw_ptr, k_eps, pos_ptr, s_pos, cs_ptr, s_cs, P, tok, rmask,
                   kc_ptr, kc_tok, kc_head, slot_ptr, s_slot, kc_blk, block_size, capacity, ks_ptr,
                   D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, G, K_NORM, KW_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16,
                   HALVES, KV_CACHE, FP8, SLOT32, NATIVE, K_SCALE_PER_HEAD, ACT, NUMERICS, k2_ptr, sk2_n, sk2_h,
                   kd2_ptr, kd2_tok, kd2_head, kd2_blk, SPLIT, SCALE_MUL, SCALE_BY_VALUE, pa_b, pa_p, pa_indptr,
-                  pa_idx, pa_nreq, pa_nidx, K_E5M2, K_PTH, ksc_ptr, ksc_blk, ksc_tok, ksc_head)
+                  pa_idx, pa_nreq, pa_nidx, K_E5M2, K_PTH, ksc_ptr, ksc_blk, ksc_tok, ksc_head, s_pos3, MROPE_T,
+                  MROPE_H, MROPE_W, MROPE_INTERLEAVED)
     elif KV_CACHE and HAS_V:
         if V_FP8 is None:       # V's cache of K's format
             v_fp8: tl.constexpr = FP8
@@ -672,7 +762,7 @@ def qkv_kernel(
         _v_heads(v_ptr, sv_n, sv_h, (grp - QG - KG) * G, HKV, tok, rmask, vc_ptr, vc_blk, vc_tok, vc_head, slot_ptr,
                  s_slot, block_size, capacity, vs_ptr, DV, BLOCK_DV, VEC, G, v_fp8, SLOT32, NATIVE, V_SCALE_PER_HEAD,
                  ACT, SCALE_MUL, SCALE_BY_VALUE, pa_b, pa_p, pa_indptr, pa_idx, pa_nreq, pa_nidx, V_E5M2, V_PTH,
-                 vsc_ptr, vsc_blk, vsc_tok, vsc_head)
+                 vsc_ptr, vsc_blk, vsc_tok, vsc_head, vw_ptr, v_eps, V_NORM, VW_BF16, LOG2_BLOCK_DV, BLOCK_M, NUMERICS)
 
 
 # --------------------------------------------------------------------------- launch configuration
@@ -802,7 +892,7 @@ def launch_args(plan, tensor=None):
         given("v", "k"), v.stride(0), v.stride(1),
         tensor("q_out"), plan.q_out.stride(0), plan.q_out.stride(1),
         given("q_weight"), plan.q_eps, given("k_weight"), plan.k_eps,
-        given("positions"), plan.positions.stride(0) if rope else 0, given("cos_sin"),
+        given("positions"), plan.positions.stride(-1) if rope else 0, given("cos_sin"),
         plan.cos_sin.stride(0) if rope else 0, plan.cos_sin.shape[0] if rope else 0,
         *slots, *k_dst, *v_dst,
         k_sc, v_sc,
@@ -860,6 +950,14 @@ def launch_args(plan, tensor=None):
             field = which.lower() + "_scale_cache"
             options.update(zip((f"{which.lower()}sc_ptr", f"{which.lower()}sc_blk", f"{which.lower()}sc_tok",
                                 f"{which.lower()}sc_head"), (tensor(field), *plan.cache_strides(scale_cache))))
+    if plan.mrope_section is not None:
+        options.update(s_pos3=plan.positions.stride(0), MROPE_T=plan.mrope_section[0],
+                       MROPE_H=plan.mrope_section[1], MROPE_W=plan.mrope_section[2],
+                       MROPE_INTERLEAVED=plan.mrope_interleaved)
+    if plan.v_norm:
+        options.update(vw_ptr=None if plan.v_weight is None else tensor("v_weight"), v_eps=plan.v_eps, V_NORM=True,
+                       VW_BF16=plan.v_weight is not None and plan.v_weight.dtype == torch.bfloat16,
+                       LOG2_BLOCK_DV=block_dv.bit_length() - 1)
     groups = qg + (2 * kg if plan.has_cache and plan.has_v else kg)
     return (cdiv(n, bm) * groups,), args, options
 

@@ -174,8 +174,21 @@ def rope_args_key(r, n):
         return None
     if type(r) is not RopeArgs:
         raise TypeError(f"rope_args of class {type(r).__name__} is not keyed")
-    return (rows_key(r.positions, n), tensor_key(r.cos_sin_cache), type(r.rotary_dim), r.rotary_dim,
-            type(r.offset), r.offset, type(r.is_neox), r.is_neox, type(r.conjugate), r.conjugate)
+    pos = r.positions
+    if r.mrope_section is None:
+        pos_key, section_key = rows_key(pos, n), None
+    else:   # mRoPE: positions [3, n], rows along dim 1 (a row stride of n, a contiguous [3, n], written as
+        # ROWS too); the section's values with their types
+        rows = pos.dim() == 2 and pos.shape[1] == n
+        strides = pos.stride()
+        if rows and strides[0] == n:
+            strides = (ROWS,) + strides[1:]
+        pos_key = (type(pos), pos.dtype, (pos.shape[0], ROWS if rows else tuple(pos.shape[1:])), pos.dim(), strides,
+                   pos.device)
+        section_key = (type(r.mrope_section),) + tuple((type(v), v) for v in r.mrope_section)
+    return (pos_key, tensor_key(r.cos_sin_cache), type(r.rotary_dim), r.rotary_dim,
+            type(r.offset), r.offset, type(r.is_neox), r.is_neox, type(r.conjugate), r.conjugate, section_key,
+            type(r.mrope_interleaved), r.mrope_interleaved)
 
 
 def norm_args_key(a):
@@ -184,7 +197,7 @@ def norm_args_key(a):
         return None
     if type(a) is not NormArgs:
         raise TypeError(f"norm args of class {type(a).__name__} are not keyed")
-    return tensor_key(a.weight), number_key(a.eps), optional_tensor_key(a.bias), type(a.kind), a.kind
+    return optional_tensor_key(a.weight), number_key(a.eps), optional_tensor_key(a.bias), type(a.kind), a.kind
 
 
 def number_key(v):

@@ -237,7 +237,7 @@ def _check_paged_append(pa: PagedAppend, n: int, dev):
 def validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_args=None, rope_args=None,
              k_scale=None, v_scale=None, layout="NHD", q_out=None, numerics="staged", k_out=None, q_scale=None,
              scale_convention="divide", k_format=None, v_format=None, k_scale_cache=None,
-             v_scale_cache=None) -> GQAPlan:
+             v_scale_cache=None, v_norm_args=None) -> GQAPlan:
     """Check every argument (SPEC §11 and §5) and return the call's plan (``q_out`` / ``k_out`` as given:
     None when the call allocates them)."""
     q, q_tail = _parts(q, "q")
@@ -339,10 +339,20 @@ def validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_a
     plan.q_weight, plan.q_eps = check_rms_norm(q_norm_args, "q_norm_args", d, dev)
     plan.k_weight, plan.k_eps = check_rms_norm(k_norm_args, "k_norm_args", d, dev)
     if rope_args is not None:
-        r, off = check_rope_args(rope_args, d, n, dev, offset_default_tail=False, table_dtypes=COS_SIN_DTYPES)
+        r, off = check_rope_args(rope_args, d, n, dev, offset_default_tail=False, table_dtypes=COS_SIN_DTYPES,
+                                 mrope=True)
         cs = rope_args.cos_sin_cache
         plan.positions, plan.cos_sin, plan.rotary_dim, plan.rope_offset = rope_args.positions, cs, r, off
         plan.is_neox, plan.conjugate = rope_args.is_neox, rope_args.conjugate
+        if rope_args.mrope_section is not None:
+            plan.mrope_t, plan.mrope_h, plan.mrope_w = (int(x) for x in rope_args.mrope_section)
+            plan.mrope_interleaved = rope_args.mrope_interleaved
+    if v_norm_args is not None:
+        if not plan.has_v:
+            raise ValueError("v_norm_args must be None when no V is written (v_cache None), got a "
+                             f"{type(v_norm_args).__name__}")
+        plan.v_weight, plan.v_eps = check_rms_norm(v_norm_args, "v_norm_args", v.shape[2], dev, allow_weightless=True)
+        plan.v_norm = True
     if q_out is not None:
         plan.q_out, plan.q_out_tail = _check_out_pair(q_out, "q_out", act, dev, n, hq, d, split)
     plan.q_scale, plan.q_scale_value = _check_scale(q_scale, "q_scale", plan.q_fp8, dev, None,
@@ -385,11 +395,11 @@ _NAMES = ("q_out", "k_out", "k_cache", "v_cache", "q_out[1]", "k_out[1]", "k_cac
           "v_scale_cache", "q", "k", "v", "q[1]",
           "k[1]", "slot_mapping", "q_norm_args.weight", "k_norm_args.weight", "rope_args.positions",
           "rope_args.cos_sin_cache", "k_scale", "v_scale", "q_scale", "slot_mapping.batch_indices",
-          "slot_mapping.positions", "slot_mapping.kv_indptr", "slot_mapping.kv_indices")
+          "slot_mapping.positions", "slot_mapping.kv_indptr", "slot_mapping.kv_indices", "v_norm_args.weight")
 _FIELDS = ("q_out", "k_out", "k_cache", "v_cache", "q_out_tail", "k_out_tail", "k_cache_tail", "k_scale_cache",
            "v_scale_cache", "q", "k", "v",
            "q_tail", "k_tail", "slot_mapping", "q_weight", "k_weight", "positions", "cos_sin", "k_scale", "v_scale",
-           "q_scale", "append_batch_indices", "append_positions", "append_kv_indptr", "append_kv_indices")
+           "q_scale", "append_batch_indices", "append_positions", "append_kv_indptr", "append_kv_indices", "v_weight")
 _OUTPUTS = 9                 # the first nine fields are written
 _IN_PLACE = {("q_out", "q"), ("k_out", "k"), ("q_out_tail", "q_tail"), ("k_out_tail", "k_tail")}   # an output that may be its input itself
 _VERDICTS = {}               # (tensor keys of a pair whose byte spans meet) -> True: their elements are disjoint
@@ -469,12 +479,12 @@ def _like(t):
 def prepare(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_args=None, rope_args=None,
             k_scale=None, v_scale=None, layout="NHD", q_out=None, numerics="staged", k_out=None, q_scale=None,
             scale_convention="divide", k_format=None, v_format=None, k_scale_cache=None,
-            v_scale_cache=None) -> GQAPlan:
+            v_scale_cache=None, v_norm_args=None) -> GQAPlan:
     """The call's plan: validated, q_out (and k_out without caches) allocated when not given (like q and
     k: a pair for a pair), the aliasing rules checked (eagerly: not on meta tensors or while tracing)."""
     plan = validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale, v_scale,
                     layout, q_out, numerics, k_out, q_scale, scale_convention, k_format, v_format, k_scale_cache,
-                    v_scale_cache)
+                    v_scale_cache, v_norm_args)
     if plan.q_out is None:
         plan.q_out, plan.q_out_tail = _like(plan.q), _like(plan.q_tail)
     if not plan.has_cache and plan.k_out is None:
@@ -531,7 +541,8 @@ def _scale_key(s):
 
 def call_signature(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_args=None, rope_args=None,
                    k_scale=None, v_scale=None, layout="NHD", q_out=None, numerics="staged", k_out=None, q_scale=None,
-                   scale_convention="divide", k_format=None, v_format=None, k_scale_cache=None, v_scale_cache=None):
+                   scale_convention="divide", k_format=None, v_format=None, k_scale_cache=None, v_scale_cache=None,
+                   v_norm_args=None):
     """(key, pinned) of a call (see "the plan cache" above); may raise for arguments it cannot key, which
     are then validated (and rejected) on every call."""
     n = (q[0] if type(q) in (tuple, list) else q).shape[0]
@@ -554,12 +565,12 @@ def call_signature(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_
            _scale_key(k_scale), _scale_key(v_scale), type(layout), layout, _heads_key(q_out, n), type(numerics),
            numerics, _heads_key(k_out, n), _scale_key(q_scale), type(scale_convention), scale_convention,
            type(k_format), k_format, type(v_format), v_format, optional_tensor_key(k_scale_cache),
-           optional_tensor_key(v_scale_cache))
+           optional_tensor_key(v_scale_cache), norm_args_key(v_norm_args))
     return key, ()
 
 
 def _call_tensors(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale, v_scale,
-                  q_out, k_out, q_scale, k_scale_cache, v_scale_cache) -> list:
+                  q_out, k_out, q_scale, k_scale_cache, v_scale_cache, v_norm_args) -> list:
     """The tensors of a validated call by GQAPlan field, in _FIELDS' order (None where absent)."""
     q, q_tail = _pair(q)
     k, k_tail = _pair(k)
@@ -575,11 +586,24 @@ def _call_tensors(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_a
     return [qo, ko, kc, v_cache, qo_tail, ko_tail, kc_tail, k_scale_cache, v_scale_cache, q, k, v, q_tail, k_tail,
             slots,
             None if q_norm_args is None else q_norm_args.weight, None if k_norm_args is None else k_norm_args.weight,
-            pos, cs, _tensor_or_none(k_scale), _tensor_or_none(v_scale), _tensor_or_none(q_scale), *append]
+            pos, cs, _tensor_or_none(k_scale), _tensor_or_none(v_scale), _tensor_or_none(q_scale), *append,
+            None if v_norm_args is None else v_norm_args.weight]
 
 
 def _tensor_or_none(s):
     return s if isinstance(s, torch.Tensor) else None     # a scale given as a number is in the template
+
+
+def _mrope_position_terms(t: torch.Tensor, n: int):
+    """span_terms of mRoPE's positions [3, n] (a token per column): (fixed bytes, bytes per token) of
+    [data_ptr, data_ptr + es * (1 + 2 stride(0) + (n - 1) stride(1))), stride(0) itself n where it is n
+    (the key holds it as the call's n then, kvfuse.plans.cache.rope_args_key); None when it holds no bytes."""
+    if t.numel() == 0:
+        return None
+    es, (s0, s1) = t.element_size(), t.stride()
+    if s0 == n:
+        return es * (1 - s1), es * (2 + s1)
+    return es * (1 + 2 * s0 - s1), es * s1
 
 
 class _Aliasing:
@@ -599,7 +623,10 @@ class _Aliasing:
                 continue                        # absent, or allocated by the call: overlaps nothing
             # rows: a token per row (v without caches is not validated: rows only where it has n of them)
             rows = field in _OWN_LENGTH_FIELDS or (field in _ROWS_FIELDS and t.dim() > 0 and t.shape[0] == plan.n)
-            found = span_terms(t, rows)
+            if field == "positions" and plan.mrope_section is not None:
+                found = _mrope_position_terms(t, plan.n)
+            else:
+                found = span_terms(t, rows)
             if found is None:
                 continue                        # no bytes at any n
             at.append(i)
@@ -713,15 +740,17 @@ def _new_template(*args) -> GQATemplate:
 
 def prepare_call(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_args=None, rope_args=None,
                  k_scale=None, v_scale=None, layout="NHD", q_out=None, numerics="staged", k_out=None, q_scale=None,
-                 scale_convention="divide", k_format=None, v_format=None, k_scale_cache=None, v_scale_cache=None):
+                 scale_convention="divide", k_format=None, v_format=None, k_scale_cache=None, v_scale_cache=None,
+                 v_norm_args=None):
     """(template, tensors) of an eager call: its signature's template (found in the plan cache, or
     validated and stored), the call's tensors with the outputs it allocates, the aliasing rules checked.
     Raises what ``prepare`` raises."""
     args = (q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale, v_scale, layout,
-            q_out, numerics, k_out, q_scale, scale_convention, k_format, v_format, k_scale_cache, v_scale_cache)
+            q_out, numerics, k_out, q_scale, scale_convention, k_format, v_format, k_scale_cache, v_scale_cache,
+            v_norm_args)
     template = validated(call_signature, _new_template, *args)
     tensors = _call_tensors(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale,
-                            v_scale, q_out, k_out, q_scale, k_scale_cache, v_scale_cache)
+                            v_scale, q_out, k_out, q_scale, k_scale_cache, v_scale_cache, v_norm_args)
     n = tensors[_Q].shape[0]
     if n > template.row_limit:
         validate(*args)    # raises: a q_out / k_out whose rows overlap at this n (the error of an uncached call)

@@ -35,10 +35,11 @@ def check_tensor(t, name, dtypes, device, shape=None, last_contiguous=True):
 
 
 def check_rope_args(rope_args, head_dim: int, n: int, dev, offset_default_tail: bool = True,
-                    table_dtypes=(torch.float32, torch.bfloat16)) -> tuple:
+                    table_dtypes=(torch.float32, torch.bfloat16), mrope: bool = False) -> tuple:
     """(rotary_dim, offset) of a valid RopeArgs for rows of ``head_dim`` (offset None: the tail, or 0
-    when not ``offset_default_tail``; cos_sin_cache of one of ``table_dtypes``); TypeError / ValueError
-    naming the field otherwise. Shared by the fused entry point and fused_qk_norm_rope_store_kv."""
+    when not ``offset_default_tail``; cos_sin_cache of one of ``table_dtypes``; mRoPE only where
+    ``mrope``); TypeError / ValueError naming the field otherwise. Shared by the fused entry point and
+    fused_qk_norm_rope_store_kv."""
     if not isinstance(rope_args, RopeArgs):
         raise TypeError(f"rope_args must be a RopeArgs or None, got {type(rope_args).__name__}")
     D = head_dim
@@ -49,16 +50,37 @@ def check_rope_args(rope_args, head_dim: int, n: int, dev, offset_default_tail: 
     if not is_int(off) or off < 0 or off + r > D:
         raise ValueError(f"rope_args.offset must be an int with 0 <= offset and offset + rotary_dim <= "
                          f"head_dim ({D}), got offset={off!r}, rotary_dim={r}")
-    for flag in ("is_neox", "conjugate"):
+    for flag in ("is_neox", "conjugate", "mrope_interleaved"):
         if not isinstance(getattr(rope_args, flag), bool):
             raise TypeError(f"rope_args.{flag} must be a bool, got {type(getattr(rope_args, flag)).__name__}")
-    check_index_vector(rope_args.positions, "rope_args.positions", n, dev)
+    if rope_args.mrope_section is None:
+        if rope_args.mrope_interleaved:
+            raise ValueError("rope_args.mrope_interleaved: True without an mrope_section")
+        check_index_vector(rope_args.positions, "rope_args.positions", n, dev)
+    else:
+        if not mrope:
+            raise ValueError("rope_args.mrope_section: mRoPE is not supported by this entry point (only by "
+                             "fused_qk_norm_rope_store_kv); pass mrope_section=None")
+        check_mrope_section(rope_args.mrope_section, r)
+        check_tensor(rope_args.positions, "rope_args.positions", INDEX_DTYPES, dev, last_contiguous=False)
+        if tuple(rope_args.positions.shape) != (3, n):
+            raise ValueError(f"rope_args.positions: with an mrope_section expected shape (3, {n}) (temporal, "
+                             f"height, width rows), got {tuple(rope_args.positions.shape)}")
     cs = rope_args.cos_sin_cache
     check_tensor(cs, "rope_args.cos_sin_cache", table_dtypes, dev)
     if cs.dim() != 2 or cs.shape[1] != r:
         raise ValueError(f"rope_args.cos_sin_cache: expected shape [max_position, rotary_dim={r}], "
                          f"got {tuple(cs.shape)}")
     return r, off
+
+
+def check_mrope_section(section, rotary_dim: int) -> None:
+    """mRoPE's (t, h, w): a tuple or list of three positive ints summing to rotary_dim / 2."""
+    if not isinstance(section, (tuple, list)) or len(section) != 3 or not all(is_int(s) and s > 0 for s in section):
+        raise ValueError(f"rope_args.mrope_section must be three positive ints (t, h, w), got {section!r}")
+    if sum(section) != rotary_dim // 2:
+        raise ValueError(f"rope_args.mrope_section must sum to rotary_dim / 2 = {rotary_dim // 2}, got "
+                         f"{tuple(section)} (sum {sum(section)})")
 
 
 def check_index_vector(t, name, n, device):
@@ -94,9 +116,9 @@ def infer_layout(kv_cache: torch.Tensor, cast_args) -> KVCacheFormat:
 # =============================================================================== call tensors
 
 
-def check_rms_norm(args, name, D, dev):
+def check_rms_norm(args, name, D, dev, allow_weightless=False):
     """(weight, eps) of a QK-norm's NormArgs (an RMSNorm without bias; weight bf16, fp16 or fp32: all read
-    as fp32 exactly), (None, 1e-6) for None."""
+    as fp32 exactly, or None where ``allow_weightless``), (None, 1e-6) for None."""
     if args is None:
         return None, 1e-6
     if not isinstance(args, NormArgs):
@@ -105,7 +127,8 @@ def check_rms_norm(args, name, D, dev):
         raise ValueError(f"{name}.kind must be 'rms' (the QK-norm is an RMSNorm), got {args.kind!r}")
     if args.bias is not None:
         raise ValueError(f"{name}.bias must be None (RMSNorm has no bias)")
-    check_tensor(args.weight, f"{name}.weight", (torch.bfloat16, torch.float16, torch.float32), dev, shape=(D,))
+    if args.weight is not None or not allow_weightless:
+        check_tensor(args.weight, f"{name}.weight", (torch.bfloat16, torch.float16, torch.float32), dev, shape=(D,))
     if not is_real(args.eps) or args.eps <= 0:
         raise ValueError(f"{name}.eps must be a finite number > 0, got {args.eps!r}")
     return args.weight, float(args.eps)

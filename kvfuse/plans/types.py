@@ -158,6 +158,16 @@ class GQAPlan:
     v_format: str = "auto"
     k_scale_cache: Optional[torch.Tensor] = None
     v_scale_cache: Optional[torch.Tensor] = None
+    # mRoPE (positions [3, n]): the frequencies of the t, h, w position rows (all 0: plain RoPE), chunked or
+    # interleaved (RopeArgs)
+    mrope_t: int = 0
+    mrope_h: int = 0
+    mrope_w: int = 0
+    mrope_interleaved: bool = False
+    # RMSNorm of each v row before the V cache (v_norm_args): on iff v_norm; v_weight [Dv] or None (weightless)
+    v_norm: bool = False
+    v_weight: Optional[torch.Tensor] = None
+    v_eps: float = 1e-6
 
     @property
     def n(self) -> int:
@@ -174,6 +184,11 @@ class GQAPlan:
     @property
     def paged_append(self) -> bool:
         return self.append_batch_indices is not None
+
+    @property
+    def mrope_section(self):
+        """mRoPE's (t, h, w), None for plain RoPE (positions [n])."""
+        return (self.mrope_t, self.mrope_h, self.mrope_w) if self.mrope_t else None
 
     @property
     def split(self) -> int:

@@ -14,8 +14,8 @@ from .numerics import (  # noqa: F401
     F32, AMAX_MARGIN, E4M3_SF_MIN, E2M1_VALUES, round_to_bf16, encode_e4m3, encode_e5m2, decode_e4m3, encode_e2m1,
     decode_e2m1, pack_e2m1, unpack_e2m1)
 from .stages import (  # noqa: F401
-    pairwise_sum, rmsnorm, layernorm, norm, rope, hadamard, group_scales, quantize, CANONICAL_NAN_BF16,
-    dequant_scale, dequantize, canonical_nan, quantize_per_tensor, token_head_scales, encode_int8_round_half_away,
-    quantize_per_token_head)
+    pairwise_sum, rmsnorm, layernorm, norm, rope, mrope_position_rows, hadamard, group_scales, quantize,
+    CANONICAL_NAN_BF16, dequant_scale, dequantize, canonical_nan, quantize_per_tensor, token_head_scales,
+    encode_int8_round_half_away, quantize_per_token_head)
 from .cache import record_addresses, store, load, GQA_LAYOUTS, store_paged, load_paged, load_gqa_kv  # noqa: F401
 from .chain import transform, run_plan, qk_norm_rope, qk_norm_rope_store_kv, run_gqa_plan  # noqa: F401

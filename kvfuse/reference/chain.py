@@ -60,18 +60,19 @@ def run_plan(plan: Plan) -> None:
 
 def qk_norm_rope(x: torch.Tensor, weight=None, eps: float = 1e-6, positions=None, cos_sin=None, rotary_dim: int = 0,
                  rope_offset: int = 0, is_neox: bool = True, conjugate: bool = False,
-                 numerics: str = "staged") -> torch.Tensor:
+                 numerics: str = "staged", mrope_section=None, mrope_interleaved: bool = False) -> torch.Tensor:
     """The Q / K transform of SPEC §11 on [n, H, D] (bf16, fp16 or fp32): per-head :func:`rmsnorm` (weight [D]
     shared by the heads; skipped when ``weight`` is None), then :func:`rope` (skipped when ``positions`` is
-    None). "staged" rounds each stage to x's dtype; the fused profiles (kvfuse.numerics_profiles) keep the
-    norm's result in fp32 through RoPE and return fp32 values, which the caller rounds once."""
+    None; mRoPE with ``mrope_section``). "staged" rounds each stage to x's dtype; the fused profiles
+    (kvfuse.numerics_profiles) keep the norm's result in fp32 through RoPE and return fp32 values, which the
+    caller rounds once."""
     staged = profile(numerics).round_each_stage
     if weight is not None:
         y = rmsnorm(x, weight, eps, out_dtype=x.dtype if staged else F32)
     else:
         y = x if staged else x.to(F32)          # fused: RoPE's result stays fp32 without a norm too
     if positions is not None:
-        y = rope(y, positions, cos_sin, rotary_dim, is_neox, rope_offset, conjugate)
+        y = rope(y, positions, cos_sin, rotary_dim, is_neox, rope_offset, conjugate, mrope_section, mrope_interleaved)
     return y
 
 
@@ -120,7 +121,8 @@ def qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_out, q_weig
                           conjugate=False, k_scale=None, v_scale=None, layout="NHD", numerics="staged",
                           k_out=None, q_scale=None, scale_convention="divide", q_out_tail=None, k_out_tail=None,
                           k_cache_tail=None, k_format=None, v_format=None, k_scale_cache=None,
-                          v_scale_cache=None) -> None:
+                          v_scale_cache=None, mrope_section=None, mrope_interleaved=False, v_norm=False,
+                          v_weight=None, v_eps=1e-6) -> None:
     """The unfused chain of :func:`kvfuse.fused_qk_norm_rope_store_kv` (validated arguments; q and k whole
     [n, H, D]): q -> norm -> RoPE -> q_out (e4m3 by q_scale for an fp8 q_out); k -> norm -> RoPE -> (e4m3
     by k_scale) -> k_cache (or k_out without caches); v -> (e4m3 by v_scale) -> v_cache (none when
@@ -129,12 +131,15 @@ def qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_out, q_weig
     (``scale_convention`` "multiply") multiplies. A ``*_tail`` receives its tensor's columns from
     out.shape[-1] on. Scales: tensors or numbers. k_format, v_format: the caches' formats (names or
     GQACacheFormat; None: the one the cache's dtype means), k_scale_cache / v_scale_cache: where a format
-    that stores its scales puts them."""
+    that stores its scales puts them. mrope_section, mrope_interleaved: mRoPE (positions [3, n]).
+    v_norm: v goes through :func:`rmsnorm` first (v_weight [Dv], or None: weightless, y = v * rstd), rounded
+    and cast as q and k are."""
     prof = profile(numerics)
     act = q.dtype
 
     def transformed(x, w, eps):
-        y32 = qk_norm_rope(x, w, eps, positions, cos_sin, rotary_dim, rope_offset, is_neox, conjugate, numerics)
+        y32 = qk_norm_rope(x, w, eps, positions, cos_sin, rotary_dim, rope_offset, is_neox, conjugate, numerics,
+                           mrope_section, mrope_interleaved)
         return y32, y32.to(act)
 
     q32, qy = transformed(q, q_weight, q_eps)
@@ -155,7 +160,12 @@ def qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_out, q_weig
             store_paged(k_cache_tail, slot_mapping, krows[..., split:], layout)
         if v_cache is not None:
             vf = _cache_format(v_format, v_cache, act)
-            vrows, vscales = _cache_rows(vf, v.to(F32), v, v_scale, prof, scale_convention)
+            if v_norm:
+                w = v_weight if v_weight is not None else torch.ones(v.shape[-1], dtype=F32, device=v.device)
+                v32 = rmsnorm(v, w, v_eps, out_dtype=act if prof.round_each_stage else F32)
+                vrows, vscales = _cache_rows(vf, v32, v32.to(act), v_scale, prof, scale_convention)
+            else:
+                vrows, vscales = _cache_rows(vf, v.to(F32), v, v_scale, prof, scale_convention)
             store_paged(v_cache, slot_mapping, vrows, layout)
             if vscales is not None:
                 store_paged(v_scale_cache.unsqueeze(-1), slot_mapping, vscales[..., None], layout)
@@ -188,4 +198,5 @@ def run_gqa_plan(plan) -> None:
                           plan.k_eps, plan.positions, plan.cos_sin, plan.rotary_dim, plan.rope_offset, plan.is_neox,
                           plan.conjugate, scale("k_scale"), scale("v_scale"), plan.layout, plan.numerics, plan.k_out,
                           scale("q_scale"), plan.scale_convention, plan.q_out_tail, plan.k_out_tail,
-                          plan.k_cache_tail, plan.k_format, plan.v_format, plan.k_scale_cache, plan.v_scale_cache)
+                          plan.k_cache_tail, plan.k_format, plan.v_format, plan.k_scale_cache, plan.v_scale_cache,
+                          plan.mrope_section, plan.mrope_interleaved, plan.v_norm, plan.v_weight, plan.v_eps)

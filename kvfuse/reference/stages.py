@@ -89,11 +89,39 @@ def _leading_norm(x, weight, eps, kind, bias):
     return round_to_bf16(y)
 
 
+def mrope_position_rows(half: int, mrope_section, interleaved: bool) -> torch.Tensor:
+    """int64 [half]: the row of mRoPE's positions [3, n] (0 temporal, 1 height, 2 width) each frequency j
+    takes (SPEC §11): chunked, j < t -> 0, j < t + h -> 1, else 2; interleaved, 1 where j % 3 == 1 and
+    j < 3h, 2 where j % 3 == 2 and j < 3w, else 0."""
+    t, h, w = mrope_section
+    j = torch.arange(half)
+    if interleaved:
+        return torch.where((j % 3 == 1) & (j < 3 * h), 1, torch.where((j % 3 == 2) & (j < 3 * w), 2, 0))
+    return (j >= t).long() + (j >= t + h).long()
+
+
+def _cos_sin_rows(positions, cos_sin_cache, half, mrope_section, interleaved):
+    """(ok, cos, sin) [n, half] of each token's pairs: the table row of its position (of the pair's
+    position row under mRoPE), ok where that position is in [0, max_position)."""
+    pos = positions.long()
+    if mrope_section is None:
+        pos = pos[:, None].expand(-1, half)
+    else:
+        pos = pos[mrope_position_rows(half, mrope_section, interleaved).to(pos.device)].t()
+    ok = (pos >= 0) & (pos < cos_sin_cache.shape[0])
+    j = torch.arange(half, device=pos.device)
+    p = torch.where(ok, pos, torch.zeros_like(pos))
+    return ok, cos_sin_cache[p, j].to(F32), cos_sin_cache[p, half + j].to(F32)
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int,
-         is_neox: bool, offset: Optional[int] = None, conjugate: bool = False) -> torch.Tensor:
+         is_neox: bool, offset: Optional[int] = None, conjugate: bool = False, mrope_section=None,
+         mrope_interleaved: bool = False) -> torch.Tensor:
     """bf16 [n, D] or [n, H, D] -> bf16; rotates pairs of dims in [offset, offset + rotary_dim).
     A position outside [0, max_position) leaves the token unchanged. fp16 / fp32 x: the rotated values
-    are rounded to x's dtype (fp32: not narrowed)."""
+    are rounded to x's dtype (fp32: not narrowed). mRoPE (``mrope_section``; positions [3, n]): pair j
+    rotates by the row of positions[mrope_position_rows(j)], and only the pairs whose position is out of
+    range are left unchanged."""
     x3 = x.unsqueeze(1) if x.dim() == 2 else x
     if cos_sin_cache.shape[0] == 0:
         return x.clone()  # no position is in range: identity
@@ -103,16 +131,14 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, 
     j = torch.arange(half, device=x.device)
     i0 = off + (j if is_neox else 2 * j)
     i1 = off + (j + half if is_neox else 2 * j + 1)
-    pos = positions.long()
-    ok = (pos >= 0) & (pos < cos_sin_cache.shape[0])
-    row = cos_sin_cache[torch.where(ok, pos, torch.zeros_like(pos))].to(F32)      # [n, rotary_dim]
-    c, s = row[:, None, :half], row[:, None, half:]
+    ok, c, s = _cos_sin_rows(positions, cos_sin_cache, half, mrope_section, mrope_interleaved)
+    c, s = c[:, None, :], s[:, None, :]
     a, b = x3[..., i0].to(F32), x3[..., i1].to(F32)
     if conjugate:
         y0, y1 = (a * c) + (b * s), (b * c) - (a * s)
     else:
         y0, y1 = (a * c) - (b * s), (a * s) + (b * c)
-    keep = ~ok[:, None, None]
+    keep = ~ok[:, None, :]
     y = x3.clone()
     y[..., i0] = torch.where(keep, x3[..., i0], y0.to(x.dtype))
     y[..., i1] = torch.where(keep, x3[..., i1], y1.to(x.dtype))

@@ -22,7 +22,8 @@ def _poison(wl, inp):
 
 
 @pytest.mark.parametrize("n", [1, 300])
-@pytest.mark.parametrize("name", ["llama3_8b_bf16", "llama3_8b_fp8", "qwen3_8b_fp8", "gemma3_12b_fp8"])
+@pytest.mark.parametrize("name", ["llama3_8b_bf16", "llama3_8b_fp8", "qwen3_8b_fp8", "gemma3_12b_fp8", "qwen3_vl_8b_fp8",
+                                  "gemma4_31b_sliding_bf16", "gemma4_31b_global_fp8"])
 def test_gqa_peers_capture_and_write_the_fused_bytes(name, n):
     wl = bench.WORKLOADS[name]
     inp = bench.build_inputs(wl, n, "cuda", seed=3)

@@ -44,14 +44,20 @@ def test_fp8_scales_both_division_paths(scales):
     check(GQACase(n=300, hq=8, hkv=2, fp8=True, layout="HND", scales=scales, seed=41))
 
 
-@pytest.mark.parametrize("name", ["llama-3-8b", "qwen3-8b", "gemma-3-12b", "gpt-oss-20b"])
+@pytest.mark.parametrize("name", ["llama-3-8b", "qwen3-8b", "gemma-3-12b", "gpt-oss-20b", "qwen2.5-vl-7b",
+                                  "qwen3-vl-8b", "gemma-4-31b-sliding", "gemma-4-31b-global"])
 def test_model_shapes(name):
-    """The models' real head counts and widths (decode and a prefill block), NHD fp8 and HND bf16."""
+    """The models' real head counts and widths (decode and a prefill block), NHD fp8 and HND bf16, with
+    their mRoPE sections and V-norm."""
     cfg = kvfuse.models.get_gqa(name)
     base = dict(hq=cfg.num_heads, hkv=cfg.num_kv_heads, d=cfg.head_dim, q_norm="fp32" if cfg.norm_weight_offset
                 else "bf16", k_norm=("fp32" if cfg.norm_weight_offset else "bf16") if cfg.qk_norm else None)
     if not cfg.qk_norm:
         base["q_norm"] = None
+    if cfg.mrope_section is not None:
+        base.update(mrope="interleaved" if cfg.mrope_interleaved else "chunked", mrope_section=cfg.mrope_section)
+    if cfg.v_norm:
+        base["v_norm"] = "none"
     check(GQACase(n=7, fp8=True, seed=3, **base))
     check(GQACase(n=257, layout="HND", inplace=True, block_size=16, seed=4, **base))
 
