@@ -1,0 +1,207 @@
+"""The 4-bit GQA / MHA cache formats (SPEC §11): NVFP4 with a global scale (FlashInfer's rule) and MXFP4.
+
+* the reference (kvfuse/reference/fp4.py) equals a scalar transcription of FlashInfer 0.7.2.post1's
+  ``nvfp4_append_quantize_block`` (page.cuh) written here in numpy float32 with IEEE division, and
+  hand-worked groups of FlashInfer's documented semantics (ties, saturation, NaN, signed zeros);
+* the kernel's device functions (kvfuse/kernels/gqa_fp4.py) equal the reference byte for byte in
+  Triton's interpreter, through a small test kernel, on random rows and on the special values;
+* the decoders give bf16((e2m1 * sf) * g) and bf16(e2m1 * 2^e).
+"""
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import kvfuse
+from kvfuse.kernels.gqa_fp4 import FP4_CODES, FP4_GROUPS, fp4_tile
+from kvfuse.reference import fp4 as ref
+
+F32 = np.float32
+needs_interpreter = pytest.mark.skipif(not kvfuse.backend.interpreter_enabled(), reason="needs TRITON_INTERPRET=1")
+
+# the e2m1 magnitudes by code, and FlashInfer's thresholds (nvfp4_append_quantize_e2m1)
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _flashinfer_e2m1(v: F32) -> int:
+    """nvfp4_append_quantize_e2m1, transcribed: the if-chain of page.cuh, sign from signbit."""
+    sign = 8 if np.signbit(v) else 0
+    mag = abs(v)
+    if not mag > 0.25:
+        code = 0
+    elif mag < 0.75:
+        code = 1
+    elif mag <= 1.25:
+        code = 2
+    elif mag < 1.75:
+        code = 3
+    elif mag <= 2.5:
+        code = 4
+    elif mag < 3.5:
+        code = 5
+    elif mag <= 5.0:
+        code = 6
+    else:
+        code = 7
+    return sign | code
+
+
+def _e4m3_satfinite(v: F32) -> int:
+    """__nv_fp8_e4m3(v): round to nearest even, saturating to 448, NaN -> 0x7F (torch's cast of the clamped value)."""
+    if np.isnan(v):
+        return 0x7F
+    return int(torch.tensor(min(float(v), 448.0), dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+def _flashinfer_block(values: np.ndarray, g: F32):
+    """nvfp4_append_quantize_block (precise_rounding false) with IEEE fp32 operations: (16 codes, sf byte)."""
+    amax = F32(0.0)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        for v in values:
+            a = abs(v)
+            amax = amax if np.isnan(a) else max(amax, a)                     # fmaxf keeps the number
+        sf_value = F32(amax / F32(F32(6.0) * g)) if (amax > 0 and g > 0) else F32(0.0)
+        sf = _e4m3_satfinite(sf_value)
+        sf_rounded = F32(torch.tensor(sf, dtype=torch.uint8).view(torch.float8_e4m3fn).float())
+        ok = amax > 0 and sf_rounded > 0 and g > 0
+        out_scale = F32(F32(1.0) / F32(sf_rounded * g)) if ok else F32(0.0)
+        codes = [_flashinfer_e2m1(F32(v * out_scale)) for v in values]
+    return codes, sf
+
+
+def _special_rows(dtype, d, group):
+    """Rows of random values with, per group, zeros, signed zeros, NaN, infinities, huge and tiny values."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(12, d, generator=gen) * torch.logspace(-6, 6, 12)[:, None]
+    x[1, :group] = 0.0
+    x[2, :group] = -0.0
+    x[3, 3] = float("nan")
+    x[4, 5] = float("inf")
+    x[5, 0] = float("-inf")
+    x[6, :] = -x[6, :].abs() * 1e-30                            # tiny: every scale rounds to zero
+    x[7, group:] = float("nan")                                  # whole groups of NaN
+    x[8, :] = 65504.0 if dtype == torch.float16 else 3e38        # every group at the dtype's top
+    x[9, :group] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * (group // 8))  # ties
+    return x.to(dtype)
+
+
+# --------------------------------------------------------------------------- reference vs FlashInfer's rule
+@pytest.mark.parametrize("g", [1.0, 0.0123, 3.0e-3, 7.5, 2.0 ** -20])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_nvfp4_reference_is_flashinfer_rule(dtype, g):
+    x = _special_rows(dtype, 64, 16)
+    codes, sf = ref.quantize_nvfp4(x, g)
+    unpacked = torch.stack((codes & 0xF, codes >> 4), dim=-1).flatten(-2)
+    xs = x.float().numpy()
+    for r in range(x.shape[0]):
+        for b in range(4):
+            want_codes, want_sf = _flashinfer_block(xs[r, 16 * b:16 * (b + 1)], F32(g))
+            assert int(sf[r, b].view(torch.uint8)) == want_sf, (r, b)
+            assert unpacked[r, 16 * b:16 * (b + 1)].tolist() == want_codes, (r, b)
+
+
+def test_nvfp4_hand_worked_groups():
+    """Groups whose bytes follow from FlashInfer's documented rule by hand (g = 1: sf = e4m3(amax / 6))."""
+    row = torch.tensor([6.0, 3.0, -1.5, 0.0, -0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.5, -6.0, 0.5, 1.0])
+    codes, sf = ref.quantize_nvfp4(row[None], 1.0)
+    assert sf.view(torch.uint8).tolist() == [[0x38]]         # amax 6 -> sf 1.0; output scale 1
+    assert torch.stack((codes & 0xF, codes >> 4), -1).flatten().tolist() == \
+        [7, 5, 0xB, 0, 8, 0, 2, 2, 4, 4, 6, 6, 7, 0xF, 1, 2]  # ties to even, -0 keeps its sign
+    # amax 0: sf code 0, every code a signed zero; a NaN is left out of the amax and codes as a signed zero
+    zero = torch.tensor([[0.0] * 8 + [-0.0] * 8])
+    codes, sf = ref.quantize_nvfp4(zero, 1.0)
+    assert sf.view(torch.uint8).tolist() == [[0]] and codes.tolist() == [[0] * 4 + [0x88] * 4]
+    nan = torch.tensor([[float("nan"), -float("nan"), 12.0] + [0.0] * 13])
+    codes, sf = ref.quantize_nvfp4(nan, 1.0)
+    assert sf.view(torch.uint8).tolist() == [[0x40]]          # e4m3(12 / 6) = 2.0
+    assert codes[0, :2].tolist() == [0x80, 0x07]              # NaN -> 0, -NaN -> 8; 12 / 2 = 6 -> 7
+    # an infinite amax saturates the scale at 448 (0x7E); the infinity codes as 6
+    inf = torch.tensor([[float("inf"), 1.0] + [0.0] * 14])
+    codes, sf = ref.quantize_nvfp4(inf, 1.0)
+    assert sf.view(torch.uint8).tolist() == [[0x7E]] and codes[0, 0].item() == 0x07
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mxfp4_reference_is_spec_rule(dtype):
+    """Finite rows give the bytes of SPEC §2's quantizer (kvfuse.reference.quantize, e2m1 / 32 / ue8m0);
+    NaN elements are left out of the amax and code as signed zeros."""
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(3)).to(dtype) * 10
+    codes, sf = ref.quantize_mxfp4(x)
+    want_codes, want_sf = kvfuse.reference.quantize(x.bfloat16() if dtype == torch.bfloat16 else x,
+                                                     "e2m1", 32, "ue8m0")
+    assert torch.equal(codes, want_codes) and torch.equal(sf, want_sf)
+    y = x.clone()
+    y[0, 4] = float("nan")
+    codes_nan, sf_nan = ref.quantize_mxfp4(y)
+    finite = x.clone()
+    finite[0, 4] = 0.0
+    codes_zero, sf_zero = ref.quantize_mxfp4(finite)
+    assert torch.equal(sf_nan, sf_zero) and torch.equal(codes_nan, codes_zero)
+
+
+def test_decoders():
+    codes = torch.tensor([[0x71, 0xF8, 0x32, 0x00, 0, 0, 0, 0]], dtype=torch.uint8)   # 0.5, 6, -0, -6, 1, 1.5, 0 ...
+    sf = torch.tensor([[0x40]], dtype=torch.uint8).view(torch.float8_e4m3fn)         # 2.0
+    y = ref.dequantize_nvfp4(codes, sf, 0.1)
+    want = torch.tensor([0.5, 6.0, -0.0, -6.0, 1.0, 1.5, 0.0, 0.0] + [0.0] * 8) * 2.0
+    assert torch.equal(y.view(torch.int16), (want[None] * torch.tensor(0.1)).bfloat16().view(torch.int16))
+    nan_sf = torch.tensor([[0x7F]], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert (ref.dequantize_nvfp4(codes, nan_sf, 1.0).view(torch.int16) == 0x7FC0).all()
+    mx = ref.dequantize_mxfp4(codes.repeat(1, 2), torch.tensor([[127 + 3]], dtype=torch.uint8))
+    assert mx[0, :2].tolist() == [4.0, 48.0]
+    assert (ref.dequantize_mxfp4(codes.repeat(1, 2), torch.tensor([[0xFF]], dtype=torch.uint8))
+            .view(torch.int16) == 0x7FC0).all()
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_round_trip_error_is_bounded(fmt):
+    """Decoded values lie within half a code step of the input (a real bound, not a tolerance on bytes)."""
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(1)).bfloat16()
+    if fmt == "nvfp4":
+        g = 0.02
+        y = ref.dequantize_nvfp4(*ref.quantize_nvfp4(x, g), g)
+        step = ref.group_amax(x, 16) / 6 * 2          # the largest step of e2m1 (4 -> 6) at the group's scale
+        step = step.repeat_interleave(16, -1) * 1.07  # e4m3's rounding of the scale, bf16 rounding
+    else:
+        y = ref.dequantize_mxfp4(*ref.quantize_mxfp4(x))
+        step = (2.0 ** torch.ceil(torch.log2(ref.group_amax(x, 32) / 6)) * 2).repeat_interleave(32, -1) * 1.01
+    assert ((y.float() - x.float()).abs() <= step / 2).all()
+
+
+# --------------------------------------------------------------------------- the kernel's device functions
+@triton.jit
+def _fp4_tile_kernel(x_ptr, q_ptr, s_ptr, g, M: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr,
+                     GROUP: tl.constexpr, NATIVE: tl.constexpr):
+    r = tl.arange(0, M)
+    y = tl.load(x_ptr + r[:, None] * D + tl.arange(0, D)[None, :])
+    q, s = fp4_tile(y, g, M, D, FP4, NATIVE)
+    tl.store(q_ptr + r[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :], q)
+    tl.store(s_ptr + r[:, None] * (D // GROUP) + tl.arange(0, D // GROUP)[None, :], s)
+
+
+def run_fp4_tile(x: torch.Tensor, fmt: str, g: float = 1.0, native: int = 0):
+    """fp4_tile on the rows of x [M, D] (M, D powers of two): (codes [M, D / 2], scale bytes [M, D / group])."""
+    m, d = x.shape
+    code = FP4_CODES[fmt]
+    group = FP4_GROUPS[code]
+    q = torch.full((m, d // 2), 0xAB, dtype=torch.uint8, device=x.device)
+    s = torch.full((m, d // group), 0xAB, dtype=torch.uint8, device=x.device)
+    _fp4_tile_kernel[(1,)](x.float().contiguous(), q, s, g, M=m, D=d, FP4=code, GROUP=group, NATIVE=native)
+    return q, s
+
+
+@needs_interpreter
+@pytest.mark.parametrize("d", [32, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("fmt,g", [("nvfp4", 1.0), ("nvfp4", 0.0123), ("nvfp4", 2.0 ** -20), ("mxfp4", 1.0)])
+def test_fp4_tile_equals_reference(fmt, g, dtype, d):
+    x = _special_rows(dtype, d, FP4_GROUPS[FP4_CODES[fmt]])
+    x = torch.cat([x, torch.zeros(16 - x.shape[0], d, dtype=dtype)])
+    q, s = run_fp4_tile(x, fmt, g)
+    if fmt == "nvfp4":
+        want_q, want_s = ref.quantize_nvfp4(x, g)
+    else:
+        want_q, want_s = ref.quantize_mxfp4(x)
+    assert torch.equal(q, want_q)
+    assert torch.equal(s, want_s.view(torch.uint8))
