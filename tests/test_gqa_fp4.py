@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 import kvfuse
-from kvfuse.kernels.gqa_fp4 import FP4_CODES, FP4_GROUPS, fp4_tile
+from kvfuse.kernels.gqa_fp4 import FP4_CODES, FP4_GROUPS, store_fp4_rows
 from kvfuse.reference import fp4 as ref
 
 F32 = np.float32
@@ -171,34 +171,35 @@ def test_round_trip_error_is_bounded(fmt):
 
 # --------------------------------------------------------------------------- the kernel's device functions
 @triton.jit
-def _fp4_tile_kernel(x_ptr, q_ptr, s_ptr, g, M: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr,
-                     GROUP: tl.constexpr, NATIVE: tl.constexpr):
-    r = tl.arange(0, M)
-    y = tl.load(x_ptr + r[:, None] * D + tl.arange(0, D)[None, :])
-    q, s = fp4_tile(y, g, M, D, FP4, NATIVE)
-    tl.store(q_ptr + r[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :], q)
-    tl.store(s_ptr + r[:, None] * (D // GROUP) + tl.arange(0, D // GROUP)[None, :], s)
+def _fp4_rows_kernel(x_ptr, q_ptr, s_ptr, g, M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                     FP4: tl.constexpr, GROUP: tl.constexpr, NATIVE: tl.constexpr):
+    """store_fp4_rows on x [M, D] (rows of M; the tile BLOCK_D wide, its columns past D zero)."""
+    r = tl.arange(0, M).to(tl.int64)
+    col = tl.arange(0, BLOCK_D)
+    y = tl.load(x_ptr + r[:, None] * D + col[None, :], mask=(col < D)[None, :], other=0.0)
+    store_fp4_rows(q_ptr, r * (D // 2), s_ptr, r * (D // GROUP), y, r >= 0, g, D, BLOCK_D, M, FP4, NATIVE)
 
 
-def run_fp4_tile(x: torch.Tensor, fmt: str, g: float = 1.0, native: int = 0):
-    """fp4_tile on the rows of x [M, D] (M, D powers of two): (codes [M, D / 2], scale bytes [M, D / group])."""
+def run_fp4_rows(x: torch.Tensor, fmt: str, g: float = 1.0, native: int = 0):
+    """store_fp4_rows on the rows of x [M, D] (M a power of two): (codes [M, D / 2], scale bytes [M, D / group])."""
     m, d = x.shape
     code = FP4_CODES[fmt]
     group = FP4_GROUPS[code]
     q = torch.full((m, d // 2), 0xAB, dtype=torch.uint8, device=x.device)
     s = torch.full((m, d // group), 0xAB, dtype=torch.uint8, device=x.device)
-    _fp4_tile_kernel[(1,)](x.float().contiguous(), q, s, g, M=m, D=d, FP4=code, GROUP=group, NATIVE=native)
+    _fp4_rows_kernel[(1,)](x.float().contiguous(), q, s, g, M=m, D=d, BLOCK_D=triton.next_power_of_2(d), FP4=code,
+                           GROUP=group, NATIVE=native)
     return q, s
 
 
 @needs_interpreter
-@pytest.mark.parametrize("d", [32, 128])
+@pytest.mark.parametrize("d", [32, 96, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("fmt,g", [("nvfp4", 1.0), ("nvfp4", 0.0123), ("nvfp4", 2.0 ** -20), ("mxfp4", 1.0)])
 def test_fp4_tile_equals_reference(fmt, g, dtype, d):
     x = _special_rows(dtype, d, FP4_GROUPS[FP4_CODES[fmt]])
     x = torch.cat([x, torch.zeros(16 - x.shape[0], d, dtype=dtype)])
-    q, s = run_fp4_tile(x, fmt, g)
+    q, s = run_fp4_rows(x, fmt, g)
     if fmt == "nvfp4":
         want_q, want_s = ref.quantize_nvfp4(x, g)
     else:

@@ -67,3 +67,19 @@ def fp4_tile(y, g, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, FP4: tl.constex
     t = tl.reshape(y, [BLOCK_M, BLOCK_D // GROUP, GROUP]) * m[:, :, None]
     codes = tl.reshape(e2m1_nan_zero(t), [BLOCK_M, BLOCK_D])
     return pack_nibbles(codes, BLOCK_M, BLOCK_D), stored.to(tl.uint8)
+
+
+@triton.jit
+def store_fp4_rows(c_ptr, c_row, s_ptr, s_row, y, ok, g, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, FP4: tl.constexpr, NATIVE: tl.constexpr):
+    """The cast of BLOCK_M rows y (any shape of BLOCK_M x BLOCK_D elements in row order; columns >= D zero)
+    stored where ok [BLOCK_M]: the D / 2 code bytes at c_ptr + c_row[m] and the D / GROUP scale bytes at
+    s_ptr + s_row[m] (byte offsets, int64)."""
+    GROUP: tl.constexpr = 16 if FP4 == FP4_NVFP4 else 32
+    q, s = fp4_tile(tl.reshape(y, [BLOCK_M, BLOCK_D]), g, BLOCK_M, BLOCK_D, FP4, NATIVE)
+    qc = tl.arange(0, BLOCK_D // 2)
+    tl.store(c_ptr.to(tl.pointer_type(tl.uint8)) + c_row[:, None] + qc[None, :], q,
+             mask=ok[:, None] & (qc < D // 2)[None, :])
+    sc = tl.arange(0, BLOCK_D // GROUP)
+    tl.store(s_ptr.to(tl.pointer_type(tl.uint8)) + s_row[:, None] + sc[None, :], s,
+             mask=ok[:, None] & (sc < D // GROUP)[None, :])
