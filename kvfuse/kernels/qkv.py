@@ -46,6 +46,7 @@ from .config import DIRECT_LAUNCH, FORCED, INTERPRET, cdiv, native, next_pow2
 from .launcher import Launch, tensor_arg
 from .router import pdl_launch, with_pdl
 from .gluon.common import table_entry
+from .gqa_fp4 import FP4_CODES, FP4_NVFP4, store_fp4_rows
 from .numerics import div_rn_by_reciprocal, encode_e4m3, load_f32, round_bf16
 
 __all__ = ["qkv_kernel", "launch_table", "launch_config", "launch_args", "run", "template_launch", "run_template",
@@ -294,7 +295,8 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
               ACT: tl.constexpr = 0, NUMERICS: tl.constexpr = 0, x2_ptr=None, s2_n=None, s2_h=None,
               dst2_ptr=None, dst2_n=None, dst2_h=None, c2_blk=None, SPLIT: tl.constexpr = 0,
               SCALE_MUL: tl.constexpr = False, SCALE_BY_VALUE: tl.constexpr = False, pa_b=None, pa_p=None,
-              pa_indptr=None, pa_idx=None, pa_nreq=None, pa_nidx=None):
+              pa_indptr=None, pa_idx=None, pa_nreq=None, pa_nidx=None, FP4: tl.constexpr = 0, sf_ptr=None,
+              sf_blk=None, sf_tok=None, sf_head=None):
     """Heads h0 .. h0 + G - 1 (those < H) of q or k for BLOCK_M tokens: norm -> RoPE -> the row at dst_ptr:
     q_out (bf16; token stride dst_n, which may be q itself), or (TO_CACHE) the record of the token's slot
     in a cache of (block, token) strides (c_blk, dst_n), bf16 or e4m3 by the scale. Every load that waits
@@ -308,8 +310,11 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
     strides s2_n, s2_h) holds its columns from SPLIT on, and a destination held as two, dst2_ptr (strides
     c2_blk, dst2_n, dst2_h as dst_ptr's), the same columns. SCALE_BY_VALUE: scale_ptr is the scale itself
     (an fp32 argument); SCALE_MUL: the cast multiplies by it (_store_record). pa_*: the slots from
-    FlashInfer's append addressing (_load_slots)."""
-    KEEP_F32: tl.constexpr = STORE_FP8 and NUMERICS == NUMERICS_FP32_CAST
+    FlashInfer's append addressing (_load_slots). FP4 (kvfuse/kernels/gqa_fp4.py; the whole-row form
+    only): the record holds e2m1 codes (dst_ptr bytes, D / 2 a row) and its group scales go to sf_ptr
+    ((block, token, head) strides sf_blk, sf_tok, sf_head); an NVFP4 global scale is read as the e4m3
+    scale is."""
+    KEEP_F32: tl.constexpr = (STORE_FP8 or FP4 != 0) and NUMERICS == NUMERICS_FP32_CAST
     pos = tok
     slot = tok
     sc = eps
@@ -323,6 +328,11 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
         if SCALE_PER_HEAD:
             scs = _head_scales(scale_ptr, h0, H, G)
         elif SCALE_BY_VALUE:
+            sc = scale_ptr
+        else:
+            sc = tl.load(scale_ptr)
+    if FP4 == FP4_NVFP4:
+        if SCALE_BY_VALUE:
             sc = scale_ptr
         else:
             sc = tl.load(scale_ptr)
@@ -409,6 +419,9 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
                 _, dst2_tok = _record(slot, rmask, c2_blk, dst2_n, block_size, capacity, SLOT32)
             else:
                 dst2_tok = tok * dst2_n
+        sf_row = dst_tok
+        if FP4 != 0:
+            _, sf_row = _record(slot, rmask, sf_blk, sf_tok, block_size, capacity, SLOT32)
         for g in tl.static_range(G):
             h = h0 + g
             rm = tl.where(h < H, rmask, False)     # (rmask & scalar: int32 in the interpreter)
@@ -420,7 +433,10 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
             dst2 = dst
             if dst2_ptr is not None:
                 dst2 = (dst2_tok + h.to(tl.int64) * dst2_h)[:, None, None] + (col - SPLIT)[None, :, :]
-            if STORE_FP8 and SCALE_PER_HEAD:
+            if FP4 != 0:
+                store_fp4_rows(dst_ptr, dst_tok + h.to(tl.int64) * dst_h, sf_ptr, sf_row + h.to(tl.int64) * sf_head,
+                               y, ok & rm, sc, D, BLOCK_D, BLOCK_M, FP4, NATIVE)
+            elif STORE_FP8 and SCALE_PER_HEAD:
                 sch = scs[g]
                 rch, fsh = _scale_rcp(sch)
                 _store_row(dst_ptr, dst, dst2_ptr, dst2, col, (ok & rm)[:, None, None] & cmask[None, :, :], y, sch,
@@ -453,13 +469,15 @@ def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, 
              capacity, vs_ptr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, VEC: tl.constexpr, G: tl.constexpr,
              FP8: tl.constexpr, SLOT32: tl.constexpr, NATIVE: tl.constexpr, SCALE_PER_HEAD: tl.constexpr = False,
              ACT: tl.constexpr = 0, SCALE_MUL: tl.constexpr = False, SCALE_BY_VALUE: tl.constexpr = False,
-             pa_b=None, pa_p=None, pa_indptr=None, pa_idx=None, pa_nreq=None, pa_nidx=None):
+             pa_b=None, pa_p=None, pa_indptr=None, pa_idx=None, pa_nreq=None, pa_nidx=None, FP4: tl.constexpr = 0,
+             sf_ptr=None, sf_blk=None, sf_tok=None, sf_head=None, BLOCK_M: tl.constexpr = 1):
     """Heads h0 .. h0 + G - 1 (those < H) of v: copied (bf16 cache: the bits) or cast by v_scale into the
     records of the tokens' slots in vc_ptr ((block, token, head) strides c_blk, c_tok, dst_h). The slot,
     the scale and every head's values are loaded before anything waits on a load
     (_qk_heads); the values of a token whose slot is invalid are loaded and not stored. SCALE_MUL,
-    SCALE_BY_VALUE: as in _qk_heads."""
+    SCALE_BY_VALUE, FP4 (BLOCK_M tokens), sf_*: as in _qk_heads."""
     NVV: tl.constexpr = BLOCK_DV // VEC
+    CAST: tl.constexpr = FP8 or FP4 != 0          # the values are loaded as fp32 and cast
     colv = tl.arange(0, NVV)[:, None] * VEC + tl.arange(0, VEC)[None, :]               # [NVV, VEC]
     vmask = colv < DV
     slot = _load_slots(slot_ptr, s_slot, tok, rmask, block_size, pa_b, pa_p, pa_indptr, pa_idx, pa_nreq, pa_nidx)
@@ -472,17 +490,28 @@ def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, 
             sc = vs_ptr
         else:
             sc = tl.load(vs_ptr)
+    if FP4 == FP4_NVFP4:
+        if SCALE_BY_VALUE:
+            sc = vs_ptr
+        else:
+            sc = tl.load(vs_ptr)
     vals = ()                                      # every head's loads before any store
     for g in tl.static_range(G):
-        vals = vals + (_v_load(v_ptr, sv_n, sv_h, h0 + g, H, tok, rmask, colv, vmask, FP8, ACT),)
+        vals = vals + (_v_load(v_ptr, sv_n, sv_h, h0 + g, H, tok, rmask, colv, vmask, CAST, ACT),)
     rcp, fast, ok, dst_tok = _destination(sc, slot, tok, rmask, c_tok, c_blk, block_size, capacity, True, FP8,
                                           SLOT32)
+    sf_row = dst_tok
+    if FP4 != 0:
+        _, sf_row = _record(slot, rmask, sf_blk, sf_tok, block_size, capacity, SLOT32)
     for g in tl.static_range(G):
         h = h0 + g
         val = vals[g]
         dst = (dst_tok + h.to(tl.int64) * dst_h)[:, None, None] + colv[None, :, :]
         okm = tl.where(h < H, ok, False)[:, None, None] & vmask[None, :, :]
-        if FP8:
+        if FP4 != 0:
+            store_fp4_rows(vc_ptr, dst_tok + h.to(tl.int64) * dst_h, sf_ptr, sf_row + h.to(tl.int64) * sf_head, val,
+                           tl.where(h < H, ok, False), sc, DV, BLOCK_DV, BLOCK_M, FP4, NATIVE)
+        elif FP8:
             if SCALE_PER_HEAD:
                 sch = scs[g]
                 rch, fsh = _scale_rcp(sch)
@@ -497,7 +526,8 @@ def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, 
 
 @triton.jit
 def _v_load(v_ptr, sv_n, sv_h, h, H, tok, rmask, colv, vmask, FP8: tl.constexpr, ACT: tl.constexpr = 0):
-    """Head h of v for the program's tokens (live where rmask and h < H): fp32 values (FP8), else the bits
+    """Head h of v for the program's tokens (live where rmask and h < H): fp32 values (FP8: a cast reads
+    them), else the bits
     (32 of them for fp32 activations)."""
     src = (tok * sv_n + h.to(tl.int64) * sv_h)[:, None, None] + colv[None, :, :]
     okm = tl.where(h < H, rmask, False)[:, None, None] & vmask[None, :, :]
@@ -541,6 +571,11 @@ def qkv_kernel(
     pa_b=None, pa_p=None, pa_indptr=None, pa_idx=None, pa_nreq=None, pa_nidx=None,
     SPLIT: tl.constexpr = 0, Q_FP8: tl.constexpr = False, SCALE_MUL: tl.constexpr = False,
     SCALE_BY_VALUE: tl.constexpr = False, HAS_V: tl.constexpr = True,
+    # 4-bit caches (kvfuse/kernels/gqa_fp4.py FP4_*; 0: none): k's and v's records hold e2m1 codes, their
+    # group scales go to ksf_ptr / vsf_ptr ((block, token, head) strides in bytes); ks_ptr / vs_ptr: the
+    # NVFP4 global decode scales
+    K_FP4: tl.constexpr = 0, V_FP4: tl.constexpr = 0, ksf_ptr=None, ksf_blk=None, ksf_tok=None, ksf_head=None,
+    vsf_ptr=None, vsf_blk=None, vsf_tok=None, vsf_head=None,
 ):
     """One program: BLOCK_M tokens of G heads of one kind (see the module docstring). PDL (programmatic
     dependent launch): wait for the previous kernel before the first read. No early launch_dependents:
@@ -575,11 +610,12 @@ def qkv_kernel(
                   D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, G, K_NORM, KW_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16,
                   HALVES, KV_CACHE, FP8, SLOT32, NATIVE, K_SCALE_PER_HEAD, ACT, NUMERICS, k2_ptr, sk2_n, sk2_h,
                   kd2_ptr, kd2_tok, kd2_head, kd2_blk, SPLIT, SCALE_MUL, SCALE_BY_VALUE, pa_b, pa_p, pa_indptr,
-                  pa_idx, pa_nreq, pa_nidx)
+                  pa_idx, pa_nreq, pa_nidx, K_FP4, ksf_ptr, ksf_blk, ksf_tok, ksf_head)
     elif KV_CACHE and HAS_V:
         _v_heads(v_ptr, sv_n, sv_h, (grp - QG - KG) * G, HKV, tok, rmask, vc_ptr, vc_blk, vc_tok, vc_head, slot_ptr,
                  s_slot, block_size, capacity, vs_ptr, DV, BLOCK_DV, VEC, G, FP8, SLOT32, NATIVE, V_SCALE_PER_HEAD,
-                 ACT, SCALE_MUL, SCALE_BY_VALUE, pa_b, pa_p, pa_indptr, pa_idx, pa_nreq, pa_nidx)
+                 ACT, SCALE_MUL, SCALE_BY_VALUE, pa_b, pa_p, pa_indptr, pa_idx, pa_nreq, pa_nidx, V_FP4, vsf_ptr,
+                 vsf_blk, vsf_tok, vsf_head, BLOCK_M)
 
 
 # --------------------------------------------------------------------------- launch configuration
