@@ -164,6 +164,17 @@ def gqa_variants():
                                                  "BLOCK_DV": 1024, "NEOX": False, "HAS_V": False},
                                                 q_parts + ("kd2_ptr", "kd2_blk", "kd2_tok", "kd2_head")), \
         {**part_ptrs, "kd2_ptr": "*u8"}
+    # 4-bit caches (kvfuse/kernels/gqa_fp4.py): codes and scale caches as bytes, the whole-row form; NVFP4 with
+    # its global scales by pointer or (FlashInfer's append) by value, MXFP4 reading the fp32 values
+    fp4 = passed({**base, "FP8": False, "HALVES": False, "K_FP4": 1, "V_FP4": 1}, GQA_FP4_SCALES)
+    fp4_ptrs = {**ptrs, "ksf_ptr": "*u8", "vsf_ptr": "*u8"}
+    yield "gqa_nvfp4_kv", fp4, fp4_ptrs
+    yield "gqa_nvfp4_kv_by_value_paged_append_heads4", passed({**fp4, "BLOCK_M": 2, "G": 4, "Q_NORM": False,
+                                                               "K_NORM": False, "ROPE": False, "SCALE_BY_VALUE": True},
+                                                              GQA_PAGED_APPEND), \
+        {**fp4_ptrs, **paged, "ks_ptr": "fp32", "vs_ptr": "fp32"}
+    yield "gqa_mxfp4_kv_fp32_cast_gptj", {**fp4, "K_FP4": 2, "V_FP4": 2, "BLOCK_M": 4, "G": 2, "NUMERICS": 2,
+                                          "NEOX": False}, fp4_ptrs
 
 
 def grouped_variants():
