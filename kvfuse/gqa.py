@@ -4,8 +4,9 @@ For the models that are not MLA (Llama, Qwen3, Gemma 3, ...): one call takes the
 batch of tokens (views of one packed QKV projection allowed; bf16, fp16 or fp32), applies the per-head
 QK-norm and RoPE to q and k, writes q back and scatters K and V by slot into paged caches of vLLM's
 layout ("NHD": [num_blocks, block_size, num_kv_heads, head_dim]) or FlashInfer's ("HND": [num_blocks,
-num_kv_heads, block_size, head_dim]), of the activations' dtype or float8_e4m3fn with fp32 scales (one
-per tensor or per kv head); without caches k is written back like q. ``numerics`` picks where the chain
+num_kv_heads, block_size, head_dim]), each in a format of :mod:`kvfuse.gqa_formats` (the activations'
+dtype, or float8_e4m3fn with fp32 scales given per tensor or per kv head, ...); without caches k is written
+back like q. ``numerics`` picks where the chain
 rounds (:mod:`kvfuse.numerics_profiles`). One Triton launch on the GPU; byte for byte the unfused chain
 of :mod:`kvfuse.reference` (:func:`kvfuse.reference.qk_norm_rope_store_kv`). :func:`load_gqa_kv_cache`
 reads K and V back by slot, for attention written in PyTorch and for tests.
@@ -33,7 +34,8 @@ __all__ = ["fused_qk_norm_rope_store_kv", "load_gqa_kv_cache", "GQAPlan", "LAYOU
 
 def fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_args=None,
                                 rope_args=None, k_scale=None, v_scale=None, layout="NHD", q_out=None,
-                                numerics="staged", k_out=None, q_scale=None, scale_convention="divide"):
+                                numerics="staged", k_out=None, q_scale=None, scale_convention="divide", k_format=None,
+                                v_format=None, k_scale_cache=None, v_scale_cache=None):
     """QK-norm -> RoPE on q and k, q written back, K and V scattered into paged caches: one launch.
 
     Args:
@@ -74,18 +76,28 @@ def fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_norm_
         q_scale: the fp32 scale (one element, or a number) of a float8_e4m3fn q_out; None otherwise.
         scale_convention: "divide" (vLLM's: x / scale) or "multiply" (FlashInfer's: x * scale), for every
             cast of the call.
+        k_format, v_format: the formats of k_cache and v_cache (K and V may differ): a
+            :data:`kvfuse.gqa_formats.PRESETS` name (vLLM's kv_cache_dtype strings: "auto", "fp8_e4m3" or
+            its alias "fp8", ...) or a :class:`kvfuse.GQACacheFormat` of them; the cache holds the format's
+            dtype. None: the format the cache's dtype means (the activations' dtype: "auto";
+            float8_e4m3fn: "fp8_e4m3"); with both None the caches hold one dtype. Without caches k_format
+            is None or k_out's (no stored scales), v_format None.
+        k_scale_cache, v_scale_cache: the scales a format computes and stores (None for the others): for
+            scale "token_head" an fp32 tensor of the cache's shape minus its last dim ([num_blocks,
+            block_size, Hkv] under NHD, [num_blocks, Hkv, block_size] under HND), any strides (views
+            inside the cache's own allocation, as vLLM keeps them in the heads' padding, are fine when
+            they share no element with the cache view).
 
     Returns ``q_out`` (the tensor or pair written); without caches ``(q_out, k_out)``. Raises ValueError /
     TypeError naming the argument before anything is written.
     """
+    args = (q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale, v_scale, layout,
+            q_out, numerics, k_out, q_scale, scale_convention, k_format, v_format, k_scale_cache, v_scale_cache)
     if not torch.compiler.is_compiling() and plan_cache_enabled():
-        template, tensors = _gqa.prepare_call(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args,
-                                              rope_args, k_scale, v_scale, layout, q_out, numerics, k_out, q_scale,
-                                              scale_convention)
+        template, tensors = _gqa.prepare_call(*args)
         _dispatch.call_gqa(template, tensors)
         return template.result(tensors)
-    plan = _gqa.prepare(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale,
-                        v_scale, layout, q_out, numerics, k_out, q_scale, scale_convention)
+    plan = _gqa.prepare(*args)
     _dispatch.execute(plan)
     q_out = plan.q_out if plan.q_out_tail is None else (plan.q_out, plan.q_out_tail)
     if plan.has_cache:
@@ -93,16 +105,21 @@ def fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_norm_
     return q_out, (plan.k_out if plan.k_out_tail is None else (plan.k_out, plan.k_out_tail))
 
 
-def load_gqa_kv_cache(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_scale=None):
+def load_gqa_kv_cache(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_scale=None, k_format=None,
+                      v_format=None, k_scale_cache=None, v_scale_cache=None):
     """K and V of the given slots, read back from the paged caches of :func:`fused_qk_norm_rope_store_kv`.
 
     Args:
-        k_cache, v_cache, layout, k_scale, v_scale: as for :func:`fused_qk_norm_rope_store_kv`.
+        k_cache, v_cache, layout, k_scale, v_scale, k_format, v_format, k_scale_cache, v_scale_cache: as for
+            :func:`fused_qk_norm_rope_store_kv`.
         slot_mapping: int32 / int64 [n]; a slot < 0 or >= num_blocks * block_size reads zeros.
 
-    Returns (k, v): [n, Hkv, D] and [n, Hkv, Dv], new tensors on the caches' device. A bf16, fp16 or fp32
-    cache gives its stored bits (its dtype); a float8_e4m3fn cache gives bf16(f(code) * f(scale)) (NaN
-    codes as the canonical bf16 NaN). Torch ops on any device. Raises ValueError / TypeError naming the argument.
+    Returns (k, v): [n, Hkv, D] and [n, Hkv, Dv], new tensors on the caches' device. An "auto" cache gives
+    its stored bits (its dtype); a quantized one bf16(f(code) * f(scale)), the scale its static one or the
+    slot's stored one (NaN codes as the canonical bf16 NaN). Torch ops on any device. Raises ValueError /
+    TypeError naming the argument.
     """
-    _gqa.validate_load(k_cache, v_cache, slot_mapping, layout, k_scale, v_scale)
-    return _load_gqa_kv(k_cache, v_cache, slot_mapping, layout, k_scale, v_scale)
+    kf, vf = _gqa.validate_load(k_cache, v_cache, slot_mapping, layout, k_scale, v_scale, k_format, v_format,
+                                k_scale_cache, v_scale_cache)
+    return _load_gqa_kv(k_cache, v_cache, slot_mapping, layout, k_scale, v_scale, kf, vf, k_scale_cache,
+                        v_scale_cache)

@@ -56,7 +56,8 @@ GQA_TAILS = ("q2_ptr", "sq2_n", "sq2_h", "k2_ptr", "sk2_n", "sk2_h", "qo2_ptr", 
 GQA_PAGED_APPEND = ("pa_b", "pa_p", "pa_indptr", "pa_idx", "pa_nreq", "pa_nidx")
 GQA_FP4_SCALES = ("ksf_ptr", "ksf_blk", "ksf_tok", "ksf_head", "vsf_ptr", "vsf_blk", "vsf_tok", "vsf_head")
 ONE_PART = {**{name: None for name in GQA_TAILS + GQA_PAGED_APPEND + GQA_FP4_SCALES}, "qs_ptr": None, "SPLIT": 0,
-            "Q_FP8": False, "SCALE_MUL": False, "SCALE_BY_VALUE": False, "HAS_V": True, "K_FP4": 0, "V_FP4": 0}
+            "Q_FP8": False, "SCALE_MUL": False, "SCALE_BY_VALUE": False, "HAS_V": True, "V_FP8": None, "K_FP4": 0,
+            "V_FP4": 0}
 
 
 def compile_ptx(fn, consts, num_warps=4, ptr_types=None):

@@ -323,7 +323,8 @@ def test_opcheck_fp8():
             assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8)
                                if b.element_size() == 1 else b), OP._schema.arguments[i].name
     assert {OP._schema.arguments[i].name for i in mutable} == {"k_cache", "v_cache", "q_out", "k_out", "q_out_tail",
-                                                               "k_out_tail", "k_cache_tail"}
+                                                               "k_out_tail", "k_cache_tail", "k_scale_cache",
+                                                               "v_scale_cache"}
 
 
 @pytest.mark.skipif(not kvfuse.backend.interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (CPU tensors)")

@@ -571,6 +571,7 @@ def qkv_kernel(
     pa_b=None, pa_p=None, pa_indptr=None, pa_idx=None, pa_nreq=None, pa_nidx=None,
     SPLIT: tl.constexpr = 0, Q_FP8: tl.constexpr = False, SCALE_MUL: tl.constexpr = False,
     SCALE_BY_VALUE: tl.constexpr = False, HAS_V: tl.constexpr = True,
+    V_FP8: tl.constexpr = None,             # v_cache holds e4m3 codes (None: as FP8 says; caches of two formats)
     # 4-bit caches (kvfuse/kernels/gqa_fp4.py FP4_*; 0: none): k's and v's records hold e2m1 codes, their
     # group scales go to ksf_ptr / vsf_ptr ((block, token, head) strides in bytes); ks_ptr / vs_ptr: the
     # NVFP4 global decode scales
@@ -612,8 +613,12 @@ def qkv_kernel(
                   kd2_ptr, kd2_tok, kd2_head, kd2_blk, SPLIT, SCALE_MUL, SCALE_BY_VALUE, pa_b, pa_p, pa_indptr,
                   pa_idx, pa_nreq, pa_nidx, K_FP4, ksf_ptr, ksf_blk, ksf_tok, ksf_head)
     elif KV_CACHE and HAS_V:
+        if V_FP8 is None:       # V's cache of K's format
+            v_fp8: tl.constexpr = FP8
+        else:
+            v_fp8: tl.constexpr = V_FP8
         _v_heads(v_ptr, sv_n, sv_h, (grp - QG - KG) * G, HKV, tok, rmask, vc_ptr, vc_blk, vc_tok, vc_head, slot_ptr,
-                 s_slot, block_size, capacity, vs_ptr, DV, BLOCK_DV, VEC, G, FP8, SLOT32, NATIVE, V_SCALE_PER_HEAD,
+                 s_slot, block_size, capacity, vs_ptr, DV, BLOCK_DV, VEC, G, v_fp8, SLOT32, NATIVE, V_SCALE_PER_HEAD,
                  ACT, SCALE_MUL, SCALE_BY_VALUE, pa_b, pa_p, pa_indptr, pa_idx, pa_nreq, pa_nidx, V_FP4, vsf_ptr,
                  vsf_blk, vsf_tok, vsf_head, BLOCK_M)
 
@@ -786,6 +791,8 @@ def launch_args(plan, tensor=None):
                        pa_nreq=plan.append_kv_indptr.shape[0] - 1, pa_nidx=plan.append_kv_indices.shape[0])
     if not plan.has_v and plan.has_cache:
         options["HAS_V"] = False
+    elif plan.has_v and plan.v_cache.dtype != plan.k_cache.dtype:    # caches of two formats
+        options["V_FP8"] = plan.v_cache.dtype == torch.float8_e4m3fn
     groups = qg + (2 * kg if plan.has_cache and plan.has_v else kg)
     return (cdiv(n, bm) * groups,), args, options
 

@@ -1,6 +1,7 @@
 """Validation of :func:`kvfuse.fused_qk_norm_rope_store_kv` (SPEC §11 and §5) into a
-:class:`~.types.GQAPlan`, and its aliasing check: q_out, k_out, k_cache and v_cache must not overlap
-each other or any input (q_out may be q itself, k_out k itself: in place). ``prepare`` validates a
+:class:`~.types.GQAPlan` (the caches checked against their formats, :mod:`kvfuse.gqa_formats`), and its
+aliasing check: q_out, k_out, k_cache, v_cache and the scale caches must not overlap each other or any
+input (q_out may be q itself, k_out k itself: in place). ``prepare`` validates a
 call; ``prepare_call`` (an eager call) finds its signature's :class:`GQATemplate` in the plan cache,
 or validates and stores one, and still checks what depends on the call's pointers and n."""
 from __future__ import annotations
@@ -17,9 +18,13 @@ from ..args import PagedAppend
 from .cache import norm_args_key, number_key, optional_tensor_key, rope_args_key, rows_key, tensor_key, validated
 from .rules import INDEX_DTYPES, check_index_vector, check_rms_norm, check_rope_args, check_tensor
 from .types import GQA_LAYOUTS, CacheEntry, GQAPlan
+from .. import gqa_formats
 
-# an unquantized cache holds the activations' dtype
-CACHE_DTYPES = ACTIVATION_DTYPES + (torch.float8_e4m3fn,)
+# an unquantized cache holds the activations' dtype; a quantized one its format's code dtype
+CACHE_DTYPES = ACTIVATION_DTYPES + tuple(dict.fromkeys(f.cache_dtype for f in gqa_formats.PRESETS.values()
+                                                       if f.cache_dtype is not None))
+# a cache whose format is not named (None): the format its dtype meant before formats were named
+_INFERRED = {torch.float8_e4m3fn: gqa_formats.PRESETS["fp8_e4m3"]}
 # the cos / sin table: every one read as fp32 exactly (the fused entry point's Gluon paths take fp32 / bf16)
 COS_SIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -38,11 +43,18 @@ def _check_heads(t, name, dev, n=None, min_heads=1, dtypes=ACTIVATION_DTYPES):
         raise ValueError(f"{name}: expected stride(-1) == 1, got {t.stride(2)}")
 
 
-def _check_cache(cache, name, layout, nb_bs, heads, dim, dev, act=None):
-    """act: the activations' dtype (an unquantized cache must hold it), None: any of CACHE_DTYPES."""
+def _check_cache(cache, name, layout, nb_bs, heads, dim, dev, act=None, fmt=None, fmt_name=""):
+    """act: the activations' dtype (an unquantized cache must hold it), None: any of CACHE_DTYPES; fmt: the
+    format named by the argument ``fmt_name`` (the cache must hold its dtype), None: a dtype a format is
+    inferred from (the activations' or float8_e4m3fn)."""
     if not isinstance(cache, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cache).__name__}")
-    allowed = CACHE_DTYPES if act is None else (act, torch.float8_e4m3fn)
+    if fmt is not None:
+        want = fmt.dtype_for(act) if act is not None else fmt.cache_dtype
+        if want is None and cache.dtype not in ACTIVATION_DTYPES or want is not None and cache.dtype != want:
+            what = ' or '.join(map(str, ACTIVATION_DTYPES)) if want is None else str(want)
+            raise TypeError(f"{name}: expected dtype {what} ({fmt_name} {fmt.name!r}), got {cache.dtype}")
+    allowed = (cache.dtype,) if fmt is not None else (ACTIVATION_DTYPES if act is None else (act,)) + tuple(_INFERRED)
     if cache.dtype not in allowed:
         raise TypeError(f"{name}: expected dtype {' or '.join(str(d) for d in allowed)}, got {cache.dtype}")
     if cache.device != dev:
@@ -118,6 +130,51 @@ def _check_scale(scale, name, fp8, dev, heads, what="a float8_e4m3fn cache"):
     return scale, None
 
 
+def _given_format(fmt, name):
+    """The preset of a format argument (a name or a GQACacheFormat), None for None."""
+    return None if fmt is None else gqa_formats.resolve(fmt, name)
+
+
+def _format_of(fmt, cache, act):
+    """A cache's format: the one given, else the one its dtype means (the activations': "auto";
+    float8_e4m3fn: "fp8_e4m3", a static scale). _check_cache has checked the dtype against both."""
+    if fmt is not None:
+        return fmt
+    return gqa_formats.PRESETS["auto"] if cache.dtype == act else _INFERRED[cache.dtype]
+
+
+def _static_scale(scale, name, fmt, fmt_name, dev, heads):
+    """The static scale a format takes (None for the others): _check_scale's (tensor, number)."""
+    if fmt.scale == "static":
+        what = f"a {str(fmt.cache_dtype).removeprefix('torch.')} cache"
+    else:
+        what = f"a static-scale {fmt_name} ({fmt.name!r} here)"
+    return _check_scale(scale, name, fmt.scale == "static", dev, heads, what)
+
+
+def _check_scale_cache(sc, name, fmt, fmt_name, cache, cache_name, head_dim, dev):
+    """The scale cache of a format that stores its scales (None otherwise): its scale_dtype, the shape
+    GQACacheFormat.scale_cache_shape gives for ``cache``, any strides, no element shared by two scales."""
+    if fmt is None or not fmt.stores_scale:
+        if sc is not None:
+            have = "no " + cache_name if fmt is None else f"{fmt_name} {fmt.name!r}"
+            raise ValueError(f"{name} must be None without a format that stores its scales ({have}), got a "
+                             f"{type(sc).__name__}")
+        return None
+    shape = fmt.scale_cache_shape(cache.shape, head_dim)
+    if sc is None:
+        raise ValueError(f"{name}: {fmt_name} {fmt.name!r} stores its scales: expected a {fmt.scale_dtype} tensor "
+                         f"of shape {shape}, got None")
+    check_tensor(sc, name, (fmt.scale_dtype,), dev, last_contiguous=False)
+    if tuple(sc.shape) != shape:
+        raise ValueError(f"{name}: expected shape {shape} ({cache_name} {tuple(cache.shape)} under {fmt_name} "
+                         f"{fmt.name!r}), got {tuple(sc.shape)}")
+    if sc.numel() and row_limit(sc, name) < shape[0]:   # raises when the scales of one block overlap
+        raise ValueError(f"{name}: its blocks overlap in memory (strides {sc.stride()}): a scale cache must not "
+                         f"be expanded (stride 0) or otherwise overlap itself")
+    return sc
+
+
 def _check_output(t, name, act, dev, shape, fp8_ok=False):
     """q_out / k_out (or one part of a pair): the activations' dtype (or float8_e4m3fn where a scale may
     be given) and the shape given, rows that do not overlap each other."""
@@ -179,7 +236,8 @@ def _check_paged_append(pa: PagedAppend, n: int, dev):
 
 def validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_args=None, rope_args=None,
              k_scale=None, v_scale=None, layout="NHD", q_out=None, numerics="staged", k_out=None, q_scale=None,
-             scale_convention="divide") -> GQAPlan:
+             scale_convention="divide", k_format=None, v_format=None, k_scale_cache=None,
+             v_scale_cache=None) -> GQAPlan:
     """Check every argument (SPEC §11 and §5) and return the call's plan (``q_out`` / ``k_out`` as given:
     None when the call allocates them)."""
     q, q_tail = _parts(q, "q")
@@ -215,7 +273,8 @@ def validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_a
         if v_cache is not None:
             raise ValueError("k_cache: None with v_cache given; pass both caches, k_cache alone (no V), or neither "
                              "(k written to k_out)")
-        for name, t in (("slot_mapping", slot_mapping), ("v_scale", v_scale)):
+        for name, t in (("slot_mapping", slot_mapping), ("v_scale", v_scale), ("v_format", v_format),
+                        ("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)):
             if t is not None:
                 raise ValueError(f"{name} must be None without caches, got a {type(t).__name__}")
         plan = GQAPlan(q=q, k=k, v=v, k_cache=None, v_cache=None, slot_mapping=None, layout=layout,
@@ -223,6 +282,12 @@ def validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_a
         if k_out is not None:
             plan.k_out, plan.k_out_tail = _check_out_pair(k_out, "k_out", act, dev, n, hkv, d, split)
             split = split or _width(plan.k_out, 3) * (plan.k_out_tail is not None)
+        out_dtype = act if plan.k_out is None else plan.k_out.dtype
+        kf = _given_format(k_format, "k_format")
+        if kf is not None and (kf.stores_scale or kf.dtype_for(act) != out_dtype):
+            raise ValueError(f"k_format: without caches k goes to k_out ({out_dtype}): expected None or a format of "
+                             f"that dtype without stored scales, got {kf.name!r}")
+        plan.k_format = _format_of(kf, plan.k_out if plan.k_out is not None else k, act).name
         plan.k_scale, plan.k_scale_value = _check_scale(k_scale, "k_scale", plan.k_fp8, dev, None,
                                                         "a float8_e4m3fn k_out")
     else:
@@ -231,34 +296,45 @@ def validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_a
         kc, kc_tail = _parts(k_cache, "k_cache")
         if v_cache is None and v is not None:
             raise ValueError("v: given without v_cache; pass v_cache too, or v=None for a K cache alone")
+        kf, vf = _given_format(k_format, "k_format"), _given_format(v_format, "v_format")
         if kc_tail is None:
-            nb_bs = _check_cache(kc, "k_cache", layout, None, hkv, d, dev, act)
+            nb_bs = _check_cache(kc, "k_cache", layout, None, hkv, d, dev, act, kf, "k_format")
         else:
             split = _check_split(kc, "k_cache", _width(kc, 4), split, d)
-            nb_bs = _check_cache(kc, "k_cache[0]", layout, None, hkv, split, dev, act)
-            _check_cache(kc_tail, "k_cache[1]", layout, nb_bs, hkv, d - split, dev, act)
+            nb_bs = _check_cache(kc, "k_cache[0]", layout, None, hkv, split, dev, act, kf, "k_format")
+            _check_cache(kc_tail, "k_cache[1]", layout, nb_bs, hkv, d - split, dev, act, kf, "k_format")
             if kc_tail.dtype != kc.dtype:
                 raise TypeError(f"k_cache[1]: expected dtype {kc.dtype} (k_cache[0]'s), got {kc_tail.dtype}")
+        kf = _format_of(kf, kc, act)
         if v_cache is not None:
             _check_heads(v, "v", dev, n, dtypes=(act,))
             if v.shape[1] != hkv:
                 raise ValueError(f"v: expected {hkv} heads (k's), got shape {tuple(v.shape)}")
-            _check_cache(v_cache, "v_cache", layout, nb_bs, hkv, v.shape[2], dev, act)
-            if v_cache.dtype != kc.dtype:
-                raise TypeError(f"v_cache: expected dtype {kc.dtype} (k_cache's), got {v_cache.dtype}")
-        elif v_scale is not None:
-            raise ValueError(f"v_scale must be None without v_cache, got a {type(v_scale).__name__}")
+            _check_cache(v_cache, "v_cache", layout, nb_bs, hkv, v.shape[2], dev, act, vf, "v_format")
+            if k_format is None and v_format is None and v_cache.dtype != kc.dtype:
+                raise TypeError(f"v_cache: expected dtype {kc.dtype} (k_cache's), got {v_cache.dtype} (name k_format "
+                                "and v_format for caches of two formats)")
+            vf = _format_of(vf, v_cache, act)
+        else:
+            for name, t in (("v_scale", v_scale), ("v_format", v_format), ("v_scale_cache", v_scale_cache)):
+                if t is not None:
+                    raise ValueError(f"{name} must be None without v_cache, got a {type(t).__name__}")
         append = _check_paged_append(slot_mapping, n, dev) if isinstance(slot_mapping, PagedAppend) else None
         if append is None:
             check_index_vector(slot_mapping, "slot_mapping", n, dev)
-        fp8 = kc.dtype == torch.float8_e4m3fn
         plan = GQAPlan(q=q, k=k, v=v, k_cache=kc, v_cache=v_cache, slot_mapping=None if append else slot_mapping,
-                       layout=layout, numerics=numerics, k_cache_tail=kc_tail)
+                       layout=layout, numerics=numerics, k_cache_tail=kc_tail, k_format=kf.name)
         if append is not None:
             (plan.append_batch_indices, plan.append_positions, plan.append_kv_indptr,
              plan.append_kv_indices) = append
-        plan.k_scale, plan.k_scale_value = _check_scale(k_scale, "k_scale", fp8, dev, hkv)
-        plan.v_scale, plan.v_scale_value = _check_scale(v_scale, "v_scale", fp8 and v_cache is not None, dev, hkv)
+        plan.k_scale, plan.k_scale_value = _static_scale(k_scale, "k_scale", kf, "k_format", dev, hkv)
+        plan.k_scale_cache = _check_scale_cache(k_scale_cache, "k_scale_cache", kf, "k_format", kc,
+                                                "k_cache" if kc_tail is None else "k_cache[0]", d, dev)
+        if v_cache is not None:
+            plan.v_format = vf.name
+            plan.v_scale, plan.v_scale_value = _static_scale(v_scale, "v_scale", vf, "v_format", dev, hkv)
+            plan.v_scale_cache = _check_scale_cache(v_scale_cache, "v_scale_cache", vf, "v_format", v_cache,
+                                                    "v_cache", v.shape[2], dev)
     plan.q_tail, plan.k_tail, plan.scale_convention = q_tail, k_tail, scale_convention
     plan.q_weight, plan.q_eps = check_rms_norm(q_norm_args, "q_norm_args", d, dev)
     plan.k_weight, plan.k_eps = check_rms_norm(k_norm_args, "k_norm_args", d, dev)
@@ -274,9 +350,11 @@ def validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_a
     return plan
 
 
-def validate_load(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_scale=None) -> None:
+def validate_load(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_scale=None, k_format=None,
+                  v_format=None, k_scale_cache=None, v_scale_cache=None) -> tuple:
     """Check the arguments of :func:`kvfuse.load_gqa_kv_cache` with the rules of the write (SPEC §11):
-    the caches' layout, shapes, dtypes and strides, slot_mapping, and the scales of fp8 caches."""
+    the caches' layout, shapes, dtypes and strides, slot_mapping, the formats, their static scales and
+    scale caches. Returns the two caches' formats (GQACacheFormat)."""
     if not isinstance(layout, str) or layout not in GQA_LAYOUTS:
         raise ValueError(f"layout must be one of {GQA_LAYOUTS}, got {layout!r}")
     if not isinstance(k_cache, torch.Tensor):
@@ -284,26 +362,35 @@ def validate_load(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_
     dev = k_cache.device
     four_d = k_cache.dim() == 4
     heads = (k_cache.shape[2] if layout == "NHD" else k_cache.shape[1]) if four_d else 0
-    nb_bs = _check_cache(k_cache, "k_cache", layout, None, heads, k_cache.shape[3] if four_d else 0, dev)
+    kf, vf = _given_format(k_format, "k_format"), _given_format(v_format, "v_format")
+    nb_bs = _check_cache(k_cache, "k_cache", layout, None, heads, k_cache.shape[3] if four_d else 0, dev, None, kf,
+                         "k_format")
     v_dim = v_cache.shape[3] if isinstance(v_cache, torch.Tensor) and v_cache.dim() == 4 else 0
-    _check_cache(v_cache, "v_cache", layout, nb_bs, heads, v_dim, dev)
-    if v_cache.dtype != k_cache.dtype:
-        raise TypeError(f"v_cache: expected dtype {k_cache.dtype} (k_cache's), got {v_cache.dtype}")
+    _check_cache(v_cache, "v_cache", layout, nb_bs, heads, v_dim, dev, None, vf, "v_format")
+    if k_format is None and v_format is None and v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"v_cache: expected dtype {k_cache.dtype} (k_cache's), got {v_cache.dtype} (name k_format "
+                        "and v_format for caches of two formats)")
     n = slot_mapping.shape[0] if isinstance(slot_mapping, torch.Tensor) and slot_mapping.dim() == 1 else -1
     check_index_vector(slot_mapping, "slot_mapping", n, dev)
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    _check_scale(k_scale, "k_scale", fp8, dev, heads)
-    _check_scale(v_scale, "v_scale", fp8, dev, heads)
+    kf = kf or _format_of(None, k_cache, k_cache.dtype if k_cache.dtype in ACTIVATION_DTYPES else None)
+    vf = vf or _format_of(None, v_cache, v_cache.dtype if v_cache.dtype in ACTIVATION_DTYPES else None)
+    _static_scale(k_scale, "k_scale", kf, "k_format", dev, heads)
+    _static_scale(v_scale, "v_scale", vf, "v_format", dev, heads)
+    _check_scale_cache(k_scale_cache, "k_scale_cache", kf, "k_format", k_cache, "k_cache", k_cache.shape[3], dev)
+    _check_scale_cache(v_scale_cache, "v_scale_cache", vf, "v_format", v_cache, "v_cache", v_dim, dev)
+    return kf, vf
 
 # =============================================================================== aliasing (SPEC §5)
-_NAMES = ("q_out", "k_out", "k_cache", "v_cache", "q_out[1]", "k_out[1]", "k_cache[1]", "q", "k", "v", "q[1]",
+_NAMES = ("q_out", "k_out", "k_cache", "v_cache", "q_out[1]", "k_out[1]", "k_cache[1]", "k_scale_cache",
+          "v_scale_cache", "q", "k", "v", "q[1]",
           "k[1]", "slot_mapping", "q_norm_args.weight", "k_norm_args.weight", "rope_args.positions",
           "rope_args.cos_sin_cache", "k_scale", "v_scale", "q_scale", "slot_mapping.batch_indices",
           "slot_mapping.positions", "slot_mapping.kv_indptr", "slot_mapping.kv_indices")
-_FIELDS = ("q_out", "k_out", "k_cache", "v_cache", "q_out_tail", "k_out_tail", "k_cache_tail", "q", "k", "v",
+_FIELDS = ("q_out", "k_out", "k_cache", "v_cache", "q_out_tail", "k_out_tail", "k_cache_tail", "k_scale_cache",
+           "v_scale_cache", "q", "k", "v",
            "q_tail", "k_tail", "slot_mapping", "q_weight", "k_weight", "positions", "cos_sin", "k_scale", "v_scale",
            "q_scale", "append_batch_indices", "append_positions", "append_kv_indptr", "append_kv_indices")
-_OUTPUTS = 7                 # the first seven fields are written
+_OUTPUTS = 9                 # the first nine fields are written
 _IN_PLACE = {("q_out", "q"), ("k_out", "k"), ("q_out_tail", "q_tail"), ("k_out_tail", "k_tail")}   # an output that may be its input itself
 _VERDICTS = {}               # (tensor keys of a pair whose byte spans meet) -> True: their elements are disjoint
 _VERDICTS_SIZE = 256
@@ -340,11 +427,11 @@ def _key(t):
 
 
 def check_overlap(plan: GQAPlan) -> None:
-    """SPEC §5 for this entry point: q_out, k_out, k_cache and v_cache must not overlap each other or any
-    input; q_out may be q itself and k_out k itself (the same elements: in place; each part of a pair its
-    input's part). Byte spans first; where two spans meet, the
+    """SPEC §5 for this entry point: q_out, k_out, k_cache, v_cache and the scale caches must not overlap
+    each other or any input; q_out may be q itself and k_out k itself (the same elements: in place; each
+    part of a pair its input's part). Byte spans first; where two spans meet, the
     elements are compared exactly (vLLM's k and v caches, kv_cache[:, 0] and kv_cache[:, 1], share one
-    allocation without sharing an element); a verdict is remembered for the pair's pointers, shapes and
+    allocation without sharing an element, as do its per-token-head scales in the heads' padding); a verdict is remembered for the pair's pointers, shapes and
     strides. Meta tensors are not checked."""
     tensors = [getattr(plan, f) for f in _FIELDS]
     spans = [None if t is None else _span(t) for t in tensors]
@@ -381,11 +468,13 @@ def _like(t):
 
 def prepare(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_args=None, rope_args=None,
             k_scale=None, v_scale=None, layout="NHD", q_out=None, numerics="staged", k_out=None, q_scale=None,
-            scale_convention="divide") -> GQAPlan:
+            scale_convention="divide", k_format=None, v_format=None, k_scale_cache=None,
+            v_scale_cache=None) -> GQAPlan:
     """The call's plan: validated, q_out (and k_out without caches) allocated when not given (like q and
     k: a pair for a pair), the aliasing rules checked (eagerly: not on meta tensors or while tracing)."""
     plan = validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale, v_scale,
-                    layout, q_out, numerics, k_out, q_scale, scale_convention)
+                    layout, q_out, numerics, k_out, q_scale, scale_convention, k_format, v_format, k_scale_cache,
+                    v_scale_cache)
     if plan.q_out is None:
         plan.q_out, plan.q_out_tail = _like(plan.q), _like(plan.q_tail)
     if not plan.has_cache and plan.k_out is None:
@@ -405,7 +494,7 @@ def prepare(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_ar
 # both lengths as arguments, so its launches are kept per length too); a pair (a head held as two
 # tensors) as its type and both tensors; argument objects by exact class and field (each value with its
 # type, floats with their sign); scales given as numbers by value (fp32 kernel arguments); layout,
-# numerics and scale_convention with their types. Read on every call instead: whether the rows of a
+# numerics, scale_convention and the formats (a name or a GQACacheFormat) with their types. Read on every call instead: whether the rows of a
 # q_out / k_out given overlap at this n (a signature keeps the largest n for which they do not), and the
 # aliasing rules (_Aliasing: byte spans from the data pointers, then check_overlap where two meet).
 _ROWS_FIELDS = frozenset(("q_out", "k_out", "q_out_tail", "k_out_tail", "q", "k", "v", "q_tail", "k_tail",
@@ -441,7 +530,7 @@ def _scale_key(s):
 
 def call_signature(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_args=None, rope_args=None,
                    k_scale=None, v_scale=None, layout="NHD", q_out=None, numerics="staged", k_out=None, q_scale=None,
-                   scale_convention="divide"):
+                   scale_convention="divide", k_format=None, v_format=None, k_scale_cache=None, v_scale_cache=None):
     """(key, pinned) of a call (see "the plan cache" above); may raise for arguments it cannot key, which
     are then validated (and rejected) on every call."""
     n = (q[0] if type(q) in (tuple, list) else q).shape[0]
@@ -462,12 +551,14 @@ def call_signature(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_
     key = ("gqa", _heads_key(q, n), _heads_key(k, n), _heads_key(v, n), cache_key, optional_tensor_key(v_cache),
            slots_key, norm_args_key(q_norm_args), norm_args_key(k_norm_args), rope_args_key(rope_args, n),
            _scale_key(k_scale), _scale_key(v_scale), type(layout), layout, _heads_key(q_out, n), type(numerics),
-           numerics, _heads_key(k_out, n), _scale_key(q_scale), type(scale_convention), scale_convention)
+           numerics, _heads_key(k_out, n), _scale_key(q_scale), type(scale_convention), scale_convention,
+           type(k_format), k_format, type(v_format), v_format, optional_tensor_key(k_scale_cache),
+           optional_tensor_key(v_scale_cache))
     return key, ()
 
 
 def _call_tensors(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale, v_scale,
-                  q_out, k_out, q_scale) -> list:
+                  q_out, k_out, q_scale, k_scale_cache, v_scale_cache) -> list:
     """The tensors of a validated call by GQAPlan field, in _FIELDS' order (None where absent)."""
     q, q_tail = _pair(q)
     k, k_tail = _pair(k)
@@ -480,7 +571,7 @@ def _call_tensors(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_a
     else:
         slots, append = slot_mapping, (None, None, None, None)
     pos, cs = (None, None) if rope_args is None else (rope_args.positions, rope_args.cos_sin_cache)
-    return [qo, ko, kc, v_cache, qo_tail, ko_tail, kc_tail, q, k, v, q_tail, k_tail, slots,
+    return [qo, ko, kc, v_cache, qo_tail, ko_tail, kc_tail, k_scale_cache, v_scale_cache, q, k, v, q_tail, k_tail, slots,
             None if q_norm_args is None else q_norm_args.weight, None if k_norm_args is None else k_norm_args.weight,
             pos, cs, _tensor_or_none(k_scale), _tensor_or_none(v_scale), _tensor_or_none(q_scale), *append]
 
@@ -608,10 +699,8 @@ class GQATemplate(CacheEntry):
         return q_out, ((tensors[_K_OUT], tensors[_AT["k_out_tail"]]) if self.k_out_pair else tensors[_K_OUT])
 
 
-def _new_template(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale, v_scale,
-                  layout, q_out, numerics, k_out, q_scale, scale_convention) -> GQATemplate:
-    plan = validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale, v_scale,
-                    layout, q_out, numerics, k_out, q_scale, scale_convention)
+def _new_template(*args) -> GQATemplate:
+    plan = validate(*args)
     allocate = []
     if plan.q_out is None:
         allocate += [("q_out", "q")] + ([("q_out_tail", "q_tail")] if plan.q_tail is not None else [])
@@ -622,15 +711,15 @@ def _new_template(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_a
 
 def prepare_call(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_args=None, rope_args=None,
                  k_scale=None, v_scale=None, layout="NHD", q_out=None, numerics="staged", k_out=None, q_scale=None,
-                 scale_convention="divide"):
+                 scale_convention="divide", k_format=None, v_format=None, k_scale_cache=None, v_scale_cache=None):
     """(template, tensors) of an eager call: its signature's template (found in the plan cache, or
     validated and stored), the call's tensors with the outputs it allocates, the aliasing rules checked.
     Raises what ``prepare`` raises."""
     args = (q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale, v_scale, layout,
-            q_out, numerics, k_out, q_scale, scale_convention)
+            q_out, numerics, k_out, q_scale, scale_convention, k_format, v_format, k_scale_cache, v_scale_cache)
     template = validated(call_signature, _new_template, *args)
     tensors = _call_tensors(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale,
-                            v_scale, q_out, k_out, q_scale)
+                            v_scale, q_out, k_out, q_scale, k_scale_cache, v_scale_cache)
     n = tensors[_Q].shape[0]
     if n > template.row_limit:
         validate(*args)    # raises: a q_out / k_out whose rows overlap at this n (the error of an uncached call)

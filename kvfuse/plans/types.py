@@ -15,6 +15,7 @@ from typing import ClassVar, List, Optional
 import torch
 
 from ..formats import KVCacheFormat, RecordAddressing
+from .. import gqa_formats
 
 OUT_STAGES = ("norm", "transform", "cast_back")
 NORM_KINDS = ("rms", "layer")
@@ -108,7 +109,8 @@ PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(Plan))
 class GQAPlan:
     """One validated call of :func:`kvfuse.fused_qk_norm_rope_store_kv`. Tensors are the caller's."""
     OP: ClassVar[str] = "fused_qk_norm_rope_store_kv"
-    WRITES: ClassVar[tuple] = ("k_cache", "v_cache", "q_out", "k_out", "q_out_tail", "k_out_tail", "k_cache_tail")
+    WRITES: ClassVar[tuple] = ("k_cache", "v_cache", "q_out", "k_out", "q_out_tail", "k_out_tail", "k_cache_tail",
+                               "k_scale_cache", "v_scale_cache")
 
     q: torch.Tensor                           # bf16 / fp16 / fp32 [n, Hq, D], stride(-1) == 1
     k: torch.Tensor                           # q's dtype [n, Hkv, D], stride(-1) == 1
@@ -150,10 +152,24 @@ class GQAPlan:
     append_positions: Optional[torch.Tensor] = None
     append_kv_indptr: Optional[torch.Tensor] = None
     append_kv_indices: Optional[torch.Tensor] = None
+    # the formats of k's destination and of v_cache (kvfuse.gqa_formats preset names), and the scale
+    # caches a stored-scale format writes (fp32, the cache's shape minus its last dim for "token_head")
+    k_format: str = "auto"
+    v_format: str = "auto"
+    k_scale_cache: Optional[torch.Tensor] = None
+    v_scale_cache: Optional[torch.Tensor] = None
 
     @property
     def n(self) -> int:
         return self.q.shape[0]
+
+    @property
+    def k_fmt(self) -> "gqa_formats.GQACacheFormat":
+        return gqa_formats.PRESETS[self.k_format]
+
+    @property
+    def v_fmt(self) -> "gqa_formats.GQACacheFormat":
+        return gqa_formats.PRESETS[self.v_format]
 
     @property
     def paged_append(self) -> bool:

@@ -132,16 +132,25 @@ def load_paged(cache: torch.Tensor, slot_mapping: torch.Tensor, layout: str) -> 
     return rows.view(cache.dtype)
 
 
-def load_gqa_kv(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_scale=None):
-    """K and V of the given slots as [n, Hkv, D] / [n, Hkv, Dv] (validated arguments): a bf16 / fp16 /
-    fp32 cache's bits as stored (its dtype); a float8_e4m3fn cache dequantized as bf16(f(code) * f(scale)), scale one per
-    tensor or head h's (SPEC §11's inverse; NaN codes read as the canonical bf16 NaN). Zeros for invalid
+def load_gqa_kv(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_scale=None, k_format=None,
+                v_format=None, k_scale_cache=None, v_scale_cache=None):
+    """K and V of the given slots as [n, Hkv, D] / [n, Hkv, Dv] (validated arguments; formats: GQACacheFormat,
+    None for the one the cache's dtype means): an "auto" cache's bits as stored (its dtype); a quantized
+    cache dequantized as bf16(f(code) * f(scale)), the scale its static one (one per tensor or head h's) or
+    the slot's stored one (SPEC §11's inverse; NaN codes read as the canonical bf16 NaN). Zeros for invalid
     slots."""
     out = []
-    for cache, scale in ((k_cache, k_scale), (v_cache, v_scale)):
+    for cache, scale, fmt, scale_cache in ((k_cache, k_scale, k_format, k_scale_cache),
+                                           (v_cache, v_scale, v_format, v_scale_cache)):
         rows = load_paged(cache, slot_mapping, layout)
-        if cache.dtype == torch.float8_e4m3fn:
-            s = scale[:, None] if scale.numel() > 1 else scale.reshape(())
+        quantized = cache.dtype == torch.float8_e4m3fn if fmt is None else fmt.code != "act"
+        if quantized:
+            if fmt.scale == "token_head":
+                s = load_paged(scale_cache.unsqueeze(-1), slot_mapping, layout)   # [n, H, 1]: the row's scale
+            elif fmt.scale == "block":
+                raise NotImplementedError(f"no reader for the GQA cache format {fmt.name!r}")
+            else:
+                s = scale[:, None] if scale.numel() > 1 else scale.reshape(())
             rows = canonical_nan(round_to_bf16(rows.to(F32) * s.to(F32)))
         out.append(rows)
     return out[0], out[1]

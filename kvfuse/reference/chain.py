@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from .. import gqa_formats
 from ..numerics_profiles import profile
 from ..plans.types import CastSpec, Plan
 from .numerics import F32
@@ -93,18 +94,39 @@ def _cast_or_round(y32, rounded, fp8: bool, scale, prof, convention):
     return quantize_per_tensor(y32 if prof.cast_reads_fp32 else rounded, scale, convention)
 
 
+def _cache_format(fmt, cache, act):
+    """A cache's GQACacheFormat: the one given (a name or a format), else the one its dtype means."""
+    if fmt is not None:
+        return gqa_formats.resolve(fmt, "format")
+    return gqa_formats.PRESETS["auto" if cache.dtype == act else "fp8_e4m3"]
+
+
+def _cache_rows(fmt, y32, rounded, scale, prof, convention):
+    """The rows [n, H, D] a cache of format ``fmt`` receives for the values y32 (fp32) / rounded (the
+    activations' dtype): the rounded values ("auto"), or the codes of the fp32 or rounded value (the
+    profile says which) by the static scale."""
+    if fmt.code == "act":
+        return rounded
+    if fmt.scale == "static" and fmt.code == "e4m3":
+        return quantize_per_tensor(y32 if prof.cast_reads_fp32 else rounded, scale, convention)
+    raise NotImplementedError(f"the reference has no cast for the GQA cache format {fmt.name!r}")
+
+
 def qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_out, q_weight=None, q_eps=1e-6, k_weight=None,
                           k_eps=1e-6, positions=None, cos_sin=None, rotary_dim=0, rope_offset=0, is_neox=True,
                           conjugate=False, k_scale=None, v_scale=None, layout="NHD", numerics="staged",
                           k_out=None, q_scale=None, scale_convention="divide", q_out_tail=None, k_out_tail=None,
-                          k_cache_tail=None) -> None:
+                          k_cache_tail=None, k_format=None, v_format=None, k_scale_cache=None,
+                          v_scale_cache=None) -> None:
     """The unfused chain of :func:`kvfuse.fused_qk_norm_rope_store_kv` (validated arguments; q and k whole
     [n, H, D]): q -> norm -> RoPE -> q_out (e4m3 by q_scale for an fp8 q_out); k -> norm -> RoPE -> (e4m3
     by k_scale) -> k_cache (or k_out without caches); v -> (e4m3 by v_scale) -> v_cache (none when
     v_cache is None). Values are rounded to the activations' dtype (q's) as ``numerics`` says; an fp8 cast
     reads the rounded value, or the fp32 one under "fused_fp32_cast", and divides by its scale or
     (``scale_convention`` "multiply") multiplies. A ``*_tail`` receives its tensor's columns from
-    out.shape[-1] on. Scales: tensors or numbers."""
+    out.shape[-1] on. Scales: tensors or numbers. k_format, v_format: the caches' formats (names or
+    GQACacheFormat; None: the one the cache's dtype means), k_scale_cache / v_scale_cache: where a format
+    that stores its scales puts them."""
     prof = profile(numerics)
     act = q.dtype
 
@@ -118,8 +140,8 @@ def qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_out, q_weig
         _write(k_out, k_out_tail, _cast_or_round(k32, ky, k_out.dtype == torch.float8_e4m3fn, k_scale, prof,
                                                  scale_convention))
     else:
-        fp8 = k_cache.dtype == torch.float8_e4m3fn
-        krows = _cast_or_round(k32, ky, fp8, k_scale, prof, scale_convention)
+        kf = _cache_format(k_format, k_cache, act)
+        krows = _cache_rows(kf, k32, ky, k_scale, prof, scale_convention)
         if k_cache_tail is None:
             store_paged(k_cache, slot_mapping, krows, layout)
         else:
@@ -127,8 +149,8 @@ def qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_out, q_weig
             store_paged(k_cache, slot_mapping, krows[..., :split], layout)
             store_paged(k_cache_tail, slot_mapping, krows[..., split:], layout)
         if v_cache is not None:
-            store_paged(v_cache, slot_mapping, quantize_per_tensor(v, v_scale, scale_convention) if fp8 else v,
-                        layout)
+            vf = _cache_format(v_format, v_cache, act)
+            store_paged(v_cache, slot_mapping, _cache_rows(vf, v.to(F32), v, v_scale, prof, scale_convention), layout)
     _write(q_out, q_out_tail, _cast_or_round(q32, qy, q_out.dtype == torch.float8_e4m3fn, q_scale, prof,
                                              scale_convention))
 
@@ -158,4 +180,4 @@ def run_gqa_plan(plan) -> None:
                           plan.k_eps, plan.positions, plan.cos_sin, plan.rotary_dim, plan.rope_offset, plan.is_neox,
                           plan.conjugate, scale("k_scale"), scale("v_scale"), plan.layout, plan.numerics, plan.k_out,
                           scale("q_scale"), plan.scale_convention, plan.q_out_tail, plan.k_out_tail,
-                          plan.k_cache_tail)
+                          plan.k_cache_tail, plan.k_format, plan.v_format, plan.k_scale_cache, plan.v_scale_cache)
