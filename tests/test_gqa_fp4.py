@@ -5,7 +5,11 @@
   hand-worked groups of FlashInfer's documented semantics (ties, saturation, NaN, signed zeros);
 * the kernel's device functions (kvfuse/kernels/gqa_fp4.py) equal the reference byte for byte in
   Triton's interpreter, through a small test kernel, on random rows and on the special values;
-* the decoders give bf16((e2m1 * sf) * g) and bf16(e2m1 * 2^e).
+* the decoders give bf16((e2m1 * sf) * g) and bf16(e2m1 * 2^e);
+* kvfuse.fused_qk_norm_rope_store_kv with "nvfp4" / "mxfp4" caches: every preset x layout x a numerics
+  subset and the features that change the kernel's code, the interpreter equal to the reference chain
+  on the whole poisoned storages (caches, scale caches, guards, padding) and q_out, the records holding
+  the quantizer's bytes; the read side; bad input.
 """
 import numpy as np
 import pytest
@@ -14,8 +18,10 @@ import triton
 import triton.language as tl
 
 import kvfuse
+from kvfuse.gqa_formats import PRESETS
 from kvfuse.kernels.gqa_fp4 import FP4_CODES, FP4_GROUPS, store_fp4_rows
 from kvfuse.reference import fp4 as ref
+from gqa_cases import GQACase, build, diff_report, run_gqa_case
 
 F32 = np.float32
 needs_interpreter = pytest.mark.skipif(not kvfuse.backend.interpreter_enabled(), reason="needs TRITON_INTERPRET=1")
@@ -206,3 +212,155 @@ def test_fp4_tile_equals_reference(fmt, g, dtype, d):
         want_q, want_s = ref.quantize_mxfp4(x)
     assert torch.equal(q, want_q)
     assert torch.equal(s, want_s.view(torch.uint8))
+
+
+# --------------------------------------------------------------------------- the GQA entry with 4-bit caches
+FP4_PRESETS = [name for name, f in PRESETS.items() if f.code == "e2m1"]
+
+
+def test_presets():
+    assert FP4_PRESETS == ["nvfp4", "mxfp4"]
+    nv, mx = PRESETS["nvfp4"], PRESETS["mxfp4"]
+    assert (nv.group, nv.scale_dtype, nv.global_scale) == (16, torch.float8_e4m3fn, True)
+    assert (mx.group, mx.scale_dtype, mx.global_scale) == (32, torch.uint8, False)
+    assert nv.cache_dtype == mx.cache_dtype == torch.uint8 and nv.values_per_element == 2
+    assert nv.row_bytes(128) == 64 + 8 and mx.row_bytes(128) == 64 + 4
+    assert nv.scale_cache_shape((3, 4, 2, 64), 128) == (3, 4, 2, 8)
+
+
+def _cross_backends(case):
+    ref = run_gqa_case(case, "reference")
+    tri = run_gqa_case(case, "triton")
+    assert not diff_report(ref, tri), diff_report(ref, tri) + " " + case.describe()
+    return ref
+
+
+def _written_rows_equal_the_quantizer(case):
+    """The reference chain's K and V records, read back raw, hold the format's quantizer of the values it
+    casts (the chain restated: rows from kvfuse.reference.qk_norm_rope, V as given)."""
+    kw, _, _, _ = build(case)
+    with kvfuse.use_backend("reference"):
+        kvfuse.fused_qk_norm_rope_store_kv(**kw)
+    slots = kw["slot_mapping"]
+    if isinstance(slots, kvfuse.PagedAppend):
+        return
+    for which, fmt in (("k", case.fp4_k), ("v", case.fp4_v)):
+        if not fmt:
+            continue
+        cache, sf = kw[which + "_cache"], kw[which + "_scale_cache"]
+        codes = kvfuse.reference.load_paged(cache, slots, case.layout)
+        scales = kvfuse.reference.load_paged(sf, slots, case.layout)
+        if which == "v":
+            x = kw["v"]
+        else:
+            norm, rope = kw["k_norm_args"], kw.get("rope_args")
+            x = kvfuse.reference.qk_norm_rope(
+                kw["k"], None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps,
+                None if rope is None else rope.positions, None if rope is None else rope.cos_sin_cache,
+                0 if rope is None else rope.rotary_dim, 0 if rope is None else rope.offset or 0,
+                True if rope is None else rope.is_neox, False if rope is None else rope.conjugate, case.numerics)
+            if case.numerics != "fused_fp32_cast":
+                x = x.to(case.act)
+        want_codes, want_sf = ref.quantize_block_format(fmt, x, kw.get(which + "_scale"))
+        valid = (slots >= 0) & (slots < cache.shape[0] * case.block_size)
+        assert torch.equal(codes[valid], want_codes[valid]) and \
+            torch.equal(scales[valid].view(torch.uint8), want_sf[valid].view(torch.uint8))
+
+
+# every preset x layout x a numerics subset, then the features that change the generated code
+FP4_CASES = [
+    dict(fp4_k=f, fp4_v=f, layout=layout, numerics=numerics, n=n, d=d)
+    for f in ["nvfp4", "mxfp4"]
+    for layout, numerics, n, d in (("NHD", "staged", 5, 128), ("HND", "fused_fp32_cast", 7, 64),
+                                   ("NHD", "fused", 3, 96))
+] + [
+    dict(fp4_k="nvfp4", fp4_v="nvfp4", dtype="fp16", q_norm="fp16", k_norm="fp16", cos_sin="fp16", layout="HND"),
+    dict(fp4_k="mxfp4", fp4_v="mxfp4", dtype="fp32", numerics="fused_fp32_cast", neox=False, idx32=True),
+    dict(fp4_k="nvfp4", fp4_v="", fp8=True, rotary_dim=32, rope_offset=16),           # K 4-bit, V e4m3
+    dict(fp4_k="", fp4_v="mxfp4", layout="HND", q_norm=None),                         # K bf16, V 4-bit
+    dict(fp4_k="mxfp4", fp4_v="nvfp4", dv=64, scales=(2.0 ** -20, 3.0e3)),            # two 4-bit formats
+    dict(fp4_k="nvfp4", fp4_v="nvfp4", hq=0, q_norm=None, k_norm=None, rotary_dim=0, paged_append=True,
+         scale_numbers=True),                                                         # FlashInfer's append
+    dict(fp4_k="nvfp4", fp4_v="nvfp4", d=48, hq=6, hkv=3, packed=False, slots="contiguous", block_size=16),
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fields", FP4_CASES, ids=lambda f: "_".join(f"{k}={v}" for k, v in f.items()))
+def test_fp4_caches_kernel_equals_reference(fields):
+    case = GQACase(seed=len(str(fields)), **fields)
+    _cross_backends(case)
+    _written_rows_equal_the_quantizer(case)
+
+
+def test_fp4_read_back():
+    """load_gqa_kv_cache decodes bf16((e2m1 * f(sf)) * g) (NVFP4) and bf16(e2m1 * 2^(byte - 127)) (MXFP4) for
+    the slots' records, zeros for invalid slots."""
+    case = GQACase(fp4_k="nvfp4", fp4_v="mxfp4", n=6, d=64, layout="HND")
+    kw, _, _, _ = build(case)
+    with kvfuse.use_backend("reference"):
+        kvfuse.fused_qk_norm_rope_store_kv(**kw)
+    slots = kw["slot_mapping"]
+    k, v = kvfuse.load_gqa_kv_cache(kw["k_cache"], kw["v_cache"], slots, "HND", kw["k_scale"], None, "nvfp4", "mxfp4",
+                                    kw["k_scale_cache"], kw["v_scale_cache"])
+    valid = (slots >= 0) & (slots < kw["k_cache"].shape[0] * case.block_size)
+    kc = kvfuse.reference.load_paged(kw["k_cache"], slots, "HND")
+    ks = kvfuse.reference.load_paged(kw["k_scale_cache"], slots, "HND")
+    want_k = ref.dequantize_nvfp4(kc, ks, kw["k_scale"])
+    assert torch.equal(k[valid].view(torch.int16), want_k[valid].view(torch.int16))
+    assert not k[~valid].view(torch.int16).any() and not v[~valid].view(torch.int16).any()
+    # the decoded V is within half a code step of v (the round trip through the quantizer)
+    amax = ref.group_amax(kw["v"], 32)
+    step = (2.0 ** torch.ceil(torch.log2(torch.clamp(amax, min=1e-4) / 6)) * 2).repeat_interleave(32, -1)
+    assert ((v[valid].float() - kw["v"][valid].float()).abs() <= step[valid] / 2 * 1.01).all()
+
+
+def _fp4_call(**change):
+    case = GQACase(fp4_k="nvfp4", fp4_v="nvfp4", n=3, d=64)
+    kw, _, _, _ = build(case)
+    kw.update(change)
+    with kvfuse.use_backend("reference"):
+        kvfuse.fused_qk_norm_rope_store_kv(**kw)
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    (dict(k_scale=None), ValueError, "k_scale: k_format 'nvfp4' .*global decode scale.* got None"),
+    (dict(v_scale=torch.tensor([1.0, 2.0, 3.0])), ValueError, "v_scale: expected one element"),
+    (dict(k_scale=0.0, v_scale=1.0), ValueError, "k_scale must be a finite number > 0"),
+    (dict(k_scale_cache=None), ValueError, "k_scale_cache: k_format 'nvfp4' stores its scales"),
+    (dict(v_format="mxfp4"), ValueError, "v_scale must be None"),
+    (dict(scale_convention="multiply"), ValueError, "scale_convention: k_format 'nvfp4'"),
+    (dict(k_format="fp8"), TypeError, "k_cache: expected dtype torch.float8_e4m3fn"),
+    (dict(k_format="auto"), TypeError, "k_cache: expected dtype"),
+])
+def test_fp4_bad_input(change, exc, match):
+    with pytest.raises(exc, match=match):
+        _fp4_call(**change)
+
+
+def test_fp4_bad_shapes():
+    case = GQACase(fp4_k="nvfp4", fp4_v="mxfp4", n=3, d=64)
+    kw, _, _, _ = build(case)
+    bad_codes = torch.zeros(kw["k_cache"].shape[:-1] + (64,), dtype=torch.uint8)      # D, not D / 2
+    with pytest.raises(ValueError, match=r"k_cache: expected NHD shape .*64 / 2|k_cache: expected NHD shape \[.*, 32\]"):
+        kvfuse.fused_qk_norm_rope_store_kv(**{**kw, "k_cache": bad_codes})
+    bad_sf = torch.zeros(kw["v_scale_cache"].shape[:-1] + (4,), dtype=torch.uint8)    # 64 / 16, not 64 / 32
+    with pytest.raises(ValueError, match="v_scale_cache: expected shape"):
+        kvfuse.fused_qk_norm_rope_store_kv(**{**kw, "v_scale_cache": bad_sf})
+    wrong_dtype = kw["k_scale_cache"].view(torch.uint8)
+    with pytest.raises((TypeError, ValueError), match="k_scale_cache"):
+        kvfuse.fused_qk_norm_rope_store_kv(**{**kw, "k_scale_cache": wrong_dtype})
+    odd = GQACase(fp4_k="mxfp4", fp4_v="mxfp4", n=2, d=48)          # 48 is not a multiple of 32
+    kw, _, _, _ = build(odd)
+    with pytest.raises(ValueError, match="k_scale_cache: k_format 'mxfp4' has one scale per 32 values"):
+        kvfuse.fused_qk_norm_rope_store_kv(**kw)
+
+
+def test_fp4_k_cache_pair_rejected():
+    case = GQACase(fp4_k="nvfp4", fp4_v="", n=2, d=128, split=64, k_cache_split=True, rotary_dim=64, q_norm=None,
+                   k_norm=None)
+    kw, _, _, _ = build(case)
+    kw["k_cache"] = tuple(torch.zeros(c.shape[:-1] + (c.shape[-1] // 2,), dtype=torch.uint8) for c in kw["k_cache"])
+    kw["k_scale_cache"] = torch.zeros(kw["k_cache"][0].shape[:-1] + (8,), dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="k_cache: a pair of caches is not supported with k_format 'nvfp4'"):
+        kvfuse.fused_qk_norm_rope_store_kv(**kw)

@@ -671,9 +671,9 @@ def launch_config(n: int, block_d: int, heads: int = 1, interpret: bool = INTERP
 def halves_mode(plan, d: int, block_d: int) -> bool:
     """The q and k rows go as their two halves (``_qk_halves_row``): NEOX RoPE over the whole row
     (rotary_dim == head_dim, a power of two, offset 0), whose halves are whole 8-column vectors, and no
-    head held as two tensors."""
+    head held as two tensors; k's cache not 4-bit (its cast takes whole rows)."""
     return (plan.positions is not None and plan.is_neox and plan.rotary_dim == d == block_d
-            and plan.rope_offset == 0 and (d // 2) % 8 == 0 and plan.split == 0)
+            and plan.rope_offset == 0 and (d // 2) % 8 == 0 and plan.split == 0 and plan.k_format not in FP4_CODES)
 
 
 _TAIL_PARAMS = ("q2_ptr", "sq2_n", "sq2_h", "k2_ptr", "sk2_n", "sk2_h", "qo2_ptr", "so2_n", "so2_h",
@@ -793,6 +793,14 @@ def launch_args(plan, tensor=None):
         options["HAS_V"] = False
     elif plan.has_v and plan.v_cache.dtype != plan.k_cache.dtype:    # caches of two formats
         options["V_FP8"] = plan.v_cache.dtype == torch.float8_e4m3fn
+    # 4-bit caches: the format's code and its scale cache (pointer, then block / token / head strides in bytes)
+    for side, prefix in (("k", "K"), ("v", "V")):
+        fp4 = FP4_CODES.get(getattr(plan, side + "_format")) if plan.has_cache else None
+        if fp4 is not None:
+            field = side + "_scale_cache"
+            options[prefix + "_FP4"] = fp4
+            options.update(zip((side + "sf_ptr", side + "sf_blk", side + "sf_tok", side + "sf_head"),
+                               (tensor(field), *plan.cache_strides(getattr(plan, field)))))
     groups = qg + (2 * kg if plan.has_cache and plan.has_v else kg)
     return (cdiv(n, bm) * groups,), args, options
 

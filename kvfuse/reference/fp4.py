@@ -89,3 +89,22 @@ def dequantize_mxfp4(codes: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
     scale byte 0xFF as NaN (OCP MX; the canonical bf16 NaN)."""
     return canonical_nan(dequantize(codes.view(torch.uint8), sf.view(torch.uint8), "e2m1", MXFP4_GROUP, "ue8m0",
                                     ue8m0_nan=True))
+
+
+def quantize_block_format(name: str, x: torch.Tensor, global_scale=None):
+    """The cast of a 4-bit GQA cache format (kvfuse.gqa_formats, "nvfp4" with its global scale, or "mxfp4")
+    of x [..., D]: (codes, scales)."""
+    if name == "nvfp4":
+        return quantize_nvfp4(x, global_scale)
+    if name == "mxfp4":
+        return quantize_mxfp4(x)
+    raise ValueError(f"name: expected a 4-bit GQA cache format ('nvfp4', 'mxfp4'), got {name!r}")
+
+
+def dequantize_block_format(name: str, codes: torch.Tensor, sf: torch.Tensor, global_scale=None) -> torch.Tensor:
+    """The inverse of :func:`quantize_block_format`: bf16 [..., D]."""
+    if name == "nvfp4":
+        return dequantize_nvfp4(codes, sf, global_scale)
+    if name == "mxfp4":
+        return dequantize_mxfp4(codes, sf)
+    raise ValueError(f"name: expected a 4-bit GQA cache format ('nvfp4', 'mxfp4'), got {name!r}")
