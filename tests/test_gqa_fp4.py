@@ -364,3 +364,43 @@ def test_fp4_k_cache_pair_rejected():
     kw["k_scale_cache"] = torch.zeros(kw["k_cache"][0].shape[:-1] + (8,), dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="k_cache: a pair of caches is not supported with k_format 'nvfp4'"):
         kvfuse.fused_qk_norm_rope_store_kv(**kw)
+
+
+# --------------------------------------------------------------------------- the GPU matrix's cover
+def test_gpu_matrix_covers_every_fp4_preset():
+    """Every 4-bit preset is run on the GPU (tests/gpu_matrix.py's GQA section) as K's and V's format, in
+    both layouts, under a profile that casts the fp32 value and one that casts the rounded one, and the
+    launches reach each FP4 value of the kernel's K_FP4 / V_FP4 with their scale caches."""
+    import gpu_matrix as M
+    from kvfuse.kernels import qkv
+    from kvfuse.plans import gqa as gqa_plans
+    cases = [c for _, c in M.gqa_cases()]
+    for name in FP4_PRESETS:
+        for side in ("fp4_k", "fp4_v"):
+            mine = [c for c in cases if getattr(c, side) == name]
+            assert {c.layout for c in mine} == {"NHD", "HND"}, (name, side)
+            assert {"staged", "fused_fp32_cast"} <= {c.numerics for c in mine}, (name, side)
+        assert any(c.fp4_k == name and (c.fp8 or not c.fp4_v) for c in cases)      # beside another format
+    seen = {}
+    for case in cases:
+        if case.fp4_k or case.fp4_v:
+            kw, _, _, _ = build(case)
+            _, _, options = qkv.launch_args(gqa_plans.prepare(**kw))
+            for key in ("K_FP4", "V_FP4", "ksf_ptr", "vsf_ptr"):
+                if key in options:
+                    seen.setdefault(key, set()).add(options[key] if isinstance(options[key], int) else "tensor")
+    codes = {FP4_CODES[name] for name in FP4_PRESETS}
+    assert seen["K_FP4"] == codes and seen["V_FP4"] == codes and seen["ksf_ptr"] == seen["vsf_ptr"] == {"tensor"}
+
+
+def _gpu_matrix_fp4_cases():
+    import gpu_matrix as M
+    return [GQACase(n=n, d=d, seed=n * 7 + d, **{"hq": 6, "hkv": 3, **v}) for d, n, v in M.gqa_fp4_cases()]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", _gpu_matrix_fp4_cases(), ids=lambda c: c.describe())
+def test_gpu_matrix_fp4_cases_in_the_interpreter(case):
+    """The GPU matrix's 4-bit cases, here in the interpreter (the GPU runs compare the compiled kernel with
+    the CPU reference in the same way)."""
+    _cross_backends(case)
