@@ -254,8 +254,9 @@ def _written_rows_equal_the_quantizer(case):
             x = kw["v"]
         else:
             norm, rope = kw["k_norm_args"], kw.get("rope_args")
+            k = torch.cat(kw["k"], -1) if isinstance(kw["k"], tuple) else kw["k"]
             x = kvfuse.reference.qk_norm_rope(
-                kw["k"], None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps,
+                k, None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps,
                 None if rope is None else rope.positions, None if rope is None else rope.cos_sin_cache,
                 0 if rope is None else rope.rotary_dim, 0 if rope is None else rope.offset or 0,
                 True if rope is None else rope.is_neox, False if rope is None else rope.conjugate, case.numerics)
@@ -282,6 +283,7 @@ FP4_CASES = [
     dict(fp4_k="nvfp4", fp4_v="nvfp4", hq=0, q_norm=None, k_norm=None, rotary_dim=0, paged_append=True,
          scale_numbers=True),                                                         # FlashInfer's append
     dict(fp4_k="nvfp4", fp4_v="nvfp4", d=48, hq=6, hkv=3, packed=False, slots="contiguous", block_size=16),
+    dict(fp4_k="mxfp4", fp4_v="nvfp4", split=32, rotary_dim=64, numerics="fused_fp32_cast", layout="HND"),  # pairs
 ]
 
 
@@ -404,3 +406,18 @@ def test_gpu_matrix_fp4_cases_in_the_interpreter(case):
     """The GPU matrix's 4-bit cases, here in the interpreter (the GPU runs compare the compiled kernel with
     the CPU reference in the same way)."""
     _cross_backends(case)
+
+
+def test_fp4_global_scale_tensor_checked_with_data_checks(monkeypatch):
+    """A global scale given as a tensor is read by the kernel (no synchronization); the data checks
+    (KVFUSE_CHECKS) reject one that is not finite and > 0, before anything is written."""
+    monkeypatch.setattr(kvfuse.backend, "_checks_override", None)
+    kvfuse.set_checks(True)
+    case = GQACase(fp4_k="nvfp4", fp4_v="nvfp4", n=3, d=64, slots="contiguous")
+    kw, storages, _, _ = build(case)
+    kw["rope_args"] = None
+    before = [s.clone() for s in storages]
+    for bad in (0.0, float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match="v_scale must hold finite numbers > 0"):
+            kvfuse.fused_qk_norm_rope_store_kv(**{**kw, "v_scale": torch.tensor([bad])})
+    assert all(torch.equal(a, b) for a, b in zip(before, storages))
