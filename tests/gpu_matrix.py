@@ -392,8 +392,9 @@ def gqa_format_cases():
     FormatCase) with every preset as K's format and as V's, each in the kernel's two row forms (halves: NEOX
     RoPE over the whole head; rows: partial or GPT-J RoPE) at a decode (one program) and a batch of many
     programs, crossed in turn with the layouts, activations' dtypes, profiles and per-head static scales;
-    and vLLM's inline scales for the formats that store theirs. Derived from PRESETS: a preset added there
-    gets its cases here (test_gqa_formats.py checks that each is reached)."""
+    and vLLM's inline scales for the formats that store theirs per (token, head). A 4-bit K cache takes the
+    rows form only (qkv.halves_mode). Derived from PRESETS: a preset added there gets its cases here
+    (test_gqa_formats.py checks that each is reached)."""
     from gqa_cases import GQACase
     from gqa_format_cases import FormatCase
     from kvfuse.gqa_formats import PRESETS
@@ -401,8 +402,10 @@ def gqa_format_cases():
     out = []
     for i, name in enumerate(names):
         other = names[(i + 1) % len(names)]
+        partner = "fp8_e4m3" if name == "auto" else "auto"     # a K format the halves form takes (not 4-bit)
         features = [
             (1, 128, name, other, dict(layout="NHD")),                                           # halves, decode
+            (2, 128, partner, name, dict(layout="NHD")),                             # halves with V of this format
             (300, 128, other, name, dict(layout="HND", neox=False, numerics="fused_fp32_cast",
                                         dtype="fp16" if i % 2 else "bf16", q_norm="fp16" if i % 2 else "bf16",
                                         k_norm="fp16" if i % 2 else "fp32", cos_sin="fp16" if i % 2 else "fp32")),
