@@ -726,7 +726,8 @@ def test_concurrent_calls(monkeypatch):
 def test_the_key_covers_every_argument_field():
     """call_signature keys each argument object field by field: a new field must join the key."""
     keyed = {NormArgs: ("weight", "eps", "bias", "kind"),
-             RopeArgs: ("positions", "cos_sin_cache", "rotary_dim", "is_neox", "offset", "conjugate"),
+             RopeArgs: ("positions", "cos_sin_cache", "rotary_dim", "is_neox", "offset", "conjugate",
+                        "mrope_section", "mrope_interleaved"),
              HadamardArgs: ("scale",),
              CastArgs: ("cast_fmt", "num_per_channels", "round_sf", "sf_format", "cast_back", "scale_floor"),
              ContiguousOutArgs: ("out", "sf"),
@@ -742,7 +743,8 @@ def test_the_key_covers_every_argument_field():
         dict(rope_args=_rope(cos_sin_cache=cos_sin_cache(MAX_POS + 1, 64))(s)),
         dict(rope_args=_rope(rotary_dim=32, cos_sin_cache=cos_sin_cache(MAX_POS, 32))(s)),
         dict(rope_args=_rope(is_neox=False)(s)), dict(rope_args=_rope(offset=0)(s)),
-        dict(rope_args=_rope(conjugate=True)(s)), dict(hadamard_args=HadamardArgs(2.0)),
+        dict(rope_args=_rope(conjugate=True)(s)), dict(rope_args=_rope(mrope_interleaved=True)(s)),
+        dict(rope_args=_rope(mrope_section=(8, 12, 12))(s)), dict(hadamard_args=HadamardArgs(2.0)),
         dict(cast_args=_cast(cast_fmt="e2m1")(s)), dict(cast_args=_cast(num_per_channels=64)(s)),
         dict(cast_args=_cast(round_sf=False)(s)), dict(cast_args=_cast(sf_format="ue8m0_fp32")(s)),
         dict(cast_args=_cast(cast_back=True)(s)), dict(cast_args=_cast(scale_floor=1e-4)(s)),
