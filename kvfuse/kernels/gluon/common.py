@@ -136,6 +136,18 @@ def cached_ctas_per_sm(kernel, known: dict, key, real_args, constexprs: dict, op
     return per_sm
 
 
+# kvfuse.set_pdl's early reads, where the H200 measured them faster (2026-12-04, the side-by-side harness's
+# DeepSeek groups with and without them, twice each): up to this many rows (at 1 and 256 rows 0.05-0.48 us
+# less); at 4096 rows the MAIN_FP8 and FlashMLA writes took 0.3-0.65 us longer with them
+PDL_EARLY_MAX_ROWS = 256
+
+
+def early_reads_option(rows: int) -> dict:
+    """The PDL_EARLY constexpr, named (off: router.with_pdl turns it on under set_pdl's early_reads), for a
+    launch of ``rows`` rows where the early reads apply; nothing above PDL_EARLY_MAX_ROWS."""
+    return {"PDL_EARLY": False} if rows <= PDL_EARLY_MAX_ROWS else {}
+
+
 def persistent_grid(tiles: int, ctas_per_sm: int, sm_count: int) -> tuple:
     """One CTA per tile up to what is resident on the device at once (each CTA then loops over tiles)."""
     return (max(1, min(tiles, sm_count * ctas_per_sm)),)

@@ -36,8 +36,8 @@ import torch
 from ... import formats as _formats
 from . import common as gluon_common
 from ..codes import NO_FLOOR
-from .common import (INT32_LIMIT, allowed_by_env, available, compile_options, gl, gluon, log2_block,
-                           occupancy_grid, plan_tensors)
+from .common import (INT32_LIMIT, allowed_by_env, available, compile_options, early_reads_option, gl, gluon,
+                     log2_block, occupancy_grid, plan_tensors)
 
 ROTARY_DIM = 64
 TAIL_DIM = 64                 # the bf16 tail = the RoPE columns
@@ -467,7 +467,7 @@ def launch_parts(plan, tensor, num_warps: int, rows_per_warp: int, pipeline: boo
                       ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline), OFFSETS32=max(spans) < INT32_LIMIT,
                       NEOX=bool(plan.is_neox) if plan.positions is not None else True,
                       FLOOR_E=NO_FLOOR.value if plan.cast.floor_exp is None else plan.cast.floor_exp,
-                      PDL=False, **input_constexprs(plan), PDL_EARLY=False)
+                      PDL=False, **input_constexprs(plan), **early_reads_option(n))
     options = compile_options(num_warps)
     tiles = -(-n // (rows_per_warp * num_warps))
     grid = occupancy_grid(mla_tail_kernel, _resident, x, tiles, args, {**plan_tensors(plan), "x_tail": plan.x_tail},

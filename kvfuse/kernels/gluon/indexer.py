@@ -31,8 +31,8 @@ import torch
 from ... import formats as _formats
 from . import common as gluon_common
 from ..codes import CAST_CODES, CAST_E2M1, CAST_E4M3, SF_CODES, SF_FP32, SF_UE8M0, SF_UE8M0_FP32
-from .common import (INT32_LIMIT, allowed_by_env, available, compile_options, gl, gluon, log2_block,
-                           occupancy_grid, plan_tensors)
+from .common import (INT32_LIMIT, allowed_by_env, available, compile_options, early_reads_option, gl, gluon,
+                     log2_block, occupancy_grid, plan_tensors)
 
 HEAD_DIM = 128
 ROTARY_DIM = 64
@@ -762,7 +762,7 @@ def launch_args(plan, tensor, num_warps: int, rows_per_thread: int, pipeline: bo
                       HAS_BIAS=plan.bias is not None,
                       B_BF16=plan.bias is None or plan.bias.dtype == torch.bfloat16, NEOX=bool(plan.is_neox),
                       ROPE_A=plan.rope_offset == 0, HAD=plan.hadamard_scale is not None, PDL=False,
-                      PDL_EARLY=False)   # named: router.with_pdl turns it on under kvfuse.set_pdl's early_reads
+                      **early_reads_option(rows))
     options = compile_options(num_warps)
     return args, constexprs, options
 

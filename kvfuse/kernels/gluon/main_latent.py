@@ -37,8 +37,8 @@ import torch
 from ... import formats as _formats
 from . import common as gluon_common
 from ..codes import NO_FLOOR, SF_E4M3
-from .common import (INT32_LIMIT, allowed_by_env, available, compile_options, gl, gluon, log2_block,
-                           occupancy_grid, table_entry)
+from .common import (INT32_LIMIT, allowed_by_env, available, compile_options, early_reads_option, gl, gluon,
+                     log2_block, occupancy_grid, table_entry)
 
 HEAD_DIM = 512
 RECORD_BYTES = 532           # 512 codes + 16 scales + 4 reserved (never written)
@@ -501,7 +501,7 @@ def launch_parts_records(rec: MainRecords, tensor, n: int, eps: float, x, weight
                       PDL=False, FILL_SECTOR=fill_sector(rec, n),
                       FLOOR_E=NO_FLOOR.value if rec.floor_exp is None else rec.floor_exp)
     if not cast_only:
-        constexprs["PDL_EARLY"] = False   # named: router.with_pdl turns it on under kvfuse.set_pdl's early_reads
+        constexprs.update(early_reads_option(n))
     options = compile_options(num_warps)
     tiles = -(-n // (rows_per_warp * num_warps))
     tensors = dict(x=x, weight=weight, positions=positions, cos_sin=cos_sin, slot_mapping=slot_mapping,
