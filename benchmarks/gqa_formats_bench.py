@@ -20,18 +20,10 @@ import torch
 
 import kvfuse
 from kvfuse import bench
-from kvfuse.bench.timing import CudaTimer
+from kvfuse.bench.timing import CudaTimer, measure_copy_bandwidth
 from kvfuse.gqa_formats import PRESETS
 
 SCALE = 0.125
-
-
-def copy_gbps(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth, read + write bytes per second (the bench's convention)."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    us = CudaTimer().measure([lambda: b.copy_(a)]).gpu_us
-    return 2 * nbytes / us / 1e3
 
 
 def format_call(wl, n: int, name: str, device: str = "cuda"):
@@ -85,7 +77,7 @@ def main(argv=None) -> None:
                 print("ran", name)
         return
     sizes = [int(s) for s in a.n.split(",")]
-    copy = copy_gbps()
+    copy = measure_copy_bandwidth(reps=10)["copy_GBps"]     # kvfuse bench's: 2 GiB device to device
     timer = CudaTimer()
     rows = []
     print(f"{a.workload}: copy bandwidth {copy:.0f} GB/s; {torch.cuda.get_device_name()}, torch {torch.__version__}, "
