@@ -126,8 +126,9 @@ def test_launch_parts_fill_every_parameter_in_order(fmt):
     grid, args, constexprs, options = G.launch_parts(plan, tensor_arg, *G.launch_table(300), ctas_per_sm=4,
                                                      sm_count=132)
     assert len(args) == n_args
-    # one input, the norm over the whole record: the input and norm constexprs left to the kernel's defaults
-    assert set(constexprs) == set(names[n_args:]) - {"SPLIT_X", "LATENT_NORM", "NO_NORM", "NO_ROPE"}
+    # one input, the norm over the whole record: the input and norm constexprs left to the kernel's defaults,
+    # and above PDL_EARLY_MAX_ROWS rows the early reads' (named, off, up to it: below)
+    assert set(constexprs) == set(names[n_args:]) - {"SPLIT_X", "LATENT_NORM", "NO_NORM", "NO_ROPE", "PDL_EARLY"}
     assert options["enable_fp_fusion"] is False and options["num_stages"] == 1
     fields = {a.field for a in args if isinstance(a, PlanTensor)}
     assert fields == TENSOR_FIELDS
@@ -145,7 +146,7 @@ def test_launch_parts_fill_every_parameter_in_order(fmt):
     # a non-power-of-two block size divides; every argument but the tensors is a plain number
     plan24 = plan_of(mla_case(fmt, n=50, block_size=24))
     _, args24, constexprs24, _ = G.launch_parts(plan24, tensor_arg, 1, 1, False, ctas_per_sm=1, sm_count=8)
-    assert constexprs24["LOG2_BLOCK"] == -1
+    assert constexprs24["LOG2_BLOCK"] == -1 and constexprs24["PDL_EARLY"] is False   # 50 rows: the early reads named
     assert all(isinstance(v, (int, float, PlanTensor)) for v in args24[:-2]) and args24[-2:] == (None, None)
 
 

@@ -169,7 +169,8 @@ def _launch(rec, fmt, n=3):
 
 def test_gluon_launch_constants():
     """MAIN_MXFP8 launches take FLOOR_E -13 and never prefetch a reserved sector (there is none); MAIN_FP8's
-    take NO_FLOOR (the kernel without the floor). Every constexpr is named (kvfuse's direct launcher)."""
+    take NO_FLOOR (the kernel without the floor). Every constexpr is named (kvfuse's direct launcher), PDL_EARLY
+    up to PDL_EARLY_MAX_ROWS rows."""
     args, mx = _launch(main_latent.RECORDS_MXFP8, F.MAIN_MXFP8, n=main_latent.FILL_MIN_ROWS)
     assert mx["FLOOR_E"] == -13 and mx["FILL_SECTOR"] is False
     _, fp8 = _launch(main_latent.RECORDS, F.MAIN_FP8, n=main_latent.FILL_MIN_ROWS)
@@ -177,6 +178,8 @@ def test_gluon_launch_constants():
     assert list(mx) == list(fp8)
     kernel = getattr(main_latent, "main_fp8_kernel", None)
     if kernel is not None:                     # Gluon importable (Triton 3.6): the kernel's parameter order
-        names = list(kernel.arg_names)
-        assert len(names) == len(args) + len(mx) and names[len(args):] == list(mx)
+        names = list(kernel.arg_names)     # PDL_EARLY, last, is named only up to PDL_EARLY_MAX_ROWS rows
+        assert names[len(args):] == list(mx) + ["PDL_EARLY"]
+        _, small = _launch(main_latent.RECORDS_MXFP8, F.MAIN_MXFP8, n=1)
+        assert names[len(args):] == list(small) and small["PDL_EARLY"] is False
     assert F.MAIN_MXFP8 in main_latent.FORMATS
