@@ -40,6 +40,8 @@ class GQACacheFormat:
         scale_dtype: the dtype of a stored scale (None where none is stored).
         qmax: the largest code magnitude the cast produces (the clamp bound; 0 for "act").
         reader: the engine code that reads this layout (engine, release, file / function).
+        global_scale: besides its stored scales the format takes one static fp32 global decode scale per
+            cache (``k_scale`` / ``v_scale``: NVFP4's second level).
     """
     name: str
     code: str
@@ -49,6 +51,7 @@ class GQACacheFormat:
     scale_dtype: Optional[torch.dtype] = None
     qmax: float = 0.0
     reader: str = ""
+    global_scale: bool = False
 
     def __post_init__(self):
         if self.code not in CODES:
@@ -67,6 +70,16 @@ class GQACacheFormat:
     def stores_scale(self) -> bool:
         """Its scales are computed by the kernel and written to a scale cache."""
         return self.scale in STORED_SCALE_KINDS
+
+    @property
+    def values_per_element(self) -> int:
+        """Values one element of the code cache holds (2 for e2m1: a cache's last dim is head_dim / 2)."""
+        return 2 if self.code == "e2m1" else 1
+
+    @property
+    def takes_static_scale(self) -> bool:
+        """The caller gives a scale (k_scale / v_scale): a static one, or a global scale over stored ones."""
+        return self.scale == "static" or self.global_scale
 
     def dtype_for(self, act: torch.dtype) -> torch.dtype:
         """The code cache's dtype for activations of dtype ``act``."""
@@ -104,6 +117,12 @@ _VLLM_FLASH = ("vLLM 0.33.0, vllm/v1/attention/backends/flash_attn.py (FlashAtte
 _VLLM_PER_TOKEN_HEAD = ("vLLM 0.33.0, vllm/v1/attention/backends/triton_attn.py (TritonAttentionImpl: scale caches "
                         "from _ensure_scale_caches, read by unified_attention)")
 _FLASHINFER = "FlashInfer 0.7.2, flashinfer/decode.py, prefill.py (BatchDecode/PrefillWithPagedKVCacheWrapper)"
+_NVFP4 = ("FlashInfer 0.7.2.post1, flashinfer/page.py nvfp4_quantize_append_paged_kv_cache[_with_slot_mapping] "
+          "(its writer; its NVFP4 attention reads e2m1 * block scale * global scale); vLLM 0.33.0 kv_cache_dtype "
+          "'nvfp4' on SM80 / SM90 / SM120, vllm/v1/attention/backends/flashinfer.py do_kv_cache_update (that "
+          "writer on the views _nvfp4_kv_views cuts from its pages)")
+_MXFP4 = ("none found: no engine kvfuse follows reads an MXFP4 GQA cache (vLLM 0.33.0's ultraquant_4bit, "
+          "vllm/v1/attention/ops/ultraquant, is another rule); the rule is SPEC §2's e2m1 / ue8m0 one")
 
 PRESETS = {f.name: f for f in (
     GQACacheFormat("auto", "act", None, "none", reader=f"{_VLLM_FLASH}; {_FLASHINFER}"),
@@ -116,6 +135,11 @@ PRESETS = {f.name: f for f in (
                    qmax=448.0, reader=_VLLM_PER_TOKEN_HEAD),
     GQACacheFormat("int8_per_token_head", "int8", torch.int8, "token_head", scale_dtype=torch.float32,
                    qmax=127.0, reader=_VLLM_PER_TOKEN_HEAD),
+    # 4-bit: e2m1 codes two a byte with stored group scales (kvfuse/reference/fp4.py, SPEC §11)
+    GQACacheFormat("nvfp4", "e2m1", torch.uint8, "block", group=16, scale_dtype=torch.float8_e4m3fn, qmax=6.0,
+                   reader=_NVFP4, global_scale=True),
+    GQACacheFormat("mxfp4", "e2m1", torch.uint8, "block", group=32, scale_dtype=torch.uint8, qmax=6.0,
+                   reader=_MXFP4),
 )}
 # other names of a preset (vLLM's "fp8" is its "fp8_e4m3")
 ALIASES = {"fp8": "fp8_e4m3"}

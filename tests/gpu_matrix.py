@@ -328,6 +328,27 @@ GQA_MROPE_V_NORM = [
     (256, 200, dict(mrope="interleaved", v_norm="fp32", dtype="fp16", numerics="fused", q_norm="fp16",
                     k_norm="fp16")),
 ]
+
+
+def gqa_fp4_cases():
+    """(d, n, features) of the 4-bit caches, derived from kvfuse.gqa_formats' presets of code e2m1: each in
+    both layouts, K and V, alone and beside another format, staged and casting the fp32 value, fp16 / fp32
+    activations, a decode and a prefill; and FlashInfer's NVFP4 append (no q heads, scales by value, its page
+    addressing)."""
+    from kvfuse.gqa_formats import PRESETS
+    out = []
+    for name in (n for n, f in PRESETS.items() if f.code == "e2m1"):
+        out += [(128, 1, dict(fp4_k=name, fp4_v=name)),
+                (128, 300, dict(fp4_k=name, fp4_v=name, layout="HND", numerics="fused_fp32_cast", dtype="fp16",
+                                q_norm="fp16", k_norm="fp16", cos_sin="fp16")),
+                (64, 9, dict(fp4_k=name, fp8=True, neox=False, rotary_dim=32, rope_offset=16)),
+                (256, 40, dict(fp4_v=name, dtype="fp32", layout="HND", idx32=True))]
+    if "nvfp4" in PRESETS:
+        out.append((128, 260, dict(fp4_k="nvfp4", fp4_v="nvfp4", hq=0, q_norm=None, k_norm=None, rotary_dim=0,
+                                   paged_append=True, scale_numbers=True, idx32=True)))
+    return out
+
+
 GQA_HEADS = {64: (12, 6), 128: (6, 3), 256: (4, 4)}   # partial groups: 64-d of 8 heads (q 8 + 4, kv 6), 128-d of 4 (q 4 + 2, kv 3)
 
 
@@ -359,7 +380,7 @@ def gqa_cases():
                 hq, hkv = GQA_HEADS[d]
                 case = GQACase(n=n, hq=hq, hkv=hkv, d=d, seed=n * 7 + d, **v)
                 out.append((f"gqa d{d}_n{n}_bm{cfg[0]}_g{cfg[1]}_w{cfg[2]}_" + "_".join(f"{k}={v[k]}" for k in v), case))
-    for d, n, v in GQA_ODD_HEAD_DIMS + GQA_PARTS + GQA_MROPE_V_NORM:
+    for d, n, v in GQA_ODD_HEAD_DIMS + GQA_PARTS + GQA_MROPE_V_NORM + gqa_fp4_cases():
         case = GQACase(n=n, d=d, seed=n * 7 + d, **{"hq": 6, "hkv": 3, **v})
         out.append((f"gqa d{d}_n{n}_" + "_".join(f"{k}={v[k]}" for k in v), case))
     return out

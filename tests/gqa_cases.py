@@ -75,6 +75,8 @@ class GQACase:
     scale_convention: str = "divide"     # or "multiply" (FlashInfer's)
     scale_numbers: bool = False          # the scales passed as Python floats
     paged_append: bool = False           # the slots as FlashInfer's append addressing (kvfuse.PagedAppend)
+    fp4_k: str = ""                      # "nvfp4" / "mxfp4": k_cache in that 4-bit format (uint8 codes, a scale
+    fp4_v: str = ""                      # cache of its own; nvfp4's global scale from `scales`); likewise v_cache
     seed: int = 0
     mrope: str = ""                      # "chunked" / "interleaved": mRoPE, positions [3, n] (rows of a wider buffer)
     mrope_section: tuple = ()            # () : t, h, w = rdim / 2 - 2 h, 3 rdim / 16, 3 rdim / 16
@@ -108,16 +110,22 @@ class GQACase:
             "n", "hq", "hkv", "d", "layout", "fp8")) + ")"
 
 
+FP4_SCALE_DTYPES = {"nvfp4": (16, torch.float8_e4m3fn), "mxfp4": (32, torch.uint8)}   # group, scale dtype
+
+
 def _cache_views(case: GQACase, g: torch.Generator, device):
-    """(k_cache, v_cache, [storages]) for the case: bf16 or fp8 views into random bytes."""
+    """(k_cache, v_cache, [storages], (k_scale_cache, v_scale_cache)) for the case: views into random bytes
+    (bf16, fp8, or a 4-bit format's uint8 codes and its scale cache)."""
     nb = -(-case.n // case.block_size) + case.extra_blocks
     bs, h, d, dv = case.block_size, case.hkv, case.d, case.v_dim
     dt = torch.float8_e4m3fn if case.fp8 else case.act
-    raw = torch.uint8 if case.fp8 else {2: torch.int16, 4: torch.int32}[dt.itemsize]
 
-    def rand(count):
-        lim = 256 if case.fp8 else 1 << (8 * dt.itemsize - 1)
-        return torch.randint(-lim if not case.fp8 else 0, lim, (count,), generator=g, dtype=torch.int64).to(raw)
+    def rand(count, dtype):
+        if dtype.itemsize == 1:
+            return torch.randint(0, 256, (count,), generator=g, dtype=torch.int64).to(torch.uint8)
+        lim = 1 << (8 * dtype.itemsize - 1)
+        return torch.randint(-lim, lim, (count,), generator=g, dtype=torch.int64).to(
+            {2: torch.int16, 4: torch.int32}[dtype.itemsize])
 
     def inner(dim):     # the shape and strides of one block in elements, dense
         if case.layout == "NHD":
@@ -125,24 +133,32 @@ def _cache_views(case: GQACase, g: torch.Generator, device):
         return (h, bs, dim), (bs * dim, dim, 1)
 
     if case.cache == "vllm":
-        assert d == dv
+        assert d == dv and not (case.fp4_k or case.fp4_v)
         shape, strides = inner(d)
         block = bs * h * d
-        storage = rand(nb * 2 * block + 2 * GUARD).to(device)
+        storage = rand(nb * 2 * block + 2 * GUARD, dt).to(device)
         view = storage.view(dt)
         k = torch.as_strided(view, (nb,) + shape, (2 * block,) + strides, GUARD)
         v = torch.as_strided(view, (nb,) + shape, (2 * block,) + strides, GUARD + block)
-        return k, v, [storage]
+        return k, v, [storage], (None, None)
     caches, storages = [], []
-    k_dims = ((case.split, 16), (d - case.split, 32)) if case.k_cache_split else ((d, 16),)
-    for dim, pad in k_dims + (((dv, 48),) if case.v_cache else ()):
+
+    def view(dim, dtype, pad):
         shape, strides = inner(dim)
         block = bs * h * dim + pad                  # padding after every block
-        storage = rand(nb * block + 2 * GUARD).to(device)
-        caches.append(torch.as_strided(storage.view(dt), (nb,) + shape, (block,) + strides, GUARD))
+        storage = rand(nb * block + 2 * GUARD, dtype).to(device)
         storages.append(storage)
+        return torch.as_strided(storage.view(dtype), (nb,) + shape, (block,) + strides, GUARD)
+
+    k_dims = ((case.split, 16), (d - case.split, 32)) if case.k_cache_split else ((d, 16),)
+    for (dim, pad), fp4 in [(kd, case.fp4_k) for kd in k_dims] + ([((dv, 48), case.fp4_v)] if case.v_cache else []):
+        caches.append(view(dim // 2, torch.uint8, pad) if fp4 else view(dim, dt, pad))
+    scale_caches = []
+    for fp4, dim in ((case.fp4_k, d), (case.fp4_v, dv)):
+        group, sdt = FP4_SCALE_DTYPES[fp4] if fp4 else (0, None)
+        scale_caches.append(view(dim // group, sdt, 8) if fp4 else None)
     k_cache = tuple(caches[:2]) if case.k_cache_split else caches[0]
-    return k_cache, caches[-1] if case.v_cache else None, storages
+    return k_cache, caches[-1] if case.v_cache else None, storages, tuple(scale_caches)
 
 
 def build(case: GQACase, device="cpu"):
@@ -161,7 +177,7 @@ def build(case: GQACase, device="cpu"):
         k = random_act((n, hkv, d), case.seed + 1, case.act).to(device)
         v = random_act((n, hkv, dv), case.seed + 2, case.act).to(device)
         inputs = [q, k, v]
-    k_cache, v_cache, storages = _cache_views(case, g, device)
+    k_cache, v_cache, storages, scale_caches = _cache_views(case, g, device)
     cap = _first(k_cache).shape[0] * case.block_size
     idx = torch.int32 if case.idx32 else torch.int64
     if case.slots == "contiguous":
@@ -198,6 +214,13 @@ def build(case: GQACase, device="cpu"):
         kw["v_norm_args"] = kvfuse.NormArgs(None if w is None else w.to(device), eps=1e-6)
     if not case.v_cache:
         kw["v"] = None
+    if case.fp4_k or case.fp4_v:        # the formats named (caches of two formats), 4-bit ones with their scales
+        other = "fp8_e4m3" if case.fp8 else "auto"
+        kw["k_format"] = case.fp4_k or other
+        kw["k_scale_cache"] = scale_caches[0]
+        if case.v_cache:
+            kw["v_format"] = case.fp4_v or other
+            kw["v_scale_cache"] = scale_caches[1]
     if case.fp8:
         kw["k_scale"] = torch.tensor([case.scales[0]], device=device)
         kw["v_scale"] = torch.tensor(case.scales[1], device=device) if case.v_cache else None
@@ -207,6 +230,11 @@ def build(case: GQACase, device="cpu"):
                 if case.hkv >= 3:
                     per_head[-1] = 2.0 ** 70
                 kw[name] = torch.tensor(per_head, dtype=torch.float32, device=device)
+    for fp4, name, base in ((case.fp4_k, "k_scale", case.scales[0]), (case.fp4_v, "v_scale", case.scales[1])):
+        if fp4 or not case.fp8:
+            kw.pop(name, None)
+        if fp4 == "nvfp4" and (name == "k_scale" or case.v_cache):      # the global decode scale
+            kw[name] = torch.tensor([base], device=device)
     if case.inplace:
         kw["q_out"] = q
         q_buf = None

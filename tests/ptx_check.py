@@ -54,15 +54,18 @@ ONE_INPUT = {"xt_ptr": None, "sxt_n": None, "sxt_h": None}
 GQA_TAILS = ("q2_ptr", "sq2_n", "sq2_h", "k2_ptr", "sk2_n", "sk2_h", "qo2_ptr", "so2_n", "so2_h", "kd2_ptr",
              "kd2_blk", "kd2_tok", "kd2_head")
 GQA_PAGED_APPEND = ("pa_b", "pa_p", "pa_indptr", "pa_idx", "pa_nreq", "pa_nidx")
-# the caches' formats: K and V of one (FP8's), static casts to e4m3, no per-(token, head) scales; plain RoPE (no
-# mRoPE), no V-norm
+# the caches' formats: K and V of one (FP8's), static casts to e4m3, no per-(token, head) scales, no 4-bit
+# caches; plain RoPE (no mRoPE), no V-norm
 GQA_SCALE_CACHES = ("ksc_ptr", "ksc_blk", "ksc_tok", "ksc_head", "vsc_ptr", "vsc_blk", "vsc_tok", "vsc_head")
+GQA_FP4_SCALES = ("ksf_ptr", "ksf_blk", "ksf_tok", "ksf_head", "vsf_ptr", "vsf_blk", "vsf_tok", "vsf_head")
 GQA_MROPE = ("s_pos3",)
 GQA_V_NORM = ("vw_ptr", "v_eps")
-ONE_PART = {**{name: None for name in GQA_TAILS + GQA_PAGED_APPEND + GQA_SCALE_CACHES + GQA_MROPE + GQA_V_NORM},
+ONE_PART = {**{name: None for name in GQA_TAILS + GQA_PAGED_APPEND + GQA_SCALE_CACHES + GQA_FP4_SCALES + GQA_MROPE
+               + GQA_V_NORM},
             "qs_ptr": None, "SPLIT": 0, "Q_FP8": False, "SCALE_MUL": False, "SCALE_BY_VALUE": False, "HAS_V": True,
             "V_FP8": None, "K_E5M2": False, "V_E5M2": False, "K_PTH": 0, "V_PTH": 0, "MROPE_T": 0, "MROPE_H": 0,
-            "MROPE_W": 0, "MROPE_INTERLEAVED": False, "V_NORM": False, "VW_BF16": False, "LOG2_BLOCK_DV": 0}
+            "MROPE_W": 0, "MROPE_INTERLEAVED": False, "V_NORM": False, "VW_BF16": False, "LOG2_BLOCK_DV": 0,
+            "K_FP4": 0, "V_FP4": 0}
 
 
 def compile_ptx(fn, consts, num_warps=4, ptr_types=None):
@@ -198,6 +201,17 @@ def gqa_variants():
         {**ptrs, "kc_ptr": "*bf16", "vc_ptr": "*bf16"}
     yield "gqa_fp8_v_norm_weight_fp32_cast", {**passed(v_norm, GQA_V_NORM), "NUMERICS": 2, "VW_BF16": True},\
         {**ptrs, "vw_ptr": "*bf16"}
+    # 4-bit caches (kvfuse/kernels/gqa_fp4.py): codes and scale caches as bytes, the whole-row form; NVFP4 with
+    # its global scales by pointer or (FlashInfer's append) by value, MXFP4 reading the fp32 values
+    fp4 = passed({**base, "FP8": False, "HALVES": False, "K_FP4": 1, "V_FP4": 1}, GQA_FP4_SCALES)
+    fp4_ptrs = {**ptrs, "ksf_ptr": "*u8", "vsf_ptr": "*u8"}
+    yield "gqa_nvfp4_kv", fp4, fp4_ptrs
+    yield "gqa_nvfp4_kv_by_value_paged_append_heads4", passed({**fp4, "BLOCK_M": 2, "G": 4, "Q_NORM": False,
+                                                               "K_NORM": False, "ROPE": False, "SCALE_BY_VALUE": True},
+                                                              GQA_PAGED_APPEND), \
+        {**fp4_ptrs, **paged, "ks_ptr": "fp32", "vs_ptr": "fp32"}
+    yield "gqa_mxfp4_kv_fp32_cast_gptj", {**fp4, "K_FP4": 2, "V_FP4": 2, "BLOCK_M": 4, "G": 2, "NUMERICS": 2,
+                                          "NEOX": False}, fp4_ptrs
 
 
 def grouped_variants():

@@ -11,6 +11,9 @@ swap to ``from kvfuse.engines import flashinfer``.
   as pairs of tensors, fp8 q (and k) outputs, FlashInfer's multiply-by-scale convention with its scales
   as numbers, numerics "fused_fp32_cast" (RoPE in fp32, the cast reads the fp32 value), MLA's
   separate ckv / kpe caches as a K cache held as two tensors.
+- :func:`nvfp4_quantize_append_paged_kv_cache` and :func:`nvfp4_quantize_append_paged_kv_cache_with_slot_mapping`
+  (``flashinfer.page``) -> :func:`kvfuse.fused_qk_norm_rope_store_kv` with zero q heads and the "nvfp4"
+  cache format (e2m1 codes, e4m3 block scales in ``kv_cache_sf``, the global scales as k_scale / v_scale).
 
 Numerics: FlashInfer's CUDA RoPE is compiled with FMA contraction (``a * cos + b * sin`` in one rounding
 or two, as the compiler chose), so its bytes cannot be reproduced by an exact chain. kvfuse's RoPE rounds
@@ -23,6 +26,8 @@ multiple of 8 in the append and RoPE-quantize, of 16 in the RoPE) raises TypeErr
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..args import FusedCall, PagedAppend, RopeArgs
@@ -31,7 +36,8 @@ from ..group import fused_group
 from . import _checks
 
 __all__ = ["append_paged_kv_cache", "apply_rope_with_cos_sin_cache", "apply_rope_with_cos_sin_cache_inplace",
-           "rope_quantize_fp8", "mla_rope_quantize_fp8", "rope_quantize_fp8_append_paged_kv_cache", "KV_LAYOUTS"]
+           "rope_quantize_fp8", "mla_rope_quantize_fp8", "rope_quantize_fp8_append_paged_kv_cache", "nvfp4_quantize_append_paged_kv_cache",
+           "nvfp4_quantize_append_paged_kv_cache_with_slot_mapping", "KV_LAYOUTS"]
 
 KV_LAYOUTS = ("NHD", "HND")
 _APPEND_DTYPES = (torch.bfloat16, torch.float16)
@@ -41,18 +47,21 @@ _APPEND_NAMES = {"k": "append_key", "v": "append_value", "k_cache": "paged_kv_ca
 _ROPE_NAMES = {"calls[0]": "query", "calls[1]": "key"}
 
 
-def _paged_caches(paged_kv_cache, kv_layout, dtype):
+def _cache_pair(caches, name: str):
+    """(k, v) from FlashInfer's (k, v) tuple or its single [num_pages, 2, ...] tensor (its [:, 0] / [:, 1])."""
+    if isinstance(caches, torch.Tensor):
+        if caches.dim() != 5 or caches.shape[1] != 2:
+            raise ValueError(f"{name}: a single tensor must be [max_num_pages, 2, ...], got shape "
+                             f"{tuple(caches.shape)}")
+        return caches[:, 0], caches[:, 1]
+    if isinstance(caches, (tuple, list)) and len(caches) == 2:
+        return tuple(_checks.tensor(c, name) for c in caches)
+    raise TypeError(f"{name} must be a (k_cache, v_cache) tuple or one 5-d tensor, got {type(caches).__name__}")
+
+
+def _paged_caches(paged_kv_cache, dtype):
     """(k_cache, v_cache) from FlashInfer's tuple or its single [num_pages, 2, ...] tensor, of the inputs' dtype."""
-    if isinstance(paged_kv_cache, torch.Tensor):
-        if paged_kv_cache.dim() != 5 or paged_kv_cache.shape[1] != 2:
-            raise ValueError(f"paged_kv_cache: a single tensor must be [max_num_pages, 2, ...] ({kv_layout}), "
-                             f"got shape {tuple(paged_kv_cache.shape)}")
-        k_cache, v_cache = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
-    elif isinstance(paged_kv_cache, (tuple, list)) and len(paged_kv_cache) == 2:
-        k_cache, v_cache = (_checks.tensor(c, "paged_kv_cache") for c in paged_kv_cache)
-    else:
-        raise TypeError("paged_kv_cache must be a (k_cache, v_cache) tuple or one 5-d tensor, got "
-                        f"{type(paged_kv_cache).__name__}")
+    k_cache, v_cache = _cache_pair(paged_kv_cache, "paged_kv_cache")
     for c in (k_cache, v_cache):
         if c.dtype != dtype:
             raise TypeError(f"paged_kv_cache: dtype {c.dtype} is not supported yet (kvfuse appends {dtype} "
@@ -91,7 +100,7 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
         raise TypeError(f"append_value: expected append_key's dtype {append_key.dtype}, got {append_value.dtype}")
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout: expected one of {KV_LAYOUTS}, got {kv_layout!r}")
-    k_cache, v_cache = _paged_caches(paged_kv_cache, kv_layout, append_key.dtype)
+    k_cache, v_cache = _paged_caches(paged_kv_cache, append_key.dtype)
     batch_indices, positions = _int_vector(batch_indices, "batch_indices"), _int_vector(positions, "positions")
     kv_indices, kv_indptr = _int_vector(kv_indices, "kv_indices"), _int_vector(kv_indptr, "kv_indptr")
     _checks.tensor(kv_last_page_len, "kv_last_page_len")
@@ -323,3 +332,118 @@ def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, c
                                     v_scale=None if v is None else skv, numerics="fused_fp32_cast",
                                     scale_convention="multiply")
     return q_outs[0], q_outs[1]
+
+
+# --------------------------------------------------------------------------- NVFP4 append (codes + e4m3 block scales)
+_NVFP4_NAMES = {"k": "append_key", "v": "append_value", "k_cache": "paged_kv_cache", "v_cache": "paged_kv_cache",
+                "k_scale_cache": "kv_cache_sf", "v_scale_cache": "kv_cache_sf", "slot_mapping": "slot_mapping",
+                "slot_mapping.batch_indices": "batch_indices", "slot_mapping.positions": "positions",
+                "slot_mapping.kv_indptr": "kv_indptr", "slot_mapping.kv_indices": "kv_indices"}
+
+
+def _nvfp4_inputs(append_key, append_value, kv_layout, paged_kv_cache, kv_cache_sf):
+    """FlashInfer's checks of the NVFP4 appends (ValueError as FlashInfer's): -> (k_cache, v_cache, k_sf, v_sf)."""
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout: expected one of {KV_LAYOUTS}, got {kv_layout!r}")
+    _checks.tensor(append_key, "append_key")
+    _checks.tensor(append_value, "append_value")
+    if append_key.dtype not in _APPEND_DTYPES:
+        raise ValueError(f"append_key must be float16 or bfloat16, got {append_key.dtype}")
+    if append_value.dtype != append_key.dtype:
+        raise ValueError(f"append_key and append_value must have the same dtype, got {append_key.dtype} and "
+                         f"{append_value.dtype}")
+    for t, name in ((append_key, "append_key"), (append_value, "append_value")):
+        if t.dim() != 3:
+            raise ValueError(f"{name}: expected [nnz, num_kv_heads, head_dim], got shape {tuple(t.shape)}")
+        _checks.head_size(t.shape[-1], name, 16)
+    k_cache, v_cache = _cache_pair(paged_kv_cache, "paged_kv_cache")
+    k_sf, v_sf = _cache_pair(kv_cache_sf, "kv_cache_sf")
+    if k_cache.dtype != torch.uint8 or v_cache.dtype != torch.uint8:
+        raise ValueError("paged_kv_cache: NVFP4 paged K/V cache tensors must have dtype torch.uint8")
+    if k_sf.dtype != torch.float8_e4m3fn or v_sf.dtype != torch.float8_e4m3fn:
+        raise ValueError("kv_cache_sf: NVFP4 scale cache tensors must have dtype torch.float8_e4m3fn")
+    return k_cache, v_cache, k_sf, v_sf
+
+
+def _global_scale(value, name: str) -> float:
+    """A global decode scale as a positive finite number (FlashInfer's float(...) and its check)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected a float, got bool")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must have exactly one element, got {value.numel()}")
+        if value.dtype != torch.float32:
+            raise ValueError(f"{name} must be torch.float32, got {value.dtype}")
+    try:
+        scale = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__}") from None
+    if not math.isfinite(scale) or scale <= 0.0:
+        raise ValueError(f"{name} must be a positive finite global decode scale, got {scale}")
+    return scale
+
+
+def _global_scales(k_scale, v_scale, device):
+    """The slot-mapping variant's k_scale / v_scale: fp32 one-element tensors on the caches' device are
+    passed on as they are (read by the kernel, no host synchronization; their values are checked with
+    kvfuse's data checks, KVFUSE_CHECKS); otherwise both as numbers, each checked here."""
+    if all(isinstance(s, torch.Tensor) and s.device == device for s in (k_scale, v_scale)):
+        for s, name in ((k_scale, "k_scale"), (v_scale, "v_scale")):
+            if s.numel() != 1:
+                raise ValueError(f"{name} must have exactly one element, got {s.numel()}")
+            if s.dtype != torch.float32:
+                raise ValueError(f"{name} must be torch.float32, got {s.dtype}")
+        return k_scale.reshape(1), v_scale.reshape(1)
+    return _global_scale(k_scale, "k_scale"), _global_scale(v_scale, "v_scale")
+
+
+def nvfp4_quantize_append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache,
+                                         kv_cache_sf, kv_indices, kv_indptr, kv_last_page_len, k_scale, v_scale,
+                                         kv_layout="NHD"):
+    """FlashInfer's ``nvfp4_quantize_append_paged_kv_cache``: K and V rows quantized to NVFP4 (e2m1 codes,
+    two a byte, the even element in the low nibble; one e4m3 scale per 16 values; ``k_scale`` / ``v_scale``
+    the global decode scales: value = e2m1 * scale * global scale) and appended at FlashInfer's page
+    addressing (entry i to page ``kv_indices[kv_indptr[batch_indices[i]] + positions[i] // page_size]``,
+    offset ``positions[i] % page_size``; ``kv_last_page_len`` is not read by the write).
+
+    append_key, append_value: bf16 or fp16 (the same) [nnz, num_kv_heads, head_dim], head_dim a multiple
+    of 16. paged_kv_cache: uint8 (k_cache, v_cache) [max_num_pages, page_size, num_kv_heads, head_dim // 2]
+    ("NHD") or [max_num_pages, num_kv_heads, page_size, head_dim // 2] ("HND"), or one 5-d tensor whose
+    [:, 0] / [:, 1] are they; kv_cache_sf: float8_e4m3fn the same with last dim head_dim // 16. k_scale,
+    v_scale: positive finite numbers. The numerics are FlashInfer's rule with IEEE operations (SPEC §11,
+    the "nvfp4" format). One launch of :func:`kvfuse.fused_qk_norm_rope_store_kv` (no q heads)."""
+    k_cache, v_cache, k_sf, v_sf = _nvfp4_inputs(append_key, append_value, kv_layout, paged_kv_cache, kv_cache_sf)
+    ks, vs = _global_scale(k_scale, "k_scale"), _global_scale(v_scale, "v_scale")
+    slots = PagedAppend(*(_int_vector(t, name) for t, name in ((kv_indices, "kv_indices"), (kv_indptr, "kv_indptr"),
+                                                                (batch_indices, "batch_indices"),
+                                                                (positions, "positions"))))
+    _checks.tensor(kv_last_page_len, "kv_last_page_len")
+    with _checks.engine_names(_NVFP4_NAMES):
+        fused_qk_norm_rope_store_kv(append_key[:, :0], append_key, append_value, k_cache, v_cache, slots,
+                                    k_scale=ks, v_scale=vs, layout=kv_layout, k_format="nvfp4", v_format="nvfp4",
+                                    k_scale_cache=k_sf, v_scale_cache=v_sf)
+
+
+def nvfp4_quantize_append_paged_kv_cache_with_slot_mapping(append_key, append_value, slot_mapping, paged_kv_cache,
+                                                           kv_cache_sf, k_scale, v_scale, kv_layout="NHD"):
+    """FlashInfer's ``nvfp4_quantize_append_paged_kv_cache_with_slot_mapping``: as
+    :func:`nvfp4_quantize_append_paged_kv_cache`, row i written to slot ``slot_mapping[i]`` (page
+    ``slot // page_size``, entry ``slot % page_size``); a negative slot is padding and writes nothing, as
+    does one past the cache. Only the first ``slot_mapping.shape[0]`` rows of append_key / append_value
+    are read (they may hold more). k_scale, v_scale: positive finite numbers, or fp32 one-element tensors
+    (on the caches' device they are read by the kernel: CUDA-graph safe). This is vLLM 0.33.0's NVFP4 cache
+    write on SM80 / SM90 / SM120 (vllm/v1/attention/backends/flashinfer.py ``do_kv_cache_update``, its
+    pages split by ``_nvfp4_kv_views``). One launch of :func:`kvfuse.fused_qk_norm_rope_store_kv`."""
+    k_cache, v_cache, k_sf, v_sf = _nvfp4_inputs(append_key, append_value, kv_layout, paged_kv_cache, kv_cache_sf)
+    _checks.slots(slot_mapping)
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    n = slot_mapping.shape[0]
+    if append_key.shape[0] < n or append_value.shape[0] < n:
+        raise ValueError("append_key and append_value must have at least slot_mapping.shape[0] rows")
+    ks, vs = _global_scales(k_scale, v_scale, k_cache.device)
+    key, value = append_key[:n], append_value[:n]
+    with _checks.engine_names(_NVFP4_NAMES):
+        fused_qk_norm_rope_store_kv(key[:, :0], key, value, k_cache, v_cache, slot_mapping, k_scale=ks, v_scale=vs,
+                                    layout=kv_layout, k_format="nvfp4", v_format="nvfp4", k_scale_cache=k_sf,
+                                    v_scale_cache=v_sf)

@@ -49,6 +49,7 @@ from .config import DIRECT_LAUNCH, FORCED, INTERPRET, cdiv, native, next_pow2
 from .launcher import Launch, tensor_arg
 from .router import pdl_launch, with_pdl
 from .gluon.common import table_entry
+from .gqa_fp4 import FP4_CODES, FP4_NVFP4, store_fp4_rows
 from .numerics import (div_rn_by_reciprocal, encode_e4m3, encode_e5m2, encode_int8_rhaz, load_f32, round_bf16,
                        row_amax, token_head_scale)
 
@@ -384,7 +385,8 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
               pa_indptr=None, pa_idx=None, pa_nreq=None, pa_nidx=None, E5M2: tl.constexpr = False,
               PTH: tl.constexpr = 0, sc_ptr=None, sc_blk=None, sc_tok=None, sc_head=None, s_pos3=None,
               MROPE_T: tl.constexpr = 0, MROPE_H: tl.constexpr = 0, MROPE_W: tl.constexpr = 0,
-              MROPE_INTERLEAVED: tl.constexpr = False):
+              MROPE_INTERLEAVED: tl.constexpr = False, FP4: tl.constexpr = 0, sf_ptr=None, sf_blk=None, sf_tok=None,
+              sf_head=None):
     """Heads h0 .. h0 + G - 1 (those < H) of q or k for BLOCK_M tokens: norm -> RoPE -> the row at dst_ptr:
     q_out (bf16; token stride dst_n, which may be q itself), or (TO_CACHE) the record of the token's slot
     in a cache of (block, token) strides (c_blk, dst_n), bf16 or e4m3 by the scale. Every load that waits
@@ -403,8 +405,10 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
     whole head), the codes as bytes at dst_ptr, the scale at sc_ptr (the scale cache: (block, token, head)
     strides sc_blk, sc_tok, sc_head). MROPE_T > 0: mRoPE, positions [3, n] (row stride s_pos3, token stride
     s_pos), each frequency's cos / sin from the row MROPE_T / _H / _W and MROPE_INTERLEAVED give it
-    (_mrope_rows)."""
-    KEEP_F32: tl.constexpr = (STORE_FP8 or PTH != 0) and NUMERICS == NUMERICS_FP32_CAST
+    (_mrope_rows). FP4 (kvfuse/kernels/gqa_fp4.py; the whole-row form only): the record holds e2m1 codes
+    (dst_ptr bytes, D / 2 a row) and its group scales go to sf_ptr ((block, token, head) strides sf_blk,
+    sf_tok, sf_head); an NVFP4 global scale is read as the e4m3 scale is."""
+    KEEP_F32: tl.constexpr = (STORE_FP8 or PTH != 0 or FP4 != 0) and NUMERICS == NUMERICS_FP32_CAST
     MROPE: tl.constexpr = MROPE_T > 0
     pos = tok
     pos_h = tok
@@ -424,6 +428,11 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
         if SCALE_PER_HEAD:
             scs = _head_scales(scale_ptr, h0, H, G)
         elif SCALE_BY_VALUE:
+            sc = scale_ptr
+        else:
+            sc = tl.load(scale_ptr)
+    if FP4 == FP4_NVFP4:
+        if SCALE_BY_VALUE:
             sc = scale_ptr
         else:
             sc = tl.load(scale_ptr)
@@ -531,6 +540,9 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
                 _, dst2_tok = _record(slot, rmask, c2_blk, dst2_n, block_size, capacity, SLOT32)
             else:
                 dst2_tok = tok * dst2_n
+        sf_row = dst_tok
+        if FP4 != 0:
+            _, sf_row = _record(slot, rmask, sf_blk, sf_tok, block_size, capacity, SLOT32)
         for g in tl.static_range(G):
             h = h0 + g
             rm = tl.where(h < H, rmask, False)     # (rmask & scalar: int32 in the interpreter)
@@ -546,6 +558,9 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
                 mk = (ok & rm)[:, None, None] & cmask[None, :, :]
                 _store_pth_row(dst_ptr, dst, dst2_ptr, dst2, col, mk, y, row_amax(y, mk), sc_ptr,
                                sc_tok_addr + h.to(tl.int64) * sc_head, ok & rm, PTH, NATIVE, SPLIT)
+            elif FP4 != 0:
+                store_fp4_rows(dst_ptr, dst_tok + h.to(tl.int64) * dst_h, sf_ptr, sf_row + h.to(tl.int64) * sf_head,
+                               y, ok & rm, sc, D, BLOCK_D, BLOCK_M, FP4, NATIVE)
             elif STORE_FP8 and SCALE_PER_HEAD:
                 sch = scs[g]
                 rch, fsh = _scale_rcp(sch)
@@ -582,15 +597,16 @@ def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, 
              pa_b=None, pa_p=None, pa_indptr=None, pa_idx=None, pa_nreq=None, pa_nidx=None,
              E5M2: tl.constexpr = False, PTH: tl.constexpr = 0, sc_ptr=None, sc_blk=None, sc_tok=None, sc_head=None,
              vw_ptr=None, v_eps=None, V_NORM: tl.constexpr = False, VW_BF16: tl.constexpr = False,
-             LOG2_BLOCK_DV: tl.constexpr = 0, BLOCK_M: tl.constexpr = 1, NUMERICS: tl.constexpr = 0):
+             LOG2_BLOCK_DV: tl.constexpr = 0, BLOCK_M: tl.constexpr = 1, NUMERICS: tl.constexpr = 0,
+             FP4: tl.constexpr = 0, sf_ptr=None, sf_blk=None, sf_tok=None, sf_head=None):
     """Heads h0 .. h0 + G - 1 (those < H) of v: copied (bf16 cache: the bits) or cast by v_scale into the
     records of the tokens' slots in vc_ptr ((block, token, head) strides c_blk, c_tok, dst_h). The slot,
     the scale and every head's values are loaded before anything waits on a load
     (_qk_heads); the values of a token whose slot is invalid are loaded and not stored. SCALE_MUL,
-    SCALE_BY_VALUE, E5M2, PTH and the scale cache sc_*: as in _qk_heads. V_NORM: each row is RMS-normed first
-    (eps v_eps; weight vw_ptr [DV], or none for vw_ptr None), rounded as the QK-norm is under NUMERICS
-    (_normed_act, _finish)."""
-    if PTH:
+    SCALE_BY_VALUE, E5M2, PTH and the scale cache sc_*, FP4 (BLOCK_M tokens) and sf_*: as in _qk_heads.
+    V_NORM: each row is RMS-normed first (eps v_eps; weight vw_ptr [DV], or none for vw_ptr None), rounded as
+    the QK-norm is under NUMERICS (_normed_act, _finish)."""
+    if PTH != 0 or FP4 != 0:
         VALUES: tl.constexpr = True        # loaded as fp32 values (else as FP8 and V_NORM say: values or bits)
     else:
         VALUES: tl.constexpr = FP8 or V_NORM
@@ -607,6 +623,11 @@ def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, 
             sc = vs_ptr
         else:
             sc = tl.load(vs_ptr)
+    if FP4 == FP4_NVFP4:
+        if SCALE_BY_VALUE:
+            sc = vs_ptr
+        else:
+            sc = tl.load(vs_ptr)
     vals = ()                                      # every head's loads before any store
     for g in tl.static_range(G):
         vals = vals + (_v_load(v_ptr, sv_n, sv_h, h0 + g, H, tok, rmask, colv, vmask, VALUES, ACT),)
@@ -618,17 +639,23 @@ def _v_heads(v_ptr, sv_n, sv_h, h0, H, tok, rmask, vc_ptr, c_blk, c_tok, dst_h, 
     sc_tok_addr = dst_tok
     if PTH:
         _, sc_tok_addr = _record(slot, rmask, sc_blk, sc_tok, block_size, capacity, SLOT32)
+    sf_row = dst_tok
+    if FP4 != 0:
+        _, sf_row = _record(slot, rmask, sf_blk, sf_tok, block_size, capacity, SLOT32)
     for g in tl.static_range(G):
         h = h0 + g
         val = vals[g]
         if V_NORM:
             val = _v_normed(val, w, v_eps, DV, NVV, LOG2_BLOCK_DV, VEC, BLOCK_M, ACT, NUMERICS,
-                            (FP8 or PTH != 0) and NUMERICS == NUMERICS_FP32_CAST, NATIVE)
+                            (FP8 or PTH != 0 or FP4 != 0) and NUMERICS == NUMERICS_FP32_CAST, NATIVE)
         dst = (dst_tok + h.to(tl.int64) * dst_h)[:, None, None] + colv[None, :, :]
         okm = tl.where(h < H, ok, False)[:, None, None] & vmask[None, :, :]
         if PTH:
             _store_pth_row(vc_ptr, dst, None, dst, colv, okm, val, row_amax(val, okm), sc_ptr,
                            sc_tok_addr + h.to(tl.int64) * sc_head, tl.where(h < H, ok, False), PTH, NATIVE, 0)
+        elif FP4 != 0:
+            store_fp4_rows(vc_ptr, dst_tok + h.to(tl.int64) * dst_h, sf_ptr, sf_row + h.to(tl.int64) * sf_head, val,
+                           tl.where(h < H, ok, False), sc, DV, BLOCK_DV, BLOCK_M, FP4, NATIVE)
         elif FP8:
             if SCALE_PER_HEAD:
                 sch = scs[g]
@@ -659,7 +686,8 @@ def _v_normed(v, w, eps, DV: tl.constexpr, NVV: tl.constexpr, LOG2_BLOCK_DV: tl.
 
 @triton.jit
 def _v_load(v_ptr, sv_n, sv_h, h, H, tok, rmask, colv, vmask, FP8: tl.constexpr, ACT: tl.constexpr = 0):
-    """Head h of v for the program's tokens (live where rmask and h < H): fp32 values (FP8), else the bits
+    """Head h of v for the program's tokens (live where rmask and h < H): fp32 values (FP8: a cast reads
+    them), else the bits
     (32 of them for fp32 activations)."""
     src = (tok * sv_n + h.to(tl.int64) * sv_h)[:, None, None] + colv[None, :, :]
     okm = tl.where(h < H, rmask, False)[:, None, None] & vmask[None, :, :]
@@ -715,6 +743,11 @@ def qkv_kernel(
     MROPE_T: tl.constexpr = 0, MROPE_H: tl.constexpr = 0, MROPE_W: tl.constexpr = 0,
     MROPE_INTERLEAVED: tl.constexpr = False,
     V_NORM: tl.constexpr = False, VW_BF16: tl.constexpr = False, LOG2_BLOCK_DV: tl.constexpr = 0,
+    # 4-bit caches (kvfuse/kernels/gqa_fp4.py FP4_*; 0: none): k's and v's records hold e2m1 codes, their
+    # group scales go to ksf_ptr / vsf_ptr ((block, token, head) strides in bytes); ks_ptr / vs_ptr: the
+    # NVFP4 global decode scales
+    K_FP4: tl.constexpr = 0, V_FP4: tl.constexpr = 0, ksf_ptr=None, ksf_blk=None, ksf_tok=None, ksf_head=None,
+    vsf_ptr=None, vsf_blk=None, vsf_tok=None, vsf_head=None,
 ):
     """One program: BLOCK_M tokens of G heads of one kind (see the module docstring). PDL (programmatic
     dependent launch): wait for the previous kernel before the first read. No early launch_dependents:
@@ -753,7 +786,7 @@ def qkv_kernel(
                   HALVES, KV_CACHE, FP8, SLOT32, NATIVE, K_SCALE_PER_HEAD, ACT, NUMERICS, k2_ptr, sk2_n, sk2_h,
                   kd2_ptr, kd2_tok, kd2_head, kd2_blk, SPLIT, SCALE_MUL, SCALE_BY_VALUE, pa_b, pa_p, pa_indptr,
                   pa_idx, pa_nreq, pa_nidx, K_E5M2, K_PTH, ksc_ptr, ksc_blk, ksc_tok, ksc_head, s_pos3, MROPE_T,
-                  MROPE_H, MROPE_W, MROPE_INTERLEAVED)
+                  MROPE_H, MROPE_W, MROPE_INTERLEAVED, K_FP4, ksf_ptr, ksf_blk, ksf_tok, ksf_head)
     elif KV_CACHE and HAS_V:
         if V_FP8 is None:       # V's cache of K's format
             v_fp8: tl.constexpr = FP8
@@ -762,7 +795,8 @@ def qkv_kernel(
         _v_heads(v_ptr, sv_n, sv_h, (grp - QG - KG) * G, HKV, tok, rmask, vc_ptr, vc_blk, vc_tok, vc_head, slot_ptr,
                  s_slot, block_size, capacity, vs_ptr, DV, BLOCK_DV, VEC, G, v_fp8, SLOT32, NATIVE, V_SCALE_PER_HEAD,
                  ACT, SCALE_MUL, SCALE_BY_VALUE, pa_b, pa_p, pa_indptr, pa_idx, pa_nreq, pa_nidx, V_E5M2, V_PTH,
-                 vsc_ptr, vsc_blk, vsc_tok, vsc_head, vw_ptr, v_eps, V_NORM, VW_BF16, LOG2_BLOCK_DV, BLOCK_M, NUMERICS)
+                 vsc_ptr, vsc_blk, vsc_tok, vsc_head, vw_ptr, v_eps, V_NORM, VW_BF16, LOG2_BLOCK_DV, BLOCK_M, NUMERICS,
+                 V_FP4, vsf_ptr, vsf_blk, vsf_tok, vsf_head)
 
 
 # --------------------------------------------------------------------------- launch configuration
@@ -813,9 +847,9 @@ def launch_config(n: int, block_d: int, heads: int = 1, interpret: bool = INTERP
 def halves_mode(plan, d: int, block_d: int) -> bool:
     """The q and k rows go as their two halves (``_qk_halves_row``): NEOX RoPE over the whole row
     (rotary_dim == head_dim, a power of two, offset 0), whose halves are whole 8-column vectors, and no
-    head held as two tensors."""
+    head held as two tensors; k's cache not 4-bit (its cast takes whole rows)."""
     return (plan.positions is not None and plan.is_neox and plan.rotary_dim == d == block_d
-            and plan.rope_offset == 0 and (d // 2) % 8 == 0 and plan.split == 0)
+            and plan.rope_offset == 0 and (d // 2) % 8 == 0 and plan.split == 0 and plan.k_format not in FP4_CODES)
 
 
 _TAIL_PARAMS = ("q2_ptr", "sq2_n", "sq2_h", "k2_ptr", "sk2_n", "sk2_h", "qo2_ptr", "so2_n", "so2_h",
@@ -950,6 +984,14 @@ def launch_args(plan, tensor=None):
             field = which.lower() + "_scale_cache"
             options.update(zip((f"{which.lower()}sc_ptr", f"{which.lower()}sc_blk", f"{which.lower()}sc_tok",
                                 f"{which.lower()}sc_head"), (tensor(field), *plan.cache_strides(scale_cache))))
+    # 4-bit caches: the format's code and its scale cache (pointer, then block / token / head strides in bytes)
+    for side, prefix in (("k", "K"), ("v", "V")):
+        fp4 = FP4_CODES.get(getattr(plan, side + "_format")) if plan.has_cache else None
+        if fp4 is not None:
+            field = side + "_scale_cache"
+            options[prefix + "_FP4"] = fp4
+            options.update(zip((side + "sf_ptr", side + "sf_blk", side + "sf_tok", side + "sf_head"),
+                               (tensor(field), *plan.cache_strides(getattr(plan, field)))))
     if plan.mrope_section is not None:
         options.update(s_pos3=plan.positions.stride(0), MROPE_T=plan.mrope_section[0],
                        MROPE_H=plan.mrope_section[1], MROPE_W=plan.mrope_section[2],

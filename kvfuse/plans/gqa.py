@@ -59,8 +59,11 @@ def _check_cache(cache, name, layout, nb_bs, heads, dim, dev, act=None, fmt=None
         raise TypeError(f"{name}: expected dtype {' or '.join(str(d) for d in allowed)}, got {cache.dtype}")
     if cache.device != dev:
         raise ValueError(f"{name}: expected device {dev}, got {cache.device}")
-    want = "[num_blocks, block_size, num_kv_heads, head_dim]" if layout == "NHD" else \
-        "[num_blocks, num_kv_heads, block_size, head_dim]"
+    per = 1 if fmt is None else fmt.values_per_element      # e2m1: two codes a byte, last dim head_dim / 2
+    dim //= per
+    last = "head_dim" if per == 1 else f"head_dim / {per}"
+    want = f"[num_blocks, block_size, num_kv_heads, {last}]" if layout == "NHD" else \
+        f"[num_blocks, num_kv_heads, block_size, {last}]"
     if cache.dim() != 4:
         raise ValueError(f"{name}: expected {layout} shape {want}, got {tuple(cache.shape)}")
     nb = cache.shape[0]
@@ -144,7 +147,10 @@ def _format_of(fmt, cache, act):
 
 
 def _static_scale(scale, name, fmt, fmt_name, dev, heads):
-    """The static scale a format takes (None for the others): _check_scale's (tensor, number)."""
+    """The static scale a format takes (None for the others): _check_scale's (tensor, number); a global
+    scale (NVFP4's) is one element."""
+    if fmt.global_scale:
+        return _check_scale(scale, name, True, dev, None, f"{fmt_name} {fmt.name!r} (its global decode scale)")
     if fmt.scale == "static":
         what = f"a {str(fmt.cache_dtype).removeprefix('torch.')} cache"
     else:
@@ -161,6 +167,9 @@ def _check_scale_cache(sc, name, fmt, fmt_name, cache, cache_name, head_dim, dev
             raise ValueError(f"{name} must be None without a format that stores its scales ({have}), got a "
                              f"{type(sc).__name__}")
         return None
+    if fmt.scale == "block" and head_dim % fmt.group:
+        raise ValueError(f"{name}: {fmt_name} {fmt.name!r} has one scale per {fmt.group} values: the head dim must be "
+                         f"a multiple of {fmt.group}, got {head_dim}")
     shape = fmt.scale_cache_shape(cache.shape, head_dim)
     if sc is None:
         raise ValueError(f"{name}: {fmt_name} {fmt.name!r} stores its scales: expected a {fmt.scale_dtype} tensor "
@@ -297,6 +306,8 @@ def validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_a
         if v_cache is None and v is not None:
             raise ValueError("v: given without v_cache; pass v_cache too, or v=None for a K cache alone")
         kf, vf = _given_format(k_format, "k_format"), _given_format(v_format, "v_format")
+        if kc_tail is not None and kf is not None and kf.scale == "block":
+            raise ValueError(f"k_cache: a pair of caches is not supported with k_format {kf.name!r} (whole heads)")
         if kc_tail is None:
             nb_bs = _check_cache(kc, "k_cache", layout, None, hkv, d, dev, act, kf, "k_format")
         else:
@@ -335,6 +346,8 @@ def validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_a
             plan.v_scale, plan.v_scale_value = _static_scale(v_scale, "v_scale", vf, "v_format", dev, hkv)
             plan.v_scale_cache = _check_scale_cache(v_scale_cache, "v_scale_cache", vf, "v_format", v_cache,
                                                     "v_cache", v.shape[2], dev)
+    if plan.has_cache:
+        _check_global_scales(plan, scale_convention)
     plan.q_tail, plan.k_tail, plan.scale_convention = q_tail, k_tail, scale_convention
     plan.q_weight, plan.q_eps = check_rms_norm(q_norm_args, "q_norm_args", d, dev)
     plan.k_weight, plan.k_eps = check_rms_norm(k_norm_args, "k_norm_args", d, dev)
@@ -360,6 +373,14 @@ def validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_a
     return plan
 
 
+def _check_global_scales(plan, scale_convention):
+    """A format with a global decode scale (NVFP4's) takes the divide convention (SPEC §11)."""
+    for fmt, fmt_name in ((plan.k_fmt, "k_format"), (plan.v_fmt, "v_format")):
+        if fmt.global_scale and scale_convention != "divide":
+            raise ValueError(f"scale_convention: {fmt_name} {fmt.name!r} takes a global decode scale: expected "
+                             f"'divide', got {scale_convention!r}")
+
+
 def validate_load(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_scale=None, k_format=None,
                   v_format=None, k_scale_cache=None, v_scale_cache=None) -> tuple:
     """Check the arguments of :func:`kvfuse.load_gqa_kv_cache` with the rules of the write (SPEC §11):
@@ -373,9 +394,10 @@ def validate_load(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_
     four_d = k_cache.dim() == 4
     heads = (k_cache.shape[2] if layout == "NHD" else k_cache.shape[1]) if four_d else 0
     kf, vf = _given_format(k_format, "k_format"), _given_format(v_format, "v_format")
-    nb_bs = _check_cache(k_cache, "k_cache", layout, None, heads, k_cache.shape[3] if four_d else 0, dev, None, kf,
-                         "k_format")
-    v_dim = v_cache.shape[3] if isinstance(v_cache, torch.Tensor) and v_cache.dim() == 4 else 0
+    k_dim = k_cache.shape[3] * (1 if kf is None else kf.values_per_element) if four_d else 0
+    nb_bs = _check_cache(k_cache, "k_cache", layout, None, heads, k_dim, dev, None, kf, "k_format")
+    v_dim = v_cache.shape[3] * (1 if vf is None else vf.values_per_element) \
+        if isinstance(v_cache, torch.Tensor) and v_cache.dim() == 4 else 0
     _check_cache(v_cache, "v_cache", layout, nb_bs, heads, v_dim, dev, None, vf, "v_format")
     if k_format is None and v_format is None and v_cache.dtype != k_cache.dtype:
         raise TypeError(f"v_cache: expected dtype {k_cache.dtype} (k_cache's), got {v_cache.dtype} (name k_format "
@@ -386,7 +408,7 @@ def validate_load(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_
     vf = vf or _format_of(None, v_cache, v_cache.dtype if v_cache.dtype in ACTIVATION_DTYPES else None)
     _static_scale(k_scale, "k_scale", kf, "k_format", dev, heads)
     _static_scale(v_scale, "v_scale", vf, "v_format", dev, heads)
-    _check_scale_cache(k_scale_cache, "k_scale_cache", kf, "k_format", k_cache, "k_cache", k_cache.shape[3], dev)
+    _check_scale_cache(k_scale_cache, "k_scale_cache", kf, "k_format", k_cache, "k_cache", k_dim, dev)
     _check_scale_cache(v_scale_cache, "v_scale_cache", vf, "v_format", v_cache, "v_cache", v_dim, dev)
     return kf, vf
 

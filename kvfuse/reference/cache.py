@@ -9,6 +9,7 @@ import torch
 from ..formats import KVCacheFormat, q_dtype, sf_dtype
 from .numerics import F32, round_to_bf16
 from .stages import canonical_nan, dequantize
+from .fp4 import dequantize_block_format
 
 
 def _storage_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -144,11 +145,11 @@ def load_gqa_kv(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_sc
                                            (v_cache, v_scale, v_format, v_scale_cache)):
         rows = load_paged(cache, slot_mapping, layout)
         quantized = cache.dtype == torch.float8_e4m3fn if fmt is None else fmt.code != "act"
-        if quantized:
+        if quantized and fmt.scale == "block":     # 4-bit codes and the slot's group scales (zeros: zeros)
+            rows = dequantize_block_format(fmt.name, rows, load_paged(scale_cache, slot_mapping, layout), scale)
+        elif quantized:
             if fmt.scale == "token_head":
                 s = load_paged(scale_cache.unsqueeze(-1), slot_mapping, layout)   # [n, H, 1]: the row's scale
-            elif fmt.scale == "block":
-                raise NotImplementedError(f"no reader for the GQA cache format {fmt.name!r}")
             else:
                 s = scale[:, None] if scale.numel() > 1 else scale.reshape(())
             rows = canonical_nan(round_to_bf16(rows.to(F32) * s.to(F32)))

@@ -12,6 +12,7 @@ from ..plans.types import CastSpec, Plan
 from .numerics import F32
 from .stages import dequantize, hadamard, norm, quantize, quantize_per_tensor, quantize_per_token_head, rmsnorm, rope
 from .cache import paged_append_slots, store, store_paged
+from .fp4 import quantize_block_format
 
 
 def transform(x, weight=None, eps=1e-6, positions=None, cos_sin=None, rotary_dim=0, rope_offset=None,
@@ -116,6 +117,14 @@ def _cache_rows(fmt, y32, rounded, scale, prof, convention):
     raise NotImplementedError(f"the reference has no cast for the GQA cache format {fmt.name!r}")
 
 
+def _store_block(fmt, x, scale, cache, scale_cache, slot_mapping, layout):
+    """A 4-bit format's codes of the values x [n, H, D] into ``cache`` and its group scales into
+    ``scale_cache`` (``scale``: the global one where the format takes it)."""
+    codes, sf = quantize_block_format(fmt.name, x, scale)
+    store_paged(cache, slot_mapping, codes, layout)
+    store_paged(scale_cache, slot_mapping, sf, layout)
+
+
 def qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_out, q_weight=None, q_eps=1e-6, k_weight=None,
                           k_eps=1e-6, positions=None, cos_sin=None, rotary_dim=0, rope_offset=0, is_neox=True,
                           conjugate=False, k_scale=None, v_scale=None, layout="NHD", numerics="staged",
@@ -149,26 +158,35 @@ def qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_out, q_weig
                                                  scale_convention))
     else:
         kf = _cache_format(k_format, k_cache, act)
-        krows, kscales = _cache_rows(kf, k32, ky, k_scale, prof, scale_convention)
-        if kscales is not None:
-            store_paged(k_scale_cache.unsqueeze(-1), slot_mapping, kscales[..., None], layout)
-        if k_cache_tail is None:
-            store_paged(k_cache, slot_mapping, krows, layout)
+        if kf.scale == "block":         # 4-bit codes and their group scales (whole heads)
+            _store_block(kf, k32 if prof.cast_reads_fp32 else ky, k_scale, k_cache, k_scale_cache, slot_mapping,
+                         layout)
         else:
-            split = k_cache.shape[-1]
-            store_paged(k_cache, slot_mapping, krows[..., :split], layout)
-            store_paged(k_cache_tail, slot_mapping, krows[..., split:], layout)
+            krows, kscales = _cache_rows(kf, k32, ky, k_scale, prof, scale_convention)
+            if kscales is not None:
+                store_paged(k_scale_cache.unsqueeze(-1), slot_mapping, kscales[..., None], layout)
+            if k_cache_tail is None:
+                store_paged(k_cache, slot_mapping, krows, layout)
+            else:
+                split = k_cache.shape[-1]
+                store_paged(k_cache, slot_mapping, krows[..., :split], layout)
+                store_paged(k_cache_tail, slot_mapping, krows[..., split:], layout)
         if v_cache is not None:
             vf = _cache_format(v_format, v_cache, act)
             if v_norm:
                 w = v_weight if v_weight is not None else torch.ones(v.shape[-1], dtype=F32, device=v.device)
                 v32 = rmsnorm(v, w, v_eps, out_dtype=act if prof.round_each_stage else F32)
-                vrows, vscales = _cache_rows(vf, v32, v32.to(act), v_scale, prof, scale_convention)
+                v_f32, v_act = v32, v32.to(act)
             else:
-                vrows, vscales = _cache_rows(vf, v.to(F32), v, v_scale, prof, scale_convention)
-            store_paged(v_cache, slot_mapping, vrows, layout)
-            if vscales is not None:
-                store_paged(v_scale_cache.unsqueeze(-1), slot_mapping, vscales[..., None], layout)
+                v_f32, v_act = v.to(F32), v
+            if vf.scale == "block":
+                _store_block(vf, v_f32 if prof.cast_reads_fp32 else v_act, v_scale, v_cache, v_scale_cache,
+                             slot_mapping, layout)
+            else:
+                vrows, vscales = _cache_rows(vf, v_f32, v_act, v_scale, prof, scale_convention)
+                store_paged(v_cache, slot_mapping, vrows, layout)
+                if vscales is not None:
+                    store_paged(v_scale_cache.unsqueeze(-1), slot_mapping, vscales[..., None], layout)
     _write(q_out, q_out_tail, _cast_or_round(q32, qy, q_out.dtype == torch.float8_e4m3fn, q_scale, prof,
                                              scale_convention))
 
