@@ -3,7 +3,10 @@ values the cast reads -> packed e2m1 codes [BLOCK_M, BLOCK_D / 2] and one scale 
 NVFP4 with a global scale (FlashInfer's rule: groups of 16, e4m3 scales) or MXFP4 (SPEC §2's rule:
 groups of 32, ue8m0 scales). The reference is kvfuse/reference/fp4.py; the encoders are the MLA
 path's (numerics.py). NaN elements are left out of a group's amax and encoded as signed zeros,
-explicitly: the GPU's min / max return the operand that is a number.
+explicitly: the GPU's min / max return the operand that is a number. The tile stays in the kernel's
+[BLOCK_M, BLOCK_D / 8, 8] shape: groups are formed from the 8-column vectors' maxima and the pairs packed
+by a reduction, so the compiled kernel never reshapes the whole tile into groups or pairs (layouts
+and layout conversions of their own, around which the GPU's 4-bit caches differed from the reference).
 """
 import triton
 import triton.language as tl
@@ -18,11 +21,19 @@ FP4_GROUPS = {FP4_NVFP4.value: 16, FP4_MXFP4.value: 32}
 
 
 @triton.jit
-def group_amax(y, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr):
-    """max |y| over each GROUP consecutive columns of y [BLOCK_M, BLOCK_D] -> [BLOCK_M, BLOCK_D / GROUP];
-    NaN left out (a zero in its place), infinities count."""
-    a = tl.where(y != y, 0.0, tl.abs(y))
-    return tl.max(tl.reshape(a, [BLOCK_M, BLOCK_D // GROUP, GROUP]), axis=2)
+def group_amax(y, BLOCK_M: tl.constexpr, NV: tl.constexpr, VEC: tl.constexpr, GROUP: tl.constexpr):
+    """max |y| over each GROUP consecutive columns of y [BLOCK_M, NV, VEC] (GROUP a multiple of VEC) ->
+    [BLOCK_M, NV * VEC / GROUP]; NaN left out (a zero in its place), infinities count. Only the vectors'
+    maxima [BLOCK_M, NV] are regrouped, never the tile."""
+    a = tl.max(tl.where(y != y, 0.0, tl.abs(y)), axis=2)
+    return tl.max(tl.reshape(a, [BLOCK_M, NV // (GROUP // VEC), GROUP // VEC]), axis=2)
+
+
+@triton.jit
+def to_vectors(v, BLOCK_M: tl.constexpr, NV: tl.constexpr, VEC: tl.constexpr, GROUP: tl.constexpr):
+    """A value per group [BLOCK_M, NV * VEC / GROUP] -> the value of each vector's group [BLOCK_M, NV]."""
+    GV: tl.constexpr = GROUP // VEC
+    return tl.reshape(tl.broadcast_to(v[:, :, None], [BLOCK_M, NV // GV, GV]), [BLOCK_M, NV])
 
 
 @triton.jit
@@ -47,39 +58,46 @@ def e2m1_nan_zero(t):
 
 
 @triton.jit
-def pack_nibbles(codes, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """codes [BLOCK_M, BLOCK_D] (0..15) -> bytes [BLOCK_M, BLOCK_D / 2], the even column in the low nibble."""
-    lo, hi = tl.split(tl.reshape(codes, [BLOCK_M, BLOCK_D // 2, 2]))
-    return (lo | (hi << 4)).to(tl.uint8)
+def pack_nibbles(codes, BLOCK_M: tl.constexpr, NV: tl.constexpr, VEC: tl.constexpr):
+    """codes [BLOCK_M, NV, VEC] (0..15) -> bytes [BLOCK_M, NV, VEC / 2], the even column in the low nibble:
+    each pair summed (disjoint bits) as a reduction over the pair, the shape tree_sum reduces, instead of a
+    split, which needs both columns in one thread and so a layout conversion where they are not."""
+    shift = (tl.arange(0, VEC) & 1) * 4
+    return tl.sum(tl.reshape(codes << shift[None, None, :], [BLOCK_M, NV, VEC // 2, 2]), axis=3).to(tl.uint8)
 
 
 @triton.jit
-def fp4_tile(y, g, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, FP4: tl.constexpr, NATIVE: tl.constexpr):
-    """y [BLOCK_M, BLOCK_D] fp32 -> (packed codes uint8 [BLOCK_M, BLOCK_D / 2], scale bytes uint8
-    [BLOCK_M, BLOCK_D / GROUP]) of FP4 (FP4_NVFP4: global decode scale g; FP4_MXFP4: g unused).
-    MXFP4 leaves out SPEC §2's clamp to [-6, 6]: the encoder saturates, NaN is handled here."""
+def fp4_tile(y, g, BLOCK_M: tl.constexpr, NV: tl.constexpr, VEC: tl.constexpr, FP4: tl.constexpr,
+             NATIVE: tl.constexpr):
+    """y [BLOCK_M, NV, VEC] fp32 (row order) -> (packed codes uint8 [BLOCK_M, NV, VEC / 2], scale bytes uint8
+    [BLOCK_M, NV * VEC / GROUP]) of FP4 (FP4_NVFP4: global decode scale g; FP4_MXFP4: g unused).
+    MXFP4 leaves out SPEC §2's clamp to [-6, 6]: the encoder saturates, NaN is handled here. The scales
+    are computed per group and spread to the group's vectors, so the tile is never reshaped across
+    vectors (such reshapes put the GQA kernel's rows in other layouts, and layout conversions around them)."""
     GROUP: tl.constexpr = 16 if FP4 == FP4_NVFP4 else 32
-    amax = group_amax(y, BLOCK_M, BLOCK_D, GROUP)
+    amax = group_amax(y, BLOCK_M, NV, VEC, GROUP)
     if FP4 == FP4_NVFP4:
         stored, m = nvfp4_scales(amax, g, NATIVE)
     else:
         m, _, stored = group_scales(tl.maximum(amax, 1e-4), 6.0, SF_UE8M0, NATIVE)
-    t = tl.reshape(y, [BLOCK_M, BLOCK_D // GROUP, GROUP]) * m[:, :, None]
-    codes = tl.reshape(e2m1_nan_zero(t), [BLOCK_M, BLOCK_D])
-    return pack_nibbles(codes, BLOCK_M, BLOCK_D), stored.to(tl.uint8)
+    codes = e2m1_nan_zero(y * to_vectors(m, BLOCK_M, NV, VEC, GROUP)[:, :, None])
+    return pack_nibbles(codes, BLOCK_M, NV, VEC), stored.to(tl.uint8)
 
 
 @triton.jit
 def store_fp4_rows(c_ptr, c_row, s_ptr, s_row, y, ok, g, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, FP4: tl.constexpr, NATIVE: tl.constexpr):
-    """The cast of BLOCK_M rows y (any shape of BLOCK_M x BLOCK_D elements in row order; columns >= D zero)
-    stored where ok [BLOCK_M]: the D / 2 code bytes at c_ptr + c_row[m] and the D / GROUP scale bytes at
-    s_ptr + s_row[m] (byte offsets, int64)."""
+    """The cast of BLOCK_M rows y (any shape of BLOCK_M x BLOCK_D elements in row order; columns >= D zero;
+    [BLOCK_M, BLOCK_D / 8, 8] as the GQA kernel holds them is used as it is) stored where ok [BLOCK_M]: the
+    D / 2 code bytes at c_ptr + c_row[m] and the D / GROUP scale bytes at s_ptr + s_row[m] (byte offsets,
+    int64)."""
     GROUP: tl.constexpr = 16 if FP4 == FP4_NVFP4 else 32
-    q, s = fp4_tile(tl.reshape(y, [BLOCK_M, BLOCK_D]), g, BLOCK_M, BLOCK_D, FP4, NATIVE)
-    qc = tl.arange(0, BLOCK_D // 2)
-    tl.store(c_ptr.to(tl.pointer_type(tl.uint8)) + c_row[:, None] + qc[None, :], q,
-             mask=ok[:, None] & (qc < D // 2)[None, :])
+    VEC: tl.constexpr = 8
+    NV: tl.constexpr = BLOCK_D // VEC
+    q, s = fp4_tile(tl.reshape(y, [BLOCK_M, NV, VEC]), g, BLOCK_M, NV, VEC, FP4, NATIVE)
+    qc = tl.arange(0, NV)[:, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, :]     # [NV, VEC / 2]
+    tl.store(c_ptr.to(tl.pointer_type(tl.uint8)) + c_row[:, None, None] + qc[None, :, :], q,
+             mask=ok[:, None, None] & (qc < D // 2)[None, :, :])
     sc = tl.arange(0, BLOCK_D // GROUP)
     tl.store(s_ptr.to(tl.pointer_type(tl.uint8)) + s_row[:, None] + sc[None, :], s,
              mask=ok[:, None] & (sc < D // GROUP)[None, :])
