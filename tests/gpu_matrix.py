@@ -392,8 +392,9 @@ def gqa_format_cases():
     FormatCase) with every preset as K's format and as V's, each in the kernel's two row forms (halves: NEOX
     RoPE over the whole head; rows: partial or GPT-J RoPE) at a decode (one program) and a batch of many
     programs, crossed in turn with the layouts, activations' dtypes, profiles and per-head static scales;
-    and vLLM's inline scales for the formats that store theirs per (token, head). Derived from PRESETS: a
-    preset added there gets its cases here (test_gqa_formats.py checks that each is reached)."""
+    and vLLM's inline scales for the formats that store theirs per (token, head). A 4-bit K cache takes the
+    rows form only (qkv.halves_mode). Derived from PRESETS: a preset added there gets its cases here
+    (test_gqa_formats.py checks that each is reached)."""
     from gqa_cases import GQACase
     from gqa_format_cases import FormatCase
     from kvfuse.gqa_formats import PRESETS
@@ -401,7 +402,7 @@ def gqa_format_cases():
     out = []
     for i, name in enumerate(names):
         other = names[(i + 1) % len(names)]
-        partner = "fp8_e4m3" if name == "auto" else "auto"     # V of this format beside another K
+        partner = "fp8_e4m3" if name == "auto" else "auto"     # a K format the halves form takes (not 4-bit)
         features = [
             (1, 128, name, other, dict(layout="NHD")),                                           # halves, decode
             (2, 128, partner, name, dict(layout="NHD")),                             # halves with V of this format
@@ -427,11 +428,4 @@ def gqa_format_cases():
     out.append(("gqa_formats fp8_e5m2/fp8_e4m3 multiply d128_n300", FormatCase(
         GQACase(n=300, hq=6, hkv=3, layout="HND", scale_convention="multiply", scale_per_head="k", seed=300),
         "fp8_e5m2", "fp8_e4m3")))
-    # the features crossed: mRoPE and the V-norm with per-(token, head) and e5m2 caches
-    out.append(("gqa_formats fp8_per_token_head/int8_per_token_head mrope=interleaved v_norm=fp32 d128_n300",
-                FormatCase(GQACase(n=300, hq=6, hkv=3, v_norm="fp32", mrope="interleaved", seed=301),
-                           "fp8_per_token_head", "int8_per_token_head")))
-    out.append(("gqa_formats fp8_e5m2/fp8_per_token_head v_norm=none fused_fp32_cast HND d128_n1",
-                FormatCase(GQACase(n=1, hq=6, hkv=3, v_norm="none", numerics="fused_fp32_cast", layout="HND",
-                                   seed=302), "fp8_e5m2", "fp8_per_token_head")))
     return out

@@ -86,9 +86,11 @@ def _inline(case: GQACase, dtype, g, device):
     return k, ks, v, vs, storage
 
 
-def _static_scale(case: GQACase, which: str, device):
+def _static_scale(case: GQACase, which: str, device, per_head_allowed: bool = True):
+    """The static scale of ``which`` (one per kv head where the case says so and the format takes them; a
+    global scale, NVFP4's, is one)."""
     base = STATIC_SCALES[0 if which == "k" else 1]
-    if which in case.scale_per_head:
+    if which in case.scale_per_head and per_head_allowed:
         return torch.tensor([base * (0.5 + h) for h in range(case.hkv)], dtype=torch.float32, device=device)
     return torch.tensor([base], dtype=torch.float32, device=device)
 
@@ -112,17 +114,21 @@ def build_format_call(fc: FormatCase, device="cpu"):
     else:
         for which, fmt in fmts.items():
             dim = case.d if which == "k" else case.v_dim
-            kw[which + "_cache"], storages[which] = _guarded(case, fmt.dtype_for(act), dim, 16, g, device)
+            codes = dim // fmt.values_per_element       # e2m1: two codes a byte
+            kw[which + "_cache"], storages[which] = _guarded(case, fmt.dtype_for(act), codes, 16, g, device)
             if which == "k" and case.k_cache_split:      # K's cache as two (its heads' first split columns, the rest)
                 first, storages["k"] = _guarded(case, fmt.dtype_for(act), case.split, 16, g, device)
                 rest, storages["k_rest"] = _guarded(case, fmt.dtype_for(act), case.d - case.split, 32, g, device)
                 kw["k_cache"] = (first, rest)
-            if fmt.stores_scale:
+            if fmt.scale == "block":                    # one scale per group: the cache's shape, dim / group
+                kw[which + "_scale_cache"], storages[which + "_scales"] = _guarded(
+                    case, fmt.scale_dtype, dim // fmt.group, 16, g, device)
+            elif fmt.stores_scale:
                 kw[which + "_scale_cache"], storages[which + "_scales"] = _guarded_scales(case, g, device)
     for which, fmt in fmts.items():
         kw[which + "_format"] = fmt.name
-        if fmt.scale == "static":
-            kw[which + "_scale"] = _static_scale(case, which, device)
+        if fmt.takes_static_scale:
+            kw[which + "_scale"] = _static_scale(case, which, device, per_head_allowed=not fmt.global_scale)
     return kw, storages, inputs, q_buf
 
 
