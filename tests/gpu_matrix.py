@@ -428,4 +428,14 @@ def gqa_format_cases():
     out.append(("gqa_formats fp8_e5m2/fp8_e4m3 multiply d128_n300", FormatCase(
         GQACase(n=300, hq=6, hkv=3, layout="HND", scale_convention="multiply", scale_per_head="k", seed=300),
         "fp8_e5m2", "fp8_e4m3")))
+    # the features crossed: mRoPE and the V-norm with per-(token, head), e5m2 and 4-bit caches
+    out.append(("gqa_formats fp8_per_token_head/int8_per_token_head mrope=interleaved v_norm=fp32 d128_n300",
+                FormatCase(GQACase(n=300, hq=6, hkv=3, v_norm="fp32", mrope="interleaved", seed=301),
+                           "fp8_per_token_head", "int8_per_token_head")))
+    out.append(("gqa_formats fp8_e5m2/fp8_per_token_head v_norm=none fused_fp32_cast HND d128_n1",
+                FormatCase(GQACase(n=1, hq=6, hkv=3, v_norm="none", numerics="fused_fp32_cast", layout="HND",
+                                   seed=302), "fp8_e5m2", "fp8_per_token_head")))
+    out.append(("gqa_formats nvfp4/mxfp4 mrope=chunked v_norm=bf16 d128_n300",
+                FormatCase(GQACase(n=300, hq=6, hkv=3, v_norm="bf16", mrope="chunked", rotary_dim=64, seed=303),
+                           "nvfp4", "mxfp4")))
     return out
