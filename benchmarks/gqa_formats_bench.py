@@ -3,7 +3,8 @@
 The call is ``kvfuse.bench``'s GQA workload (default Qwen3 8B: QK-norm, NEOX RoPE, q_out bf16, paged slots,
 vLLM's NHD caches of 64-token blocks), its caches replaced by caches of each preset (K and V in the same
 format; static scales 0.125 where the format takes them; fp32 scale caches [blocks, 64, Hkv] for the formats
-that store a scale per (token, head)). Per n: GPU us (CUDA-graph replay, kvfuse.bench's timer), the
+that store a scale per (token, head), group scale caches [blocks, 64, Hkv, D / group] for the 4-bit ones,
+whose static scale is the global one). Per n: GPU us (CUDA-graph replay, kvfuse.bench's timer), the
 compulsory DRAM bytes (q, k, v read; q_out, the K / V codes and stored scales written; positions, slots,
 one cos/sin row per token, the norm weights), GB/s, % of the measured copy bandwidth, and the ratio to the
 fp8_e4m3 (per tensor) write of the same n. Needs a GPU.
@@ -35,14 +36,14 @@ def format_call(wl, n: int, name: str, device: str = "cuda"):
     nb, bs, hkv, d = inp.k_cache.shape
     act = q.dtype
     dtype = fmt.dtype_for(act)
-    kc = torch.zeros((nb, bs, hkv, d), dtype=dtype, device=device)
+    kc = torch.zeros((nb, bs, hkv, d // fmt.values_per_element), dtype=dtype, device=device)
     vc = torch.zeros_like(kc)
     ks = vs = ksc = vsc = None
-    if fmt.scale == "static":
+    if fmt.takes_static_scale:                          # a static scale, or NVFP4's global one
         ks = torch.tensor([SCALE], device=device)
         vs = torch.tensor([SCALE], device=device)
     if fmt.stores_scale:
-        ksc = torch.zeros((nb, bs, hkv), dtype=torch.float32, device=device)
+        ksc = torch.zeros(fmt.scale_cache_shape(kc.shape, d), dtype=fmt.scale_dtype, device=device)
         vsc = torch.zeros_like(ksc)
     qn = kvfuse.NormArgs(inp.weight, cfg.norm_eps) if cfg.qk_norm else None
     kn = kvfuse.NormArgs(inp.k_weight, cfg.norm_eps) if cfg.qk_norm else None
