@@ -10,6 +10,7 @@ one cos/sin row per token, the norm weights), GB/s, % of the measured copy bandw
 fp8_e4m3 (per tensor) write of the same n. Needs a GPU.
 
     python benchmarks/gqa_formats_bench.py [--workload qwen3_8b_fp8] [--n 1,256,4096,65536] [--json OUT]
+    python benchmarks/gqa_formats_bench.py --sweep nvfp4,fp8_per_token_head --n 65536   # launch configurations
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ SCALE = 0.125
 
 
 def format_call(wl, n: int, name: str, device: str = "cuda"):
-    """(call, compulsory bytes) of the workload's GQA call with K and V caches of preset ``name``."""
+    """(call, compulsory bytes, outputs) of the workload's GQA call with K and V caches of preset ``name``
+    (outputs: the tensors it writes)."""
     fmt = PRESETS[name]
     inp = bench.build_inputs(wl, n, torch.device(device))
     cfg = wl.gqa
@@ -60,7 +62,37 @@ def format_call(wl, n: int, name: str, device: str = "cuda"):
     def call():
         kvfuse.fused_qk_norm_rope_store_kv(q, k, v, kc, vc, inp.slots, qn, kn, rope, ks, vs, "NHD", q_out,
                                            k_format=name, v_format=name, k_scale_cache=ksc, v_scale_cache=vsc)
-    return call, nbytes
+    return call, nbytes, [t for t in (kc, vc, ksc, vsc, q_out) if t is not None]
+
+
+SWEEP = [(bm, nw, g) for bm in (1, 2, 4, 8) for nw in (1, 2, 4) for g in (1, 2, 4)]
+
+
+def sweep(wl, n: int, name: str, timer) -> list:
+    """GPU us of each launch configuration (BLOCK_M tokens, num_warps, G heads a program; kernels.config.
+    force_config) of one format's call at n, each byte-checked against the default configuration's output."""
+    from kvfuse.kernels import config
+    call, nbytes, outs = format_call(wl, n, name)
+
+    def run():
+        for o in outs:
+            o.view(torch.uint8).fill_(0xAB)
+        call()
+        return [o.view(torch.uint8).clone() for o in outs]
+    want = run()
+    rows = [dict(n=n, format=name, config="default",
+                 gpu_us=timer.measure([call]).gpu_us, bytes_equal=True)]
+    for bm, nw, g in SWEEP:
+        if bm * 128 * g > 4096:
+            continue
+        with config.force_config(bm, nw, None, g):
+            same = all(torch.equal(a, b) for a, b in zip(run(), want))
+            rows.append(dict(n=n, format=name, config=f"bm={bm} nw={nw} g={g}", gpu_us=timer.measure([call]).gpu_us,
+                             bytes_equal=same))
+    best = min(rows, key=lambda r: r["gpu_us"])
+    print(f"sweep n={n:6d} {name:22s} default {rows[0]['gpu_us']:9.2f} us | best {best['config']} "
+          f"{best['gpu_us']:9.2f} us | all bytes equal: {all(r['bytes_equal'] for r in rows)}", flush=True)
+    return rows
 
 
 def main(argv=None) -> None:
@@ -69,6 +101,8 @@ def main(argv=None) -> None:
     p.add_argument("--n", default="1,256,4096,65536")
     p.add_argument("--json", default=None)
     p.add_argument("--dry-run", action="store_true", help="CPU: build each format's call at n = 3, run it once")
+    p.add_argument("--sweep", default=None, help="formats (a comma list) whose launch configurations to sweep "
+                   "at each n instead (kernels.config.force_config; bytes checked against the default)")
     a = p.parse_args(argv)
     wl = bench.WORKLOADS[a.workload]
     if a.dry_run:
@@ -83,10 +117,16 @@ def main(argv=None) -> None:
     rows = []
     print(f"{a.workload}: copy bandwidth {copy:.0f} GB/s; {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}, PDL {kvfuse.pdl_enabled()}, {time.strftime('%Y-%m-%d')}")
+    if a.sweep:
+        for n in sizes:
+            for name in a.sweep.split(","):
+                rows += sweep(wl, n, name, timer)
+                torch.cuda.empty_cache()
+        sizes = []
     for n in sizes:
         base = None
         for name in ["fp8_e4m3"] + [f for f in PRESETS if f != "fp8_e4m3"]:
-            call, nbytes = format_call(wl, n, name)
+            call, nbytes, _ = format_call(wl, n, name)
             us = timer.measure([call]).gpu_us
             base = us if name == "fp8_e4m3" else base
             gbps = nbytes / us / 1e3

@@ -33,6 +33,16 @@ def _e4m3_div(x: torch.Tensor, scale: float) -> torch.Tensor:
     return t.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
 
 
+def _e5m2_div(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """vLLM's scaled_convert for kv_cache_dtype "fp8_e5m2": e5m2(x / scale) with __NV_SATFINITE (saturating
+    to +-57344, infinities included), round to nearest even; uint8 codes."""
+    t = x.float() / torch.tensor(scale, dtype=torch.float32)
+    return t.clamp(-57344.0, 57344.0).to(torch.float8_e5m2).view(torch.uint8)
+
+
+CODES = {"fp8": _e4m3_div, "fp8_e4m3": _e4m3_div, "fp8_e5m2": _e5m2_div}
+
+
 # --------------------------------------------------------------------------- reshape_and_cache_flash
 def _flash_caches(storage: torch.Tensor, num_blocks, block_size, num_heads, head_size, physical, dtype):
     """vLLM's test caches: one [num_blocks, 2, ...] allocation, K = [:, 0] and V = [:, 1], logical
@@ -46,22 +56,22 @@ def _flash_caches(storage: torch.Tensor, num_blocks, block_size, num_heads, head
     return kv[:, 0], kv[:, 1]
 
 
-def _flash_expected(key, value, kc, vc, slot_mapping, fp8, k_scale, v_scale):
+def _flash_expected(key, value, kc, vc, slot_mapping, fp8, k_scale, v_scale, code=_e4m3_div):
     block_size = kc.shape[1]
     for i, s in enumerate(slot_mapping.tolist()):
         if s < 0:
             continue
         b, o = divmod(s, block_size)
         if fp8:
-            kc[b, o] = _e4m3_div(key[i], k_scale)
-            vc[b, o] = _e4m3_div(value[i], v_scale)
+            kc[b, o] = code(key[i], k_scale)
+            vc[b, o] = code(value[i], v_scale)
         else:
             kc[b, o] = key[i]
             vc[b, o] = value[i]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("physical", ["NHC", "HNC"])
 @pytest.mark.parametrize("head_size,block_size", [(64, 8), (80, 32), (256, 16)])
 def test_reshape_and_cache_flash(backend, kv_cache_dtype, physical, head_size, block_size):
@@ -86,7 +96,7 @@ def test_reshape_and_cache_flash(backend, kv_cache_dtype, physical, head_size, b
     with kvfuse.use_backend(backend):
         vllm.reshape_and_cache_flash(key, value, kc, vc, slot_mapping, kv_cache_dtype, k_scale, v_scale)
     ekc, evc = _flash_caches(want_storage, num_blocks, block_size, num_heads, head_size, physical, cache_dtype)
-    _flash_expected(key, value, ekc, evc, slot_mapping, fp8, k_scale.item(), v_scale.item())
+    _flash_expected(key, value, ekc, evc, slot_mapping, fp8, k_scale.item(), v_scale.item(), CODES.get(kv_cache_dtype))
     assert_bytes_equal(got_storage, want_storage, "cache storage")
 
 
@@ -163,6 +173,30 @@ def test_reshape_and_cache_flash_dtypes_scales_head_sizes(backend, dtype, kind, 
                 ekc[b, o, h] = key[i, h]
                 evc[b, o, h] = value[i, h]
     assert_bytes_equal(got, want, f"{kind} {dtype} head_size {head_size}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reshape_and_cache_flash_e5m2_edges(backend):
+    """kv_cache_dtype "fp8_e5m2" on edge values: ties to even, saturation at 57344 (infinities too), e5m2's
+    subnormals, signed zeros; the codes spot-checked by hand against the e5m2 encoding."""
+    vals = [0.0, -0.0, 1.0, 1.125, 1.375, 57344.0, 61440.0, 1e6, float("inf"), 2.0 ** -16, 1.5 * 2.0 ** -16,
+            2.0 ** -17, 3.0 * 2.0 ** -17]
+    row = torch.tensor(vals + [-v for v in vals] + [0.0] * (-2 * len(vals) % 8), dtype=torch.bfloat16)
+    d = row.numel()
+    key, value = row.view(1, 1, d), (-row).view(1, 1, d)
+    got, want = _poisoned(2 * 4 * d * 2), _poisoned(2 * 4 * d * 2)
+    s = torch.tensor([1.0], dtype=torch.float32)
+    kc, vc = _flash_caches(got, 2, 4, 1, d, "NHC", torch.uint8)
+    with kvfuse.use_backend(backend):
+        vllm.reshape_and_cache_flash(key, value, kc, vc, torch.tensor([6]), "fp8_e5m2", s, s)
+    ekc, evc = _flash_caches(want, 2, 4, 1, d, "NHC", torch.uint8)
+    _flash_expected(key, value, ekc, evc, torch.tensor([6]), True, 1.0, 1.0, _e5m2_div)
+    assert_bytes_equal(got, want, "fp8_e5m2 edges")
+    codes = dict(zip(vals, _e5m2_div(row[:len(vals)], 1.0).tolist()))
+    assert codes[1.0] == 0x3C and codes[1.125] == 0x3C and codes[1.375] == 0x3E    # ties to even
+    assert codes[61440.0] == codes[1e6] == codes[float("inf")] == 0x7B             # saturated to 57344
+    assert codes[2.0 ** -16] == 0x01 and codes[1.5 * 2.0 ** -16] == 0x02 and codes[2.0 ** -17] == 0x00
+    assert _e5m2_div(torch.tensor([-0.0], dtype=torch.bfloat16), 1.0).item() == 0x80
 
 
 def test_reshape_and_cache_flash_float8_cache_and_bf16_scale_shapes():
@@ -466,8 +500,11 @@ ERRORS = [
      lambda: dict(key=torch.zeros(3, 2, 64, dtype=torch.half), value=torch.zeros(3, 2, 64, dtype=torch.half),
                   kv_cache_dtype="auto", key_cache=torch.zeros(2, 8, 2, 64, dtype=torch.bfloat16)),
      TypeError, "key_cache: kv_cache_dtype 'auto' stores the input's dtype (torch.float16)"),
-    ("fp8_e5m2", vllm.reshape_and_cache_flash, _flash_args, lambda: dict(kv_cache_dtype="fp8_e5m2"),
-     ValueError, "kv_cache_dtype 'fp8_e5m2' is not supported yet"),
+    ("fp8_inc", vllm.reshape_and_cache_flash, _flash_args, lambda: dict(kv_cache_dtype="fp8_inc"),
+     ValueError, "kv_cache_dtype 'fp8_inc' is not supported yet"),
+    ("e5m2 cache dtype", vllm.reshape_and_cache_flash, _flash_args,
+     lambda: dict(kv_cache_dtype="fp8_e5m2", key_cache=torch.zeros(2, 8, 2, 64, dtype=torch.float8_e4m3fn)),
+     TypeError, "key_cache: an fp8 e5m2 cache must be uint8 or float8_e5m2"),
     ("nvfp4", vllm.reshape_and_cache_flash, _flash_args, lambda: dict(kv_cache_dtype="nvfp4"),
      ValueError, "kv_cache_dtype: expected one of"),
     ("three scales for two heads", vllm.reshape_and_cache_flash, _flash_args, lambda: dict(k_scale=torch.ones(3)),

@@ -55,6 +55,16 @@ def fp8_cache(cache, name: str) -> torch.Tensor:
     raise TypeError(f"{name}: an fp8 e4m3 cache must be uint8 or float8_e4m3fn, got {cache.dtype}")
 
 
+def e5m2_cache(cache, name: str) -> torch.Tensor:
+    """An e5m2 cache as the engine allocates it (uint8, or float8_e5m2), viewed as float8_e5m2."""
+    tensor(cache, name)
+    if cache.dtype == torch.float8_e5m2:
+        return cache
+    if cache.dtype == torch.uint8:
+        return cache.view(torch.float8_e5m2)
+    raise TypeError(f"{name}: an fp8 e5m2 cache must be uint8 or float8_e5m2, got {cache.dtype}")
+
+
 def byte_cache(cache, name: str) -> torch.Tensor:
     """A cache of byte records (per-group formats) as the engine allocates it: uint8, or a float8_e4m3fn
     view of the same bytes, returned as uint8."""

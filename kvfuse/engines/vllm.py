@@ -14,8 +14,7 @@ semantics, each one call of a kvfuse entry point: swap ``from vllm import _custo
 - :func:`triton_reshape_and_cache_flash_per_token_head_quant`: the fp8 / int8 per-(token, head) caches ->
   the GQA entry with k_format / v_format and the scale caches (vllm.v1.attention.ops, not _custom_ops).
 
-What vLLM accepts beyond kvfuse's domain (fp8_e5m2, head sizes not a multiple of 8 in
-reshape_and_cache_flash, and for the MLA and indexer writers fp16 / fp32 inputs, per-head scales, head
+What vLLM accepts beyond kvfuse's domain (head sizes not a multiple of 8 in reshape_and_cache_flash, and for the MLA and indexer writers fp16 / fp32 inputs, per-head scales, head
 sizes not a multiple of 16, fp32 indexer scales) raises TypeError / ValueError saying "not supported yet". Where vLLM's kernels read or write out of bounds (a slot past the cache) kvfuse
 writes nothing. docs/engines.md lists the differences.
 """
@@ -35,6 +34,7 @@ __all__ = ["reshape_and_cache_flash", "fused_qk_norm_rope", "indexer_k_quant_and
 
 # vLLM's names of the e4m3 cache dtype (both select e4m3 in its DISPATCH_BY_KV_CACHE_DTYPE)
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+FP8_E5M2 = "fp8_e5m2"
 _GQA_NAMES = {"k": "key", "v": "value", "k_cache": "key_cache", "v_cache": "value_cache",
               "k_scale": "k_scale", "v_scale": "v_scale", "slot_mapping": "slot_mapping",
               "k_scale_cache": "k_scale_cache", "v_scale_cache": "v_scale_cache"}
@@ -102,23 +102,27 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     8). key_cache, value_cache: [num_blocks, block_size, num_heads, head_size] with any strides whose last
     is 1 (vLLM's ``kv_cache[:, 0]`` views and its HND-backed views). kv_cache_dtype "auto": caches of the
     input's dtype, the bits of key and value; "fp8" / "fp8_e4m3": uint8 or float8_e4m3fn caches holding
-    ``e4m3(x / scale)`` (saturated to +-448, round to nearest even) with k_scale / v_scale fp32 tensors of
+    ``e4m3(x / scale)`` (saturated to +-448, round to nearest even); "fp8_e5m2": uint8 or float8_e5m2
+    caches holding ``e5m2(x / scale)`` (saturated to +-57344); both with k_scale / v_scale fp32 tensors of
     one shape, one element (per tensor) or num_heads elements (head h divided by scale[h], as vLLM's
     kernel reads ``k_scale[head]`` when ``k_scale.numel() > 1``); the scales are ignored for "auto".
     """
     _flash_key_value(key, value, slot_mapping)
-    kind = _cache_dtype(kv_cache_dtype, ("auto",) + FP8_KV_CACHE_DTYPES)
+    kind = _cache_dtype(kv_cache_dtype, ("auto",) + FP8_KV_CACHE_DTYPES + (FP8_E5M2,))
+    fmt = "auto"
     if kind == "auto":
         key_cache = _auto_cache(key_cache, "key_cache", key.dtype)
         value_cache = _auto_cache(value_cache, "value_cache", key.dtype)
         k_scale = v_scale = None
     else:
-        key_cache, value_cache = _checks.fp8_cache(key_cache, "key_cache"), _checks.fp8_cache(value_cache, "value_cache")
+        as_cache = _checks.e5m2_cache if kind == FP8_E5M2 else _checks.fp8_cache
+        key_cache, value_cache = as_cache(key_cache, "key_cache"), as_cache(value_cache, "value_cache")
         k_scale, v_scale = _flash_scales(k_scale, v_scale, key.shape[1])
+        fmt = "fp8_e5m2" if kind == FP8_E5M2 else "fp8_e4m3"
     m = _leading_tokens(slot_mapping, key.shape[0], "key")
     with _checks.engine_names(_GQA_NAMES):
         fused_qk_norm_rope_store_kv(key[:m, :0], key[:m], value[:m], key_cache, value_cache, slot_mapping,
-                                    k_scale=k_scale, v_scale=v_scale, layout="NHD")
+                                    k_scale=k_scale, v_scale=v_scale, layout="NHD", k_format=fmt, v_format=fmt)
 
 
 def _flash_key_value(key, value, slot_mapping) -> None:

@@ -94,6 +94,22 @@ def test_vllm_indexer_k_quant_and_cache(n):
 
 
 @pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_e5m2"])
+def test_vllm_reshape_and_cache_flash(kv_cache_dtype, n):
+    block_size, heads, d = 16, 8, 128
+    blocks = n // block_size + 2
+    qkv = random_bf16((n, 3, heads, d), seed=n + 7)     # key and value: strided views of one projection
+    esize = 2 if kv_cache_dtype == "auto" else 1
+    kv = _poisoned((blocks, 2, block_size, heads, d * esize))
+    if kv_cache_dtype == "auto":
+        kv = kv.view(torch.bfloat16)
+    args = dict(key=qkv[:, 1], value=qkv[:, 2], key_cache=kv[:, 0], value_cache=kv[:, 1],
+                slot_mapping=_slots(n, blocks * block_size, n), kv_cache_dtype=kv_cache_dtype,
+                k_scale=torch.tensor([0.05], dtype=torch.float32), v_scale=torch.tensor([0.002], dtype=torch.float32))
+    _run_both(vllm.reshape_and_cache_flash, args)
+
+
+@pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_ds_mla"])
 def test_vllm_concat_and_cache_mla(kv_cache_dtype, n):
     block_size = 64
