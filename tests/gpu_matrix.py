@@ -392,8 +392,8 @@ def gqa_format_cases():
     FormatCase) with every preset as K's format and as V's, each in the kernel's two row forms (halves: NEOX
     RoPE over the whole head; rows: partial or GPT-J RoPE) at a decode (one program) and a batch of many
     programs, crossed in turn with the layouts, activations' dtypes, profiles and per-head static scales;
-    and vLLM's inline scales for the formats that store theirs per (token, head). A 4-bit K cache takes the
-    rows form only (qkv.halves_mode). Derived from PRESETS: a preset added there gets its cases here
+    and vLLM's inline scales for the formats that store theirs per (token, head). A 4-bit K cache in the
+    halves form casts each half as a row of whole groups (qkv.halves_mode). Derived from PRESETS: a preset added there gets its cases here
     (test_gqa_formats.py checks that each is reached)."""
     from gqa_cases import GQACase
     from gqa_format_cases import FormatCase
@@ -402,7 +402,7 @@ def gqa_format_cases():
     out = []
     for i, name in enumerate(names):
         other = names[(i + 1) % len(names)]
-        partner = "fp8_e4m3" if name == "auto" else "auto"     # a K format the halves form takes (not 4-bit)
+        partner = "fp8_e4m3" if name == "auto" else "auto"     # V of this format beside another K
         features = [
             (1, 128, name, other, dict(layout="NHD")),                                           # halves, decode
             (2, 128, partner, name, dict(layout="NHD")),                             # halves with V of this format

@@ -201,7 +201,7 @@ def gqa_variants():
         {**ptrs, "kc_ptr": "*bf16", "vc_ptr": "*bf16"}
     yield "gqa_fp8_v_norm_weight_fp32_cast", {**passed(v_norm, GQA_V_NORM), "NUMERICS": 2, "VW_BF16": True},\
         {**ptrs, "vw_ptr": "*bf16"}
-    # 4-bit caches (kvfuse/kernels/gqa_fp4.py): codes and scale caches as bytes, the whole-row form; NVFP4 with
+    # 4-bit caches (kvfuse/kernels/gqa_fp4.py): codes and scale caches as bytes; NVFP4 with
     # its global scales by pointer or (FlashInfer's append) by value, MXFP4 reading the fp32 values
     fp4 = passed({**base, "FP8": False, "HALVES": False, "K_FP4": 1, "V_FP4": 1}, GQA_FP4_SCALES)
     fp4_ptrs = {**ptrs, "ksf_ptr": "*u8", "vsf_ptr": "*u8"}
@@ -212,6 +212,9 @@ def gqa_variants():
         {**fp4_ptrs, **paged, "ks_ptr": "fp32", "vs_ptr": "fp32"}
     yield "gqa_mxfp4_kv_fp32_cast_gptj", {**fp4, "K_FP4": 2, "V_FP4": 2, "BLOCK_M": 4, "G": 2, "NUMERICS": 2,
                                           "NEOX": False}, fp4_ptrs
+    # the halves form (NEOX over the whole head): each half of a 4-bit K cast as a row of whole groups
+    yield "gqa_nvfp4_kv_halves_heads4", {**fp4, "HALVES": True, "BLOCK_M": 2, "G": 4}, fp4_ptrs
+    yield "gqa_mxfp4_k_halves_fp8_v", {**fp4, "HALVES": True, "K_FP4": 2, "V_FP4": 0, "V_FP8": True}, fp4_ptrs
 
 
 def grouped_variants():

@@ -511,7 +511,7 @@ def test_per_token_head_edge_rows_kernel(fmt):
 # --------------------------------------------------------------------------- the GPU suite's coverage
 def test_gpu_format_cases_reach_every_preset():
     """tests/gpu_matrix.py's format section holds every preset as K's format and as V's, in the kernel's
-    halves form and its rows form (a 4-bit K: the rows form only), a decode and a batch of several programs,
+    halves form and its rows form, a decode and a batch of several programs,
     both layouts; vLLM's inline scales for each format that stores one per (token, head). A preset without
     GPU cases fails here."""
     import gpu_matrix
@@ -521,8 +521,7 @@ def test_gpu_format_cases_reach_every_preset():
         for which in ("k_format", "v_format"):
             mine = [fc for fc in cases if getattr(fc, which) == name]
             forms = {qkv.halves_mode(_plan_of(fc), fc.base.d, fc.base.d) for fc in mine}
-            four_bit_k = which == "k_format" and fmt.code == "e2m1"       # its cast takes whole rows only
-            assert forms == ({False} if four_bit_k else {True, False}), (name, which)
+            assert forms == {True, False}, (name, which)
             assert {fc.base.n == 1 for fc in mine} == {True, False} and {fc.base.layout for fc in mine} == \
                 {"NHD", "HND"}, (name, which)
         if fmt.scale == "token_head":

@@ -156,6 +156,20 @@ def test_halves_mode_choice():
     assert not halves(rotary_dim=64, rope_offset=64)
     assert not halves(rotary_dim=0)
     assert not halves(d=80, hq=2, hkv=1, rotary_dim=80)
+    # a 4-bit K cache: where each half holds whole groups of its format (16 for NVFP4, 32 for MXFP4)
+    assert halves(fp4_k="nvfp4") and halves(fp4_k="mxfp4") and halves(d=64, fp4_k="mxfp4")
+    assert halves(d=32, hq=2, hkv=1, fp4_k="nvfp4") and not halves(d=32, hq=2, hkv=1, fp4_k="mxfp4")
+
+
+@pytest.mark.parametrize("case", [GQACase(d=32, hq=2, hkv=1, fp4_k="nvfp4", seed=61),
+                                  GQACase(d=32, hq=2, hkv=1, fp4_k="mxfp4", fp4_v="nvfp4", seed=62),
+                                  GQACase(d=64, n=9, fp4_k="mxfp4", layout="HND", numerics="fused_fp32_cast", seed=63),
+                                  GQACase(n=3, fp4_k="nvfp4", fp4_v="mxfp4", numerics="fused", q_norm=None, seed=64)],
+                         ids=lambda c: c.describe())
+def test_fp4_k_halves_form_equals_reference(case):
+    """A 4-bit K cast half by half (the halves form) writes the reference's bytes, at head widths where the
+    halves hold whole groups and where they do not (the whole-row form then)."""
+    assert not diff_report(run_gqa_case(case, "reference"), run_gqa_case(case, "triton"))
 
 
 def test_int64_slot_path(monkeypatch):

@@ -49,7 +49,7 @@ from .config import DIRECT_LAUNCH, FORCED, INTERPRET, cdiv, native, next_pow2
 from .launcher import Launch, tensor_arg
 from .router import pdl_launch, with_pdl
 from .gluon.common import table_entry
-from .gqa_fp4 import FP4_CODES, FP4_NVFP4, store_fp4_rows
+from .gqa_fp4 import FP4_CODES, FP4_GROUPS, FP4_NVFP4, store_fp4_rows
 from .numerics import (div_rn_by_reciprocal, encode_e4m3, encode_e5m2, encode_int8_rhaz, load_f32, round_bf16,
                        row_amax, token_head_scale)
 
@@ -405,7 +405,8 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
     whole head), the codes as bytes at dst_ptr, the scale at sc_ptr (the scale cache: (block, token, head)
     strides sc_blk, sc_tok, sc_head). MROPE_T > 0: mRoPE, positions [3, n] (row stride s_pos3, token stride
     s_pos), each frequency's cos / sin from the row MROPE_T / _H / _W and MROPE_INTERLEAVED give it
-    (_mrope_rows). FP4 (kvfuse/kernels/gqa_fp4.py; the whole-row form only): the record holds e2m1 codes
+    (_mrope_rows). FP4 (kvfuse/kernels/gqa_fp4.py; in the halves form each half cast as its own row of
+    whole groups, halves_mode): the record holds e2m1 codes
     (dst_ptr bytes, D / 2 a row) and its group scales go to sf_ptr ((block, token, head) strides sf_blk,
     sf_tok, sf_head); an NVFP4 global scale is read as the e4m3 scale is."""
     KEEP_F32: tl.constexpr = (STORE_FP8 or PTH != 0 or FP4 != 0) and NUMERICS == NUMERICS_FP32_CAST
@@ -468,6 +469,10 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
         sc_tok_addr = dst_tok
         if PTH:
             _, sc_tok_addr = _record(slot, rmask, sc_blk, sc_tok, block_size, capacity, SLOT32)
+        sf_row = dst_tok
+        if FP4 != 0:
+            _, sf_row = _record(slot, rmask, sf_blk, sf_tok, block_size, capacity, SLOT32)
+        FP4_GROUP: tl.constexpr = 16 if FP4 == FP4_NVFP4 else 32
         for g in tl.static_range(G):
             h = h0 + g
             rm = tl.where(h < H, rmask, False)     # (rmask & scalar: int32 in the interpreter)
@@ -484,6 +489,14 @@ def _qk_heads(x_ptr, s_n, s_h, h0, H, w_ptr, eps, pos_ptr, s_pos, cs_ptr, s_cs, 
                 tl.store(dst_ptr + dst, _pth_codes(ya, r_row, PTH, NATIVE), mask=mk)
                 tl.store(dst_ptr + dst + HALF, _pth_codes(yb, r_row, PTH, NATIVE), mask=mk)
                 tl.store(sc_ptr + sc_tok_addr + h.to(tl.int64) * sc_head, s_row, mask=ok & rm)
+            elif FP4 != 0:
+                # each half holds whole groups (halves_mode): its codes and scales are the row's first or
+                # second half of bytes, computed from its own columns as the whole-row form computes them
+                c_row = dst_tok + h.to(tl.int64) * dst_h
+                s_row = sf_row + h.to(tl.int64) * sf_head
+                store_fp4_rows(dst_ptr, c_row, sf_ptr, s_row, ya, ok & rm, sc, HALF, HALF, BLOCK_M, FP4, NATIVE)
+                store_fp4_rows(dst_ptr, c_row + HALF // 2, sf_ptr, s_row + HALF // FP4_GROUP, yb, ok & rm, sc, HALF,
+                               HALF, BLOCK_M, FP4, NATIVE)
             elif STORE_FP8 and SCALE_PER_HEAD:
                 sch = scs[g]
                 rch, fsh = _scale_rcp(sch)
@@ -847,9 +860,12 @@ def launch_config(n: int, block_d: int, heads: int = 1, interpret: bool = INTERP
 def halves_mode(plan, d: int, block_d: int) -> bool:
     """The q and k rows go as their two halves (``_qk_halves_row``): NEOX RoPE over the whole row
     (rotary_dim == head_dim, a power of two, offset 0), whose halves are whole 8-column vectors, and no
-    head held as two tensors; k's cache not 4-bit (its cast takes whole rows)."""
+    head held as two tensors; a 4-bit K cache's halves whole groups of its format (each half is cast as a
+    row of its own: the same groups, codes and scales as the whole row's)."""
+    fp4 = FP4_CODES.get(plan.k_format)
     return (plan.positions is not None and plan.is_neox and plan.rotary_dim == d == block_d
-            and plan.rope_offset == 0 and (d // 2) % 8 == 0 and plan.split == 0 and plan.k_format not in FP4_CODES)
+            and plan.rope_offset == 0 and (d // 2) % 8 == 0 and plan.split == 0
+            and (fp4 is None or (d // 2) % FP4_GROUPS[fp4] == 0))
 
 
 _TAIL_PARAMS = ("q2_ptr", "sq2_n", "sq2_h", "k2_ptr", "sk2_n", "sk2_h", "qo2_ptr", "so2_n", "so2_h",
