@@ -333,7 +333,7 @@ GQA_MROPE_V_NORM = [
 def gqa_fp4_cases():
     """(d, n, features) of the 4-bit caches, derived from kvfuse.gqa_formats' presets of code e2m1: each in
     both layouts, K and V, alone and beside another format, staged and casting the fp32 value, fp16 / fp32
-    activations, a decode and a prefill; and FlashInfer's NVFP4 append (no q heads, scales by value, its page
+    activations, every entry of the 4-bit launch table at 64- and 128-d heads; and FlashInfer's NVFP4 append (no q heads, scales by value, its page
     addressing)."""
     from kvfuse.gqa_formats import PRESETS
     out = []
@@ -342,7 +342,10 @@ def gqa_fp4_cases():
                 (128, 300, dict(fp4_k=name, fp4_v=name, layout="HND", numerics="fused_fp32_cast", dtype="fp16",
                                 q_norm="fp16", k_norm="fp16", cos_sin="fp16")),
                 (64, 9, dict(fp4_k=name, fp8=True, neox=False, rotary_dim=32, rope_offset=16)),
-                (256, 40, dict(fp4_v=name, dtype="fp32", layout="HND", idx32=True))]
+                (256, 40, dict(fp4_v=name, dtype="fp32", layout="HND", idx32=True)),
+                # the 4-bit launch table's entries at 64-d heads too (qkv.launch_table(d, four_bit=True))
+                (64, 1, dict(fp4_k=name, layout="HND")), (64, 200, dict(fp4_k=name, fp4_v=name)),
+                (128, 17, dict(fp4_v=name, fp8=True))]
     if "nvfp4" in PRESETS:
         out.append((128, 260, dict(fp4_k="nvfp4", fp4_v="nvfp4", hq=0, q_norm=None, k_norm=None, rotary_dim=0,
                                    paged_append=True, scale_numbers=True, idx32=True)))

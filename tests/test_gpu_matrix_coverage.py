@@ -121,3 +121,7 @@ def test_every_gqa_launch_table_entry_has_a_case():
     wide = qkv.launch_table(1024)       # indexed by tokens x heads
     picked = {table_entry(wide, c.n * max(c.hq, c.hkv)) for c in cases if c.d > 512}
     assert picked == {cfg for _, cfg in wide}
+    for d in (64, 128):                 # the 4-bit caches' table
+        table = qkv.launch_table(d, four_bit=True)
+        picked = {table_entry(table, c.n) for c in cases if c.d == d and (c.fp4_k or c.fp4_v)}
+        assert picked == {cfg for _, cfg in table}, d

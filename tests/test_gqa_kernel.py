@@ -213,3 +213,8 @@ def test_launch_table_shapes():
         assert qkv.launch_config(65536, block_d, 32, interpret=False) == (2, g_large, 1)
         assert qkv.launch_config(65536, block_d, 1, interpret=False) == (2, 1, 1)
         assert qkv.launch_config(65536, block_d, 3, interpret=False) == (2, min(g_large, 4), 1)
+    # 4-bit caches: 4 tokens of one head a program from 192 tokens, up to 128-d heads
+    for block_d, four_bit_large in ((64, (4, 1, 1)), (128, (4, 1, 1)), (256, (2, 1, 1))):
+        assert qkv.launch_config(191, block_d, 8, interpret=False, four_bit=True) == \
+            qkv.launch_config(191, block_d, 8, interpret=False)
+        assert qkv.launch_config(192, block_d, 8, interpret=False, four_bit=True) == four_bit_large

@@ -816,7 +816,7 @@ def qkv_kernel(
 WIDE_TILE = 512     # from this tile width on, the launch table is indexed by tokens x heads
 
 
-def launch_table(block_d: int) -> tuple:
+def launch_table(block_d: int, four_bit: bool = False) -> tuple:
     """The compiled kernel's launch table for a tile width: ((first n, (BLOCK_M, G, num_warps)), ...),
     read by gluon.common.table_entry: BLOCK_M tokens of G heads of one kind a program, one warp. From
     the H200 sweep with programmatic dependent launch (benchmarks/tune.py --kernel portable, Llama 3 8B
@@ -831,23 +831,30 @@ def launch_table(block_d: int) -> tuple:
     indexed by rows = tokens x the call's heads instead: one row a program below 1024 rows, then 4 rows,
     one head, one warp (H200 sweep, benchmarks/rope_quantize_sweep.py, 2026-12-04: one K head of 576 at
     65536 tokens 35.35 us against 42.74 with 2 rows, at 256 tokens 2.45 against 2.77; with 128 q heads
-    4 rows from 256 tokens; 1024 itself lies between the points measured, 256 and 4096 rows)."""
+    4 rows from 256 tokens; 1024 itself lies between the points measured, 256 and 4096 rows).
+
+    four_bit (a 4-bit K or V cache, kernels/gqa_fp4.py): from 192 tokens 4 tokens of one head a program
+    at heads up to 128 wide (H200 sweep, benchmarks/gqa_formats_bench.py --sweep, 2026-12-04: Qwen3 8B
+    nvfp4 at 65536 tokens 608.8 us against 1219.3 with 2 tokens of 4 heads in the halves form, 1190.7
+    against 1681.0 in the whole-row form; the group amax and the e2m1 encoder hold more registers)."""
     if block_d >= WIDE_TILE:
         return ((1, (1, 1, 1)), (1024, (4, 1, 1)))
     g_small = max(1, 256 // block_d)
     g_large = max(1, 512 // block_d) if block_d <= 128 else 1
+    if four_bit and block_d <= 128:
+        return ((1, (1, 1, 1)), (2, (2, g_small, 1)), (192, (4, 1, 1)))
     return ((1, (1, 1, 1)), (2, (2, g_small, 1)), (192, (2, g_large, 1)))
 
 
-def launch_config(n: int, block_d: int, heads: int = 1, interpret: bool = INTERPRET):
+def launch_config(n: int, block_d: int, heads: int = 1, interpret: bool = INTERPRET, four_bit: bool = False):
     """(BLOCK_M, G, num_warps): the launch table on the GPU; in the interpreter (which pays per program)
     as many tokens per program as a 16K-element tile holds, and the heads in groups of up to 4.
     ``kvfuse.kernels.config.force_config`` overrides any of them (tests of launch invariance). ``heads``:
-    the call's largest head count (G never exceeds its power of two)."""
+    the call's largest head count (G never exceeds its power of two); four_bit: a 4-bit cache's table."""
     if interpret:
         bm, g, nw = min(next_pow2(max(n, 1)), max(1, 16384 // block_d)), 4, 4
     else:
-        bm, g, nw = table_entry(launch_table(block_d), n * max(heads, 1) if block_d >= WIDE_TILE else n)
+        bm, g, nw = table_entry(launch_table(block_d, four_bit), n * max(heads, 1) if block_d >= WIDE_TILE else n)
     g = min(g, next_pow2(max(heads, 1)))
     forced = FORCED.cfg
     if forced is not None:
@@ -900,7 +907,8 @@ def launch_args(plan, tensor=None):
     n, hq, hkv, d = plan.n, q.shape[1], k.shape[1], plan.head_dim
     dv = d if plan.v is None else plan.v.shape[2]
     block_d, block_dv = next_pow2(d), next_pow2(dv)
-    bm, g, nw = launch_config(n, block_d, max(hq, hkv))
+    bm, g, nw = launch_config(n, block_d, max(hq, hkv),
+                              four_bit=plan.k_format in FP4_CODES or plan.v_format in FP4_CODES)
     qg, kg = cdiv(hq, g), cdiv(hkv, g)
     kf, vf = plan.k_fmt, plan.v_fmt
     fp8 = kf.scale == "static"            # k's destination cast by k_scale (e4m3, or e5m2: K_E5M2)
