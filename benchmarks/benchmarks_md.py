@@ -66,7 +66,10 @@ PEERS_GROUPS = {
     "dsv3_flashmla": ("D", "DeepSeek V3, FLASHMLA_V32 cache"),
     "dsv32_index": ("E", "DeepSeek V3.2 indexer K, INDEX_FP8_FP32"),
     "gqa": ("F", "GQA / MHA: Llama 3 8B, Qwen3 8B"),
+    "gqa_nvfp4": ("G", "GQA / MHA NVFP4 caches (FlashInfer's layout): Llama 3 8B"),
+    "gqa_per_token_head": ("H", "GQA / MHA per-(token, head) fp8 / int8 caches (vLLM's): Llama 3 8B"),
 }
+SMALL_ONLY_GROUPS = ("gqa", "gqa_nvfp4", "gqa_per_token_head")   # run without the --big sizes
 PEERS_SIZES = (1, 256, 4096, 65536)     # bench_peers.py's --sizes default
 PEERS_BIG = 262144                      # its --big default, for every group but the GQA one
 # the releases the harness builds, from its README (the JSON records none; a JSON with "releases" wins)
@@ -244,7 +247,7 @@ def _run_command(peers: dict) -> str:
     small = [n for n in sizes if n != PEERS_BIG]
     if small and small != list(PEERS_SIZES):
         args += f" --sizes {','.join(map(str, small))}"
-    if sizes and PEERS_BIG not in sizes and any(g != "gqa" for g in _groups(peers)):
+    if sizes and PEERS_BIG not in sizes and any(g not in SMALL_ONLY_GROUPS for g in _groups(peers)):
         args += " --big ''"
     return f"`bash .peers/run.sh{args}`"
 

@@ -403,7 +403,7 @@ def test_side_by_side_puts_every_engine_row_beside_its_vs_row():
     assert f"- `{FI_CAST}`: note of {FI_CAST}; {benchmarks_md.ROW_NOTES[FI_CAST]}." in text
     # the groups the run lacks, and the command that measures them
     assert ("Groups of the harness this run lacks: A (`dsv4_flashmla`: DeepSeek V4, FLASHMLA_MODEL1 cache); C "
-            "(`dsv4_main_fp4`") in text and "`bash .peers/run.sh --groups A,C,E` measures them." in text
+            "(`dsv4_main_fp4`") in text and "`bash .peers/run.sh --groups A,C,E,G,H` measures them." in text
     how = section(text, benchmarks_md.SIDE_BY_SIDE)
     for want in ("- Side-by-side result: `benchmarks/results/2027-01-02_h200_peers.json`", "date 2027-01-02",
                  "copy bandwidth 4.19 TB/s", "FlashInfer 0.7.2.post1, SGLang 0.5.23, vLLM 0.33.0 (the harness's README",
