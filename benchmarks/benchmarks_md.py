@@ -590,6 +590,46 @@ def _gqa_section(report: dict, own_source: Optional[str] = None) -> List[str]:
     return out + [""] + _peer_table(report, names, "two_launch")
 
 
+FORMATS_TARGETS = (1.2, 85.0)     # a GQA cache format's write: <= 1.2x the fp8 per-tensor write at n = 1, >= 85% of copy at 65536
+
+
+def _formats_section(formats: Optional[dict], source: Optional[str], pdl: Optional[bool]) -> List[str]:
+    """The GQA entry's write with each cache format of kvfuse.gqa_formats (benchmarks/gqa_formats_bench.py's
+    JSON ``formats``, named ``source``; ``pdl`` from its log, None: not recorded)."""
+    out = ["## GQA / MHA cache formats (`kvfuse.gqa_formats`)", ""]
+    if not formats:
+        return out + ["No run of `benchmarks/gqa_formats_bench.py` is committed: `python benchmarks/gqa_formats_bench.py "
+                      "--n 1,256,4096,65536 --json benchmarks/results/<date>_<device>_gqa_formats.json` measures it."]
+    rows = formats.get("rows", [])
+    wl = rows[0].get("workload", "?") if rows else "?"
+    sizes = sorted({r["n"] for r in rows})
+    names = list(dict.fromkeys(r["format"] for r in rows))
+    by = {(r["format"], r["n"]): r for r in rows}
+    top = max(sizes) if sizes else None
+    copy = formats.get("copy_GBps")
+    out += [f"- Source: `{source}` (`benchmarks/gqa_formats_bench.py --workload {wl} --n {','.join(map(str, sizes))}`), "
+            f"{formats.get('device', 'device not recorded')}, torch {formats.get('torch', '?')}, {formats.get('date', 'date not recorded')}; "
+            f"copy bandwidth {'not measured' if copy is None else f'{copy:.0f} GB/s'}; PDL "
+            f"{'not recorded' if pdl is None else ('on' if pdl else 'off')}.",
+            f"- The workload's call with K and V caches of each preset: GPU us (x the fp8_e4m3 per-tensor write of the "
+            f"same n), % of copy in compulsory bytes at n = {top}; targets: within {FORMATS_TARGETS[0]}x of fp8_e4m3 "
+            f"at n = 1, at least {FORMATS_TARGETS[1]:.0f}% of copy at n = 65536.", ""]
+    head = ["format"] + [f"n = {n}" for n in sizes] + [f"% of copy at {top}", "n = 1 target", "65536 target"]
+    table = []
+    for name in names:
+        cells = [f"`{name}`"]
+        for n in sizes:
+            r = by.get((name, n))
+            cells.append("-" if r is None else f"{r['gpu_us']:.2f}" + ("" if name == "fp8_e4m3" else f" ({r['x_fp8']:.2f}x)"))
+        r_top = by.get((name, top))
+        cells.append("-" if r_top is None else f"{r_top['pct_copy']:.1f}%")
+        one, big = by.get((name, 1)), by.get((name, 65536))
+        cells.append("-" if one is None or name == "fp8_e4m3" else ("met" if one["x_fp8"] <= FORMATS_TARGETS[0] else "missed"))
+        cells.append("-" if big is None else ("met" if big["pct_copy"] >= FORMATS_TARGETS[1] else "missed"))
+        table.append(cells)
+    return out + _table(head, table)
+
+
 def _target_value(t: dict) -> str:
     """A target's value with enough decimals that a miss never prints as its threshold (1.798 vs 1.8)."""
     v, digits = t["value"], (1 if t["kind"] == "pct_copy" else 2)
@@ -675,13 +715,16 @@ def _regenerate() -> List[str]:
 def render(report: dict, source: str = "the result JSON", gqa_report: Optional[dict] = None,
            gqa_source: Optional[str] = None, group_report: Optional[dict] = None,
            group_source: Optional[str] = None, peers: Optional[dict] = None, peers_source: Optional[str] = None,
-           peers_log: Optional[str] = None) -> str:
+           peers_log: Optional[str] = None, formats: Optional[dict] = None, formats_source: Optional[str] = None,
+           formats_pdl: Optional[bool] = None) -> str:
     """BENCHMARKS.md (Markdown, ending with a newline) for one bench result (the dict of its JSON);
     ``source``: how the document names that JSON. ``gqa_report`` / ``gqa_source``: a later run whose GQA
     workloads fill the GQA / MHA section instead (when that kernel changed after the run of the rest);
     ``group_report`` / ``group_source`` the same for the Grouped section. ``peers`` / ``peers_source`` /
     ``peers_log``: the side-by-side run (its JSON's dict, its name, the text of its log or None) whose rows
-    fill the section beside the engines."""
+    fill the section beside the engines. ``formats`` / ``formats_source`` / ``formats_pdl``: a run of
+    benchmarks/gqa_formats_bench.py (its JSON's dict, its name, PDL as its log says) for the cache-formats
+    section."""
     later = [name for name, rep in (("Grouped", group_report), ("GQA / MHA", gqa_report)) if rep is not None]
     one = "one `kvfuse bench` run" if not later else \
         f"one `kvfuse bench` run (the {' and the '.join(later)} section{'s' if len(later) > 1 else ''}: " \
@@ -702,6 +745,7 @@ def render(report: dict, source: str = "the result JSON", gqa_report: Optional[d
               _group_section(group_report, group_source or "the grouped result JSON")) + [""]
     lines += (_gqa_section(report) if gqa_report is None else
               _gqa_section(gqa_report, gqa_source or "the GQA result JSON")) + [""]
+    lines += _formats_section(formats, formats_source, formats_pdl) + [""]
     lines += _targets_section(report) + [""]
     lines += _regenerate()
     return "\n".join(lines).rstrip() + "\n"
@@ -726,6 +770,19 @@ def read_peers(path: Path) -> Tuple[dict, str, Optional[str]]:
             log.read_text() if log is not None and log.exists() else None)
 
 
+def read_formats(path: Optional[Path]) -> Tuple[Optional[dict], Optional[str], Optional[bool]]:
+    """A gqa_formats_bench.py JSON, its name, and PDL as the JSON records it, else as the log beside it
+    (``.txt``) prints it (None: neither says)."""
+    if path is None:
+        return None, None, None
+    log = path.with_suffix(".txt")
+    data = json.loads(path.read_text())
+    if "pdl" in data:
+        return data, source_name(path), bool(data["pdl"])
+    m = re.search(r"PDL (True|False)", log.read_text()) if log.exists() else None
+    return data, source_name(path), (None if m is None else m.group(1) == "True")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("result", nargs="?", default=None,
@@ -736,6 +793,8 @@ def main(argv=None) -> int:
                                               "section (named there)")
     p.add_argument("--group", default=None, help="a later kvfuse_bench.json whose grouped workloads fill the "
                                                 "Grouped section (named there)")
+    p.add_argument("--formats", default=None, help="a benchmarks/gqa_formats_bench.py JSON for the cache-formats "
+                                                  "section (default: the latest benchmarks/results/*_gqa_formats.json)")
     p.add_argument("--out", default=str(TARGET), help="where to write (default: BENCHMARKS.md at the repository root)")
     modes = p.add_mutually_exclusive_group()
     modes.add_argument("--stdout", action="store_true", help="print the document instead of writing it")
@@ -748,10 +807,11 @@ def main(argv=None) -> int:
     gqa = Path(args.gqa) if args.gqa else None
     group = Path(args.group) if args.group else None
     peers = read_peers(peers_path) if peers_path is not None else (None, None, None)
+    formats_path = Path(args.formats) if args.formats else latest("*_gqa_formats.json")
     text = render(json.loads(path.read_text()), source_name(path),
                   json.loads(gqa.read_text()) if gqa else None, source_name(gqa) if gqa else None,
                   json.loads(group.read_text()) if group else None, source_name(group) if group else None,
-                  *peers)
+                  *peers, *read_formats(formats_path))
     out = Path(args.out)
     what = f"{path}" + (f" and {peers_path}" if peers_path is not None else "")
     if args.stdout:

@@ -140,6 +140,7 @@ def main(argv=None) -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"copy_GBps": copy, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": __import__("triton").__version__, "pdl": kvfuse.pdl_enabled(),
                        "date": time.strftime("%Y-%m-%d"), "rows": rows}, f, indent=1)
 
 

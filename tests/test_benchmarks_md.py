@@ -130,7 +130,9 @@ def test_targets_section_recomputes_the_current_targets_from_the_runs_records():
     report["results"][0]["a_field_of_another_version"] = 1
     text = benchmarks_md.render(report)
     titles = re.findall(r"^## (.+)$", text, re.M)
-    assert titles.index("Targets") == titles.index("GQA / MHA (`fused_qk_norm_rope_store_kv`)") + 1
+    assert titles.index("GQA / MHA cache formats (`kvfuse.gqa_formats`)") == \
+        titles.index("GQA / MHA (`fused_qk_norm_rope_store_kv`)") + 1
+    assert titles.index("Targets") == titles.index("GQA / MHA cache formats (`kvfuse.gqa_formats`)") + 1
     assert titles.index("Regenerating") == titles.index("Targets") + 1
     assert titles.index(benchmarks_md.SIDE_BY_SIDE) == titles.index("How it was measured") + 1
     targets = section(text, "Targets")
@@ -273,7 +275,9 @@ def test_committed_benchmarks_md_is_the_rendering_of_the_json_it_names():
         pytest.fail(f"BENCHMARKS.md names {peers_source}, which is not in the repository: commit the peers JSON")
     peers = benchmarks_md.read_peers(ROOT / peers_source)
     assert peers[1] == peers_source and peers[2] is not None        # its log is committed beside it
-    assert text == benchmarks_md.render(json.loads(path.read_text()), source, *gqa, *group, *peers)
+    m = re.search(r"^- Source: `([^`]+_gqa_formats\.json)`", section(text, "GQA / MHA cache formats"), re.M)
+    formats = benchmarks_md.read_formats(ROOT / m.group(1) if m else None)
+    assert text == benchmarks_md.render(json.loads(path.read_text()), source, *gqa, *group, *peers, *formats)
     if (source, peers_source) == (_latest_name("*_full_bench.json"), _latest_name("*_peers.json")):
         assert benchmarks_md.main(["--check"]) == 0            # the defaults: `--check` alone passes
 
@@ -483,3 +487,18 @@ def test_engine_time_targets_are_figures_of_a_committed_peers_run():
                 held.setdefault(r["row"], set()).add((r["n"], round(r["gpu_us"], 2)))
     for workload, (engine, times) in bench.ENGINE_TIME_TARGETS.items():
         assert any({(n, us) for n, us in times.items()} <= pairs for pairs in held.values()), (workload, engine)
+
+
+def test_formats_section_from_a_gqa_formats_run():
+    """The cache-formats section: every format of the run with its time, its ratio to fp8_e4m3 and % of copy,
+    each target's verdict from the figures (1.2x at n = 1, 85% at 65536); without a run, the command."""
+    rows = [dict(workload="qwen3_8b_fp8", n=n, format=f, gpu_us=us, pct_copy=pct, x_fp8=x)
+            for f, n, us, pct, x in (("fp8_e4m3", 1, 2.0, 0.1, 1.0), ("fp8_e4m3", 65536, 400.0, 86.0, 1.0),
+                                      ("nvfp4", 1, 2.6, 0.1, 1.3), ("nvfp4", 65536, 500.0, 70.0, 1.25))]
+    formats = dict(copy_GBps=4000.0, device="GPU X", torch="2.x", date="2026-01-01", rows=rows)
+    text = "\n".join(benchmarks_md._formats_section(formats, "benchmarks/results/f.json", False))
+    assert "| `fp8_e4m3` | 2.00 | 400.00 | 86.0% | - | met |" in text
+    assert "| `nvfp4` | 2.60 (1.30x) | 500.00 (1.25x) | 70.0% | missed | missed |" in text
+    assert "`benchmarks/results/f.json`" in text and "PDL off" in text and "GPU X" in text
+    empty = "\n".join(benchmarks_md._formats_section(None, None, None))
+    assert "gqa_formats_bench.py --n 1,256,4096,65536" in empty
