@@ -245,8 +245,13 @@ class GQAConfig:
 
     def split_qkv(self, qkv: torch.Tensor):
         """Views q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, D] of a packed projection [n, qkv_width]
-        (stride(-1) == 1): no copies."""
+        (stride(-1) == 1): no copies. A tensor of another shape is a ValueError naming the q / k / v widths."""
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if not isinstance(qkv, torch.Tensor):
+            raise TypeError(f"GQAConfig.split_qkv: qkv must be a torch.Tensor, got {type(qkv).__name__}")
+        if qkv.dim() != 2 or qkv.shape[1] != self.qkv_width:
+            raise ValueError(f"GQAConfig.split_qkv: qkv of {self.name}: expected [n, {self.qkv_width}] "
+                             f"(q {hq * d} + k {hkv * d} + v {hkv * d} columns), got {list(qkv.shape)}")
         q = qkv[:, :hq * d].unflatten(1, (hq, d))
         k = qkv[:, hq * d:(hq + hkv) * d].unflatten(1, (hkv, d))
         v = qkv[:, (hq + hkv) * d:(hq + 2 * hkv) * d].unflatten(1, (hkv, d))

@@ -1,6 +1,8 @@
 """The ``kvfuse`` command fails kindly: --version / --help, the demo without its optional extra
 (tqdm, matplotlib, safetensors missing: simulated through sys.modules), and one-line errors with
-exit status 2 for a device or an --input file it cannot use."""
+exit status 2 for a device or an --input file it cannot use; the console script's module
+(kvfuse_cli) answers --version / --help without importing torch, Triton or the package."""
+import argparse
 import os
 import subprocess
 import sys
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 import kvfuse
+import kvfuse_cli
 from kvfuse import cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,3 +103,51 @@ def test_console_entry_point_bad_device():
                        text=True, env=env, cwd=ROOT, timeout=120)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == ["kvfuse demo: --device 'tpu': expected cpu, cuda or cuda:N"]
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], []])
+def test_version_and_help_import_no_torch(argv):
+    """The console script's entry function in a fresh interpreter: its answer, and none of torch, Triton,
+    numpy or kvfuse among the modules it loaded."""
+    heavy = ("torch", "triton", "numpy", "kvfuse")
+    code = ("import sys, kvfuse_cli\n"
+            f"rc = kvfuse_cli.main({argv!r})\n"
+            f"loaded = sorted(m for m in sys.modules if m.split('.')[0] in {heavy!r})\n"
+            "print('rc', rc, 'loaded', loaded)")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout.splitlines()[-1] == "rc 0 loaded []", r.stdout
+    assert (f"kvfuse {kvfuse.__version__}" if argv == ["--version"] else "usage: kvfuse") in r.stdout
+
+
+def test_console_script_is_the_torch_free_module():
+    """pyproject's console script runs kvfuse_cli.main, the wheel ships kvfuse_cli.py, and its version is
+    the package's; kvfuse.cli is the same command."""
+    with open(ROOT / "pyproject.toml", "rb") as fh:
+        meta = tomllib.load(fh)
+    assert meta["project"]["scripts"]["kvfuse"] == "kvfuse_cli:main"
+    assert "kvfuse_cli" in meta["tool"]["setuptools"]["py-modules"]
+    assert kvfuse_cli.__version__ == kvfuse.__version__ == meta["project"]["version"]
+    assert cli.main is kvfuse_cli.main
+
+
+@pytest.mark.parametrize("command", sorted(kvfuse_cli.COMMANDS))
+def test_command_help_lists_its_flags(command, monkeypatch, capsys):
+    """``kvfuse COMMAND --help`` through the entry function: usage and every option the command's own
+    parser declares (recorded as it adds them), with status 0."""
+    declared = []
+    add_argument = argparse.ArgumentParser.add_argument
+
+    def recording(self, *args, **kwargs):
+        if self.prog == f"kvfuse {command}":
+            declared.extend(a for a in args if a.startswith("--"))
+        return add_argument(self, *args, **kwargs)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "add_argument", recording)
+    assert kvfuse_cli.main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: kvfuse {command}")
+    assert len(set(declared) - {"--help"}) >= 5, declared      # argparse's own --help is recorded too
+    missing = [flag for flag in declared if flag not in out]
+    assert not missing, missing

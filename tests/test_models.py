@@ -195,6 +195,21 @@ def test_config_validation():
     assert mla.MLAConfig(index_format=None, compressed_format=None).index_hadamard_args is not None
 
 
+@pytest.mark.parametrize("shape", [(3, 5), (3, 6145), (3, 6143), (6144,), (1, 3, 6144)])
+def test_gqa_split_qkv_wrong_shape(shape):
+    """Qwen3 8B packs q 32 x 128 + k 8 x 128 + v 8 x 128 = 6144 columns: any other shape names them all."""
+    cfg = M.QWEN3_8B
+    expected = (r"qkv of qwen3-8b: expected \[n, 6144\] \(q 4096 \+ k 1024 \+ v 1024 columns\), "
+                rf"got \[{', '.join(map(str, shape))}\]")
+    with pytest.raises(ValueError, match=expected):
+        cfg.split_qkv(torch.zeros(shape, dtype=torch.bfloat16))
+
+
+def test_gqa_split_qkv_not_a_tensor():
+    with pytest.raises(TypeError, match="qkv must be a torch.Tensor, got list"):
+        M.QWEN3_8B.split_qkv([[0.0] * 6144])
+
+
 def test_bare_import():
     """``import kvfuse`` alone reaches kvfuse.mla and kvfuse.models (no import cycle)."""
     code = ("import kvfuse; assert kvfuse.models.get('deepseek-v4').main_format is kvfuse.formats.MAIN_FP8; "
