@@ -378,7 +378,7 @@ FLASHMLA_V32 = KVCacheFormat("FLASHMLA_V32", 576, "e4m3", 128, "ue8m0_fp32", Tru
 FLASHMLA_MODEL1 = KVCacheFormat("FLASHMLA_MODEL1", 512, "e4m3", 64, "ue8m0", False, sf_bytes=8, bf16_tail=64,
                                 block_alignment=576, scale_floor=1e-4)
 
-# Who reads each preset's records (README.md "Who reads each preset" has the sources).
+# Who reads each preset's records (docs/guide.md "Who reads each preset" has the sources).
 READERS = {
     "MAIN_FP8": "DeepInfer's DeepSeek V4 main cache (FlashMLA-family sparse decode)",
     "MAIN_MXFP8": "DeepSeek V4.1's main cache: FlashMLA's V41 sparse decode, SGLang's v41_new pages",

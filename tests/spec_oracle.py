@@ -523,7 +523,7 @@ def oracle_load(cache: CacheDesc, dequantize=True):
                 qf = decode_e2m1(unpack_e2m1(q))
             with np.errstate(over="ignore"):  # arbitrary bytes: a large value times a large scale is inf
                 v = (qf.reshape(ng, f.g) * d[:, None]).astype(np.float32).reshape(-1)
-            # every decoded NaN is the bf16 0x7FC0 (kvfuse's choice, README "Non-finite values")
+            # every decoded NaN is the bf16 0x7FC0 (kvfuse's choice, docs/guide.md "Non-finite values")
             out[t, h, :f.quant_dim] = np.where(np.isnan(v), np.uint16(0x7FC0), f32_to_bf16(v))
             if f.bf16_tail:
                 out[t, h, f.quant_dim:] = tail.view("<u2")
