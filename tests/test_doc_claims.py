@@ -109,7 +109,7 @@ def test_the_checks_catch_what_they_look_for():
     assert dangling_paths("FlashMLA's own rule (`tests/quant.py`)") == []
     assert dangling_paths("`kvfuse/kernels/gluon/*.py`, `kvfuse/{api,args}.py`, `docs/SPEC.md`") == []
     assert dangling_paths("`kvfuse/kernels/{api,nothing}.py`") == ["kvfuse/kernels/{api,nothing}.py"]
-    assert SECTION.findall("SPEC §2 and §11") == ["2", "11"]
+    assert SECTION.findall("SPEC \u00a72 and \u00a711") == ["2", "11"]   # escaped: not a citation of this file
 
 
 def newest_full_bench() -> str:

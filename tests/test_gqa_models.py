@@ -1,4 +1,4 @@
-"""kvfuse.models' GQA / MHA configurations (GQAConfig, SPEC §11): the facts of each model, its source,
+"""kvfuse.models' GQA / MHA configurations (GQAConfig, SPEC §3): the facts of each model, its source,
 frozen, reachable by name; split_qkv gives views; Gemma's (1 + w) maps exactly onto an fp32 weight;
 store_kv is one call of the public function; GPT-OSS's write (YaRN table, 64-d heads) equals the reference
 chain on both backends and rotates as the model does. The MLA configurations are unchanged
