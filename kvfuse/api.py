@@ -23,7 +23,7 @@ def fused_norm_rope_hadamard_cast_store_kvcache(x, norm_args=None, rope_args=Non
             tuple (x_main, x_tail) of its columns held apart (as torch.cat(x, -1), read in place).
         norm_args / rope_args / hadamard_args / cast_args: the stages (None switches one off);
             the stages that are on run in that order, each rounding its output to bf16.
-        out_args: None | Tensor | ContiguousOutArgs | KVCacheOutArgs (see SPEC §3).
+        out_args: None | Tensor | ContiguousOutArgs | KVCacheOutArgs (see SPEC §2).
 
     Returns:
         no cast: bf16 shaped like x (the last stage's output; written into out_args if given);

@@ -15,7 +15,7 @@ from .formats import POWER_OF_TWO_SF_FORMATS, KVCacheFormat
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class NormArgs:
-    """A norm over head_dim, or over its first k dims (SPEC §2), of each (token, head) row.
+    """A norm over head_dim, or over its first k dims (SPEC §6), of each (token, head) row.
 
     kind "rms" (RMSNorm): ``y = bf16((x * rstd) * w)``, ``rstd = 1 / sqrt(mean(x^2) + eps)``.
     kind "layer" (LayerNorm, DeepSeek V3.2's indexer K): ``d = x - mean(x)``,
@@ -49,7 +49,7 @@ class RopeArgs:
     width). Frequency j (pair j) takes its cos / sin from the table row of positions[row(j), token]:
     chunked (``mrope_interleaved`` False, Qwen2/2.5-VL) row(j) = 0 for j < t, 1 for t <= j < t + h, 2
     after; interleaved (Qwen3-VL) row(j) = 1 when j % 3 == 1 and j < 3h, 2 when j % 3 == 2 and j < 3w,
-    else 0. A pair whose own position is outside [0, max_position) is left unchanged (SPEC §11).
+    else 0. A pair whose own position is outside [0, max_position) is left unchanged (SPEC §3).
     """
     positions: torch.Tensor
     cos_sin_cache: torch.Tensor

@@ -13,7 +13,7 @@ Scope: the backend chosen with ``use_backend`` is per thread (a thread that neve
 
 ``set_pdl(True)`` or ``KVFUSE_PDL=1`` launches the kernels with programmatic dependent launch
 (Hopper and newer, compiled kernels only; off by default); ``set_pdl(True, early_reads=True)`` or
-``KVFUSE_PDL=early`` also reads the slots and positions before the wait (opt-in, SPEC §1).
+``KVFUSE_PDL=early`` also reads the slots and positions before the wait (opt-in, SPEC §10).
 
 Boolean environment switches (``KVFUSE_CHECKS``, ``KVFUSE_PDL`` (which also takes "early"), ``KVFUSE_PLAN_CACHE``, ``KVFUSE_GLUON``,
 ``KVFUSE_DIRECT_LAUNCH``, ``TRITON_INTERPRET``) are read with :func:`env_flag`: 0/1/true/false/
@@ -181,7 +181,7 @@ def set_pdl(enabled: bool, early_reads: bool = False) -> None:
     Takes effect on Hopper and newer GPUs with compiled kernels; elsewhere it changes nothing.
 
     ``early_reads`` (opt-in, with ``enabled``; ``KVFUSE_PDL=early``): the kernels that support it (SPEC
-    §1) also read the slots, the positions and their cos/sin rows before the wait, and only x after it:
+    §10) also read the slots, the positions and their cos/sin rows before the wait, and only x after it:
     for engines whose slot mapping and positions were written before the previous kernel on the stream
     started (prepared at the start of a step). A producer of those still running would be raced."""
     global _pdl_override

@@ -1,4 +1,4 @@
-"""Paged KV-cache formats (SPEC §4 and §9).
+"""Paged KV-cache formats (SPEC §7 and §8).
 
 A cache is a ``uint8`` tensor ``[num_blocks, block_size, num_heads, bytes_per_token]``. A
 :class:`KVCacheFormat` says what one (token, head) record holds and where its bytes lie:
@@ -73,7 +73,7 @@ def q_dtype(cast_fmt: str) -> torch.dtype:
 
 
 def scale_floor_exponent(scale_floor, what: str = "scale_floor") -> int:
-    """ceil(log2(float32(scale_floor))) (SPEC §2 scale_floor: the smallest power-of-two scale is
+    """ceil(log2(float32(scale_floor))) (SPEC §6 scale_floor: the smallest power-of-two scale is
     2^that); ValueError naming ``what`` unless scale_floor is a number whose float32 is a normal
     value in [2^-126, 2^127]."""
     if isinstance(scale_floor, bool) or not isinstance(scale_floor, (int, float)) or not math.isfinite(scale_floor):
@@ -86,7 +86,7 @@ def scale_floor_exponent(scale_floor, what: str = "scale_floor") -> int:
 
 
 def check_cast_combination(cast_fmt, num_per_channels, round_sf, sf_format, quant_dim, what, scale_floor=None):
-    """SPEC §2 allowed combinations; raises ValueError naming ``what``."""
+    """SPEC §6 allowed combinations; raises ValueError naming ``what``."""
     if cast_fmt not in CAST_FORMATS:
         raise ValueError(f"{what}: cast_fmt must be one of {CAST_FORMATS}, got {cast_fmt!r}")
     if sf_format not in SF_FORMATS:
@@ -141,12 +141,12 @@ class KVCacheFormat:
         sf_bytes: bytes for the scales of one record; defaults to the exact scale bytes and may be
             larger (the rest is reserved and never written).
         bf16_tail: the last ``bf16_tail`` dims are stored as raw bf16 beside the quantized part
-            (FlashMLA formats, SPEC §9); scales cover only the first head_dim - bf16_tail dims.
+            (FlashMLA formats, SPEC §8); scales cover only the first head_dim - bf16_tail dims.
         block_alignment: what ``allocate_kv_cache`` rounds a block's byte stride up to (lcm with
             stride_alignment): 32 by default; 656 for FLASHMLA_V32 and 576 for FLASHMLA_MODEL1, the
             multiples FlashMLA's sparse decode asserts. Not part of the record layout, and not
             checked by ``check_cache`` (which needs stride(0) a multiple of stride_alignment only).
-        scale_floor: the smallest power-of-two scale, as FlashMLA's quantizer floors it (SPEC §2:
+        scale_floor: the smallest power-of-two scale, as FlashMLA's quantizer floors it (SPEC §6:
             the scale is 2^ceil(log2(max(amax / fmax, scale_floor)))); only with ue8m0 / ue8m0_fp32.
             FLASHMLA_V32 and FLASHMLA_MODEL1 carry 1e-4; ``CastArgs.from_cache_format`` copies it.
     """
@@ -249,7 +249,7 @@ class KVCacheFormat:
 
     # ---- validation and views
     def check_cache(self, kv_cache, what: str = "kv_cache") -> None:
-        """Raise ValueError/TypeError unless ``kv_cache`` is a cache of this format (SPEC §4)."""
+        """Raise ValueError/TypeError unless ``kv_cache`` is a cache of this format (SPEC §7)."""
         if not isinstance(kv_cache, torch.Tensor):
             raise TypeError(f"{what} must be a torch.Tensor, got {type(kv_cache).__name__}")
         if kv_cache.dtype != torch.uint8:
@@ -287,7 +287,7 @@ class KVCacheFormat:
         token-interleaved: data [num_blocks, block_size, num_heads, quant_bytes] (the whole data for
         formats without a tail), sf [num_blocks, block_size, num_heads, sf_bytes].
         block-wide: data [num_blocks, block_size, data_bytes], sf [num_blocks, block_size, sf_bytes].
-        For token-interleaved §9 formats the record is [quantized | scales | tail], so ``data`` is
+        For token-interleaved §8 formats the record is [quantized | scales | tail], so ``data`` is
         returned as the quantized bytes only and the tail is ``tail_view``.
         """
         self.check_cache(kv_cache)
@@ -303,7 +303,7 @@ class KVCacheFormat:
         return data, sf
 
     def tail_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """The bf16 tail bytes of every record, [nb, bs, (nh,) 2*bf16_tail] uint8 (§9 formats)."""
+        """The bf16 tail bytes of every record, [nb, bs, (nh,) 2*bf16_tail] uint8 (§8 formats)."""
         self.check_cache(kv_cache)
         if not self.bf16_tail:
             raise ValueError(f"{self.name} has no bf16 tail")
@@ -378,7 +378,7 @@ FLASHMLA_V32 = KVCacheFormat("FLASHMLA_V32", 576, "e4m3", 128, "ue8m0_fp32", Tru
 FLASHMLA_MODEL1 = KVCacheFormat("FLASHMLA_MODEL1", 512, "e4m3", 64, "ue8m0", False, sf_bytes=8, bf16_tail=64,
                                 block_alignment=576, scale_floor=1e-4)
 
-# Who reads each preset's records (README.md "Who reads each preset" has the sources).
+# Who reads each preset's records (docs/guide.md "Who reads each preset" has the sources).
 READERS = {
     "MAIN_FP8": "DeepInfer's DeepSeek V4 main cache (FlashMLA-family sparse decode)",
     "MAIN_MXFP8": "DeepSeek V4.1's main cache: FlashMLA's V41 sparse decode, SGLang's v41_new pages",

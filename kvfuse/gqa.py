@@ -1,4 +1,4 @@
-"""K and V of GQA / MHA attention (SPEC §11): :func:`fused_qk_norm_rope_store_kv`.
+"""K and V of GQA / MHA attention (SPEC §3): :func:`fused_qk_norm_rope_store_kv`.
 
 For the models that are not MLA (Llama, Qwen3, Gemma 3 / 4, Qwen-VL, ...): one call takes the q, k, v heads
 of a batch of tokens (views of one packed QKV projection allowed; bf16, fp16 or fp32), applies the per-head
@@ -55,13 +55,13 @@ def fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_norm_
             with v and v_cache None: a K cache alone (MLA's latent). k_cache may be a pair of caches
             (its heads' first S columns, the rest: FlashInfer's MLA kpe / ckv caches).
         slot_mapping: int32 / int64 [n], or a :class:`kvfuse.PagedAppend` (FlashInfer's page addressing, read
-            by the kernel: SPEC §11); slot s goes to block s // block_size, offset s % block_size;
+            by the kernel: SPEC §3); slot s goes to block s // block_size, offset s % block_size;
             a slot < 0 or >= num_blocks * block_size writes nothing.
         q_norm_args, k_norm_args: NormArgs (kind "rms", weight [D] bf16 / fp16 / fp32 shared by the heads) or None.
         rope_args: RopeArgs or None (offset None means 0 here: RoPE on the first rotary_dim dims; cos_sin_cache
             fp32 / bf16 / fp16). Weights and table are read as fp32 (exact). With ``mrope_section`` (mRoPE,
             Qwen2-VL / Qwen2.5-VL / Qwen3-VL) positions are [3, n] and each frequency takes its cos / sin from
-            one position row, chunked or interleaved (:class:`kvfuse.RopeArgs`, SPEC §11).
+            one position row, chunked or interleaved (:class:`kvfuse.RopeArgs`, SPEC §3).
         k_scale, v_scale: for float8_e4m3fn caches (None otherwise; k_scale also for an fp8 k_out): fp32
             tensors of one element or one per kv head ([Hkv], contiguous), or numbers (passed to the
             kernel as fp32 arguments; then every scale of the call is a number): the cache holds
@@ -72,7 +72,7 @@ def fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_norm_
             (like q).
         numerics: "staged" (every stage rounded to the activations' dtype), "fused" (fp32 from the norm's
             input through RoPE, one rounding) or "fused_fp32_cast" (as "fused"; an fp8 cache's cast reads
-            the fp32 value): :data:`kvfuse.numerics_profiles.PROFILES`, SPEC §2.
+            the fp32 value): :data:`kvfuse.numerics_profiles.PROFILES`, SPEC §6.
         k_out: without caches, [n, Hkv, D] of the activations' dtype or float8_e4m3fn (by k_scale)
             receiving the transformed k; k itself for in place; a pair like k's; None allocates it (like
             k). Must be None with caches.

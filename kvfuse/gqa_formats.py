@@ -1,4 +1,4 @@
-"""The cache formats of the GQA / MHA entry (:func:`kvfuse.fused_qk_norm_rope_store_kv`, SPEC §11) as data.
+"""The cache formats of the GQA / MHA entry (:func:`kvfuse.fused_qk_norm_rope_store_kv`, SPEC §3) as data.
 
 A :class:`GQACacheFormat` says what a K or V cache of that entry holds: the code of each value (the
 activations' dtype, e4m3, e5m2, int8, ...), how values are scaled (not at all, by a scale the caller
@@ -122,7 +122,7 @@ _NVFP4 = ("FlashInfer 0.7.2.post1, flashinfer/page.py nvfp4_quantize_append_page
           "'nvfp4' on SM80 / SM90 / SM120, vllm/v1/attention/backends/flashinfer.py do_kv_cache_update (that "
           "writer on the views _nvfp4_kv_views cuts from its pages)")
 _MXFP4 = ("none found: no engine kvfuse follows reads an MXFP4 GQA cache (vLLM 0.33.0's ultraquant_4bit, "
-          "vllm/v1/attention/ops/ultraquant, is another rule); the rule is SPEC §2's e2m1 / ue8m0 one")
+          "vllm/v1/attention/ops/ultraquant, is another rule); the rule is SPEC §6's e2m1 / ue8m0 one")
 
 PRESETS = {f.name: f for f in (
     GQACacheFormat("auto", "act", None, "none", reader=f"{_VLLM_FLASH}; {_FLASHINFER}"),
@@ -135,7 +135,7 @@ PRESETS = {f.name: f for f in (
                    qmax=448.0, reader=_VLLM_PER_TOKEN_HEAD),
     GQACacheFormat("int8_per_token_head", "int8", torch.int8, "token_head", scale_dtype=torch.float32,
                    qmax=127.0, reader=_VLLM_PER_TOKEN_HEAD),
-    # 4-bit: e2m1 codes two a byte with stored group scales (kvfuse/reference/fp4.py, SPEC §11)
+    # 4-bit: e2m1 codes two a byte with stored group scales (kvfuse/reference/fp4.py, SPEC §3)
     GQACacheFormat("nvfp4", "e2m1", torch.uint8, "block", group=16, scale_dtype=torch.float8_e4m3fn, qmax=6.0,
                    reader=_NVFP4, global_scale=True),
     GQACacheFormat("mxfp4", "e2m1", torch.uint8, "block", group=32, scale_dtype=torch.uint8, qmax=6.0,

@@ -19,7 +19,7 @@ models (DeepSeek V3 / V3.1, V3.2, V4).
 | :func:`write_flashmla_v32` | optional (latent only) | tail 64 | - | FLASHMLA_V32 | 576 = 512 e4m3 + 64 bf16 | (n x 512, n x 64) |
 
 Each row is one launch, a [latent | k_pe] record too: its norm covers the latent only (a norm over
-the leading dims, SPEC §2) and kv_c / k_pe may be two tensors (the entry point's x as a pair).
+the leading dims, SPEC §6) and kv_c / k_pe may be two tensors (the entry point's x as a pair).
 
 Context parallelism: :func:`cp_local_kv_quantized` + all_gather of the (q, sf) bytes +
 :func:`store_gathered` is the byte-exact recipe for every format; the cast_back recipe

@@ -1,4 +1,4 @@
-"""Named, frozen configurations of the real models whose write-KV paths kvfuse serves (SPEC §10, §11).
+"""Named, frozen configurations of the real models whose write-KV paths kvfuse serves (SPEC §5, §3).
 
 The GQA / MHA models (Llama 3, Qwen3, Gemma 3, GPT-OSS, Qwen2.5-VL / Qwen3-VL with mRoPE, Gemma 4 with its
 V-norm) are :class:`GQAConfig` objects in :data:`GQA_MODELS`
@@ -180,7 +180,7 @@ def get(name: str) -> MLAConfig:
     return MODELS[key]
 
 
-# =============================================================================== GQA / MHA models (SPEC §11)
+# =============================================================================== GQA / MHA models (SPEC §3)
 @dataclasses.dataclass(frozen=True)
 class GQAConfig:
     """The attention shapes, RoPE style and QK-norm of a GQA / MHA model, as
@@ -333,7 +333,7 @@ QWEN3_8B = GQAConfig(
            "head before apply_rotary_pos_emb, rotate_half = NEOX); Qwen/Qwen3-8B config.json: num_attention_heads "
            "32, num_key_value_heads 8, head_dim 128, rms_norm_eps 1e-6, rope_theta 1000000")
 """Qwen3-8B: 32 Q heads, 8 KV heads of 128, per-head RMSNorm of q and k (weight [128]), NEOX RoPE.
-HF's Qwen3RMSNorm rounds x * rstd to bf16 before multiplying by the weight; kvfuse rounds once (SPEC §2),
+HF's Qwen3RMSNorm rounds x * rstd to bf16 before multiplying by the weight; kvfuse rounds once (SPEC §6),
 so its q / k may differ from HF's eager path by one bf16 rounding (vLLM's fused kernels differ from
 both in their own ways)."""
 

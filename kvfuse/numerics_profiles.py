@@ -1,4 +1,4 @@
-"""The numerics profiles and activation dtypes of :func:`kvfuse.fused_qk_norm_rope_store_kv` (SPEC §2, §11).
+"""The numerics profiles and activation dtypes of :func:`kvfuse.fused_qk_norm_rope_store_kv` (SPEC §6, §3).
 
 A profile says where the Q / K chain (RMSNorm -> RoPE) rounds to the activations' dtype and what an fp8
 cache's cast reads. This table is the one place that defines them: validation (:mod:`kvfuse.plans.gqa`),

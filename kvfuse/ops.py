@@ -1,4 +1,4 @@
-"""kvfuse's entry points as ``torch.library`` custom ops (namespace ``kvfuse``), SPEC §9.
+"""kvfuse's entry points as ``torch.library`` custom ops (namespace ``kvfuse``), SPEC §8.
 
 One op per plan type (:mod:`kvfuse.plans.types`), each wrapping :func:`kvfuse.dispatch.run` of its
 plan: ``fused_norm_rope_hadamard_cast_store`` (Plan), ``fused_qk_norm_rope_store_kv`` (GQAPlan),

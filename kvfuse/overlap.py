@@ -1,4 +1,4 @@
-"""Memory overlap of a call's tensors (SPEC §5, aliasing).
+"""Memory overlap of a call's tensors (SPEC §9, aliasing).
 
 A call's outputs (``out``, ``q``/``sf``, the cache) must not overlap themselves, each other or any
 input (x, the norm weight, positions, cos_sin, slot_mapping; store_kv_cache's data, sf, tail): the

@@ -1,4 +1,4 @@
-"""Cases of kvfuse.fused_qk_norm_rope_store_kv (SPEC §11) shared by the CPU tests (the interpreter) and
+"""Cases of kvfuse.fused_qk_norm_rope_store_kv (SPEC §3) shared by the CPU tests (the interpreter) and
 tests/gpu/test_gpu_gqa.py (not a test module itself).
 
 :func:`run_gqa_case` builds one case's inputs from its seed on the CPU, moves them to the device, calls

@@ -8,7 +8,7 @@
 - :func:`assert_bytes_equal`: raw-byte comparison (never a tolerance).
 - :func:`poison_like`: NaN / random garbage of a tensor's shape and dtype.
 - :func:`record_regions`: the storage byte offsets of a record's data / scale / tail bytes,
-  computed from the SPEC's layout description (§4, §9), independently of kvfuse.
+  computed from the SPEC's layout description (§7, §8), independently of kvfuse.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _round_up(v: int, m: int) -> int:
 
 def cache_strides(fmt: KVCacheFormat, block_size: int, num_heads: int = 1, token_padding: int = 0,
                   block_padding: int = 0):
-    """(stride(0), stride(1)) in bytes of a cache of ``fmt``, computed from the SPEC (§4):
+    """(stride(0), stride(1)) in bytes of a cache of ``fmt``, computed from the SPEC (§7):
     token-interleaved: stride(1) = num_heads*bytes_per_token + token_padding rounded up to
     gcd(32, bytes_per_token); block-wide: stride(1) = bytes_per_token (a dense block).
     stride(0) = the block's bytes + block_padding rounded up to lcm(stride_alignment, block_alignment)

@@ -1,4 +1,4 @@
-"""An independent, pure-numpy oracle of docs/SPEC.md §2-§4 and §9 (written from the SPEC text only).
+"""An independent, pure-numpy oracle of docs/SPEC.md §2, §6, §7 and §8 (written from the SPEC text only).
 
 Conventions
 -----------
@@ -164,7 +164,7 @@ def rmsnorm(x_bits: np.ndarray, w, eps: float) -> np.ndarray:
 
 
 def layernorm(x_bits: np.ndarray, w, b, eps: float) -> np.ndarray:
-    """SPEC §2 LayerNorm: s = tree(x); mean = s / D; d = x - mean; var = tree(d * d) / D;
+    """SPEC §6 LayerNorm: s = tree(x); mean = s / D; d = x - mean; var = tree(d * d) / D;
     rstd = 1 / sqrt(var + eps); y = bf16(((d * rstd) * w) + b) (no + b without a bias)."""
     xf = bf16_to_f32(x_bits)
     D = F32(xf.shape[-1])
@@ -244,7 +244,7 @@ class Quant(NamedTuple):
 
 
 def quantize(v_bits: np.ndarray, cast_fmt: str, g: int, sf_format: str, scale_floor=None) -> Quant:
-    """SPEC §2 quantization; scale_floor (power-of-two formats): the scale is
+    """SPEC §6 quantization; scale_floor (power-of-two formats): the scale is
     2^ceil(log2(max(amax / fmax, scale_floor)))."""
     vf = bf16_to_f32(v_bits)
     Dq = vf.shape[-1]
@@ -509,7 +509,7 @@ def oracle_load(cache: CacheDesc, dequantize=True):
             ng = f.quant_dim // f.g
             sfb = st[sa:sa + f.sf_exact]
             if f.sf_format == "ue8m0":
-                # SPEC §4: the byte 0xFF is NaN (OCP MX), not 2^128 (which overflows fp32 here, on purpose)
+                # SPEC §7: the byte 0xFF is NaN (OCP MX), not 2^128 (which overflows fp32 here, on purpose)
                 with np.errstate(over="ignore"):
                     d = np.ldexp(np.float32(1.0), sfb.astype(np.int32) - 127).astype(np.float32)
                 d = np.where(sfb == 0xFF, np.float32(np.nan), d).astype(np.float32)
@@ -523,7 +523,7 @@ def oracle_load(cache: CacheDesc, dequantize=True):
                 qf = decode_e2m1(unpack_e2m1(q))
             with np.errstate(over="ignore"):  # arbitrary bytes: a large value times a large scale is inf
                 v = (qf.reshape(ng, f.g) * d[:, None]).astype(np.float32).reshape(-1)
-            # every decoded NaN is the bf16 0x7FC0 (kvfuse's choice, README "Non-finite values")
+            # every decoded NaN is the bf16 0x7FC0 (kvfuse's choice, docs/guide.md "Non-finite values")
             out[t, h, :f.quant_dim] = np.where(np.isnan(v), np.uint16(0x7FC0), f32_to_bf16(v))
             if f.bf16_tail:
                 out[t, h, f.quant_dim:] = tail.view("<u2")

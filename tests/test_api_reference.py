@@ -1,4 +1,4 @@
-"""The article's test matrix through the public API on the CPU with the reference backend (SPEC §1-§4, §9).
+"""The article's test matrix through the public API on the CPU with the reference backend (SPEC §1, §2, §6, §7, §8).
 
 The expected cache is built independently: the stage outputs come from the reference's stage functions
 (rmsnorm / rope / hadamard / quantize), and their bytes are written into a copy of the guarded storage at
@@ -299,7 +299,7 @@ def test_nonfinite_input_confined_to_its_group():
 
 # ------------------------------------------------------------------------------ round trips and error bounds
 def decode_scales(fmt, sf_raw):
-    """Dequant multipliers d [n, H, num_scales] from raw scale bytes (SPEC §2), independently."""
+    """Dequant multipliers d [n, H, num_scales] from raw scale bytes (SPEC §6), independently."""
     ns = (fmt.head_dim - fmt.bf16_tail) // fmt.elements_per_sf
     if fmt.sf_format == "ue8m0":
         return torch.pow(2.0, sf_raw[..., :ns].double() - 127)

@@ -8,7 +8,7 @@ Each rank owns a shard of the tokens. Two recipes, then every rank writes the WH
 They are compared with the single-process write "all_gather first, then the full chain".
 
 On the CPU the two ranks even run different backends (rank 0 the reference, rank 1 the Triton
-kernel through the interpreter): kvfuse's bytes do not depend on the backend (SPEC §2).
+kernel through the interpreter): kvfuse's bytes do not depend on the backend (SPEC §6).
 
 Byte equality with the one-pass write holds for the quantized recipe with every format and for
 the bf16 recipe with MAIN_FP4 (e4m3 scales). For MAIN_FP8 (UE8M0 scales) the bf16 recipe gives the

@@ -4,7 +4,7 @@ rows, padded to the layout's alignment; interleaved records; the DSA index-K pag
 (page, row) rule, negative slots skipped, the complex freqs_cis table and GPT-J pairs, the scale
 rules (V4's unfloored ue8m0, V4.1's floor at 2^-13, e4m3 scales of the fp4 rows, the fp32 index
 scale max(amax, 1e-4) / 448). Records are packed explicitly from kvfuse.reference's stage functions
-(kvfuse's numerics, SPEC §2); where SGLang's arithmetic differs (the index cast's reciprocal) a
+(kvfuse's numerics, SPEC §6); where SGLang's arithmetic differs (the index cast's reciprocal) a
 restatement of SGLang's formula bounds the difference. Every cache sits in storage poisoned with
 0xAB and the whole storage is compared, so a stray or missing write shows. Reference backend and
 Triton's interpreter; the errors; torch.compile(fullgraph=True)."""
@@ -197,7 +197,7 @@ def test_fused_store_index_k_cache(backend):
 
 def test_store_index_k_cache_against_sglang_formula():
     """SGLang's fused_store_indexer_cache: scale = max(1e-4, amax) / 448 (fp32), values
-    e4m3(clip(x * (1 / scale))). kvfuse multiplies by 448 / amax (SPEC §2): the scale bytes are the
+    e4m3(clip(x * (1 / scale))). kvfuse multiplies by 448 / amax (SPEC §6): the scale bytes are the
     same; a value differs, by one code, only where the two fp32 multipliers (one ulp apart at most)
     put x on different sides of an e4m3 rounding boundary."""
     n = 512

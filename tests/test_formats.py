@@ -1,4 +1,4 @@
-"""KVCacheFormat, presets, allocate_kv_cache, split and check_cache against SPEC §4 and §9.
+"""KVCacheFormat, presets, allocate_kv_cache, split and check_cache against SPEC §7 and §8.
 
 Every expected number below is written out from the SPEC's tables (not computed by kvfuse).
 """
@@ -16,7 +16,7 @@ from helpers import cache_strides, guarded_cache, record_regions
 # name: (token_interleaved, head_dim, cast_fmt, g, sf_format, quant_bytes, data_bytes, sf_bytes,
 #        exact scale bytes, bytes_per_token, stride_alignment, bf16_tail)
 SPEC_TABLE = {
-    # SPEC §4: 512 + 20 (16 scales + 4 reserved) = 532; gcd(32, 532) = 4
+    # SPEC §7: 512 + 20 (16 scales + 4 reserved) = 532; gcd(32, 532) = 4
     "MAIN_FP8": (True, 512, "e4m3", 32, "ue8m0", 512, 512, 20, 16, 532, 4, 0),
     # DeepSeek V4.1: 512 + 16 (16 scales, no reserved bytes) = 528; gcd(32, 528) = 16
     "MAIN_MXFP8": (True, 512, "e4m3", 32, "ue8m0", 512, 512, 16, 16, 528, 16, 0),
@@ -28,7 +28,7 @@ SPEC_TABLE = {
     "INDEX_MXFP4": (False, 128, "e2m1", 32, "ue8m0", 64, 64, 4, 4, 68, 32, 0),
     "INDEX_NVFP4": (False, 128, "e2m1", 16, "e4m3", 64, 64, 8, 8, 72, 32, 0),
     "INDEX_BF16": (False, 128, None, None, None, 256, 256, 0, 0, 256, 32, 0),
-    # SPEC §9: 512 quantized + 128 tail bytes = 640 data, 4 fp32 scales = 16; 656; gcd(32, 656) = 16
+    # SPEC §8: 512 quantized + 128 tail bytes = 640 data, 4 fp32 scales = 16; 656; gcd(32, 656) = 16
     "FLASHMLA_V32": (True, 576, "e4m3", 128, "ue8m0_fp32", 512, 640, 16, 16, 656, 16, 64),
     # 448 quantized + 128 tail = 576 data, 7 scales + 1 reserved = 8; 584; block-wide -> 32
     "FLASHMLA_MODEL1": (False, 512, "e4m3", 64, "ue8m0", 448, 576, 8, 7, 584, 32, 64),
@@ -409,7 +409,7 @@ def test_check_cache_accepts_valid_padded_caches():
 
 
 def test_check_cache_stride0_multiple_of_stride_alignment_only():
-    """SPEC §4: stride(0) need only be a multiple of stride_alignment (gcd(32, bytes_per_token) for
+    """SPEC §7: stride(0) need only be a multiple of stride_alignment (gcd(32, bytes_per_token) for
     token-interleaved formats), not of 32."""
     fmt = formats.MAIN_FP8
     c = _strided(fmt, (2, 4, 1, 532), (2132, 532, 532, 1))     # 2132 = 4 * 533, not a multiple of 32

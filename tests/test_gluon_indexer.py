@@ -176,7 +176,7 @@ def test_packed_bf16_e2m1_encoder_gives_the_reference_codes():
     """INDEX_MXFP4's codes on packed bf16 (``_e2m1x2_bf16``): for every bf16 y and every UE8M0 multiplier
     m = 2^-e the kernel makes (fp32-subnormal ones for an infinite amax included), the codes of the
     bf16 product equal encode_e2m1 of the fp32 product wherever |y * m| <= 6 (always, for a y of the
-    group: m comes from its amax) or y is infinite. NaN inputs are left out (SPEC §2)."""
+    group: m comes from its amax) or y is infinite. NaN inputs are left out (SPEC §6)."""
     y = torch.arange(1 << 16, dtype=torch.int32)
     yf = (y << 16).view(torch.float32)
     for e in range(-15, 129):

@@ -197,7 +197,7 @@ def test_e2m1_nibble_encoder_gives_the_reference_codes():
     """``_e2m1_nibble``'s host mirror on 2^21 random fp32 patterns, every fp32 within 3 ulps of every
     e2m1 rounding boundary, grid value and binade edge (and their negatives), and every bf16 pattern
     (tests/gpu/test_gpu_fast_paths.py runs all 2^32). NaN inputs are left out
-    (SPEC §2 leaves their group free)."""
+    (SPEC §6 leaves their group free)."""
     g = torch.Generator().manual_seed(0)
     bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (1 << 21,), generator=g, dtype=torch.int64).to(torch.int32)
     edges = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0,

@@ -1,4 +1,4 @@
-"""kvfuse.fused_qk_norm_rope_store_kv (kvfuse/gqa.py) and its custom op (kvfuse/ops.py), SPEC §11 / §5:
+"""kvfuse.fused_qk_norm_rope_store_kv (kvfuse/gqa.py) and its custom op (kvfuse/ops.py), SPEC §3 / §9:
 validation errors name the argument and write nothing; the aliasing rules (q_out may be q; vLLM's
 kv_cache[:, 0] / [:, 1] views are accepted; any other overlap is rejected); the data checks; q_out
 allocation; meta tensors and n = 0; torch.library.opcheck; torch.compile(fullgraph=True)."""

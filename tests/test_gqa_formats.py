@@ -1,4 +1,4 @@
-"""The GQA entry's cache formats (kvfuse.gqa_formats, SPEC §11): the registry, the k_format / v_format /
+"""The GQA entry's cache formats (kvfuse.gqa_formats, SPEC §3): the registry, the k_format / v_format /
 scale-cache arguments and their validation, caches of two formats, and the read side."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The 4-bit GQA / MHA cache formats (SPEC §11): NVFP4 with a global scale (FlashInfer's rule) and MXFP4.
+"""The 4-bit GQA / MHA cache formats (SPEC §3): NVFP4 with a global scale (FlashInfer's rule) and MXFP4.
 
 * the reference (kvfuse/reference/fp4.py) equals a scalar transcription of FlashInfer 0.7.2.post1's
   ``nvfp4_append_quantize_block`` (page.cuh) written here in numpy float32 with IEEE division, and
@@ -130,7 +130,7 @@ def test_nvfp4_hand_worked_groups():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_mxfp4_reference_is_spec_rule(dtype):
-    """Finite rows give the bytes of SPEC §2's quantizer (kvfuse.reference.quantize, e2m1 / 32 / ue8m0);
+    """Finite rows give the bytes of SPEC §6's quantizer (kvfuse.reference.quantize, e2m1 / 32 / ue8m0);
     NaN elements are left out of the amax and code as signed zeros."""
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(3)).to(dtype) * 10
     codes, sf = ref.quantize_mxfp4(x)

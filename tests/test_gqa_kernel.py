@@ -1,5 +1,5 @@
 """kvfuse/kernels/qkv.py through Triton's interpreter: fused_qk_norm_rope_store_kv on the "triton"
-backend equals the reference chain byte for byte (SPEC §11), over whole cache storages with guard
+backend equals the reference chain byte for byte (SPEC §3), over whole cache storages with guard
 bytes, block padding and random contents, a NaN-poisoned q_out buffer and the packed QKV input.
 
 Features crossed: NHD / HND, bf16 / fp8 caches, NEOX / GPT-J / conjugate, full and partial rotary at
@@ -60,7 +60,7 @@ CASES = {
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_per_head_scales_are_each_heads_per_tensor_cast(backend):
     """A scale per kv head casts head h exactly as a call of that head alone with scale[h] as its one
-    per-tensor scale does (SPEC §11): the semantics, checked head by head on each backend."""
+    per-tensor scale does (SPEC §3): the semantics, checked head by head on each backend."""
     case = GQACase(n=6, hq=3, hkv=3, fp8=True, scale_per_head="kv", layout="NHD", seed=24, cache="guarded")
     kw, _, _, _ = build(case)
     with kvfuse.use_backend(backend):
@@ -138,7 +138,7 @@ def test_fp8_scales_both_division_paths(scales):
     """The per-tensor cast divides by the scale's reciprocal with Markstein's correction for
     2^-64 <= scale <= 2^64 (the bounds themselves: first case) and element by element outside them
     (a negative scale, or just past a bound: second and third cases); both give the bytes of the IEEE
-    division (SPEC §11). The k and v values (helpers.random_bf16: normal, outlier channels, bf16
+    division (SPEC §3). The k and v values (helpers.random_bf16: normal, outlier channels, bf16
     subnormals, signed zeros) against these scales give saturated codes, e4m3 subnormals and signed
     zeros; the division's proof over every bf16 value is offline (docs/design.md)."""
     case = GQACase(n=6, hq=4, hkv=2, fp8=True, scales=scales, seed=40)

@@ -1,4 +1,4 @@
-"""mRoPE (Qwen2-VL / Qwen2.5-VL / Qwen3-VL) and the V-norm (Gemma 4) of fused_qk_norm_rope_store_kv (SPEC §11).
+"""mRoPE (Qwen2-VL / Qwen2.5-VL / Qwen3-VL) and the V-norm (Gemma 4) of fused_qk_norm_rope_store_kv (SPEC §3).
 
 The reference's mRoPE rule against an oracle written the way transformers and vLLM write it (each token's
 cos / sin gathered from the three position rows, then ordinary RoPE), partial rotary included (the

@@ -1,4 +1,4 @@
-"""The numerics profiles and activation dtypes of kvfuse.fused_qk_norm_rope_store_kv (SPEC §2, §11;
+"""The numerics profiles and activation dtypes of kvfuse.fused_qk_norm_rope_store_kv (SPEC §6, §3;
 kvfuse/numerics_profiles.py), on both backends (the reference chain and qkv.py in Triton's interpreter):
 
 * each profile x dtype equals a restatement of SPEC written here in numpy float32 (one rounding per
@@ -228,7 +228,7 @@ FP16_TABLE_CASES = {
 @pytest.mark.parametrize("name", list(FP16_TABLE_CASES))
 def test_fp16_weights_and_cos_sin_equal_them_widened_to_fp32(name, backend):
     """fp16 norm weights and an fp16 cos / sin table give the bytes of the same call with them widened to
-    fp32 first (fp16 -> fp32 is exact; SPEC §2 reads them as fp32)."""
+    fp32 first (fp16 -> fp32 is exact; SPEC §6 reads them as fp32)."""
     case = FP16_TABLE_CASES[name]
     kw, _, _, _ = build(case)
     fp16 = [t for t in (kw["q_norm_args"], kw["k_norm_args"]) if t is not None and t.weight.dtype == torch.float16]

@@ -1,5 +1,5 @@
 """fused_qk_norm_rope_store_kv with heads held as two tensors, fp8 q / k outputs, the multiply
-convention, scales as numbers and a K cache alone (SPEC §11), on both backends: each checked against
+convention, scales as numbers and a K cache alone (SPEC §3), on both backends: each checked against
 an independent statement (the same call on whole tensors, torch's own e4m3 conversion), not against
 kvfuse's kernel."""
 import pytest
@@ -13,7 +13,7 @@ BACKENDS = ["reference"] + (["triton"] if kvfuse.backend.interpreter_enabled() e
 
 
 def _e4m3(x32: torch.Tensor) -> torch.Tensor:
-    """torch's own e4m3 conversion (round to nearest even) after the clamp of SPEC §11, as bytes."""
+    """torch's own e4m3 conversion (round to nearest even) after the clamp of SPEC §3, as bytes."""
     return x32.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
 
 

@@ -33,7 +33,7 @@ def test_gptj_rope_multi_row_programs(fmt, conjugate):
                          ids=lambda f: f.name)
 @pytest.mark.parametrize("neox", [True, False])
 def test_norm_copy_in_place_equals_a_separate_out(fmt, neox):
-    """out = x with out_stage="norm": the cache and the copy equal those of a separate out (SPEC §5),
+    """out = x with out_stage="norm": the cache and the copy equal those of a separate out (SPEC §9),
     on both backends (the kernel used to store the copy into x before RoPE read x again)."""
     base = Case(n=9, heads=1, head_dim=fmt.head_dim, fmt=fmt, neox=neox, seed=11, out_stage="norm")
     separate = {b: run_case(base, b, "cpu") for b in BACKENDS}

@@ -61,7 +61,7 @@ class Guarded:
         self.expected = self.storage.clone()
 
     def expect(self, slots, q, sf=None, tail=None):
-        """Write the records of ``slots`` into ``self.expected`` per SPEC §4/§9: q [n, quant] (fp8,
+        """Write the records of ``slots`` into ``self.expected`` per SPEC §7/§8: q [n, quant] (fp8,
         packed e2m1 uint8, or bf16 for a bf16 cache), sf [n, num_scales], tail bf16 [n, bf16_tail]."""
         n = len(slots)
         parts = {"quant": q.contiguous().view(torch.uint8).reshape(n, -1)}
@@ -325,7 +325,7 @@ def test_write_flashmla_model1(backend):
 # Every configuration of kvfuse.models drives the call sites; each call must equal the reference
 # chain built from the configuration's RoPE style / offsets, norm kind, Hadamard and formats.
 # (The configurations' facts themselves are pinned in tests/test_models.py.) Fewer heads than the
-# real models: the interpreter is slow, and heads do not change a row's bytes (SPEC §2).
+# real models: the interpreter is slow, and heads do not change a row's bytes (SPEC §6).
 def _small(cfg):
     return dataclasses.replace(cfg, num_heads=4, index_num_heads=3)
 

@@ -1,4 +1,4 @@
-"""kvfuse.models: the named configurations carry the SPEC §10 facts of each model, cite their
+"""kvfuse.models: the named configurations carry the SPEC §5 facts of each model, cite their
 sources, are frozen, and are reachable by name. (tests/test_mla.py runs every configuration's
 calls against the reference chain; tests/test_demo.py runs ``kvfuse demo --model``.)
 """

@@ -1,4 +1,4 @@
-"""kvfuse.ops: the torch.library custom ops (SPEC §9), on the CPU.
+"""kvfuse.ops: the torch.library custom ops (SPEC §8), on the CPU.
 
 - torch.library.opcheck on small shapes for each op (schema/mutations, fake tensors, AOT dispatch);
 - the op path writes the same bytes as the direct (eager) path;
@@ -77,7 +77,7 @@ def _args(case, seed=0):
         return dict(x=x, rope_args=kvfuse.RopeArgs(pos, cos_sin_cache(32, 64), 64, True),
                     hadamard_args=kvfuse.HadamardArgs(128 ** -0.5),
                     cast_args=kvfuse.CastArgs.from_cache_format(F.INDEX_NVFP4)), None, None
-    if case == "custom_multihead_cache":   # a user-defined format, 2 heads per token (SPEC §9)
+    if case == "custom_multihead_cache":   # a user-defined format, 2 heads per token (SPEC §8)
         x = random_bf16((N, 2, 256), seed)
         return dict(x=x, norm_args=kvfuse.NormArgs(w[:256]), hadamard_args=kvfuse.HadamardArgs(1 / 16),
                     cast_args=kvfuse.CastArgs.from_cache_format(CUSTOM)), CUSTOM, "transform"

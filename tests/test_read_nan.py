@@ -1,7 +1,7 @@
-"""The read side's NaN codes (SPEC §4): load_paged_kv_cache decodes a ue8m0 scale byte 0xFF as NaN
+"""The read side's NaN codes (SPEC §7): load_paged_kv_cache decodes a ue8m0 scale byte 0xFF as NaN
 (OCP MX; torch.float8_e8m0fnu), the e4m3 codes 0x7F / 0xFF as NaN (values and e4m3 scales), and an
 fp32 / ue8m0_fp32 NaN scale as NaN, on every backend, each NaN written as the bf16 0x7FC0; the raw
-bf16 parts (the §9 tail, bf16 caches) keep their bits. Crafted caches are loaded with the
+bf16 parts (the §8 tail, bf16 caches) keep their bits. Crafted caches are loaded with the
 reference and the Triton kernel (interpreter) and compared bit for bit."""
 import pytest
 import torch
@@ -110,7 +110,7 @@ def test_ue8m0_read_decode_is_torch_e8m0fnu():
     assert torch.equal(torch.isnan(ours), torch.isnan(theirs)) and int(torch.isnan(ours).sum()) == 1
     ok = ~torch.isnan(ours)
     assert torch.equal(ours[ok].view(torch.int32), theirs[ok].view(torch.int32))
-    # the write side's cast_back keeps SPEC §2's d = 2^e (byte 255: inf)
+    # the write side's cast_back keeps SPEC §6's d = 2^e (byte 255: inf)
     assert torch.isinf(R.dequant_scale(b[255:], "ue8m0")).all()
 
 

@@ -1,4 +1,4 @@
-"""Known-answer tests of the reference stages (kvfuse.reference), SPEC §2.
+"""Known-answer tests of the reference stages (kvfuse.reference), SPEC §6.
 
 Expected values are worked out by hand in the comments (or by an independent numpy / float64
 computation of the SPEC's formula), never by running the reference a second time.
@@ -502,7 +502,7 @@ def _np_tree(p):
 
 
 def _np_rmsnorm(x_f32, w_f32, eps, tree=True):
-    """SPEC §2 RMSNorm in numpy float32 (each op rounded), sqrt from float64 rounded to float32."""
+    """SPEC §6 RMSNorm in numpy float32 (each op rounded), sqrt from float64 rounded to float32."""
     p = (x_f32 * x_f32).astype(np.float32)
     if tree:
         ss = _np_tree(p)

@@ -1,4 +1,4 @@
-"""Reliability of outputs (SPEC §5 as amended): inference-mode and requires-grad outputs, and aliasing.
+"""Reliability of outputs (SPEC §9 as amended): inference-mode and requires-grad outputs, and aliasing.
 
 - Caches and outputs created under ``torch.inference_mode()`` (engines allocate there) are accepted
   outside it, on every backend: the write succeeds and equals the same call on ordinary tensors

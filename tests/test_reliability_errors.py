@@ -1,4 +1,4 @@
-"""Reliability of error reporting and of what holds without the data checks (SPEC §5).
+"""Reliability of error reporting and of what holds without the data checks (SPEC §9).
 
 - Under ``torch.compile(fullgraph=True)`` a bad argument is reported by Dynamo as
   ``torch._dynamo.exc.Unsupported`` ("Observed exception"), whose message holds the real

@@ -1,4 +1,4 @@
-"""Reliability, bad input (SPEC §5): a hypothesis fuzz of the arguments of
+"""Reliability, bad input (SPEC §9): a hypothesis fuzz of the arguments of
 ``fused_norm_rope_hadamard_cast_store_kvcache``.
 
 Each example builds a VALID call (formats: presets and user formats; stage toggles; head_dims,

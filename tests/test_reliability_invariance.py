@@ -1,4 +1,4 @@
-"""Reliability, determinism and batch invariance (SPEC §2 invariants, §5 checks).
+"""Reliability, determinism and batch invariance (SPEC §6 invariants, §9 checks).
 
 A row's bytes (its cache record, its q/sf or bf16 output, its stage copy) depend only on that
 row's inputs: never on n, its place in the batch, the other rows (even NaN/inf ones), the

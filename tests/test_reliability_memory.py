@@ -1,4 +1,4 @@
-"""Reliability, memory safety (SPEC §4, §5): whatever the slots, positions or values, a write
+"""Reliability, memory safety (SPEC §7, §9): whatever the slots, positions or values, a write
 touches exactly the bytes of its records and nothing else, on both backends, on every preset.
 
 Every cache here is a view into a larger buffer of random bytes (guards before and after, padding
@@ -88,7 +88,7 @@ def record_parts(fmt, q, sf, y):
 
 
 def oracle(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=None, out_args=None):
-    """What a call must produce (SPEC §2-§4): {"result": .., "out": .. (a preallocated stage copy),
+    """What a call must produce (SPEC §2, §6, §7): {"result": .., "out": .. (a preallocated stage copy),
     "storage": the cache's whole storage after the call}."""
     x3 = x if x.dim() == 3 else x.unsqueeze(1)
     n, H, D = x3.shape

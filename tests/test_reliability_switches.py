@@ -1,4 +1,4 @@
-"""Reliability of kvfuse's switches (SPEC §1 backends, §5 errors and safety): environment switches,
+"""Reliability of kvfuse's switches (SPEC §10 backends, §9 errors and safety): environment switches,
 ``use_backend``, ``set_checks`` with meta tensors.
 
 - Boolean environment switches are read by one helper, ``kvfuse.backend.env_flag``: 0/1/true/false/

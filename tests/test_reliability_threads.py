@@ -1,4 +1,4 @@
-"""Calls from several threads at once (SPEC §5): safe on every backend. Triton's interpreter is not
+"""Calls from several threads at once (SPEC §9): safe on every backend. Triton's interpreter is not
 thread-safe (it patches triton.language globally while a launch runs), so kvfuse serializes its
 launches when the kernels are interpreted; compiled kernels take no lock.
 

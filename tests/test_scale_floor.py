@@ -1,4 +1,4 @@
-"""scale_floor (SPEC §2 as amended): FlashMLA's quantizer floors the SCALE,
+"""scale_floor (SPEC §6 as amended): FlashMLA's quantizer floors the SCALE,
 2^ceil(log2(clamp_min(amax / 448, 1e-4))) (FlashMLA tests/quant.py), so its smallest scale is 2^-13;
 the FLASHMLA presets carry scale_floor = 1e-4 and write the same bytes on every input, zero rows and
 tiny groups included. Both backends (the kernel through Triton's interpreter) against a float64

@@ -567,7 +567,7 @@ def test_store_and_load(fname, backend):
 @pytest.mark.parametrize("fname", sorted(ALL_FORMATS))
 def test_load_of_random_bytes(fname, backend):
     """load_paged_kv_cache of records of random bytes: every e4m3 / e2m1 code and scale byte occurs,
-    the NaN codes (ue8m0 0xFF, e4m3 0x7F / 0xFF, fp32 NaN patterns) included (SPEC §4)."""
+    the NaN codes (ue8m0 0xFF, e4m3 0x7F / 0xFF, fp32 NaN patterns) included (SPEC §7)."""
     f = ALL_FORMATS[fname]
     rng = np.random.default_rng([SEED, 37, sum(map(ord, fname))])
     nh = 2 if f.token_interleaved else 1

@@ -1,4 +1,4 @@
-"""Every argument rule of SPEC §1-§5 raises ValueError/TypeError naming the argument, before anything is
+"""Every argument rule of SPEC §1, §2, §6, §7, §9 raises ValueError/TypeError naming the argument, before anything is
 written: after each rejected call the guarded cache storage and the preallocated outputs are byte-equal
 to what they were."""
 import dataclasses
@@ -472,7 +472,7 @@ def test_cache_tensor_rejected_token_interleaved(case, exc, match):
         "last_dim": lambda: formats.MAIN_FP4.allocate(2, 8),
         "stride1_alignment": lambda: _as_cache(None, (2, 8, 1, bpt), (4288, 534, bpt, 1)),
         "stride1_small": lambda: _as_cache(None, (2, 8, 1, bpt), (4288, 528, bpt, 1)),
-        # 4258 >= 8*532 = 4256 but not a multiple of gcd(32, 532) = 4 (4260 would be accepted: SPEC §4)
+        # 4258 >= 8*532 = 4256 but not a multiple of gcd(32, 532) = 4 (4260 would be accepted: SPEC §7)
         "stride0_alignment": lambda: _as_cache(None, (2, 8, 1, bpt), (4258, 532, bpt, 1)),
         "stride0_small": lambda: _as_cache(None, (2, 8, 1, bpt), (4224, 532, bpt, 1)),
         "stride3": lambda: _as_cache(None, (2, 8, 1, bpt), (2 * 8544, 1064, 1064, 2)),

@@ -17,7 +17,7 @@ swap to ``from kvfuse.engines import flashinfer``.
 
 Numerics: FlashInfer's CUDA RoPE is compiled with FMA contraction (``a * cos + b * sin`` in one rounding
 or two, as the compiler chose), so its bytes cannot be reproduced by an exact chain. kvfuse's RoPE rounds
-each product and the sum on its own (SPEC §2): its bytes equal :func:`kvfuse.reference.rope`, and it
+each product and the sum on its own (SPEC §6): its bytes equal :func:`kvfuse.reference.rope`, and it
 agrees with an fp64 RoPE within FlashInfer's own test tolerance. The append takes bf16 or fp16 inputs
 (caches of their dtype), the RoPE bf16, the RoPE-quantize calls bf16 or fp16; what FlashInfer accepts
 beyond kvfuse's domain (fp16 RoPE inputs, fp8 caches in the append, e5m2 outputs, head sizes not a
@@ -410,7 +410,7 @@ def nvfp4_quantize_append_paged_kv_cache(append_key, append_value, batch_indices
     of 16. paged_kv_cache: uint8 (k_cache, v_cache) [max_num_pages, page_size, num_kv_heads, head_dim // 2]
     ("NHD") or [max_num_pages, num_kv_heads, page_size, head_dim // 2] ("HND"), or one 5-d tensor whose
     [:, 0] / [:, 1] are they; kv_cache_sf: float8_e4m3fn the same with last dim head_dim // 16. k_scale,
-    v_scale: positive finite numbers. The numerics are FlashInfer's rule with IEEE operations (SPEC §11,
+    v_scale: positive finite numbers. The numerics are FlashInfer's rule with IEEE operations (SPEC §3,
     the "nvfp4" format). One launch of :func:`kvfuse.fused_qk_norm_rope_store_kv` (no q heads)."""
     k_cache, v_cache, k_sf, v_sf = _nvfp4_inputs(append_key, append_value, kv_layout, paged_kv_cache, kv_cache_sf)
     ks, vs = _global_scale(k_scale, "k_scale"), _global_scale(v_scale, "v_scale")

@@ -12,7 +12,7 @@ the import at the call sites of these three functions.
 - :func:`fused_store_index_k_cache` (``kvcache.dsa_fused_store_index_cache``): the same pages, the
   cast alone.
 
-kvfuse computes each chain with its own numerics (SPEC §2: every stage rounded to bf16); where
+kvfuse computes each chain with its own numerics (SPEC §6: every stage rounded to bf16); where
 SGLang's kernels keep fp32 between stages or scale by a differently rounded factor, some bytes differ
 (docs/engines.md says which). What SGLang allows beyond kvfuse's domain (fp16 / fp32 inputs, the
 UNIFORM_FP8 layout, the ROCm query RoPE) raises TypeError / ValueError saying "not supported yet".

@@ -151,7 +151,7 @@ def triton_reshape_and_cache_flash_per_token_head_quant(key, value, key_cache, v
     "FP8_PER_TOKEN_HEAD" (caches float8_e4m3fn, or uint8 as vLLM allocates them) or "INT8_PER_TOKEN_HEAD"
     (int8 caches); INT4_PER_TOKEN_HEAD is not supported. Caches wider than the heads (vLLM passes rows with
     their scale padding) get their first head_size columns written. A slot -1 writes nothing. The numerics
-    are SPEC §11's (vLLM's rule in IEEE operations; vLLM's own division is approximate: docs/engines.md).
+    are SPEC §3's (vLLM's rule in IEEE operations; vLLM's own division is approximate: docs/engines.md).
     """
     mode = getattr(kv_quant_mode, "name", kv_quant_mode)
     if not isinstance(mode, str) or mode.upper() not in PER_TOKEN_HEAD_MODES:
@@ -186,7 +186,7 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
     cos | sin per position; ``is_neox`` pairs (i, i + rotary_dim / 2), else (2i, 2i + 1); ``position_ids``
     int64 [num_tokens]. The v heads are neither read nor written.
 
-    Numerics "fused" (SPEC §2): fp32 from the norm's input through RoPE, one rounding to qkv's dtype, each
+    Numerics "fused" (SPEC §6): fp32 from the norm's input through RoPE, one rounding to qkv's dtype, each
     fp32 operation rounded on its own (kvfuse's order, so not vLLM kernel's bits: its warp-shuffle sum and
     rsqrtf differ in the last bits; docs/engines.md). One launch, no copies: the weights and the table go to
     the kernel as they are (each read as fp32, exact). num_heads_q must be a multiple of num_heads_k;

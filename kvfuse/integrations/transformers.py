@@ -1,4 +1,4 @@
-"""Hugging Face transformers models with kvfuse's K/V write (SPEC §11): ``install(model)`` and ``PagedCache``.
+"""Hugging Face transformers models with kvfuse's K/V write (SPEC §3): ``install(model)`` and ``PagedCache``.
 
 transformers runs the QK-norm and RoPE inline in each attention module's forward, before ``cache.update``,
 so no public hook sees the raw projections. :func:`install` therefore replaces the forward of each

@@ -6,7 +6,7 @@
 - ``portable``: the portable kernel (``fused_kernel``, its body ``fused_rows``), its launch table and the
   parameter table of a plan (``fused_args``); ``grouped``: several calls of it in one launch; ``qkv``: the
   GQA / MHA kernel; ``store_load``: the paged cache's store and load kernels.
-- ``blocks`` (the @triton.jit building blocks those kernels share), ``numerics`` (SPEC §2's exact
+- ``blocks`` (the @triton.jit building blocks those kernels share), ``numerics`` (SPEC §6's exact
   narrowing, encodes and scales), ``codes`` (the constexpr switches' names).
 - ``config`` (interpreter or compiled, native conversions, force_config), ``launcher`` (a launch kept
   for a signature, the direct launcher).

@@ -2,7 +2,7 @@
 store_load.py): the norm's adjacent-pairs tree and rstd, the RoPE pairing and rotation, bf16 loads
 and stores, and the slot -> (block, offset) and position -> cos/sin row lookups.
 
-Each gives SPEC §2's bits whatever the tile shape, the lane width or the program's row count (see
+Each gives SPEC §6's bits whatever the tile shape, the lane width or the program's row count (see
 kvfuse/kernels/numerics.py for the narrowing helpers they build on).
 """
 import triton
@@ -31,7 +31,7 @@ def pair_sum(v, AXIS: tl.constexpr, SPLIT: tl.constexpr):
 @triton.jit
 def tree_sum(v, BLOCK_M: tl.constexpr, NV: tl.constexpr, LOG2_NV: tl.constexpr, VEC: tl.constexpr,
               LOG2_VEC: tl.constexpr, SPLIT: tl.constexpr):
-    """Sum [M, NV, VEC] over each row in the adjacent-pairs order of SPEC §2 (kvfuse.reference.pairwise_sum):
+    """Sum [M, NV, VEC] over each row in the adjacent-pairs order of SPEC §6 (kvfuse.reference.pairwise_sum):
     every level sums a size-2 axis (one add, commutative), so the order is fixed whatever layout the
     compiler picks."""
     for lvl in tl.static_range(LOG2_VEC):
@@ -50,7 +50,7 @@ def grid3(A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
 
 @triton.jit
 def rotate(a, b, c, s, CONJ: tl.constexpr):
-    """SPEC §2 RoPE of the pair (a, b) = (y_i0, y_i1), each product rounded, then the sum (not yet
+    """SPEC §6 RoPE of the pair (a, b) = (y_i0, y_i1), each product rounded, then the sum (not yet
     narrowed to bf16): kvfuse.reference.rope's arithmetic."""
     if CONJ:
         return (a * c) + (b * s), (b * c) - (a * s)
@@ -70,7 +70,7 @@ def reciprocal_std(ss, eps, D: tl.constexpr, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def normed(v, mu, rstd, w, b, LAYER: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr):
-    """SPEC §2 norm of values v (fp32) given the row's statistics (broadcast to v): RMSNorm
+    """SPEC §6 norm of values v (fp32) given the row's statistics (broadcast to v): RMSNorm
     bf16((v * rstd) * w); LayerNorm bf16(((v - mu) * rstd) * w (+ b)) (kvfuse.reference.rmsnorm /
     layernorm). Unused arguments of the other kind are ignored (any tensor)."""
     if LAYER:

@@ -1,6 +1,6 @@
-"""The 4-bit cast of the GQA kernel (kvfuse/kernels/qkv.py, SPEC §11): a [BLOCK_M, BLOCK_D] tile of the
+"""The 4-bit cast of the GQA kernel (kvfuse/kernels/qkv.py, SPEC §3): a [BLOCK_M, BLOCK_D] tile of the
 values the cast reads -> packed e2m1 codes [BLOCK_M, BLOCK_D / 2] and one scale per group, as
-NVFP4 with a global scale (FlashInfer's rule: groups of 16, e4m3 scales) or MXFP4 (SPEC §2's rule:
+NVFP4 with a global scale (FlashInfer's rule: groups of 16, e4m3 scales) or MXFP4 (SPEC §6's rule:
 groups of 32, ue8m0 scales). The reference is kvfuse/reference/fp4.py; the encoders are the MLA
 path's (numerics.py). NaN elements are left out of a group's amax and encoded as signed zeros,
 explicitly: the GPU's min / max return the operand that is a number. The tile stays in the kernel's
@@ -71,7 +71,7 @@ def fp4_tile(y, g, BLOCK_M: tl.constexpr, NV: tl.constexpr, VEC: tl.constexpr, F
              NATIVE: tl.constexpr):
     """y [BLOCK_M, NV, VEC] fp32 (row order) -> (packed codes uint8 [BLOCK_M, NV, VEC / 2], scale bytes uint8
     [BLOCK_M, NV * VEC / GROUP]) of FP4 (FP4_NVFP4: global decode scale g; FP4_MXFP4: g unused).
-    MXFP4 leaves out SPEC §2's clamp to [-6, 6]: the encoder saturates, NaN is handled here. The scales
+    MXFP4 leaves out SPEC §6's clamp to [-6, 6]: the encoder saturates, NaN is handled here. The scales
     are computed per group and spread to the group's vectors, so the tile is never reshaped across
     vectors (such reshapes put the GQA kernel's rows in other layouts, and layout conversions around them)."""
     GROUP: tl.constexpr = 16 if FP4 == FP4_NVFP4 else 32

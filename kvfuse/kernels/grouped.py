@@ -5,7 +5,7 @@ Each member is a validated :class:`kvfuse.plans.types.Plan` run by the portable 
 the portable kernel (``portable.fused_args``: rows per program, lane width, every constexpr). The grid
 is the members' grids end to end; program ``pid`` runs member i for ``E[i-1] <= pid < E[i]``, so
 every member writes the bytes its own call writes (the body's bytes do not depend on which program
-or launch runs a row: SPEC §8). The members must not write what another member reads or writes:
+or launch runs a row: SPEC §6). The members must not write what another member reads or writes:
 :func:`kvfuse.group.fused_group` checks that before any launch.
 
 A member's runtime arguments travel as one tuple and its constexprs as another (Triton >= 3.2

@@ -1,4 +1,4 @@
-"""Triton helpers that give SPEC §2's bits on the GPU and in the interpreter alike.
+"""Triton helpers that give SPEC §6's bits on the GPU and in the interpreter alike.
 
 NATIVE (constexpr, kvfuse/kernels/codes.py: NATIVE_INTEGER, NATIVE_GUARDED, NATIVE_UNGUARDED; a
 bool in the load kernel) selects the GPU's native conversions (exact there: cvt.rn for bf16,
@@ -68,7 +68,7 @@ def encode_e4m3(t, NATIVE: tl.constexpr):
 
 @triton.jit
 def encode_e5m2(t, NATIVE: tl.constexpr):
-    """fp32 -> e5m2 code (uint8), RTNE, saturating at 57344 (the clamp of SPEC §11), sign kept (-0 -> 0x80), NaN
+    """fp32 -> e5m2 code (uint8), RTNE, saturating at 57344 (the clamp of SPEC §3), sign kept (-0 -> 0x80), NaN
     0x7f with its sign (kvfuse.reference.encode_e5m2): encode_e4m3's scheme with 2 mantissa bits."""
     if NATIVE:
         c = t.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
@@ -180,7 +180,7 @@ def pow2(e):
 
 @triton.jit
 def ue8m0_exponent(amax, FMAX: tl.constexpr, FLOOR_E: tl.constexpr = NO_FLOOR):
-    """The power-of-two scale of SPEC §2 for FMAX 448 (e4m3) or 6 (e2m1), amax > 0: (e = ceil(log2(RN(amax /
+    """The power-of-two scale of SPEC §6 for FMAX 448 (e4m3) or 6 (e2m1), amax > 0: (e = ceil(log2(RN(amax /
     FMAX))), at least FLOOR_E (a scale_floor's exponent; NO_FLOOR: none), the multiplier 2^-e as fp32).
     group_scales' SF_UE8M0 / SF_UE8M0_FP32 and the Gluon fast paths call it (a @gluon.jit function may call
     a @triton.jit one on Triton 3.6: their kernels compile to the same code as with a Gluon copy of it).
@@ -208,7 +208,7 @@ def group_scales(amax, FMAX: tl.constexpr, SF: tl.constexpr, NATIVE: tl.constexp
     """amax (floored) -> (multiplier m, dequant scale d, stored: the scale byte or the fp32 bits, uint32):
     kvfuse.reference.group_scales.
     FMAX 448 (e4m3) or 6 (e2m1); SF one of codes.SF_*. FLOOR_E (SF_UE8M0 / SF_UE8M0_FP32): the
-    scale_floor's exponent, e = max(e, FLOOR_E) (SPEC §2); NO_FLOOR: none."""
+    scale_floor's exponent, e = max(e, FLOOR_E) (SPEC §6); NO_FLOOR: none."""
     if SF == SF_UE8M0 or SF == SF_UE8M0_FP32:
         e, m = ue8m0_exponent(amax, FMAX, FLOOR_E)
         d = pow2(e)

@@ -8,7 +8,7 @@ the whole head (BLOCK_D = next power of two >= head_dim, masked), held as [BLOCK
 VEC]; the RoPE columns can live in a sub-tile of their own (ROPE_SUBTILE). Stages and destinations
 are constexpr switches of one body, ``fused_rows`` (named in kvfuse/kernels/codes.py), which
 ``fused_kernel`` and the grouped launch (grouped.py) run. Memory addresses are int64; row and slot
-index arithmetic is int32 whenever it fits. Numerics follow SPEC §2 exactly (kvfuse/kernels/numerics.py,
+index arithmetic is int32 whenever it fits. Numerics follow SPEC §6 exactly (kvfuse/kernels/numerics.py,
 blocks.py); a row's bytes never depend on BLOCK_M, VEC, num_warps, the RoPE mode or other rows.
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _emit(y, tok, head, rmask, ok, qbase, sfbase, tailbase,
     if CAST != CAST_NONE:
         amax = tl.maximum(tl.max(tl.max(tl.abs(y), axis=3), axis=2), 1e-4)     # [M, NGR]
         m, d, stored = group_scales(amax, FMAX, SF, NATIVE, FLOOR_E)
-        # SPEC §2 clamps t to [-FMAX, FMAX]; both encoders saturate, so the clamp changes no byte for
+        # SPEC §6 clamps t to [-FMAX, FMAX]; both encoders saturate, so the clamp changes no byte for
         # finite inputs (non-finite inputs may give any values in their own group) and is left out
         t = y * m[:, :, None, None]
         if CAST == CAST_E4M3:

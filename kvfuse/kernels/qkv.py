@@ -1,4 +1,4 @@
-"""The GQA / MHA kernel of :func:`kvfuse.fused_qk_norm_rope_store_kv` (SPEC §11): q, k and v of a
+"""The GQA / MHA kernel of :func:`kvfuse.fused_qk_norm_rope_store_kv` (SPEC §3): q, k and v of a
 batch of tokens in one launch.
 
 A program owns BLOCK_M tokens of G heads of one kind: the 1-d grid walks the head groups [q | k | v]
@@ -24,7 +24,7 @@ kernel's signature holds (an fp16 table is its own compile, the others' code unc
 A q / k row with NEOX RoPE over all of it goes as its two halves (a pair in one thread); any other as
 [BLOCK_D / VEC, VEC] with each rotated element's partner reloaded. The norm's adjacent-pairs tree, the
 rotation and the narrowing helpers are the portable kernel's (kvfuse/kernels/blocks.py, numerics.py),
-so a row's bytes are those of SPEC §2 whatever BLOCK_M, G or the head. The cast divides by the
+so a row's bytes are those of SPEC §6 whatever BLOCK_M, G or the head. The cast divides by the
 scale's reciprocal with Markstein's exact correction (numerics.div_rn_by_reciprocal). Addresses are
 int64; the slot -> (block, offset) division runs in int32 while the caches hold fewer than 2^31 slots.
 docs/design.md has the reasons and proofs.
@@ -120,7 +120,7 @@ def _qk_row_loads(x_ptr, xrow, rm, col, cmask, rot_mask, partner, ROPE: tl.const
 @triton.jit
 def _normed_act(v, r3, w, ACT: tl.constexpr, NUMERICS: tl.constexpr, NATIVE: tl.constexpr):
     """The RMSNorm of values v given the rows' 1 / std r3: (v * r3) * w, rounded to the activations' dtype
-    under the staged profile, kept in fp32 under the fused ones (SPEC §2)."""
+    under the staged profile, kept in fp32 under the fused ones (SPEC §6)."""
     y = (v * r3) * w
     if NUMERICS == NUMERICS_STAGED:
         y = _round_act(y, ACT, NATIVE)
@@ -257,7 +257,7 @@ def _store_record(c_ptr, addr, y, mask, sc, rcp, fast, FP8: tl.constexpr, NATIVE
     fp32 converted exactly), or (FP8; c_ptr a byte pointer)
     e4m3(f(y) / f(scale)) with the division's bits (sc, rcp, fast: _scale), or under SCALE_MUL (the
     multiply convention) e4m3(f(y) * f(scale)), one fp32 product. Both encoders saturate at
-    448, so the clamp of SPEC §11 changes no byte of a finite input and is left out (as in the portable
+    448, so the clamp of SPEC §3 changes no byte of a finite input and is left out (as in the portable
     kernel). E5M2: e5m2 codes instead (encode_e5m2 saturates at 57344)."""
     if FP8:
         if SCALE_MUL:
@@ -341,7 +341,7 @@ def _store_pth_row(dst_ptr, addr, dst2_ptr, addr2, col, mask, y, amax, sc_ptr, s
 @triton.jit
 def _mrope_rows(pos_t, pos_h, pos_w, rmask, P, s_cs, j, MROPE_T: tl.constexpr, MROPE_H: tl.constexpr,
                 MROPE_W: tl.constexpr, MROPE_INTERLEAVED: tl.constexpr):
-    """mRoPE's cos / sin rows (SPEC §11): frequency j [NV, VEC] of each token takes the position of row
+    """mRoPE's cos / sin rows (SPEC §3): frequency j [NV, VEC] of each token takes the position of row
     t / h / w (pos_* [M], -1 where not rmask); chunked, j < T -> t, j < T + H -> h, else w; interleaved,
     h where j % 3 == 1 and j < 3H, w where j % 3 == 2 and j < 3W, else t. (ok [M, NV, VEC]: that
     position is in [0, P), its table row's element offset [M, NV, VEC], int64)."""

@@ -29,7 +29,7 @@ from .store_load import load, store  # noqa: F401 (the store / load entry points
 # --------------------------------------------------------------------------- the fast-path registry
 class FastPath(Protocol):
     """What a Gluon fast path provides: a module of kvfuse/kernels/gluon (its module-level constants and
-    functions; ``self`` below is the module), byte-equal to the portable kernel (SPEC §8). Adding one:
+    functions; ``self`` below is the module), byte-equal to the portable kernel (SPEC §6). Adding one:
     write the module, add it to ``FAST_PATH_MODULES`` below (and its NAME to ``gluon.common.FAST_PATH_NAMES``,
     which KVFUSE_GLUON_SKIP is checked against), and its test cases."""
 

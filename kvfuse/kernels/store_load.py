@@ -79,7 +79,7 @@ def load_kernel(slot_ptr, s_slot, cache_ptr, s_blk, data_tok, sf_tok, head_strid
             val = ((lo.to(tl.uint32) | (hi.to(tl.uint32) << 8)) << 16).to(tl.float32, bitcast=True)
         else:
             qmask = okm & (cols < DQ)[None, :]
-            # NaN codes decode as NaN (SPEC §4); numerics.decode_e4m3 (shared with the write kernels)
+            # NaN codes decode as NaN (SPEC §7); numerics.decode_e4m3 (shared with the write kernels)
             # maps 0x7F / 0xFF to +-480, so the NaN is selected here
             nan = tl.full([BLOCK_M, BLOCK_D], 0x7FC00000, tl.uint32).to(tl.float32, bitcast=True)
             if CAST == CAST_E4M3:

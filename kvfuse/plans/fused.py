@@ -1,4 +1,4 @@
-"""Validation of the fused operator's arguments (SPEC §1-§5) into a :class:`~.types.PlanTemplate`
+"""Validation of the fused operator's arguments (SPEC §1, §2, §6, §7, §9) into a :class:`~.types.PlanTemplate`
 (the Plan without its tensors, kept per call signature in the plan cache) and the per-call aliasing
 check; ``prepare`` is what every caller runs: validated (or found in the plan cache), the outputs the
 call allocates appended to its tensors, the aliasing rules checked. A rejected call allocates nothing
@@ -35,7 +35,7 @@ def call_tensors(x, norm_args, rope_args, out_args) -> tuple:
 
 # =============================================================================== validation
 def validate(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=None, out_args=None) -> PlanTemplate:
-    """Check every argument (SPEC §1-§5; ValueError/TypeError naming it) and return the call's template."""
+    """Check every argument (SPEC §1, §2, §6, §7, §9; ValueError/TypeError naming it) and return the call's template."""
     # ---- x
     x, x_tail, user_shape = _check_x(x)
     dev = x.device
@@ -154,7 +154,7 @@ def _validate_contiguous(plan, sources, cast_args, out_args, user_shape, dev):
     two_d = len(user_shape) == 2
     allocations = []
 
-    def new_output(shape, dtype):  # allocated per call, after validation (SPEC §3 "new" outputs)
+    def new_output(shape, dtype):  # allocated per call, after validation (SPEC §2 "new" outputs)
         allocations.append((tuple(shape[1:]), dtype))    # the n rows come from each call's x
         return NUM_CALL_TENSORS + len(allocations) - 1
 
@@ -241,7 +241,7 @@ def _validate_cache(plan, sources, cast_args, oa: KVCacheOutArgs, user_shape, x3
     return (), OUT_ARG2  # returns out_args.out (None when not given)
 
 
-# =============================================================================== aliasing (SPEC §5)
+# =============================================================================== aliasing (SPEC §9)
 ROW_FIELDS = frozenset(("x", "x_tail", "positions", "slot_mapping", "out", "q_out", "sf_out"))   # validated [n, ...]
 OUTPUT_FIELDS = frozenset(Plan.WRITES)
 _INPUT_NAMES = {"x": "x", "x_tail": "x[1]", "weight": "norm_args.weight", "bias": "norm_args.bias", "positions": "rope_args.positions",
@@ -262,7 +262,7 @@ def argument_names(out_args) -> dict:
 
 
 def overlap_check(template: PlanTemplate, tensors: tuple, out_args) -> Optional[OverlapCheck]:
-    """The aliasing rules of a validated call (SPEC §5; see kvfuse.overlap): raises ValueError for an
+    """The aliasing rules of a validated call (SPEC §9; see kvfuse.overlap): raises ValueError for an
     output that overlaps itself, and returns the per-call check of the overlaps that depend on data
     pointers (None when the call has no output of the caller's, on meta tensors, or while tracing)."""
     if not addresses_known(template.device):

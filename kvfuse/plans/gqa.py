@@ -1,4 +1,4 @@
-"""Validation of :func:`kvfuse.fused_qk_norm_rope_store_kv` (SPEC §11 and §5) into a
+"""Validation of :func:`kvfuse.fused_qk_norm_rope_store_kv` (SPEC §3 and §9) into a
 :class:`~.types.GQAPlan` (the caches checked against their formats, :mod:`kvfuse.gqa_formats`), and its
 aliasing check: q_out, k_out, k_cache, v_cache and the scale caches must not overlap each other or any
 input (q_out may be q itself, k_out k itself: in place). ``prepare`` validates a
@@ -247,7 +247,7 @@ def validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_a
              k_scale=None, v_scale=None, layout="NHD", q_out=None, numerics="staged", k_out=None, q_scale=None,
              scale_convention="divide", k_format=None, v_format=None, k_scale_cache=None,
              v_scale_cache=None, v_norm_args=None) -> GQAPlan:
-    """Check every argument (SPEC §11 and §5) and return the call's plan (``q_out`` / ``k_out`` as given:
+    """Check every argument (SPEC §3 and §9) and return the call's plan (``q_out`` / ``k_out`` as given:
     None when the call allocates them)."""
     q, q_tail = _parts(q, "q")
     if not isinstance(q, torch.Tensor):
@@ -374,7 +374,7 @@ def validate(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_a
 
 
 def _check_global_scales(plan, scale_convention):
-    """A format with a global decode scale (NVFP4's) takes the divide convention (SPEC §11)."""
+    """A format with a global decode scale (NVFP4's) takes the divide convention (SPEC §3)."""
     for fmt, fmt_name in ((plan.k_fmt, "k_format"), (plan.v_fmt, "v_format")):
         if fmt.global_scale and scale_convention != "divide":
             raise ValueError(f"scale_convention: {fmt_name} {fmt.name!r} takes a global decode scale: expected "
@@ -383,7 +383,7 @@ def _check_global_scales(plan, scale_convention):
 
 def validate_load(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_scale=None, k_format=None,
                   v_format=None, k_scale_cache=None, v_scale_cache=None) -> tuple:
-    """Check the arguments of :func:`kvfuse.load_gqa_kv_cache` with the rules of the write (SPEC §11):
+    """Check the arguments of :func:`kvfuse.load_gqa_kv_cache` with the rules of the write (SPEC §3):
     the caches' layout, shapes, dtypes and strides, slot_mapping, the formats, their static scales and
     scale caches. Returns the two caches' formats (GQACacheFormat)."""
     if not isinstance(layout, str) or layout not in GQA_LAYOUTS:
@@ -412,7 +412,7 @@ def validate_load(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_
     _check_scale_cache(v_scale_cache, "v_scale_cache", vf, "v_format", v_cache, "v_cache", v_dim, dev)
     return kf, vf
 
-# =============================================================================== aliasing (SPEC §5)
+# =============================================================================== aliasing (SPEC §9)
 _NAMES = ("q_out", "k_out", "k_cache", "v_cache", "q_out[1]", "k_out[1]", "k_cache[1]", "k_scale_cache",
           "v_scale_cache", "q", "k", "v", "q[1]",
           "k[1]", "slot_mapping", "q_norm_args.weight", "k_norm_args.weight", "rope_args.positions",
@@ -459,7 +459,7 @@ def _key(t):
 
 
 def check_overlap(plan: GQAPlan) -> None:
-    """SPEC §5 for this entry point: q_out, k_out, k_cache, v_cache and the scale caches must not overlap
+    """SPEC §9 for this entry point: q_out, k_out, k_cache, v_cache and the scale caches must not overlap
     each other or any input; q_out may be q itself and k_out k itself (the same elements: in place; each
     part of a pair its input's part). Byte spans first; where two spans meet, the
     elements are compared exactly (vLLM's k and v caches, kv_cache[:, 0] and kv_cache[:, 1], share one
@@ -629,7 +629,7 @@ def _mrope_position_terms(t: torch.Tensor, n: int):
 
 
 class _Aliasing:
-    """SPEC §5 on every call of one signature, cheaply: each tensor's byte span [data_ptr, data_ptr +
+    """SPEC §9 on every call of one signature, cheaply: each tensor's byte span [data_ptr, data_ptr +
     fixed + per_row * rows) (rows: n, or a PagedAppend vector's own length) for every output / other pair
     of check_overlap's; a pair whose spans meet passes when it is an output and its input in place (the
     same pointer, and strides equal: the key holds them), or when a call with the same pair at the same

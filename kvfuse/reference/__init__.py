@@ -1,4 +1,4 @@
-"""The unfused PyTorch pipeline that defines kvfuse's numerics (SPEC §2), one function per stage.
+"""The unfused PyTorch pipeline that defines kvfuse's numerics (SPEC §6), one function per stage.
 
 Every stage reads bf16 and returns bf16 (round to nearest even), doing its arithmetic in IEEE
 fp32 with each operation rounded on its own; torch ops are chosen so that this holds on the CPU

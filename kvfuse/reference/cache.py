@@ -1,5 +1,5 @@
 """The paged caches of the reference backend: record addresses of a format, store and load of records
-(SPEC §4), and the NHD / HND element caches of the GQA entry point (SPEC §11): their store and load."""
+(SPEC §7), and the NHD / HND element caches of the GQA entry point (SPEC §3): their store and load."""
 from __future__ import annotations
 
 from typing import Optional
@@ -70,7 +70,7 @@ def load(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, fmt: KVCacheFormat,
         return qb.view(torch.bfloat16)
     sf = sb[..., : fmt.sf_exact_bytes].contiguous().view(sf_dtype(fmt.sf_format))
     q = qb.view(q_dtype(fmt.cast_fmt)) if fmt.cast_fmt == "e4m3" else qb
-    # NaN codes decode as NaN (SPEC §4): ue8m0 scale 0xFF, e4m3 0x7F / 0xFF (values and scales), fp32
+    # NaN codes decode as NaN (SPEC §7): ue8m0 scale 0xFF, e4m3 0x7F / 0xFF (values and scales), fp32
     # NaN scales; each NaN is written as the canonical bf16 NaN. The raw bf16 tail keeps its bits.
     y = canonical_nan(dequantize(q, sf, fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format, ue8m0_nan=True))
     if fmt.bf16_tail:
@@ -138,7 +138,7 @@ def load_gqa_kv(k_cache, v_cache, slot_mapping, layout="NHD", k_scale=None, v_sc
     """K and V of the given slots as [n, Hkv, D] / [n, Hkv, Dv] (validated arguments; formats: GQACacheFormat,
     None for the one the cache's dtype means): an "auto" cache's bits as stored (its dtype); a quantized
     cache dequantized as bf16(f(code) * f(scale)), the scale its static one (one per tensor or head h's) or
-    the slot's stored one (SPEC §11's inverse; NaN codes read as the canonical bf16 NaN). Zeros for invalid
+    the slot's stored one (SPEC §3's inverse; NaN codes read as the canonical bf16 NaN). Zeros for invalid
     slots."""
     out = []
     for cache, scale, fmt, scale_cache in ((k_cache, k_scale, k_format, k_scale_cache),

@@ -1,5 +1,5 @@
 """The chains: norm -> RoPE -> Hadamard (``transform``), a validated Plan run stage by stage
-(``run_plan``, the "reference" backend), and the GQA / MHA call (SPEC §11)."""
+(``run_plan``, the "reference" backend), and the GQA / MHA call (SPEC §3)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -62,7 +62,7 @@ def run_plan(plan: Plan) -> None:
 def qk_norm_rope(x: torch.Tensor, weight=None, eps: float = 1e-6, positions=None, cos_sin=None, rotary_dim: int = 0,
                  rope_offset: int = 0, is_neox: bool = True, conjugate: bool = False,
                  numerics: str = "staged", mrope_section=None, mrope_interleaved: bool = False) -> torch.Tensor:
-    """The Q / K transform of SPEC §11 on [n, H, D] (bf16, fp16 or fp32): per-head :func:`rmsnorm` (weight [D]
+    """The Q / K transform of SPEC §3 on [n, H, D] (bf16, fp16 or fp32): per-head :func:`rmsnorm` (weight [D]
     shared by the heads; skipped when ``weight`` is None), then :func:`rope` (skipped when ``positions`` is
     None; mRoPE with ``mrope_section``). "staged" rounds each stage to x's dtype; the fused profiles
     (kvfuse.numerics_profiles) keep the norm's result in fp32 through RoPE and return fp32 values, which the

@@ -1,6 +1,6 @@
-"""The 4-bit GQA / MHA cache formats of SPEC §11, one function per stage: NVFP4 with a global scale
+"""The 4-bit GQA / MHA cache formats of SPEC §3, one function per stage: NVFP4 with a global scale
 (FlashInfer's rule: e2m1 codes, one e4m3 scale per 16 values, one fp32 global decode scale) and MXFP4
-(SPEC §2's e2m1 / ue8m0 rule over groups of 32), their decoders, and the group amax they share.
+(SPEC §6's e2m1 / ue8m0 rule over groups of 32), their decoders, and the group amax they share.
 
 Each works on the last dim of [..., D] values (the fp32 values the cast reads; bf16, fp16 or fp32
 tensors are widened exactly) and returns packed codes (uint8 [..., D / 2], the even element in the
@@ -66,7 +66,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale):
 
 def quantize_mxfp4(x: torch.Tensor):
     """[..., D] (D a multiple of 32) -> (codes uint8 [..., D / 2], ue8m0 scale bytes uint8 [..., D / 32]):
-    SPEC §2's e2m1 / ue8m0 rule (amax floored at 1e-4, scale 2^ceil(log2(amax / 6)), t clamped to
+    SPEC §6's e2m1 / ue8m0 rule (amax floored at 1e-4, scale 2^ceil(log2(amax / 6)), t clamped to
     [-6, 6]) with NaN elements left out of the amax and encoded as signed zeros."""
     amax = torch.maximum(group_amax(x, MXFP4_GROUP), _f32(AMAX_MARGIN, x))
     stored, m, _ = group_scales(amax, "e2m1", "ue8m0")

@@ -1,4 +1,4 @@
-"""The narrowing helpers of kvfuse's numerics (SPEC §2): bf16 rounding, the e4m3 and e2m1 encoders
+"""The narrowing helpers of kvfuse's numerics (SPEC §6): bf16 rounding, the e4m3 and e2m1 encoders
 and decoders (bit-exact, branch-free torch code), e2m1 packing, and the constants they share."""
 from __future__ import annotations
 

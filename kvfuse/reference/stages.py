@@ -1,6 +1,6 @@
-"""One function per stage of the chain (SPEC §2): the norms (RMSNorm, LayerNorm) with their adjacent-pairs
+"""One function per stage of the chain (SPEC §6): the norms (RMSNorm, LayerNorm) with their adjacent-pairs
 sums, RoPE, the Hadamard transform, per-group quantization and its inverse, and the per-tensor cast of
-the GQA caches (SPEC §11). Each reads bf16 and returns bf16, rounding every fp32 operation on its own."""
+the GQA caches (SPEC §3). Each reads bf16 and returns bf16, rounding every fp32 operation on its own."""
 from __future__ import annotations
 
 from typing import Optional
@@ -38,7 +38,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
 def layernorm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
               eps: float = 1e-6) -> torch.Tensor:
     """bf16 [..., D] -> bf16: d = f(x) - tree(x) / D, rstd = 1 / sqrt(tree(d^2) / D + eps),
-    y = bf16(((d * rstd) * f(w)) + f(b)) (no ``+ f(b)`` without a bias). SPEC §2 "LayerNorm"."""
+    y = bf16(((d * rstd) * f(w)) + f(b)) (no ``+ f(b)`` without a bias). SPEC §6 "LayerNorm"."""
     xf = x.to(F32)
     dim = _f32(x.shape[-1], x)
     mean = torch.div(pairwise_sum(xf), dim)
@@ -56,7 +56,7 @@ def norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, kind: str = "
          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The norm stage: :func:`rmsnorm` (kind "rms") or :func:`layernorm` (kind "layer") over the first
     k = weight.shape[0] dims of x [..., D]; the other dims keep their bits (a norm over the leading
-    dims, SPEC §2: its sums are the head's tree with the dims >= k as zeros, divided by k)."""
+    dims, SPEC §6: its sums are the head's tree with the dims >= k as zeros, divided by k)."""
     k, D = weight.shape[-1], x.shape[-1]
     if k < D:
         return torch.cat([_leading_norm(x, weight, eps, kind, bias), x[..., k:]], dim=-1)
@@ -66,7 +66,7 @@ def norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, kind: str = "
 
 
 def _leading_norm(x, weight, eps, kind, bias):
-    """The normalized first k dims of x [..., D] (k = weight.shape[0] < D): SPEC §2's sums over the
+    """The normalized first k dims of x [..., D] (k = weight.shape[0] < D): SPEC §6's sums over the
     head's tree (width next_pow2(D)) with the dims >= k as zeros, the means divided by k."""
     k = weight.shape[-1]
     xf = x.to(F32)
@@ -91,7 +91,7 @@ def _leading_norm(x, weight, eps, kind, bias):
 
 def mrope_position_rows(half: int, mrope_section, interleaved: bool) -> torch.Tensor:
     """int64 [half]: the row of mRoPE's positions [3, n] (0 temporal, 1 height, 2 width) each frequency j
-    takes (SPEC §11): chunked, j < t -> 0, j < t + h -> 1, else 2; interleaved, 1 where j % 3 == 1 and
+    takes (SPEC §3): chunked, j < t -> 0, j < t + h -> 1, else 2; interleaved, 1 where j % 3 == 1 and
     j < 3h, 2 where j % 3 == 2 and j < 3w, else 0."""
     t, h, w = mrope_section
     j = torch.arange(half)
@@ -160,7 +160,7 @@ def hadamard(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
 
 def group_scales(amax: torch.Tensor, cast_fmt: str, sf_format: str, floor_exp: Optional[int] = None):
     """amax [...] fp32 (already floored at AMAX_MARGIN) -> (stored scale tensor, multiplier m,
-    dequant scale d), SPEC §2. floor_exp: ceil(log2(scale_floor)) of a power-of-two format's
+    dequant scale d), SPEC §6. floor_exp: ceil(log2(scale_floor)) of a power-of-two format's
     scale_floor (the exponent is at least that), or None."""
     fmax = _f32(FMAX[cast_fmt], amax)
     if SCALE_FORMATS[sf_format].power_of_two:
@@ -188,7 +188,7 @@ def quantize(x: torch.Tensor, cast_fmt: str, num_per_channels: int, sf_format: s
              scale_floor: Optional[float] = None):
     """bf16 [..., D] -> (q, sf): q float8_e4m3fn [..., D] or uint8 [..., D/2] (e2m1 packed);
     sf [..., D/g] uint8 (ue8m0) / float8_e4m3fn (e4m3) / float32 (fp32, ue8m0_fp32). scale_floor
-    (ue8m0 kinds): the scale is 2^ceil(log2(max(amax / fmax, scale_floor))) (SPEC §2)."""
+    (ue8m0 kinds): the scale is 2^ceil(log2(max(amax / fmax, scale_floor))) (SPEC §6)."""
     d = x.shape[-1]
     g = num_per_channels
     v = x.to(F32).reshape(x.shape[:-1] + (d // g, g))
@@ -209,7 +209,7 @@ CANONICAL_NAN_BF16 = 0x7FC0
 
 
 def dequant_scale(sf: torch.Tensor, sf_format: str, ue8m0_nan: bool = False) -> torch.Tensor:
-    """Stored scales -> the fp32 dequant multiplier d. ``ue8m0_nan`` (the read side, SPEC §4): a
+    """Stored scales -> the fp32 dequant multiplier d. ``ue8m0_nan`` (the read side, SPEC §7): a
     ue8m0 byte 0xFF is NaN (OCP MX, torch's float8_e8m0fnu) rather than 2^128 = inf. e4m3 scale
     bytes 0x7F / 0xFF and fp32 NaN patterns decode as NaN either way."""
     if sf_format == "ue8m0":
@@ -227,7 +227,7 @@ def dequant_scale(sf: torch.Tensor, sf_format: str, ue8m0_nan: bool = False) -> 
 def dequantize(q: torch.Tensor, sf: torch.Tensor, cast_fmt: str, num_per_channels: int,
                sf_format: str, ue8m0_nan: bool = False) -> torch.Tensor:
     """(q, sf) of :func:`quantize` -> bf16 [..., D]: bf16(f(q_i) * d_group). ``ue8m0_nan``: see
-    :func:`dequant_scale` (the cast_back stage keeps d = 2^e, SPEC §2; the read side sets it)."""
+    :func:`dequant_scale` (the cast_back stage keeps d = 2^e, SPEC §6; the read side sets it)."""
     if cast_fmt == "e4m3":
         qf = decode_e4m3(q)
     else:
@@ -270,7 +270,7 @@ TOKEN_HEAD_MIN_SCALE = 1e-6
 def token_head_scales(x: torch.Tensor, qmax: float) -> torch.Tensor:
     """fp32 [..., D] -> the scale of each row [...]: max(amax / qmax, 1e-6), amax = max |x| over the row (NaN
     when the row holds one: the canonical NaN 0x7fc00000), a correctly rounded fp32 division, the bound 1e-6
-    as fp32 (vLLM's _reshape_cache_per_token_head, SPEC §11)."""
+    as fp32 (vLLM's _reshape_cache_per_token_head, SPEC §3)."""
     amax = x.abs().amax(-1)
     s = torch.div(amax, _f32(qmax, x))
     return torch.where(torch.isnan(s), _f32(float("nan"), x), torch.maximum(s, _f32(TOKEN_HEAD_MIN_SCALE, x)))

@@ -72,7 +72,7 @@ def make_cache(fmt, nb, bs, H, token_padding=0, block_padding=0, before=96, afte
 
 
 def heads(fmt):
-    """Two heads in token-interleaved caches (SPEC §9), one in block-wide ones."""
+    """Two heads in token-interleaved caches (SPEC §8), one in block-wide ones."""
     return 2 if fmt.token_interleaved else 1
 
 

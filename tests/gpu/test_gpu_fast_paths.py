@@ -6,7 +6,7 @@ two storages must be equal byte for byte (torch.equal, the records of rows with 
 included); the fast path must have run, or, where its eligibility or its per-call guard declines
 (a cache or x less aligned than its stores), must not have.
 
-Cases: 1 to 262144 rows (every launch-table entry), SPEC §2 edge values (zero rows, values whose
+Cases: 1 to 262144 rows (every launch-table entry), SPEC §6 edge values (zero rows, values whose
 squares overflow, bf16 subnormals, rounding ties, a group far above the rest, an all-zero group,
 e2m1 grid values, signed zeros in the RoPE columns, inf / NaN / -inf), invalid slots (-1, >= the
 capacity) and positions (< 0, >= the table), a 3-row cos/sin table, block sizes 1 and 24, int32 /
@@ -68,7 +68,7 @@ class WriteCase:
     name: str
     n: int
     seed: int
-    special: bool = False            # SPEC §2 edge rows (special_rows)
+    special: bool = False            # SPEC §6 edge rows (special_rows)
     block_size: int = 64
     token_padding: int = 0           # token-interleaved formats only
     block_padding: int = 0
@@ -123,7 +123,7 @@ VARIANT_CASE = WriteCase("n=4097,special,padded,cache-offset-16", n=4097, seed=2
 
 
 def special_rows(x: torch.Tensor, fmt, g: torch.Generator) -> None:
-    """SPEC §2's edge cases, in place, by row k (k % 11): 0 zero, 1-2 huge (1e30, 1e38: the sum of squares
+    """SPEC §6's edge cases, in place, by row k (k % 11): 0 zero, 1-2 huge (1e30, 1e38: the sum of squares
     overflows), 3 bf16 subnormals, 4 rounding ties, 5 a group 2^20 above the rest, 6 small RoPE columns,
     7 a mean dominated by eps, 8 an all-zero group and signed zeros in the RoPE columns, 9 a group at
     2^-40, 10 e2m1 grid values (ties after scaling); and by k % 97: 13 an inf, 14 a NaN (quantized
@@ -380,7 +380,7 @@ def test_contiguous_outputs_equal_the_portable_kernel(module_name, cast, case):
 @needs_gluon
 def test_e2m1_encoder_mirror_on_every_fp32():
     """gluon_common.e2m1_nibble (MAIN_FP4's and INDEX_NVFP4's e2m1 encoder), through its host mirror,
-    gives kvfuse.reference.encode_e2m1's code for every fp32 pattern (NaN left out: SPEC §2 leaves its
+    gives kvfuse.reference.encode_e2m1's code for every fp32 pattern (NaN left out: SPEC §6 leaves its
     group free). Both are torch integer / fp32 operations without multiply-adds, exact on either
     device: here on the GPU, 2^26 patterns at a time (the CPU tests take samples,
     tests/test_gluon_main_latent_fp4.py)."""

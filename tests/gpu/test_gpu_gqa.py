@@ -1,4 +1,4 @@
-"""GPU module for fused_qk_norm_rope_store_kv (kvfuse/kernels/qkv.py, SPEC §11): the compiled kernel
+"""GPU module for fused_qk_norm_rope_store_kv (kvfuse/kernels/qkv.py, SPEC §3): the compiled kernel
 against the reference chain computed on the CPU, bytes compared over whole storages (caches with guards
 and block padding, the NaN-poisoned q_out buffer, the packed QKV input).
 

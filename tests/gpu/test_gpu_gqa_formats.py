@@ -1,4 +1,4 @@
-"""GPU module for the GQA entry's cache formats (kvfuse.gqa_formats, SPEC §11): the compiled kernel
+"""GPU module for the GQA entry's cache formats (kvfuse.gqa_formats, SPEC §3): the compiled kernel
 against the reference chain computed on the CPU, bytes compared over whole storages (code caches and
 scale caches with guards and block padding, vLLM's inline scales, the NaN-poisoned q_out buffer, the
 packed QKV input). The cases are the GPU matrix's format section (tests/gpu_matrix.py

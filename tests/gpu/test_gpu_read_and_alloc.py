@@ -1,4 +1,4 @@
-"""GPU module: the read side on random cache bytes (NaN codes included: SPEC §4 decodes them as NaN,
+"""GPU module: the read side on random cache bytes (NaN codes included: SPEC §7 decodes them as NaN,
 each written as the bf16 0x7FC0) and writes into FlashMLA-style allocations (blocks of
 (block_size + 1) * 656 bytes), the compiled kernels against the reference on the GPU, whole
 storages compared byte for byte. Run with KVFUSE_TEST_GPU=1 on a CUDA machine."""

@@ -1,4 +1,4 @@
-"""GPU module: calls from several threads at once with the compiled kernels (SPEC §5), each thread on
+"""GPU module: calls from several threads at once with the compiled kernels (SPEC §9), each thread on
 its own CUDA stream: every thread's whole cache storages, outputs and loads equal the same work done
 by one thread alone (tests/test_reliability_threads.py's work). Run with KVFUSE_TEST_GPU=1."""
 import pytest

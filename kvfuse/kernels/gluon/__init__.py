@@ -1,4 +1,4 @@
-"""The Gluon fast paths (Triton 3.6 on CUDA), each byte-equal to the portable kernel (SPEC §8), one
+"""The Gluon fast paths (Triton 3.6 on CUDA), each byte-equal to the portable kernel (SPEC §6), one
 module per cache served:
 
 | module | serves |

@@ -1,6 +1,6 @@
-"""A Gluon fast path for the two FlashMLA KV-cache writes (SPEC §9): RMSNorm -> NEOX RoPE on the
+"""A Gluon fast path for the two FlashMLA KV-cache writes (SPEC §8): RMSNorm -> NEOX RoPE on the
 64-column bf16 tail -> e4m3 with UE8M0 scales on the quantized part -> the FlashMLA records, byte
-for byte what ``kvfuse.kernels.portable.fused_kernel`` writes for these chains (SPEC §2, §4, §9).
+for byte what ``kvfuse.kernels.portable.fused_kernel`` writes for these chains (SPEC §6, §7, §8).
 
 The two chains (``eligible`` checks every field; anything else goes to the plain kernel):
 - FLASHMLA_V32: head_dim 576 = 512 quantized (groups of 128, scale stored as the fp32 value 2^e,
@@ -200,7 +200,7 @@ if gluon is not None:
                     gl.float32, bitcast=True)
                 rot = bf16x2((lo_f32(yt) * c0) + (lo_f32(partner) * s0), (hi_f32(yt) * c1) + (hi_f32(partner) * s1))
             else:
-                # ---- GPT-J: the lane's word is the pair (a, b) = (y_2l, y_2l+1); SPEC §2's products and sums
+                # ---- GPT-J: the lane's word is the pair (a, b) = (y_2l, y_2l+1); SPEC §6's products and sums
                 c, s = gl.split(cos)
                 c = gl.convert_layout(c, LLANE, assert_trivial=True)
                 s = gl.convert_layout(s, LLANE, assert_trivial=True)

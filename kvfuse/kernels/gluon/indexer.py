@@ -1,6 +1,6 @@
 """A Gluon fast path for the 128-d INDEXER writes: norm -> RoPE -> (Hadamard) -> per-group quantization
 -> a block-wide cache (every token's codes, then every token's scales), byte for byte what the
-portable kernel writes (SPEC §2, §4), for INDEX_FP8_FP32, INDEX_MXFP8, INDEX_MXFP4, INDEX_NVFP4 and
+portable kernel writes (SPEC §6, §7), for INDEX_FP8_FP32, INDEX_MXFP8, INDEX_MXFP4, INDEX_NVFP4 and
 ue8m0_fp32 scales of 128 (one kernel, constexprs CAST, G, SF per format); with CONTIG, the same rows
 into contiguous (q, sf) outputs (the indexer Q). Chains: RMSNorm or LayerNorm (bias optional) or
 none (Q), RoPE NEOX or GPT-J on columns 64..127 or 0..63 (DeepSeek V4's / V3.2's indexer), the
@@ -9,7 +9,7 @@ none (Q), RoPE NEOX or GPT-J on columns 64..127 or 0..63 (DeepSeek V4's / V3.2's
 Layout: 8 lanes a row, 4 rows a warp; lane l owns chunk A = columns 8l..8l+7 and chunk B = 64 + 8l..
 as 4 int32 words each (two bf16 a word). Norm trees: 3 levels in-lane, 3 butterfly shuffles, 1 across
 the chunks. RoPE NEOX: the partner is lane l ^ 4 (one shuffle); GPT-J: the word's other half. The
-Hadamard keeps SPEC §2's order: distances 1, 2, 4 in-lane, 8, 16, 32 one shuffle and one exact fma
+Hadamard keeps SPEC §6's order: distances 1, 2, 4 in-lane, 8, 16, 32 one shuffle and one exact fma
 (multiplier +-1) each, 64 between the chunks. Groups of 16 / 32 / 128 columns span 2 / 4 / 8 lanes;
 the lanes of a pair split the scale work. e4m3 codes by cvt.rn.satfinite (64-bit stores a chunk),
 e2m1 by ``_e2m1x2_bf16`` (UE8M0 groups, two codes an instruction) or ``gluon_common.e2m1_nibble``;
@@ -149,7 +149,7 @@ if gluon is not None:
     @gluon.jit
     def _rope_words(y, c_lo, c_hi, s_lo, s_hi, pok, partner_flip, NEOX: gl.constexpr):
         """RoPE on a chunk's bf16 words [R, 8, 4] of the rows whose position is in range: own * c + partner * s
-        (SPEC §2's a*c - b*s as a*c + (-b)*s, the same IEEE result). NEOX: the partner is lane l ^ 4's
+        (SPEC §6's a*c - b*s as a*c + (-b)*s, the same IEEE result). NEOX: the partner is lane l ^ 4's
         same column, negated on first-half lanes (``partner_flip``); GPT-J: the other half of the same
         word, negated in the low half (whose partner is subtracted)."""
         if NEOX:
@@ -211,7 +211,7 @@ if gluon is not None:
 
     @gluon.jit
     def _hadamard128(ya, yb, sgn1, sgn2, sgn4, had_scale, R: gl.constexpr, LL: gl.constexpr):
-        """The 128-point Hadamard of a row (SPEC §2: distances 1, 2, ..., 64, then * scale, bf16) ->
+        """The 128-point Hadamard of a row (SPEC §6: distances 1, 2, ..., 64, then * scale, bf16) ->
         its 8 bf16 words per lane: chunk A's (ha0..ha3), chunk B's (hb0..hb3), [R, 8] each."""
         w0, w1, w2, w3 = _words4(ya, R, LL)
         a0, a1, a2, a3, a4, a5, a6, a7 = _in_lane8(w0, w1, w2, w3)

@@ -1,7 +1,7 @@
 """The Gluon fast path of the main latent cache: the MAIN_FP8 and MAIN_MXFP8 writes (RMSNorm -> NEOX or
 GPT-J RoPE on the last 64 dims -> e4m3 with UE8M0 scales per 32 over all 512 columns -> token-interleaved
 532-byte MAIN_FP8 or 528-byte MAIN_MXFP8 records) and the cast alone (CAST_ONLY) of MAIN_FP8, MAIN_MXFP8
-and MAIN_FP4 records, byte for byte what ``kvfuse.kernels.portable.fused_kernel`` writes (SPEC §2, §4).
+and MAIN_FP4 records, byte for byte what ``kvfuse.kernels.portable.fused_kernel`` writes (SPEC §6, §7).
 
 Assumptions (``eligible`` checks them; anything else goes to the portable kernel): head_dim 512,
 num_heads 1, x bf16 [n, 512] with unit column stride, the MAIN_FP8 record (512 e4m3 codes | 16 UE8M0

@@ -1,7 +1,7 @@
 """A Gluon fast path for the MAIN_FP4 KV-cache write: RMSNorm -> RoPE (NEOX or GPT-J) on the last 64
 dims -> e2m1 with an e4m3 scale per 16 (NVFP4) -> token-interleaved 288-byte records (256 code
 bytes, two codes a byte, then 32 scale bytes), byte for byte what the portable kernel writes
-(SPEC §2, §4); also the cast alone (no norm, no RoPE).
+(SPEC §6, §7); also the cast alone (no norm, no RoPE).
 
 The kernel is main_latent's (``main_fp4_kernel`` is ``main_fp8_kernel`` launched with FP4=True):
 its layout, loads, norm, RoPE and persistent loop, with MAIN_FP4's cast and store
