@@ -14,24 +14,34 @@ host), kvfuse's fused entry (``kvfuse.bench`` workloads: DeepSeek V4 MAIN_FP8, V
 indexer K), the GQA entry (Llama 3 8B / Qwen3 8B with fp8 caches), and the adapters
 ``kvfuse.engines.vllm.reshape_and_cache_flash`` (fp8), ``concat_and_cache_mla`` (fp8_ds_mla),
 ``fused_qk_norm_rope`` and ``kvfuse.engines.flashinfer.rope_quantize_fp8_append_paged_kv_cache``.
-Needs a GPU. Usage: python benchmarks/eager_host_time.py [--n 1] [--samples 400] [--json OUT.json]
+Needs a GPU, except ``--cpu``: kvfuse's Python per call on this machine's CPU (CPU tensors, the "triton"
+backend through TRITON_INTERPRET=1, every Triton launch replaced by a no-op), the plan cache on: the host
+time above the launch, median of single calls. Usage:
+    python benchmarks/eager_host_time.py [--n 1] [--samples 400] [--json OUT.json]
+    python benchmarks/eager_host_time.py --cpu [--n 1] [--samples 20000]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
+import os
 import platform
 import statistics
+import sys
 import time
 
-import torch
+if "--cpu" in sys.argv[1:]:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the kernel objects depend on it
 
-import kvfuse
-from kvfuse import bench
-from kvfuse.bench.timing import CudaTimer
-from kvfuse.engines import flashinfer as fi
-from kvfuse.engines import vllm
+import torch  # noqa: E402
+
+import kvfuse  # noqa: E402
+from kvfuse import bench  # noqa: E402
+from kvfuse.bench.timing import CudaTimer  # noqa: E402
+from kvfuse.engines import flashinfer as fi  # noqa: E402
+from kvfuse.engines import vllm  # noqa: E402
 
 WORKLOADS = ("dsv4_main_fp8", "dsv3_main_kv_c_k_pe", "dsv32_index_k", "llama3_8b_fp8", "qwen3_8b_fp8")
 
@@ -110,6 +120,74 @@ def host_us(fn, samples: int) -> float:
     return statistics.median(times) / 1e3
 
 
+class _NoLaunch:
+    """Stands in for a Triton kernel: ``kernel[grid](*args, **kwargs)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+# (module, kernel attribute) of every Triton kernel kvfuse's entry points launch
+_KERNELS = (("kvfuse.kernels.router", "fused_kernel"), ("kvfuse.kernels.store_load", "store_kernel"),
+            ("kvfuse.kernels.store_load", "load_kernel"), ("kvfuse.kernels.qkv", "qkv_kernel"))
+
+
+@contextlib.contextmanager
+def launches_stubbed():
+    """Every kernel of _KERNELS replaced by a no-op (kvfuse looks its kernels up by name at each launch)."""
+    import importlib
+    saved = [(importlib.import_module(m), name) for m, name in _KERNELS]
+    saved = [(mod, name, getattr(mod, name)) for mod, name in saved]
+    for mod, name, _ in saved:
+        setattr(mod, name, _NoLaunch())
+    try:
+        yield
+    finally:
+        for mod, name, kernel in saved:
+            setattr(mod, name, kernel)
+
+
+def cpu_us(fn, samples: int) -> float:
+    """Median wall time of single calls (us), the garbage collector off."""
+    clock = time.perf_counter_ns
+    times = []
+    gc.disable()
+    try:
+        for _ in range(samples):
+            t0 = clock()
+            fn()
+            times.append(clock() - t0)
+    finally:
+        gc.enable()
+    return statistics.median(times) / 1e3
+
+
+def cpu_main(calls: dict, a) -> None:
+    """--cpu: kvfuse's host time per call with the launches stubbed, plan cache on (and off with --cache-off)."""
+    rows = []
+    with kvfuse.use_backend("triton"), launches_stubbed():
+        for name, fn in calls.items():
+            if name.startswith("floor: a one-program"):
+                continue   # a Triton launch: stubbed, nothing to measure
+            row = {"call": name, "n": a.n}
+            for cache in (True, False) if a.cache_off else (True,):
+                kvfuse.set_plan_cache(cache)
+                for _ in range(50):
+                    fn()
+                row[f"cpu_us_cache_{'on' if cache else 'off'}"] = cpu_us(fn, a.samples if cache else a.samples // 20)
+            kvfuse.set_plan_cache(True)
+            rows.append(row)
+            off = f"  (cache off {row['cpu_us_cache_off']:7.2f})" if a.cache_off else ""
+            print(f"{name:62s} {row['cpu_us_cache_on']:6.2f} us{off}", flush=True)
+    meta = {"device": "cpu, launches stubbed", "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "python": platform.python_version(),
+            "cpu": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d")}
+    print(json.dumps(meta))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
 def loop_us(fn, calls: int = 500, repeats: int = 5) -> float:
     out = []
     for _ in range(repeats):
@@ -130,15 +208,25 @@ def graph_us(fn) -> float:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=1)
-    p.add_argument("--samples", type=int, default=400)
+    p.add_argument("--samples", type=int, default=None, help="single calls timed (400 on the GPU, 20000 --cpu)")
     p.add_argument("--json", default=None)
     p.add_argument("--profile", default=None, help="cProfile 2000 eager calls of the calls whose name contains this")
     p.add_argument("--dry-run", action="store_true", help="CPU: build every call and run it once (TRITON_INTERPRET=1)")
+    p.add_argument("--cpu", action="store_true",
+                   help="kvfuse's Python per call on the CPU, launches stubbed (TRITON_INTERPRET=1 is set)")
+    p.add_argument("--cache-off", action="store_true", help="--cpu: also with the plan cache off")
     a = p.parse_args(argv)
-    dev = torch.device("cpu" if a.dry_run else "cuda")
+    if a.samples is None:
+        a.samples = 20000 if a.cpu else 400
+    if a.cpu and os.environ.get("TRITON_INTERPRET") != "1":
+        p.error("--cpu needs TRITON_INTERPRET=1 when triton is imported (set when --cpu is on the command line)")
+    dev = torch.device("cpu" if a.dry_run or a.cpu else "cuda")
     calls = _floors(dev)
     calls.update({f"kvfuse bench {w}": _workload_call(w, a.n, dev) for w in WORKLOADS})
     calls.update(_adapters(a.n, dev))
+    if a.cpu:
+        cpu_main(calls, a)
+        return
     if a.dry_run:
         with kvfuse.use_backend("triton"):
             for name, fn in calls.items():
