@@ -71,6 +71,14 @@ def _leading_tokens(slot_mapping: torch.Tensor, num_tokens: int, what: str) -> i
     return m
 
 
+def _leading(slot_mapping, first, second, what: str = "key"):
+    """first and second cut to the slots' tokens (_leading_tokens); as they are when they have as many."""
+    m = _leading_tokens(slot_mapping, first.shape[0], what)
+    if m == first.shape[0] and m == second.shape[0]:
+        return first, second      # slicing costs host time and changes nothing
+    return first[:m], second[:m]
+
+
 def _auto_cache(cache, name: str, dtype: torch.dtype) -> torch.Tensor:
     _checks.tensor(cache, name)
     if cache.dtype != dtype:
@@ -119,9 +127,9 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
         key_cache, value_cache = as_cache(key_cache, "key_cache"), as_cache(value_cache, "value_cache")
         k_scale, v_scale = _flash_scales(k_scale, v_scale, key.shape[1])
         fmt = "fp8_e5m2" if kind == FP8_E5M2 else "fp8_e4m3"
-    m = _leading_tokens(slot_mapping, key.shape[0], "key")
+    key, value = _leading(slot_mapping, key, value)
     with _checks.engine_names(_GQA_NAMES):
-        fused_qk_norm_rope_store_kv(key[:m, :0], key[:m], value[:m], key_cache, value_cache, slot_mapping,
+        fused_qk_norm_rope_store_kv(key[:, :0], key, value, key_cache, value_cache, slot_mapping,
                                     k_scale=k_scale, v_scale=v_scale, layout="NHD", k_format=fmt, v_format=fmt)
 
 
@@ -170,9 +178,9 @@ def triton_reshape_and_cache_flash_per_token_head_quant(key, value, key_cache, v
         if cache.dim() == 4 and cache.shape[-1] > width:
             cache = cache[..., :width]         # the row's codes, its scale padding left alone
         caches.append(cache)
-    m = _leading_tokens(slot_mapping, key.shape[0], "key")
+    key, value = _leading(slot_mapping, key, value)
     with _checks.engine_names(_GQA_NAMES):
-        fused_qk_norm_rope_store_kv(key[:m, :0], key[:m], value[:m], caches[0], caches[1], slot_mapping,
+        fused_qk_norm_rope_store_kv(key[:, :0], key, value, caches[0], caches[1], slot_mapping,
                                     layout="NHD", k_format=fmt, v_format=fmt, k_scale_cache=k_scale_cache,
                                     v_scale_cache=v_scale_cache)
 
@@ -291,7 +299,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, sca
     _checks.slots(slot_mapping)
     if k_pe.shape[0] != kv_c.shape[0]:
         raise ValueError(f"k_pe: expected {kv_c.shape[0]} tokens like kv_c, got {k_pe.shape[0]}")
-    m = _leading_tokens(slot_mapping, kv_c.shape[0], "kv_c")
+    kv_c, k_pe = _leading(slot_mapping, kv_c, k_pe, "kv_c")
     rank, pe_dim = kv_c.shape[1], k_pe.shape[1]
     if kind == "fp8_ds_mla":
         if rank != 512 or pe_dim != 64:
@@ -302,7 +310,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, sca
         out = KVCacheOutArgs(kv_cache.unsqueeze(2), slot_mapping, layout=FLASHMLA_V32)
         with _checks.engine_names({**_MLA_NAMES, "x[0]": "kv_c", "x[1]": "k_pe"}):
             fused_norm_rope_hadamard_cast_store_kvcache(
-                (kv_c[:m], k_pe[:m]), cast_args=CastArgs.from_cache_format(FLASHMLA_V32), out_args=out)
+                (kv_c, k_pe), cast_args=CastArgs.from_cache_format(FLASHMLA_V32), out_args=out)
         return
     _checks.head_size(rank, "kv_c", 8)
     _checks.head_size(pe_dim, "k_pe", 8)
@@ -315,7 +323,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, sca
                          f"{tuple(kv_cache.shape)}")
     # the record's two column ranges as the K and V caches of one head: one launch, no concatenation
     latent_cache, pe_cache = kv_cache[..., :rank].unsqueeze(2), kv_cache[..., rank:].unsqueeze(2)
-    kv_c3, k_pe3 = kv_c[:m].unsqueeze(1), k_pe[:m].unsqueeze(1)
+    kv_c3, k_pe3 = kv_c.unsqueeze(1), k_pe.unsqueeze(1)
     with _checks.engine_names(_MLA_NAMES):
         fused_qk_norm_rope_store_kv(kv_c3[:, :0], kv_c3, k_pe3, latent_cache, pe_cache, slot_mapping,
                                     k_scale=scale, v_scale=scale, layout="NHD")
