@@ -186,6 +186,35 @@ def test_v_without_caches_is_checked_whole():
     assert "k_out overlaps v in memory" in with_cache[1]
 
 
+def _k_out_after_k(n, k_out_at, qbuf, buf):
+    """A call without caches whose q, k and k_out lie at fixed places: k at element 0 of buf, k_out at
+    ``k_out_at`` (rows of 256 elements): k_out meets k once n * 256 > k_out_at."""
+    return dict(q=qbuf[:n * 512].view(n, 4, 128), k=buf[:n * 256].view(n, 2, 128), v=None, k_cache=None,
+                v_cache=None, slot_mapping=None, k_out=buf[k_out_at:k_out_at + n * 256].view(n, 2, 128))
+
+
+def test_a_passing_calls_addresses_do_not_pass_another_n_or_pointer():
+    """The aliasing check remembers the last call that passed (its pointers, n): the same pointers at a
+    larger n, or another pointer, are checked again, and a rejected call is rejected every time."""
+    g = torch.Generator().manual_seed(5)
+    qbuf = torch.randn(4 * 512, generator=g).to(torch.bfloat16)
+    buf = torch.randn(4096, generator=g).to(torch.bfloat16)
+    call(**_k_out_after_k(2, 512, qbuf, buf))
+    call(**_k_out_after_k(2, 512, qbuf, buf))          # a hit that passes: remembered
+    with_cache = _error(lambda: call(**_k_out_after_k(3, 512, qbuf, buf)))   # the same pointers, k_out meets k
+    assert with_cache[0] is ValueError and "k_out overlaps k in memory" in with_cache[1]
+    call(**_k_out_after_k(2, 512, qbuf, buf))          # the remembered call passes again
+    moved = _error(lambda: call(**_k_out_after_k(2, 256, qbuf, buf)))   # another pointer: k_out meets k
+    assert moved[0] is ValueError and "k_out overlaps k in memory" in moved[1]
+    call(**_k_out_after_k(2, 512, qbuf, buf))
+    assert _error(lambda: call(**_k_out_after_k(2, 256, qbuf, buf))) == moved   # rejected every time
+    hits, misses = counts()
+    assert misses == 1 and hits == 6, "every call after the first hit its signature"
+    kv_plan.set_plan_cache(False)
+    assert _error(lambda: call(**_k_out_after_k(3, 512, qbuf, buf))) == with_cache
+    assert _error(lambda: call(**_k_out_after_k(2, 256, qbuf, buf))) == moved
+
+
 def test_rows_of_q_out_checked_on_hits():
     """A q_out whose heads are 256 elements apart and rows 128: rows i and i + 1 interleave, rows i and
     i + 2 overlap. Valid at n = 2; the same signature at n = 3 raises the error of validation."""

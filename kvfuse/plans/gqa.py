@@ -633,9 +633,11 @@ class _Aliasing:
     fixed + per_row * rows) (rows: n, or a PagedAppend vector's own length) for every output / other pair
     of check_overlap's; a pair whose spans meet passes when it is an output and its input in place (the
     same pointer, and strides equal: the key holds them), or when a call with the same pair at the same
-    distance and span sizes passed; any other meeting runs check_overlap on the call (exact; its errors)."""
+    distance and span sizes passed; any other meeting runs check_overlap on the call (exact; its errors).
+The spans are a function of the pointers, n and the own lengths, so a call with those of the last call
+that passed passes (``last``: one tuple compare in place of the pairs, the case of a decode loop)."""
 
-    __slots__ = ("at", "terms", "own", "pairs", "passed")
+    __slots__ = ("at", "terms", "own", "pairs", "passed", "last")
 
     def __init__(self, plan: GQAPlan, allocated: frozenset):
         at, terms, own = [], [], []
@@ -669,16 +671,19 @@ class _Aliasing:
                 pairs.append((kk, jj, in_place))
         self.at, self.terms, self.own, self.pairs = tuple(at), tuple(terms), tuple(own), tuple(pairs)
         self.passed = {}                        # (pair, distance, span sizes) of calls that passed
+        self.last = None                        # (n, pointers, own lengths) of the last call that passed
 
     def __call__(self, tensors, n: int, template: "GQATemplate") -> None:
         if n == 0:
             check_overlap(template.bind(tensors))
             return
-        ptrs, sizes = [], []
+        ptrs = [tensors[i].data_ptr() for i in self.at]
+        state = (n, *ptrs, *[tensors[i].shape[0] for i, own in zip(self.at, self.own) if own])
+        if state == self.last:
+            return
+        sizes = []
         for i, (fixed, per_row), own in zip(self.at, self.terms, self.own):
-            t = tensors[i]
-            ptrs.append(t.data_ptr())
-            rows = t.shape[0] if own else n
+            rows = tensors[i].shape[0] if own else n
             sizes.append(fixed + per_row * rows if rows else 0)
         meeting = None
         for kk, jj, in_place in self.pairs:
@@ -689,13 +694,13 @@ class _Aliasing:
                 key = (kk, jj, pj - pk, sizes[kk], sizes[jj])
                 if key not in self.passed:
                     meeting = (meeting or []) + [key]
-        if meeting is None:
-            return
-        check_overlap(template.bind(tensors))   # raises with the error of an uncached call
-        passed = self.passed
-        if len(passed) + len(meeting) > _ALIASING_MEMO_SIZE:
-            passed.clear()
-        passed.update(dict.fromkeys(meeting, True))
+        if meeting is not None:
+            check_overlap(template.bind(tensors))   # raises with the error of an uncached call
+            passed = self.passed
+            if len(passed) + len(meeting) > _ALIASING_MEMO_SIZE:
+                passed.clear()
+            passed.update(dict.fromkeys(meeting, True))
+        self.last = state
 
 
 class GQATemplate(CacheEntry):
