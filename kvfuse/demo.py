@@ -63,6 +63,7 @@ MAIN_KEYS = ("kv", "k", "latent", "kv_c", "key")
 INDEX_KEYS = ("index_k", "indexer_k", "idx_k")
 PNG_NAME = "kv_formats.png"
 CSV_NAME = "results.csv"
+TRIVIAL = "trivial"         # a recall@k with k >= the keys: 1 whatever the cache holds, not a result
 COLUMNS = ("format", "layout", "head_dim", "hadamard", "bytes/token", "vs_bf16", "rel_err", "rel_err_q", "recall", "k",
            "read_by")
 
@@ -490,7 +491,8 @@ def write_csv(rows: List[dict], path: str) -> None:
         for r in rows:
             w.writerow([r["format"], r["layout"], r["head_dim"], int(r["hadamard"]), r["bytes/token"],
                         f"{r['vs_bf16']:.4f}", f"{r['rel_err']:.6e}", f"{r['rel_err_q']:.6e}",
-                        TRIVIAL if r.get("trivial") else "" if r["recall"] is None else f"{r['recall']:.6f}", "" if r.get("k") is None else r["k"],
+                        TRIVIAL if r.get("trivial") else "" if r["recall"] is None else f"{r['recall']:.6f}",
+                        "" if r.get("k") is None else r["k"],
                         F.READERS.get(r["format"], "")])
 
 
@@ -658,7 +660,6 @@ GQA_CSV_NAME = "gqa_results.csv"
 GQA_PNG_NAME = "gqa_formats.png"
 GQA_COLUMNS = ("model", "format", "k_scale", "v_scale", "kv bytes/token/layer", "vs_bf16", "k_err_vs_bf16",
                "v_err_vs_bf16", "k_err_vs_fp64", "v_err_vs_fp64", "recall", "k")
-TRIVIAL = "trivial"
 E4M3_MAX = 448.0            # an NVFP4 group scale's largest value (e4m3)
 
 

@@ -4,7 +4,9 @@ Checks the table (one row per preset, two for the 128-d formats: with/without Ha
 the formats; a bf16 cache is lossless with recall 1), results.csv, that the chart is a real PNG,
 --input with .safetensors and .pt files (the report of the tensor used and its reshaping,
 --input-key, the warnings on data that overflows bf16 or is all zeros), the recall label (the k
-used), that the explorer's read-back is exactly the reference chain's quantize -> dequantize of the transform output it reports, and ``--model NAME``
+used; a recall with k >= the keys flagged trivial, the chart then one panel), --out checked before any work
+(a file, a folder that cannot be made, a folder where an output file goes), the chart's legend naming only
+drawn markers, that the explorer's read-back is exactly the reference chain's quantize -> dequantize of the transform output it reports, and ``--model NAME``
 (one row per call site of a kvfuse.models configuration, through its kvfuse.mla calls).
 """
 import csv
