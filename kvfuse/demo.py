@@ -9,11 +9,13 @@ same call) and, for index formats, recall@k of the top-k scores with Q quantized
 
 ``--model NAME`` runs a model's own call sites (:mod:`kvfuse.mla`, :mod:`kvfuse.models`); ``--input``
 takes K activations from a .pt / .safetensors file (which tensor each call site took, and how it
-was reshaped, is printed); ``--gqa NAME`` shows the GQA page (bf16 against fp8 per-tensor caches of
-:func:`kvfuse.fused_qk_norm_rope_store_kv`: bytes per token, read-back error with a calibrated scale
-and with 1.0; then each numerics profile's accuracy against an fp64 chain,
-:mod:`kvfuse.numerics_accuracy`, on the CPU reference backend). Outputs: the table, ``results.csv`` and
-``kv_formats.png`` under ``--out``. CUDA when present, else the CPU reference chain
+was reshaped, is printed); ``--gqa NAME`` shows the GQA page (every cache format of
+:mod:`kvfuse.gqa_formats` written by :func:`kvfuse.fused_qk_norm_rope_store_kv` and read back by
+:func:`kvfuse.load_gqa_kv_cache`: bytes per token, error against the bf16 and fp64 chains, attention
+recall@k; then each numerics profile's accuracy against an fp64 chain, :mod:`kvfuse.numerics_accuracy`,
+on the CPU reference backend). A recall@k with k >= the keys is flagged trivial, not reported. Outputs:
+the table, ``results.csv`` and ``kv_formats.png`` (``gqa_results.csv`` and ``gqa_formats.png``) under
+``--out``, which is checked before any work. CUDA when present, else the CPU reference chain
 (``TRITON_INTERPRET=1 kvfuse demo --backend triton`` runs the kernel in Triton's interpreter). The
 README's "Set-up" section describes a run.
 """
@@ -25,6 +27,8 @@ import csv
 import math
 import os
 import sys
+import tempfile
+import textwrap
 import time
 from typing import Dict, List, Optional
 
@@ -32,11 +36,12 @@ import torch
 
 import kvfuse
 from kvfuse import formats as F
+from kvfuse import gqa_formats as GF
 from kvfuse import mla
 from kvfuse import models as M
 from kvfuse import reference as R
 from kvfuse.args import CastArgs, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
-from kvfuse.numerics_accuracy import profile_accuracy
+from kvfuse.numerics_accuracy import exact_chain, profile_accuracy
 from kvfuse.rope import cos_sin_cache
 
 EXTRA_HINT = "pip install 'kvfuse[demo]'"
@@ -58,6 +63,7 @@ MAIN_KEYS = ("kv", "k", "latent", "kv_c", "key")
 INDEX_KEYS = ("index_k", "indexer_k", "idx_k")
 PNG_NAME = "kv_formats.png"
 CSV_NAME = "results.csv"
+TRIVIAL = "trivial"         # a recall@k with k >= the keys: 1 whatever the cache holds, not a result
 COLUMNS = ("format", "layout", "head_dim", "hadamard", "bytes/token", "vs_bf16", "rel_err", "rel_err_q", "recall", "k",
            "read_by")
 
@@ -259,7 +265,8 @@ def score(label: str, fmt: F.KVCacheFormat, hadamard: bool, y: torch.Tensor, bac
     return {"format": label, "layout": "token" if fmt.token_interleaved else "block",
             "head_dim": fmt.head_dim, "hadamard": hadamard, "bytes/token": fmt.bytes_per_token,
             "vs_bf16": 2 * fmt.head_dim / fmt.bytes_per_token, "rel_err": relative_error(back, y),
-            "rel_err_q": relative_error(back[:, :qd], y[:, :qd]), "bf16_tail": fmt.bf16_tail, "recall": None, "k": None}
+            "rel_err_q": relative_error(back[:, :qd], y[:, :qd]), "bf16_tail": fmt.bf16_tail, "recall": None, "k": None,
+            "trivial": False}
 
 
 def quantized_queries(fmt: F.KVCacheFormat, q: torch.Tensor, hadamard: bool) -> torch.Tensor:
@@ -362,6 +369,7 @@ def explore_model(cfg: mla.MLAConfig, tensors: Dict[str, torch.Tensor], n: int, 
             scores = model_quantized_queries(cfg, queries).float() @ back.float().T
             row["recall"] = recall_at_k(scores, ref_scores, k) if math.isfinite(row["rel_err"]) else math.nan
             row["k"] = k
+            row["trivial"] = k >= x.shape[0]      # every key in the top-k: recall 1 by construction
         rows.append(row)
     return rows
 
@@ -438,6 +446,7 @@ def explore(tensors: Dict[str, torch.Tensor], n: int, block_size: int, seed: int
             row["recall"] = recall_at_k(scores, ref_scores[x.shape[0]], k) if math.isfinite(row["rel_err"]) \
                 else math.nan
             row["k"] = k
+            row["trivial"] = k >= x.shape[0]      # every key in the top-k: recall 1 by construction
         rows.append(row)
     return rows
 
@@ -456,7 +465,7 @@ def format_table(rows: List[dict], topk: Optional[int] = None) -> str:
            f"{'rel.err':>9} {'rel.err(q)':>10} {recall_label(rows):>10}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        rec = "-" if r["recall"] is None else f"{r['recall']:.4f}"
+        rec = TRIVIAL + "*" if r.get("trivial") else "-" if r["recall"] is None else f"{r['recall']:.4f}"
         lines.append(f"{r['format']:<{fw}} {r['layout']:<6} {r['head_dim']:>4} {('yes' if r['hadamard'] else 'no'):>8} "
                      f"{r['bytes/token']:>11} {r['vs_bf16']:>7.2f}x {r['rel_err']:>9.2e} {r['rel_err_q']:>10.2e} {rec:>10}")
     tails = {r["format"]: r["bf16_tail"] for r in rows if r.get("bf16_tail")}
@@ -466,6 +475,9 @@ def format_table(rows: List[dict], topk: Optional[int] = None) -> str:
     ks = sorted({r["k"] for r in rows if r.get("k") is not None})
     if topk is not None and ks and ks != [topk]:
         lines.append(f"recall: --topk {topk} asked for, k = {', '.join(map(str, ks))} used (the keys there are)")
+    if any(r.get("trivial") for r in rows):
+        lines.append(trivial_note(ks[0], ks[0]) if len(ks) == 1 else
+                     f"* {TRIVIAL}: recall@k with k >= the keys is 1 whatever the cache holds, so it is not reported")
     readers = [(name, F.READERS[name]) for name in dict.fromkeys(r["format"] for r in rows) if name in F.READERS]
     if readers:
         lines += ["", "read by:"] + [f"  - {name}: {who}" for name, who in readers]
@@ -479,7 +491,8 @@ def write_csv(rows: List[dict], path: str) -> None:
         for r in rows:
             w.writerow([r["format"], r["layout"], r["head_dim"], int(r["hadamard"]), r["bytes/token"],
                         f"{r['vs_bf16']:.4f}", f"{r['rel_err']:.6e}", f"{r['rel_err_q']:.6e}",
-                        "" if r["recall"] is None else f"{r['recall']:.6f}", "" if r.get("k") is None else r["k"],
+                        TRIVIAL if r.get("trivial") else "" if r["recall"] is None else f"{r['recall']:.6f}",
+                        "" if r.get("k") is None else r["k"],
                         F.READERS.get(r["format"], "")])
 
 
@@ -521,6 +534,52 @@ def _plain_log_ticks(axis, lo: float, hi: float, steps=(1, 2, 5)) -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
+def _error_axes(ax, xs, right_room: float, lo: float, hi: float, xlabel: str, ylabel: str) -> None:
+    """The error panel's log axes: x from the sizes ``xs`` (``right_room`` times the largest leaves room for the
+    labels), y [lo, hi], plain-number ticks, grid."""
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    if xs:
+        ax.set_xlim(min(xs) / 1.25, max(xs) * right_room)
+        _plain_log_ticks(ax.xaxis, min(xs) / 1.25, max(xs) * right_room, (1, 2, 3, 5, 7))
+    ax.set_ylim(lo, hi)
+    _plain_log_ticks(ax.yaxis, lo, hi)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title("error vs size", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def _recall_panel(ax, points, right_room: float, xlabel: str, k, title: str) -> None:
+    """recall@k vs bytes: ``points`` (bytes, recall, colour, marker, label), labels spread right of each size."""
+    xs = [p[0] for p in points]
+    for idx in _clusters(xs):
+        ys = _spread([points[i][1] for i in idx], 0.035)
+        ys = [y - max(0.0, max(ys) - 1.015) for y in ys]        # no label above the top edge
+        right = max(xs[i] for i in idx)
+        for i, ly in zip(idx, ys):
+            x, recall, c, m, label = points[i]
+            ax.scatter(x, recall, color=c, marker=m, s=46, zorder=3)
+            ax.annotate(f"{label} {recall:.3f}", (x, recall), xytext=(right * 1.06, ly), fontsize=7, va="center",
+                        arrowprops=dict(arrowstyle="-", lw=0.4, color="0.5"), annotation_clip=False)
+    ax.set_xscale("log")
+    ax.set_xlim(min(xs) / 1.2, max(xs) * right_room)
+    _plain_log_ticks(ax.xaxis, min(xs) / 1.2, max(xs) * right_room, (1, 2, 3, 5, 7))
+    ax.set_ylim(max(0.0, min(p[1] for p in points) - 0.08), 1.03)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(f"recall@{k} of q.k top-{k} vs bf16")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def _save(fig, title: str, path: str) -> None:
+    import matplotlib.pyplot as plt
+    fig.suptitle(textwrap.fill(title, int(11 * fig.get_figwidth())), fontsize=10)      # ~11 characters an inch
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def plot(rows: List[dict], path: str, title: str) -> None:
     """Two panels: relative error vs bytes/token (every format; the quantized-dims error too where
     a bf16 tail dilutes it; lossless formats on the bottom edge, marked as such; rows whose error is
@@ -535,7 +594,11 @@ def plot(rows: List[dict], path: str, title: str) -> None:
             return "tab:blue", "s"
         return ("tab:red", "^") if r["hadamard"] else ("tab:orange", "o")
 
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5.5), dpi=110, gridspec_kw={"width_ratios": [3, 2]})
+    idx_rows = [r for r in rows if r["recall"] is not None and math.isfinite(r["recall"]) and not r.get("trivial")]
+    if idx_rows:
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5.5), dpi=110, gridspec_kw={"width_ratios": [3, 2]})
+    else:       # no recall measured (no index format, or a trivial one): the error panel alone
+        fig, ax = plt.subplots(1, 1, figsize=(8.5, 5.5), dpi=110)
     shown = [r for r in rows if math.isfinite(r["rel_err"])]
     missing = [r for r in rows if not math.isfinite(r["rel_err"])]
     measured = [e for r in shown for e in (r["rel_err"], r["rel_err_q"]) if e > 0]
@@ -562,21 +625,13 @@ def plot(rows: List[dict], path: str, title: str) -> None:
             text = _short(r) + (" (lossless)" if r["rel_err"] == 0 else "")
             ax.annotate(text, (xs[i], errs[i]), xytext=(right * 1.06, 10 ** ly), fontsize=7, va="center",
                         arrowprops=dict(arrowstyle="-", lw=0.4, color="0.5"), annotation_clip=False)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    if xs:
-        ax.set_xlim(min(xs) / 1.25, max(xs) * 1.9)
-        _plain_log_ticks(ax.xaxis, min(xs) / 1.25, max(xs) * 1.9, (1, 2, 3, 5, 7))
-    ax.set_ylim(lo, hi)
-    _plain_log_ticks(ax.yaxis, lo, hi)
-    ax.set_xlabel("bytes per token (cache record)")
-    ax.set_ylabel("relative error of the read-back  ||deq - x|| / ||x||")
-    ax.set_title("error vs size", fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
+    _error_axes(ax, xs, 1.9, lo, hi, "bytes per token (cache record)",
+                "relative error of the read-back  ||deq - x|| / ||x||")
+    drawn = {style(r) for r in shown if r["rel_err"] != 0}
     handles = [Line2D([], [], color=c, marker=m, ls="", label=l) for c, m, l in
                (("tab:blue", "s", "main / FlashMLA (512, 576)"), ("tab:orange", "o", "index (128)"),
-                ("tab:red", "^", "index (128) + Hadamard"))]
-    if any(r["bf16_tail"] for r in shown):
+                ("tab:red", "^", "index (128) + Hadamard")) if (c, m) in drawn]
+    if any(r["bf16_tail"] and r["rel_err_q"] > r["rel_err"] > 0 for r in shown):
         handles.append(Line2D([], [], color="tab:blue", marker="s", markerfacecolor="white", ls=":",
                               label="quantized dims only (without the bf16 tail)"))
     if any(r["rel_err"] == 0 for r in shown):
@@ -588,40 +643,24 @@ def plot(rows: List[dict], path: str, title: str) -> None:
                 + ", ".join(dict.fromkeys(_short(r) for r in missing)), transform=ax.transAxes, fontsize=7,
                 va="top", wrap=True)
 
-    idx_rows = [r for r in rows if r["recall"] is not None and math.isfinite(r["recall"])]
+    trivial = [r for r in rows if r.get("trivial")]
+    if trivial:
+        ax.text(0.01, 0.01, f"recall@{trivial[0]['k']} not drawn: trivial (k >= the keys)",
+                transform=ax.transAxes, fontsize=7, va="bottom")
     if idx_rows:
         ks = sorted({r["k"] for r in idx_rows})
         k = ks[0] if len(ks) == 1 else "k"
-        xs2 = [r["bytes/token"] for r in idx_rows]
-        for idx in _clusters(xs2):
-            ys = _spread([idx_rows[i]["recall"] for i in idx], 0.035)
-            right = max(xs2[i] for i in idx)
-            for i, ly in zip(idx, ys):
-                r = idx_rows[i]
-                c, m = style(r)
-                ax2.scatter(xs2[i], r["recall"], c=c, marker=m, s=46, zorder=3)
-                ax2.annotate(f"{_short(r)} {r['recall']:.3f}", (xs2[i], r["recall"]), xytext=(right * 1.05, ly),
-                             fontsize=7, va="center", arrowprops=dict(arrowstyle="-", lw=0.4, color="0.5"))
-        ax2.set_xscale("log")
-        ax2.set_xlim(min(xs2) / 1.2, max(xs2) * 2.2)
-        _plain_log_ticks(ax2.xaxis, min(xs2) / 1.2, max(xs2) * 2.2, (1, 2, 3, 5, 7))
-        lo2 = min(r["recall"] for r in idx_rows)
-        ax2.set_ylim(max(0.0, lo2 - 0.08), 1.03)
-        ax2.set_xlabel("bytes per token (index cache record)")
-        ax2.set_ylabel(f"recall@{k} of q.k top-{k} vs bf16")
-        ax2.set_title("indexer top-k recall (Q quantized like K)", fontsize=9)
-        ax2.grid(True, which="both", alpha=0.3)
-    else:
-        ax2.axis("off")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+        _recall_panel(ax2, [(r["bytes/token"], r["recall"], *style(r), _short(r)) for r in idx_rows], 2.2,
+                      "bytes per token (index cache record)", k, "indexer top-k recall (Q quantized like K)")
+    _save(fig, title, path)
 
 
 # --------------------------------------------------------------------------- the GQA page
 GQA_CSV_NAME = "gqa_results.csv"
-GQA_COLUMNS = ("model", "cache", "k_scale", "v_scale", "kv bytes/token/layer", "vs_bf16", "k_rel_err", "v_rel_err")
+GQA_PNG_NAME = "gqa_formats.png"
+GQA_COLUMNS = ("model", "format", "k_scale", "v_scale", "kv bytes/token/layer", "vs_bf16", "k_err_vs_bf16",
+               "v_err_vs_bf16", "k_err_vs_fp64", "v_err_vs_fp64", "recall", "k")
+E4M3_MAX = 448.0            # an NVFP4 group scale's largest value (e4m3)
 
 
 def _gqa_batch(cfg: M.GQAConfig, n: int, seed: int, device):
@@ -638,43 +677,87 @@ def _gqa_batch(cfg: M.GQAConfig, n: int, seed: int, device):
     return x.to(torch.bfloat16).to(device), weights, positions, cfg.cos_sin_cache(4096, device)
 
 
-def gqa_page(cfg: M.GQAConfig, n: int, block_size: int, seed: int, device) -> List[dict]:
-    """One row per cache: bf16, fp8 with calibrated per-tensor scales (amax / 448), fp8 with scale 1.0.
-    Each is one fused_qk_norm_rope_store_kv call into NHD caches (tokens on shuffled slots), read back and
-    compared with the exact bf16 K (normed and rotated: the reference chain) and V."""
+def static_scale(fmt: GF.GQACacheFormat, exact: torch.Tensor) -> Optional[torch.Tensor]:
+    """The scale the caller gives a cache of ``fmt``, derived from the data it will hold: amax / qmax for a
+    static per-tensor scale (fp8), amax / (6 * 448) for NVFP4's global decode scale (its group scales, e4m3,
+    then span the data); None where the format takes none."""
+    if not fmt.takes_static_scale:
+        return None
+    amax = float(exact.abs().max())
+    bound = fmt.qmax * (E4M3_MAX if fmt.global_scale else 1.0)
+    return torch.tensor([amax / bound if amax > 0 else 1.0], dtype=torch.float32, device=exact.device)
+
+
+def _gqa_caches(fmt: GF.GQACacheFormat, blocks: int, block_size: int, heads: int, dim: int, device):
+    """(code cache, scale cache or None) of ``fmt``: NHD [blocks, block_size, heads, dim / values a byte]."""
+    shape = (blocks, block_size, heads, dim // fmt.values_per_element)
+    codes = torch.zeros(shape, dtype=fmt.dtype_for(torch.bfloat16), device=device)
+    scale_shape = fmt.scale_cache_shape(shape, dim)
+    scales = None if scale_shape is None else torch.zeros(scale_shape, dtype=fmt.scale_dtype, device=device)
+    return codes, scales
+
+
+def attention_recall(q: torch.Tensor, keys: torch.Tensor, ref_keys: torch.Tensor, k: int) -> float:
+    """recall@k of each query head's q . k scores over the cached keys: q [m, Hq, D], keys / ref_keys
+    [n, Hkv, D] (query head h reads kv head h // (Hq / Hkv)); the top-k of ``keys`` against that of ``ref_keys``,
+    averaged over queries and heads."""
+    group = q.shape[1] // keys.shape[1]
+
+    def scores(kk):
+        kk = kk.float().repeat_interleave(group, dim=1)              # [n, Hq, D]
+        return torch.einsum("mhd,nhd->hmn", q.float(), kk).flatten(0, 1)      # [Hq * m, n]
+
+    return recall_at_k(scores(keys), scores(ref_keys), k)
+
+
+def gqa_page(cfg: M.GQAConfig, n: int, block_size: int, seed: int, device, topk: int = 64,
+             num_queries: int = 64) -> List[dict]:
+    """One row per cache format of :data:`kvfuse.gqa_formats.PRESETS`, K and V in that format: one
+    fused_qk_norm_rope_store_kv call (staged numerics) into NHD caches (tokens on shuffled slots), read back with
+    load_gqa_kv_cache. Each row: bytes per token and layer (codes and stored scales), the relative error of K and
+    V against the bf16 chain (the "auto" cache's K and V) and against an fp64 chain of the same inputs, and
+    recall@k of the q . k scores of the first ``num_queries`` tokens' q (bf16, over all n cached keys) against
+    the bf16 keys' top-k (``recall`` None and ``trivial`` True where k >= n: every key is in the top-k)."""
     qkv, (wq, wk), positions, cos_sin = _gqa_batch(cfg, n, seed, device)
     q, k, v = cfg.split_qkv(qkv)
     positions = cfg.text_positions(positions)        # an mRoPE model's text positions [3, n]
     qn, kn, rope, vn = cfg.norm_args(wq), cfg.norm_args(wk), cfg.rope_args(positions, cos_sin), cfg.v_norm_args()
-    k_exact = R.qk_norm_rope(k, None if kn is None else kn.weight, cfg.norm_eps, positions, cos_sin, cfg.rotary_dim,
-                             0, cfg.rope_is_neox, mrope_section=cfg.mrope_section,
-                             mrope_interleaved=cfg.mrope_interleaved).float()
-    v_exact = v.float() if vn is None else \
-        R.rmsnorm(v, torch.ones(cfg.head_dim, device=device), cfg.norm_eps).float()     # Gemma 4's weightless V-norm
+    flat_pos = (positions if positions.dim() == 1 else positions[0]).cpu()
+    k64 = exact_chain(k.cpu(), None if kn is None else kn.weight.cpu(), cfg.norm_eps, flat_pos, cos_sin.cpu(), cfg)
+    v64 = v.cpu().double()
+    if vn is not None:                                 # Gemma 4's weightless V-norm
+        v64 = v64 * torch.rsqrt(v64.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
     blocks = -(-n // block_size)
     g = torch.Generator().manual_seed(seed + 1)
     slots = torch.randperm(blocks * block_size, generator=g)[:n].to(device)
-    blk, off = slots // block_size, slots % block_size
-    calibrated = (k_exact.abs().max() / 448.0, v_exact.abs().max() / 448.0)
-    rows = []
-    bf16_bytes = cfg.kv_bytes_per_token(2)
-    for label, scales in (("bf16", None), ("fp8 per-tensor, calibrated", calibrated), ("fp8 per-tensor, scale 1.0",
-                                                                                       (1.0, 1.0))):
-        dtype = torch.bfloat16 if scales is None else torch.float8_e4m3fn
-        shape = (blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        caches = [torch.zeros(shape, dtype=torch.uint8 if scales else dtype, device=device).view(dtype)
-                  for _ in range(2)]
-        ks, vs = (None, None) if scales is None else (torch.tensor([float(s)], device=device) for s in scales)
-        kvfuse.fused_qk_norm_rope_store_kv(q, k, v, caches[0], caches[1], slots, qn, kn, rope, ks, vs, "NHD",
-                                           v_norm_args=vn)
-        back = [c[blk, off].float() * (1.0 if s is None else s) for c, s in zip(caches, (ks, vs))]
-        elem = 2 if scales is None else 1
-        rows.append({"model": cfg.name, "cache": label,
-                     "k_scale": "-" if scales is None else f"{float(scales[0]):.4g}",
-                     "v_scale": "-" if scales is None else f"{float(scales[1]):.4g}",
-                     "kv bytes/token/layer": cfg.kv_bytes_per_token(elem),
-                     "vs_bf16": f"{bf16_bytes / cfg.kv_bytes_per_token(elem):.2f}x",
-                     "k_rel_err": relative_error(back[0], k_exact), "v_rel_err": relative_error(back[1], v_exact)})
+    kk = min(topk, n)
+    trivial = kk >= n
+    rows, bf16 = [], None
+    presets = sorted(GF.PRESETS.values(), key=lambda f: f.name != "auto")     # "auto" first: the bf16 chain
+    for fmt in presets:
+        (kc, ksc), (vc, vsc) = (_gqa_caches(fmt, blocks, block_size, cfg.num_kv_heads, cfg.head_dim, device)
+                                for _ in range(2))
+        ks = vs = None
+        if bf16 is not None:
+            ks, vs = static_scale(fmt, bf16[0]), static_scale(fmt, bf16[1])
+        # q once, with the bf16 caches; the other formats write K and V alone (0 query heads)
+        q_out = kvfuse.fused_qk_norm_rope_store_kv(q if bf16 is None else q[:, :0], k, v, kc, vc, slots, qn, kn,
+                                                   rope, ks, vs, "NHD",
+                                                   v_norm_args=vn, k_format=fmt.name, v_format=fmt.name,
+                                                   k_scale_cache=ksc, v_scale_cache=vsc)
+        k_back, v_back = kvfuse.load_gqa_kv_cache(kc, vc, slots, "NHD", ks, vs, fmt.name, fmt.name, ksc, vsc)
+        if bf16 is None:
+            bf16 = (k_back, v_back, q_out[:num_queries])
+        row_bytes = cfg.num_kv_heads * 2 * fmt.row_bytes(cfg.head_dim)
+        row = {"model": cfg.name, "format": fmt.name,
+               "k_scale": "-" if ks is None else float(ks), "v_scale": "-" if vs is None else float(vs),
+               "kv bytes/token/layer": int(row_bytes) if float(row_bytes).is_integer() else row_bytes,
+               "vs_bf16": cfg.kv_bytes_per_token(2) / row_bytes,
+               "k_err_vs_bf16": relative_error(k_back, bf16[0]), "v_err_vs_bf16": relative_error(v_back, bf16[1]),
+               "k_err_vs_fp64": relative_error(k_back.cpu(), k64), "v_err_vs_fp64": relative_error(v_back.cpu(), v64),
+               "recall": None if trivial else attention_recall(bf16[2], k_back, bf16[0], kk), "k": kk,
+               "trivial": trivial, "stores_scale": fmt.stores_scale}
+        rows.append(row)
     return rows
 
 
@@ -683,11 +766,122 @@ def _ruled(head: str, lines) -> str:
     return "\n".join([head, "-" * len(head), *lines])
 
 
+def trivial_note(k: int, keys: int) -> str:
+    """The footnote of a recall flagged trivial."""
+    return (f"* {TRIVIAL}: recall@{k} over {keys} keys is 1 whatever the cache holds (k >= the keys: every key is in "
+            f"the top-k), so it is not reported; a larger --n (or a smaller --topk) measures it")
+
+
+def _scale_cell(value, width: int) -> str:
+    return f"{value:>{width}}" if isinstance(value, str) else f"{value:>{width}.4g}"
+
+
 def format_gqa_table(rows: List[dict]) -> str:
-    head = f"{'cache':<28} {'k_scale':>8} {'v_scale':>8} {'KV bytes/token/layer':>21} {'vs bf16':>8} " \
-           f"{'K rel.err':>10} {'V rel.err':>10}"
-    return _ruled(head, (f"{r['cache']:<28} {r['k_scale']:>8} {r['v_scale']:>8} {r['kv bytes/token/layer']:>21} "
-                         f"{r['vs_bf16']:>8} {r['k_rel_err']:>10.2e} {r['v_rel_err']:>10.2e}" for r in rows))
+    """The GQA page's table, with its notes (the scales, the recall's queries, a trivial recall)."""
+    k = rows[0]["k"]
+    fw = max([20] + [len(r["format"]) for r in rows])
+    head = f"{'format':<{fw}} {'k_scale':>9} {'v_scale':>9} {'KV bytes/token/layer':>20} {'vs bf16':>7} " \
+           f"{'K err/bf16':>10} {'V err/bf16':>10} {'K err/fp64':>10} {'V err/fp64':>10} {f'recall@{k}':>10}"
+    lines = [f"{r['format']:<{fw}} {_scale_cell(r['k_scale'], 9)} {_scale_cell(r['v_scale'], 9)} "
+             f"{r['kv bytes/token/layer']:>20g} {r['vs_bf16']:>6.2f}x {r['k_err_vs_bf16']:>10.2e} "
+             f"{r['v_err_vs_bf16']:>10.2e} {r['k_err_vs_fp64']:>10.2e} {r['v_err_vs_fp64']:>10.2e} "
+             f"{(TRIVIAL + '*') if r['trivial'] else format(r['recall'], '.4f'):>10}" for r in rows]
+    return _ruled(head, lines)
+
+
+def gqa_notes(rows: List[dict], n: int, num_queries: int) -> List[str]:
+    """The lines under the GQA table: what the columns measure."""
+    k = rows[0]["k"]
+    out = ["err/bf16: relative error ||read-back - x|| / ||x|| of the K / V caches against the bf16 chain (the "
+           "'auto' cache); err/fp64: against an fp64 chain of the same bf16 inputs",
+           "static scales derived from the data: amax / qmax of the bf16 K / V (fp8 e4m3 448, e5m2 57344); nvfp4's "
+           "global decode scale amax / (6 * 448), its group scales stored; '-': the format takes none (per-(token, "
+           "head) and mxfp4 scales are computed and stored by the write)",
+           f"recall@{k}: top-{k} of q . k (the first {min(num_queries, n)} tokens' bf16 q, every query head against "
+           f"its kv head, over all {n} cached keys) against the bf16 keys' top-{k}"]
+    if any(r["trivial"] for r in rows):
+        out.append(trivial_note(k, n))
+    return out
+
+
+def write_gqa_csv(rows: List[dict], path: str) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=GQA_COLUMNS)
+        w.writeheader()
+        for r in rows:
+            cells = {c: (f"{r[c]:.6g}" if isinstance(r[c], float) else r[c]) for c in GQA_COLUMNS}
+            if r["trivial"]:
+                cells["recall"] = TRIVIAL
+            w.writerow(cells)
+
+
+def _gqa_color(name: str):
+    import matplotlib
+    names = list(GF.PRESETS)
+    return matplotlib.colormaps["tab10"](names.index(name) % 10) if name in names else "0.3"
+
+
+def plot_gqa(rows: List[dict], path: str, title: str) -> None:
+    """Relative error of the K and V read-back against the fp64 chain vs KV bytes per token and layer (one
+    colour per format, K filled, V hollow), and recall@k vs bytes when it is measured (a trivial recall is not
+    drawn: a single panel says so)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    recall_rows = [r for r in rows if r["recall"] is not None and math.isfinite(r["recall"])]
+    panels = 2 if recall_rows else 1
+    fig, axes = plt.subplots(1, panels, figsize=(13 if panels == 2 else 8.5, 5.5), dpi=110, squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 2][:panels]})
+    ax = axes[0][0]
+    xs = [r["kv bytes/token/layer"] for r in rows]
+    errs = [e for r in rows for e in (r["k_err_vs_fp64"], r["v_err_vs_fp64"]) if math.isfinite(e) and e > 0]
+    lo, hi = (min(errs) / 2.5, max(errs) * 2.5) if errs else (1e-4, 1.0)
+    drawn = set()
+
+    def point(x, err, c, which):
+        if not math.isfinite(err):
+            return
+        if err == 0:       # exact (e.g. bf16 V without a V-norm): on the bottom edge
+            ax.scatter(x, lo, marker="v", s=80, facecolors="none", edgecolors=c, linewidths=1.5, zorder=4,
+                       clip_on=False)
+            drawn.add("exact")
+        elif which == "K":
+            ax.scatter(x, err, color=c, marker="o", s=40, zorder=4)
+        else:
+            ax.scatter(x, err, facecolors="none", edgecolors=c, marker="s", s=110, linewidths=1.5, zorder=3)
+        drawn.add(which)
+
+    for idx in _clusters(xs):
+        ys = _spread([math.log10(max(rows[i]["k_err_vs_fp64"], rows[i]["v_err_vs_fp64"], lo)) for i in idx], 0.1)
+        right = max(xs[i] for i in idx)
+        for i, ly in zip(idx, ys):
+            r = rows[i]
+            c = _gqa_color(r["format"])
+            point(xs[i], r["k_err_vs_fp64"], c, "K")
+            point(xs[i], r["v_err_vs_fp64"], c, "V")
+            ax.annotate(r["format"], (xs[i], max(r["k_err_vs_fp64"], r["v_err_vs_fp64"], lo)),
+                        xytext=(right * 1.08, 10 ** ly), fontsize=8, va="center",
+                        arrowprops=dict(arrowstyle="-", lw=0.4, color="0.5"), annotation_clip=False)
+    _error_axes(ax, xs, 2.2, lo, hi, "KV cache bytes per token and layer (codes + stored scales)",
+                "relative error of the read-back vs the fp64 chain")
+    handles = {"K": Line2D([], [], color="0.3", marker="o", ls="", label="K cache"),
+               "V": Line2D([], [], color="0.3", marker="s", markersize=9, markerfacecolor="none", ls="",
+                           label="V cache"),
+               "exact": Line2D([], [], color="0.3", marker="v", markerfacecolor="none", ls="",
+                               label="exact (0 error), on the bottom edge")}
+    ax.legend(handles=[h for key, h in handles.items() if key in drawn], fontsize=8, loc="upper right")
+    if not recall_rows and any(r["trivial"] for r in rows):
+        ax.text(0.01, 0.01, f"recall@{rows[0]['k']} not drawn: trivial (k >= the {rows[0]['k']} keys)",
+                transform=ax.transAxes, fontsize=8, va="bottom")
+    if recall_rows:
+        ax2 = axes[0][1]
+        k = recall_rows[0]["k"]
+        _recall_panel(ax2, [(r["kv bytes/token/layer"], r["recall"], _gqa_color(r["format"]), "o", r["format"])
+                            for r in recall_rows], 3.2, "KV cache bytes per token and layer", k,
+                      "attention top-k recall (bf16 q)")
+    _save(fig, title, path)
 
 
 ACCURACY_TOKENS = 256          # the profiles' accuracy: CPU reference chain, any --n and device
@@ -731,24 +925,26 @@ def run_gqa(args, device) -> int:
         except ValueError as e:
             print(f"kvfuse demo: {e}", file=sys.stderr)
             return 2
-        rows = gqa_page(cfg, n, args.block_size, args.seed, device)
+        rows = gqa_page(cfg, n, args.block_size, args.seed, device, args.topk, args.queries)
     print(f"kvfuse demo --gqa {cfg.name}: {cfg.num_heads} Q heads, {cfg.num_kv_heads} KV heads of {cfg.head_dim}, "
           f"{'QK-norm, ' if cfg.qk_norm else ''}{_gqa_rope_label(cfg)}{', V-norm' if cfg.v_norm else ''}; {n} tokens, "
           f"block_size {args.block_size}, device {device}, "
           f"backend {backend}")
     print(format_gqa_table(rows))
+    print("\n".join(gqa_notes(rows, n, args.queries)))
     print(f"\nnumerics= profiles of fused_qk_norm_rope_store_kv against an fp64 chain (bf16 activations, "
           f"{ACCURACY_TOKENS} tokens, CPU reference backend; 'not rounded': not the correctly rounded fp64 value; "
           f"fp8 per-tensor scale amax / 448):")
     print(format_gqa_accuracy(gqa_accuracy(cfg, args.seed)))
-    os.makedirs(args.out, exist_ok=True)
+    elapsed = time.perf_counter() - t0
     path = os.path.join(args.out, GQA_CSV_NAME)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=GQA_COLUMNS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({c: (f"{r[c]:.6g}" if isinstance(r[c], float) else r[c]) for c in GQA_COLUMNS})
-    print(f"wrote {path} ({time.perf_counter() - t0:.1f} s)")
+    write_gqa_csv(rows, path)
+    if missing_modules("matplotlib"):
+        print(f"wrote {path} ({elapsed:.1f} s; no chart: matplotlib is not installed, {EXTRA_HINT} adds it)")
+        return 0
+    png = os.path.join(args.out, GQA_PNG_NAME)
+    plot_gqa(rows, png, f"kvfuse GQA cache formats, {cfg.name}: {n} tokens, {device.type}, backend {backend}")
+    print(f"wrote {png} and {path} ({elapsed:.1f} s)")
     return 0
 
 
@@ -765,15 +961,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the tensor of --input to use: NAME for every call site, main=NAME / index=NAME for one "
                         "kind (repeatable; default: kv/k/latent/kv_c/key and index_k/indexer_k/idx_k, else the "
                         "first by name)")
-    p.add_argument("--topk", type=int, default=64, help="k of recall@k for the index formats (default 64)")
-    p.add_argument("--queries", type=int, default=64, help="random queries for recall@k (default 64)")
+    p.add_argument("--topk", type=int, default=64, help="k of recall@k for the index formats and the GQA page "
+                   "(default 64)")
+    p.add_argument("--queries", type=int, default=64, help="queries for recall@k (default 64: random ones; the GQA "
+                   "page: the first tokens' q)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--backend", default="auto", choices=kvfuse.backend.BACKENDS, help="kvfuse backend (default auto)")
     p.add_argument("--model", default=None, type=str.lower, choices=M.names(), metavar="NAME",
                    help="run a model configuration's call sites (kvfuse.models: " + ", ".join(M.names()) + ")")
     p.add_argument("--gqa", default=None, type=str.lower, choices=M.gqa_names(), metavar="NAME",
-                   help="the GQA page: bf16 vs fp8 per-tensor K/V caches of a GQA / MHA model and its numerics "
-                        "profiles' accuracy against fp64 (kvfuse.models: "
+                   help="the GQA page: every GQA cache format (kvfuse.gqa_formats) on a GQA / MHA model's K / V "
+                        "(bytes/token, error, attention recall@k) and its numerics profiles' accuracy against fp64 "
+                        "(kvfuse.models: "
                         + ", ".join(M.gqa_names()) + "; default --n 512 on the CPU)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -807,6 +1006,29 @@ def parse_device(text: Optional[str]) -> torch.device:
     return device
 
 
+def out_problem(path: str, names) -> Optional[str]:
+    """Why ``--out`` cannot take the demo's output files ``names`` (a file where the folder goes, a folder
+    that cannot be created or written, a folder where an output file goes), or None; creates the folder."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"--out {path!r} is a file, not a folder"
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        return f"--out {path!r}: cannot create the folder ({e.strerror or _one_line(e)})"
+    for name in names:
+        target = os.path.join(path, name)
+        if os.path.isdir(target):
+            return f"--out {path!r}: {target!r} is a folder, where the demo writes its file {name}"
+        if os.path.exists(target) and not os.access(target, os.W_OK):
+            return f"--out {path!r}: {target!r} cannot be overwritten (no write permission)"
+    try:
+        with tempfile.NamedTemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        return f"--out {path!r}: cannot write in the folder ({e.strerror or _one_line(e)})"
+    return None
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -818,16 +1040,19 @@ def main(argv=None) -> int:
     if args.gqa:
         if args.input or args.model:
             parser.error("--gqa takes neither --input nor --model")
-        if args.n is not None and args.n < 1 or args.block_size < 1:
-            parser.error("--n and --block-size must be >= 1")
-        return run_gqa(args, device)
-    if args.n is None:
-        args.n = 65536 if device.type == "cuda" else 4096
     for name in ("n", "block_size", "topk", "queries"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.input_key and not args.input:
         parser.error("--input-key needs --input")
+    problem = out_problem(args.out, (GQA_CSV_NAME, GQA_PNG_NAME) if args.gqa else (CSV_NAME, PNG_NAME))
+    if problem:
+        print(f"kvfuse demo: {problem}", file=sys.stderr)
+        return 2
+    if args.gqa:
+        return run_gqa(args, device)
+    if args.n is None:
+        args.n = 65536 if device.type == "cuda" else 4096
     cfg = M.get(args.model) if args.model else None
     input_report = None
     if args.input:
@@ -883,7 +1108,6 @@ def main(argv=None) -> int:
     if args.model:
         print(describe_model(cfg))
     print(format_table(rows, args.topk))
-    os.makedirs(args.out, exist_ok=True)
     write_csv(rows, os.path.join(args.out, CSV_NAME))
     png = os.path.join(args.out, PNG_NAME)
     what = f"{cfg.name} call sites" if args.model else "formats"

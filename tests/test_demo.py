@@ -4,7 +4,9 @@ Checks the table (one row per preset, two for the 128-d formats: with/without Ha
 the formats; a bf16 cache is lossless with recall 1), results.csv, that the chart is a real PNG,
 --input with .safetensors and .pt files (the report of the tensor used and its reshaping,
 --input-key, the warnings on data that overflows bf16 or is all zeros), the recall label (the k
-used), that the explorer's read-back is exactly the reference chain's quantize -> dequantize of the transform output it reports, and ``--model NAME``
+used; a recall with k >= the keys flagged trivial, the chart then one panel), --out checked before any work
+(a file, a folder that cannot be made, a folder where an output file goes), the chart's legend naming only
+drawn markers, that the explorer's read-back is exactly the reference chain's quantize -> dequantize of the transform output it reports, and ``--model NAME``
 (one row per call site of a kvfuse.models configuration, through its kvfuse.mla calls).
 """
 import csv
@@ -90,14 +92,61 @@ def test_demo_synthetic(capsys, tmp_path):
 
 
 def test_demo_recall_label_is_the_k_used(capsys, tmp_path):
-    """--topk larger than the keys: the table and the CSV say the k that was used, not the one asked for."""
+    """--topk larger than the keys: the table and the CSV say the k that was used, not the one asked for, and
+    flag that recall as trivial (every key is in the top-k) instead of reporting 1; the chart has no recall panel."""
     rc, text, out = _run(capsys, tmp_path, "--topk", "100000")
     assert rc == 0
     assert "recall@96" in text and "recall@100000" not in text
     assert "--topk 100000 asked for, k = 96 used" in text
+    assert "* trivial: recall@96 over 96 keys is 1 whatever the cache holds" in text
+    rows = _rows(text)
+    assert {parts[8] for (name, _), parts in rows.items() if F.PRESETS[name].head_dim == 128} == {"trivial*"}
     with open(out / demo.CSV_NAME) as fh:
         table = list(csv.DictReader(fh))
     assert {r["k"] for r in table if r["recall"]} == {"96"}
+    assert {r["recall"] for r in table if r["k"]} == {"trivial"}
+    assert png_width(out / demo.PNG_NAME) < 1000          # the error panel alone
+
+
+def png_width(path) -> int:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    return int.from_bytes(data[16:20], "big")
+
+
+def _forbid_work(monkeypatch):
+    """Every function that starts the demo's work fails the test if called."""
+    def fail(*args, **kwargs):
+        raise AssertionError("the demo started work before checking --out")
+    for name in ("synthetic_batch", "prepare_input", "explore", "explore_model", "gqa_page", "gqa_accuracy"):
+        monkeypatch.setattr(demo, name, fail)
+
+
+@pytest.mark.parametrize("page", [(), ("--gqa", "qwen3-8b")], ids=["mla", "gqa"])
+def test_demo_out_checked_before_work(capsys, tmp_path, monkeypatch, page):
+    """--out that cannot take the output: a one-line error naming --out, exit status 2, no work done."""
+    _forbid_work(monkeypatch)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    blocked = tmp_path / "blocked"
+    for name in (demo.GQA_CSV_NAME, demo.GQA_PNG_NAME) if page else (demo.CSV_NAME, demo.PNG_NAME):
+        (blocked / name).mkdir(parents=True)
+    cases = [(str(a_file), "is a file, not a folder"),
+             (str(a_file / "sub"), "cannot create the folder"),
+             ("/proc/kvfuse_demo_out", "cannot create the folder"),
+             (str(blocked), "is a folder, where the demo writes its file")]
+    for path, what in cases:
+        assert cli.main(["demo", *page, "--out", path]) == 2, path
+        err = capsys.readouterr().err
+        assert f"kvfuse demo: --out {path!r}" in err and what in err, err
+    assert a_file.read_text() == "x"
+
+
+def test_demo_out_created(capsys, tmp_path):
+    out = tmp_path / "a" / "b"
+    rc = cli.main(["demo", "--n", "32", "--block-size", "16", "--topk", "8", "--queries", "4", "--no-progress",
+                   "--out", str(out)])
+    assert rc == 0 and (out / demo.CSV_NAME).is_file() and (out / demo.PNG_NAME).is_file()
 
 
 def test_relative_error_of_nothing_is_not_zero():
@@ -277,7 +326,8 @@ def test_demo_model(capsys, tmp_path, name):
     if cfg.index_format is not None and cfg.index_norm_kind == "layer":
         style = "NEOX" if cfg.index_rope_is_neox else "GPT-J"
         assert f"LayerNorm, RoPE 64 {style} at 0{', Hadamard' if cfg.index_hadamard else ')'}" in text
-    assert (out / demo.PNG_NAME).read_bytes()[:8] == PNG_MAGIC
+    # two panels where the model has an index call site (its recall), the error panel alone otherwise
+    assert (png_width(out / demo.PNG_NAME) > 1300) == (cfg.index_format is not None)
     with open(out / demo.CSV_NAME) as fh:
         table = list(csv.reader(fh))
     assert table[0] == list(demo.COLUMNS) and [r[0] for r in table[1:]] == list(expected)
@@ -308,3 +358,23 @@ def test_model_main_site_is_the_reference_chain(name):
     q, sf = R.quantize(y[:, :qd], fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format, fmt.scale_floor)
     deq = torch.cat([R.dequantize(q, sf, fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format, fmt.scale_floor), y[:, qd:]], dim=-1)
     assert torch.equal(back.view(torch.int16), deq.view(torch.int16))
+
+
+def test_plot_legend_names_only_drawn_markers(tmp_path, monkeypatch):
+    """A model without an index call site: its legend names the main marker (and the bf16 tail's where drawn),
+    not the index ones; a chart with every kind names them all."""
+    import matplotlib.figure
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: figures.append(fig))
+
+    def legend(rows):
+        demo.plot(rows, str(tmp_path / "x.png"), "t")
+        return [t.get_text() for t in figures.pop().axes[0].get_legend().get_texts()]
+
+    x = demo.fit_width(demo.synthetic_batch(40, 1)["kv"], 576)
+    y, back, _ = demo.model_write_and_read(models.get("deepseek-v3"), "main", x, block_size=16, seed=1)
+    main_only = [demo.score("main:FLASHMLA_V32", F.FLASHMLA_V32, False, y, back)]
+    assert legend(main_only) == ["main / FlashMLA (512, 576)", "quantized dims only (without the bf16 tail)"]
+    rows = demo.explore(demo.synthetic_batch(40, 1), 40, 16, 1, 8, 4, torch.device("cpu"), progress=False)
+    assert legend(rows) == ["main / FlashMLA (512, 576)", "index (128)", "index (128) + Hadamard",
+                            "quantized dims only (without the bf16 tail)", "lossless (0 error), on the bottom edge"]
