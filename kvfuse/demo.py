@@ -17,7 +17,7 @@ on the CPU reference backend). A recall@k with k >= the keys is flagged trivial,
 the table, ``results.csv`` and ``kv_formats.png`` (``gqa_results.csv`` and ``gqa_formats.png``) under
 ``--out``, which is checked before any work. CUDA when present, else the CPU reference chain
 (``TRITON_INTERPRET=1 kvfuse demo --backend triton`` runs the kernel in Triton's interpreter). The
-README's "Set-up" section describes a run.
+docs/guide.md ("The demo, the benchmark and CI") describes a run.
 """
 from __future__ import annotations
 
