@@ -328,6 +328,8 @@ def gqa_unquantized_twin(v: Variant) -> dict:
     """compile_variant's changes for the GQA variant's twin without fp8 casts (its divisions are the fma
     the scan allows): caches, q_out and their second parts of the activations' width instead of bytes."""
     changes = {"FP8": ("constexpr", False), "Q_FP8": ("constexpr", False)}
+    if v.constexpr("V_FP8") is not None:        # V in a cast of its own (K in another format): bf16 too
+        changes["V_FP8"] = ("constexpr", False)
     for name in ("kc_ptr", "vc_ptr", "qo_ptr", "qo2_ptr", "kd2_ptr"):
         if str(v.signature.get(name, "")).startswith("*"):
             changes[name] = ("*bf16", None)
@@ -337,7 +339,8 @@ def gqa_unquantized_twin(v: Variant) -> dict:
 def findings(v: Variant, ptx: str) -> list:
     """What ptx_check.py would report for this variant's PTX (an empty list: clean)."""
     bad = sorted(set(BAD.findall(ptx)))
-    if v.name == "qkv_kernel" and (v.constexpr("FP8") or v.constexpr("Q_FP8")) and not v.constexpr("SCALE_MUL"):
+    if v.name == "qkv_kernel" and (v.constexpr("FP8") or v.constexpr("Q_FP8") or v.constexpr("V_FP8")) \
+            and not v.constexpr("SCALE_MUL"):
         bad = gqa_fp8_fma_findings(ptx, compile_variant(v, **gqa_unquantized_twin(v)))
     elif v.name == "index_write_kernel" and v.constexpr("HAD"):
         bad = hadamard_fma_findings(ptx, compile_variant(v, HAD=("constexpr", False)))
