@@ -177,7 +177,7 @@ def test_direct_launch_supported(monkeypatch):
     monkeypatch.setenv("KVFUSE_DIRECT_LAUNCH", "0")
     assert not L.direct_launch_supported(interpret=False)
     monkeypatch.delenv("KVFUSE_DIRECT_LAUNCH")
-    monkeypatch.setattr(L.triton, "__version__", "3.9.0")   # an unchecked launcher convention
+    monkeypatch.setattr(L.triton, "__version__", "4.0.0")   # an unchecked launcher convention
     assert not L.direct_launch_supported(interpret=False)
 
 

@@ -12,7 +12,10 @@ the first launch through Triton, a Launch keeps the CompiledKernel Triton return
 calls whose pointers are all 16-byte aligned (the case it was compiled for: Triton specializes
 pointers on ``data_ptr() % 16 == 0``), on the same current device, calls its launcher itself,
 with the arguments Triton would pass (all parameters in order, constexprs included) and Triton's
-launch hooks. Any other call takes Triton's path. The direct path is used only on the Triton
+launch hooks (while no hook is registered, none is passed: Triton's empty hook chains would be
+called for nothing, and the launch metadata built for them). On Triton 3.6, whose CompiledKernel.run
+is a Python wrapper around the C launcher, a kernel without scratch memory is launched by the C
+launcher itself. Any other call takes Triton's path. The direct path is used only on the Triton
 versions it was checked on (``DIRECT_LAUNCH_VERSIONS``; the launcher's calling convention is not
 a public API) and can be turned off with ``KVFUSE_DIRECT_LAUNCH=0``.
 """
@@ -29,8 +32,13 @@ import triton
 from ..backend import env_flag
 
 # the launcher convention used below: CompiledKernel.run(gx, gy, gz, stream, function, packed_metadata,
-# launch_metadata, enter_hook, exit_hook, *every parameter in order); checked on the H200 (docs/performance.md)
-DIRECT_LAUNCH_VERSIONS = ("3.6.",)
+# launch_metadata, enter_hook, exit_hook, *every parameter in order); run on the H200 with 3.6
+# (docs/performance.md), read in 3.9's source (JITFunction.run, CudaLauncher.__call__: tests/test_host_launch.py)
+DIRECT_LAUNCH_VERSIONS = ("3.6.", "3.9.")
+# the versions whose CompiledKernel.run (CudaLauncher.__call__) calls its C launcher as
+# launch(gx, gy, gz, stream, function, cooperative_grid, pdl, global_scratch, profile_scratch, packed_metadata,
+# launch_metadata, enter_hook, exit_hook, *every parameter in order)
+C_LAUNCH_VERSIONS = ("3.6.",)
 
 
 def direct_launch_supported(interpret: bool) -> bool:
@@ -67,12 +75,31 @@ def tensor_arg(field: str) -> PlanTensor:
     return PlanTensor(field)
 
 
+def _hook_set(hook) -> bool:
+    """Whether a launch hook would do anything: Triton's HookChain with calls in it, or a plain function."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _c_launcher(compiled):
+    """(the C launcher, its arguments between the function and the launch metadata) of a CompiledKernel
+    whose run is Triton 3.6's CudaLauncher without scratch memory, else (None, ())."""
+    if not triton.__version__.startswith(C_LAUNCH_VERSIONS):
+        return None, ()
+    run = compiled.run
+    try:
+        if run.global_scratch_size or run.profile_scratch_size:
+            return None, ()    # CudaLauncher allocates these per launch
+        return run.launch, (run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata)
+    except AttributeError:   # not CudaLauncher
+        return None, ()
+
+
 class DirectLaunch:
     """A CompiledKernel of ``kernel`` for one argument signature, launched without Triton's binder.
     Valid while the Launch's kernel object is ``kernel`` (tests swap kernel objects), the current
     device is ``device`` and every tensor pointer is 16-byte aligned."""
 
-    __slots__ = ("kernel", "compiled", "device", "grid", "constexprs", "knobs")
+    __slots__ = ("kernel", "compiled", "device", "grid", "constexprs", "knobs", "c_launch", "c_head")
 
     def __init__(self, kernel, compiled, device: int, grid: tuple, constexprs: tuple):
         self.kernel = kernel
@@ -81,16 +108,22 @@ class DirectLaunch:
         self.grid = (tuple(grid) + (1, 1))[:3]
         self.constexprs = constexprs
         self.knobs = _runtime_knobs()
+        self.c_launch, self.c_head = _c_launcher(compiled)
 
     def launch(self, args: tuple) -> None:
         c = self.compiled
         stream = _current_stream(self.device)
         all_args = args + self.constexprs
-        knobs = self.knobs
-        enter = knobs.launch_enter_hook if knobs is not None else None
-        leave = knobs.launch_exit_hook if knobs is not None else None
-        meta = None if enter is None else c.launch_metadata(self.grid, stream, *all_args)
         gx, gy, gz = self.grid
+        knobs = self.knobs
+        if knobs is None or not (_hook_set(knobs.launch_enter_hook) or _hook_set(knobs.launch_exit_hook)):
+            if self.c_launch is not None:
+                self.c_launch(gx, gy, gz, stream, c.function, *self.c_head, None, None, None, *all_args)
+            else:
+                c.run(gx, gy, gz, stream, c.function, c.packed_metadata, None, None, None, *all_args)
+            return
+        enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook    # Triton's protocol, as its own launch
+        meta = None if enter is None else c.launch_metadata(self.grid, stream, *all_args)
         c.run(gx, gy, gz, stream, c.function, c.packed_metadata, meta, enter, leave, *all_args)
 
 
