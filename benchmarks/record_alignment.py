@@ -1,15 +1,16 @@
 """What MAIN_FP8's 532-byte record costs a write: the same codes and scales written as MAIN_FP8 records
-(512 codes + 16 scales + 4 reserved bytes that are never written: records 4-byte aligned, sectors shared
-by neighbours, and in every record a 32-byte DRAM sector that stays partly written), as 528-byte
-records (no reserved bytes: sectors still shared by neighbours, but every byte written), as 544-byte
-records (16 reserved bytes: every record starts a sector, and its last sector stays half written) and
-in FlashInfer's DeepSeek page layout (a page's 512-byte code rows, then its 16-byte scale rows).
+(512 codes + 16 scales + 4 reserved bytes written as zeros: records 4-byte aligned, sectors shared by
+neighbours, every byte written), as the same records with the reserved bytes never written (in every
+record a 32-byte DRAM sector stays partly written), as 528-byte records (no reserved bytes), as 544-byte
+records (16 reserved bytes, never written: every record starts a sector, and its last sector stays half
+written) and in FlashInfer's DeepSeek page layout (a page's 512-byte code rows, then its 16-byte scale
+rows).
 
 Each format is timed with the cast alone (`main_fp8_cast`) and with the model's whole write (norm +
 GPT-J RoPE, `main_fp8_gptj`) on kvfuse.bench's inputs (prefill sequences, paged slots by default),
-CUDA-graph replay; % of copy uses kvfuse.bench's compulsory bytes of each call (the reserved bytes are
-never written, so every format is charged the bytes it writes). Only MAIN_FP8 has a Gluon fast path:
-run once as is and once with KVFUSE_GLUON=0 to compare the three layouts on one kernel.
+CUDA-graph replay; % of copy uses kvfuse.bench's compulsory bytes of each call (codes and exact scales:
+every layout is charged the same bytes). Only MAIN_FP8 (its reserved bytes written as zeros) has a Gluon
+fast path: run once as is and once with KVFUSE_GLUON=0 to compare the layouts on one kernel.
 
 Usage (on the device, repo root):
     python3 benchmarks/record_alignment.py [--n 65536,262144] [--slots paged]
@@ -65,9 +66,9 @@ def main():
             if timing:
                 us = timer.measure([call]).gpu_us
                 pct = 100 * moved / (us * 1e-6) / (copy * 1e9)
-                print(f"{wl.name:34s} n={n:7d} {label:26s} {us:9.2f} us {pct:5.1f}% of copy", flush=True)
+                print(f"{wl.name:34s} n={n:7d} {label:27s} {us:9.2f} us {pct:5.1f}% of copy", flush=True)
             else:
-                print(f"{wl.name:34s} n={n:7d} {label:26s} ran, {moved} bytes", flush=True)
+                print(f"{wl.name:34s} n={n:7d} {label:27s} ran, {moved} bytes", flush=True)
             del inp, call
             if timing:
                 torch.cuda.empty_cache()

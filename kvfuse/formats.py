@@ -139,7 +139,7 @@ class KVCacheFormat:
         sf_format: "ue8m0", "ue8m0_fp32", "e4m3" or "fp32".
         token_interleaved: True for the record-per-token layout, False for block-wide.
         sf_bytes: bytes for the scales of one record; defaults to the exact scale bytes and may be
-            larger (the rest is reserved and never written).
+            larger (the rest is reserved: never written, or written as zeros with ``zero_reserved``).
         bf16_tail: the last ``bf16_tail`` dims are stored as raw bf16 beside the quantized part
             (FlashMLA formats, SPEC §8); scales cover only the first head_dim - bf16_tail dims.
         block_alignment: what ``allocate_kv_cache`` rounds a block's byte stride up to (lcm with
@@ -149,6 +149,11 @@ class KVCacheFormat:
         scale_floor: the smallest power-of-two scale, as FlashMLA's quantizer floors it (SPEC §6:
             the scale is 2^ceil(log2(max(amax / fmax, scale_floor)))); only with ue8m0 / ue8m0_fp32.
             FLASHMLA_V32 and FLASHMLA_MODEL1 carry 1e-4; ``CastArgs.from_cache_format`` copies it.
+        zero_reserved: the reserved bytes (sf_bytes beyond the exact scale bytes) are written as zeros
+            with every record; False: never written (they keep what the cache held). MAIN_FP8 writes
+            them: its 532-byte records then fill every DRAM sector they touch, where a never-written
+            byte costs its sector a read-modify-write on eviction (docs/performance.md, "The cast
+            alone"). Needs reserved bytes.
     """
     name: str
     head_dim: int
@@ -160,6 +165,7 @@ class KVCacheFormat:
     bf16_tail: int = 0
     block_alignment: int = 32
     scale_floor: Optional[float] = None
+    zero_reserved: bool = False
 
     def __post_init__(self):
         what = f"KVCacheFormat {self.name!r}"
@@ -167,8 +173,9 @@ class KVCacheFormat:
             v = getattr(self, field)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{what}: {field} must be an int, got {type(v).__name__}")
-        if not isinstance(self.token_interleaved, bool):
-            raise TypeError(f"{what}: token_interleaved must be a bool, got {type(self.token_interleaved).__name__}")
+        for field in ("token_interleaved", "zero_reserved"):
+            if not isinstance(getattr(self, field), bool):
+                raise TypeError(f"{what}: {field} must be a bool, got {type(getattr(self, field)).__name__}")
         if self.head_dim <= 0 or self.head_dim % 16:
             raise ValueError(f"{what}: head_dim must be a positive multiple of 16, got {self.head_dim}")
         if self.block_alignment <= 0:
@@ -181,6 +188,8 @@ class KVCacheFormat:
                 raise ValueError(f"{what}: bf16_tail needs a quantized format, got bf16_tail={self.bf16_tail}")
             if self.sf_bytes not in (None, 0):
                 raise ValueError(f"{what}: a bf16 cache has no scales, got sf_bytes={self.sf_bytes}")
+            if self.zero_reserved:
+                raise ValueError(f"{what}: zero_reserved needs reserved scale bytes; a bf16 cache has none")
             object.__setattr__(self, "sf_bytes", 0)
             return
         if not 0 <= self.bf16_tail < self.head_dim or self.bf16_tail % 16:
@@ -192,6 +201,9 @@ class KVCacheFormat:
             object.__setattr__(self, "sf_bytes", exact)
         elif isinstance(self.sf_bytes, bool) or not isinstance(self.sf_bytes, int) or self.sf_bytes < exact:
             raise ValueError(f"{what}: sf_bytes must be an int >= the exact scale bytes {exact}, got {self.sf_bytes!r}")
+        if self.zero_reserved and self.sf_bytes == exact:
+            raise ValueError(f"{what}: zero_reserved needs reserved scale bytes (sf_bytes > the exact {exact}), "
+                             f"got sf_bytes={self.sf_bytes}")
 
     # ---- sizes
     @property
@@ -217,6 +229,11 @@ class KVCacheFormat:
     @property
     def sf_exact_bytes(self) -> int:
         return self.num_scales * SF_ITEM_BYTES[self.sf_format] if self.quantized else 0
+
+    @property
+    def reserved_bytes(self) -> int:
+        """The record's reserved bytes after its scales (sf_bytes - sf_exact_bytes)."""
+        return self.sf_bytes - self.sf_exact_bytes
 
     @property
     def data_bytes(self) -> int:
@@ -354,7 +371,9 @@ def _round_up(v: int, m: int) -> int:
     return -(-v // m) * m
 
 
-MAIN_FP8 = KVCacheFormat("MAIN_FP8", 512, "e4m3", 32, "ue8m0", True, sf_bytes=20)
+MAIN_FP8 = KVCacheFormat("MAIN_FP8", 512, "e4m3", 32, "ue8m0", True, sf_bytes=20, zero_reserved=True)
+"""DeepInfer's DeepSeek V4 main-cache record: 512 e4m3 codes (RoPE dims included), 16 UE8M0 scale bytes,
+one per 32 codes, then 4 reserved bytes written as zeros (``zero_reserved``); 532 bytes a token."""
 MAIN_MXFP8 = KVCacheFormat("MAIN_MXFP8", 512, "e4m3", 32, "ue8m0", True, scale_floor=1e-4)
 """DeepSeek V4.1's main-cache record: 512 e4m3 codes (the 448 latent dims and the 64 RoPE dims, after
 RoPE) then 16 UE8M0 scale bytes, one per 32 codes; 528 bytes a token, token-interleaved, no reserved

@@ -88,11 +88,6 @@ def variants():
     yield "main_fp8_cast_only", lambda: _main(M8.RECORDS, Case(n=3, **m8, **cast_only, seed=6))
     yield "main_fp8_cast_only_pipeline", lambda: _main(M8.RECORDS, Case(n=3, **m8, **cast_only, seed=7),
                                                        pipe=True, PDL=True)
-    # the reserved-sector prefetch (FILL_MIN_ROWS rows and up: the launch table's pipelined entry)
-    yield "main_fp8_fill_sector_pipeline_gptj", lambda: _main(M8.RECORDS, Case(n=300, **{**m8, "neox": False},
-                                                                              seed=8), pipe=True, FILL_SECTOR=True)
-    yield "main_fp8_cast_only_fill_sector", lambda: _main(M8.RECORDS, Case(n=3, **m8, **cast_only, seed=9),
-                                                          pipe=True, FILL_SECTOR=True, PDL=True)
     # DeepSeek V4.1's 528-byte records (FLOOR_E -13)
     yield "main_mxfp8_gptj", lambda: _main(M8.RECORDS_MXFP8, Case(n=1, **{**mx8, "neox": False}, seed=15))
     yield "main_mxfp8_w32_pipeline_bs24", lambda: _main(M8.RECORDS_MXFP8, Case(n=300, **mx8, seed=16, block_size=24,

@@ -138,7 +138,8 @@ def record_regions(fmt: KVCacheFormat, block_size: int, s0: int, s1: int, base: 
         [quantized | scales (+reserved) | bf16 tail]
     block-wide: inside the block, per token [quantized | bf16 tail] (data_bytes each), then per
         token [scales (+reserved)] (sf_bytes each).
-    Returns dict quant=(start, len), sf=(start, exact scale bytes), tail=(start, len)."""
+    Returns dict quant=(start, len), sf=(start, exact scale bytes), tail=(start, len), reserved=(start, the
+    reserved bytes a write writes: all of them as zeros where the format has zero_reserved, else none)."""
     qb = fmt.head_dim * 2 if fmt.cast_fmt is None else (
         (fmt.head_dim - fmt.bf16_tail) // 2 if fmt.cast_fmt == "e2m1" else fmt.head_dim - fmt.bf16_tail)
     tail_bytes = 2 * fmt.bf16_tail
@@ -149,13 +150,16 @@ def record_regions(fmt: KVCacheFormat, block_size: int, s0: int, s1: int, base: 
         item = {"ue8m0": 1, "e4m3": 1, "fp32": 4, "ue8m0_fp32": 4}[fmt.sf_format]
         sf_exact = (fmt.head_dim - fmt.bf16_tail) // fmt.elements_per_sf * item
     bpt = data_bytes + fmt.sf_bytes
+    zeroed = fmt.sf_bytes - sf_exact if fmt.zero_reserved else 0
     if fmt.token_interleaved:
         r = base + block * s0 + offset * s1 + head * bpt
-        return {"quant": (r, qb), "sf": (r + qb, sf_exact), "tail": (r + qb + fmt.sf_bytes, tail_bytes)}
+        return {"quant": (r, qb), "sf": (r + qb, sf_exact), "tail": (r + qb + fmt.sf_bytes, tail_bytes),
+                "reserved": (r + qb + sf_exact, zeroed)}
     b = base + block * s0
     d = b + offset * data_bytes
-    return {"quant": (d, qb), "tail": (d + qb, tail_bytes),
-            "sf": (b + block_size * data_bytes + offset * fmt.sf_bytes, sf_exact)}
+    sf_start = b + block_size * data_bytes + offset * fmt.sf_bytes
+    return {"quant": (d, qb), "tail": (d + qb, tail_bytes), "sf": (sf_start, sf_exact),
+            "reserved": (sf_start + sf_exact, zeroed)}
 
 
 def write_records(expect: torch.Tensor, fmt: KVCacheFormat, block_size: int, num_blocks: int, s0: int, s1: int,
@@ -163,8 +167,8 @@ def write_records(expect: torch.Tensor, fmt: KVCacheFormat, block_size: int, num
     """Write the expected record bytes of every valid slot into ``expect`` (a flat uint8 copy of the
     storage) at the addresses :func:`record_regions` describes (vectorized). ``quant`` uint8
     [n, H, quantized bytes] (a bf16 cache: the bf16 data's bytes), ``sf`` uint8 [n, H, exact scale bytes],
-    ``tail`` uint8 [n, H, 2*bf16_tail]. Slots outside [0, num_blocks*block_size) write nothing.
-    Returns ``expect``."""
+    ``tail`` uint8 [n, H, 2*bf16_tail]; a format with ``zero_reserved`` writes its reserved bytes after the
+    scales as zeros. Slots outside [0, num_blocks*block_size) write nothing. Returns ``expect``."""
     s = slots.to(torch.int64)
     valid = (s >= 0) & (s < num_blocks * block_size)
     s = s[valid]
@@ -182,6 +186,8 @@ def write_records(expect: torch.Tensor, fmt: KVCacheFormat, block_size: int, num
         assert H == 1
         d = (base + blk * s0 + off * data_bytes)[:, None]
         starts = {"quant": d, "tail": d + qb, "sf": (base + blk * s0 + block_size * data_bytes + off * fmt.sf_bytes)[:, None]}
+    if sf is not None and fmt.zero_reserved:
+        sf = torch.cat([sf, sf.new_zeros(sf.shape[:-1] + (fmt.reserved_bytes,))], -1)
     for key, payload in (("quant", quant), ("sf", sf), ("tail", tail)):
         if payload is None or payload.shape[-1] == 0:
             continue

@@ -21,6 +21,11 @@ CUSTOM_FORMATS = [
     KVCacheFormat("TI_BF16_D1024", 1024, None, None, None, True),
     KVCacheFormat("TI_TAIL_D320", 320, "e4m3", 32, "ue8m0_fp32", True, bf16_tail=64),
     KVCacheFormat("BW_MX4_TAIL_D160", 160, "e2m1", 32, "ue8m0", False, sf_bytes=5, bf16_tail=32),
+    # reserved bytes written as zeros: after fp32 scales in block-wide records (8 + 4), after byte scales in
+    # token-interleaved ones (4 + 3)
+    KVCacheFormat("BW_FP32_ZR_TAIL_D192", 192, "e4m3", 64, "fp32", False, sf_bytes=12, bf16_tail=64,
+                  zero_reserved=True),
+    KVCacheFormat("TI_MX8_ZR_D128", 128, "e4m3", 32, "ue8m0", True, sf_bytes=7, zero_reserved=True),
 ]
 ALL_FORMATS = list(formats.PRESETS.values()) + CUSTOM_FORMATS
 

@@ -87,7 +87,8 @@ def fused_variants():
     base = dict(D=512, BLOCK_D=512, LOG2_BLOCK_D=9, VEC=4, BLOCK_M=2, ONE_HEAD=True, ROWS32=True, HAS_NORM=True,
                 W_BF16=True, LAYER=False, HAS_BIAS=False, B_BF16=True, ROPE=2, R=64, ROPE_OFF=448, NEOX=True, CONJ=False, CS_BF16=False, HAS_HAD=False, CAST=1,
                 G=32, SF=0, FMAX=448.0, DQ=512, OUT_STAGE=0, DEST=2, NATIVE=2, SLOT32=True, QALIGN=4, SFALIGN=4,
-                TALIGN=4, EARLY=False, FLOOR_E=-999, SPLIT=0, NORM_DIM=0, PDL=False, **ONE_INPUT)
+                TALIGN=4, EARLY=False, FLOOR_E=-999, SPLIT=0, NORM_DIM=0, RESERVED=0, BLOCK_RESERVED=1, PDL=False,
+                **ONE_INPUT)
     yield "main_fp8", base
     yield "main_fp8_decode", {**base, "BLOCK_M": 1, "EARLY": True}
     yield "main_fp8_decode_pdl", {**base, "BLOCK_M": 1, "EARLY": True, "PDL": True}
@@ -114,6 +115,12 @@ def fused_variants():
                                                    "FMAX": 6.0, "DQ": 128, "DEST": 1}
     yield "contiguous_fp32_sf", {**base, "SF": 3, "DEST": 1, "HAS_NORM": False, "VEC": 8}
     yield "bf16_out_rope_only", {**base, "HAS_NORM": False, "CAST": 0, "DEST": 0, "OUT_STAGE": 2, "VEC": 8}
+    # reserved bytes written as zeros (KVCacheFormat.zero_reserved): MAIN_FP8's 4 after byte scales, one row a
+    # program; 4 after two fp32 scales of a multi-head cache
+    yield "main_fp8_zero_reserved_decode", {**base, "BLOCK_M": 1, "EARLY": True, "RESERVED": 4, "BLOCK_RESERVED": 4}
+    yield "fp32_sf_zero_reserved_multihead", {**base, "D": 128, "BLOCK_D": 128, "LOG2_BLOCK_D": 7, "VEC": 8,
+                                              "ROPE": 1, "ROPE_OFF": 64, "G": 64, "SF": 3, "DQ": 128, "ONE_HEAD": False,
+                                              "RESERVED": 4, "BLOCK_RESERVED": 4, "QALIGN": 16}
     # two inputs (x's columns from SPLIT on held apart) and norms over the leading dims
     split = {k: v for k, v in base.items() if k not in ONE_INPUT}
     yield "v32_split_latent_norm_decode", {**split, "D": 576, "BLOCK_D": 1024, "LOG2_BLOCK_D": 10, "VEC": 8,

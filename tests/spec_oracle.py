@@ -309,6 +309,7 @@ class Fmt(NamedTuple):
     sf_bytes: int           # total scale bytes of a record, reserved included
     bf16_tail: int
     scale_floor: Optional[float] = None
+    zero_reserved: bool = False   # the reserved scale bytes are written as zeros with each record
 
     @property
     def quant_dim(self):
@@ -335,9 +336,11 @@ class Fmt(NamedTuple):
         return self.data_bytes + self.sf_bytes
 
 
-def make_fmt(head_dim, cast_fmt, g, sf_format, token_interleaved, sf_bytes=None, bf16_tail=0, scale_floor=None) -> Fmt:
+def make_fmt(head_dim, cast_fmt, g, sf_format, token_interleaved, sf_bytes=None, bf16_tail=0, scale_floor=None,
+             zero_reserved=False) -> Fmt:
     """Build from the SPEC fields (sf_bytes None = the exact scale bytes)."""
-    f = Fmt(head_dim, cast_fmt, g, sf_format, token_interleaved, 0, bf16_tail if cast_fmt else 0, scale_floor)
+    f = Fmt(head_dim, cast_fmt, g, sf_format, token_interleaved, 0, bf16_tail if cast_fmt else 0, scale_floor,
+            zero_reserved)
     if sf_bytes is None:
         sf_bytes = f.sf_exact
     return f._replace(sf_bytes=sf_bytes)
@@ -368,7 +371,8 @@ def _record_spans(c: CacheDesc, block: int, off: int, head: int):
 
 def write_records(c: CacheDesc, qbytes, sfbytes, tailbytes) -> np.ndarray:
     """Scatter per-(row, head) record parts into a copy of the storage.
-    qbytes [n, H, quant_bytes]; sfbytes [n, H, sf_exact] or None; tailbytes [n, H, 2*tail] or None."""
+    qbytes [n, H, quant_bytes]; sfbytes [n, H, sf_exact] or None; tailbytes [n, H, 2*tail] or None.
+    A format with zero_reserved gets zeros in the reserved bytes after the scales (sf_exact .. sf_bytes)."""
     st = c.storage.copy()
     nb, bs, nh, _ = c.shape
     cap = nb * bs
@@ -383,6 +387,8 @@ def write_records(c: CacheDesc, qbytes, sfbytes, tailbytes) -> np.ndarray:
             st[da:da + qbytes.shape[-1]] = qbytes[t, h]
             if sfbytes is not None and sfbytes.shape[-1]:
                 st[sa:sa + sfbytes.shape[-1]] = sfbytes[t, h]
+                if c.fmt.zero_reserved:
+                    st[sa + c.fmt.sf_exact:sa + c.fmt.sf_bytes] = 0
             if tailbytes is not None and tailbytes.shape[-1]:
                 st[ta:ta + tailbytes.shape[-1]] = tailbytes[t, h]
     return st

@@ -787,7 +787,8 @@ def test_the_record_layouts_hold_the_same_codes_and_scales(name):
         assert torch.equal(data, first[1]), label
         assert torch.equal(sf, first[2]), label
         assert moved == first[3], label
-    assert [fmt.bytes_per_token for _, fmt in bench.RECORD_LAYOUTS[:3]] == [532, 528, 544]
+    assert [fmt.bytes_per_token for _, fmt in bench.RECORD_LAYOUTS[:4]] == [532, 532, 528, 544]
+    assert [fmt.zero_reserved for _, fmt in bench.RECORD_LAYOUTS[:2]] == [True, False]
 
 
 def test_dsv3_kv_c_k_pe_workloads_pass_two_views_of_one_projection(monkeypatch):

@@ -176,6 +176,21 @@ def test_token_interleaved_must_be_bool():
         KVCacheFormat("bad", 128, "e4m3", 32, "ue8m0", 1)
 
 
+def test_zero_reserved_needs_reserved_bytes_and_a_bool():
+    """SPEC §7: the reserved bytes after the scales are written as zeros only where the format says so; only
+    MAIN_FP8 among the presets (4 bytes; FLASHMLA_MODEL1's reserved byte is never written)."""
+    assert [name for name, f in formats.PRESETS.items() if f.zero_reserved] == ["MAIN_FP8"]
+    assert formats.MAIN_FP8.reserved_bytes == 4 and formats.FLASHMLA_MODEL1.reserved_bytes == 1
+    assert formats.MAIN_MXFP8.reserved_bytes == 0
+    with pytest.raises(ValueError, match="zero_reserved needs reserved scale bytes"):
+        KVCacheFormat("bad", 128, "e4m3", 32, "ue8m0", True, zero_reserved=True)
+    with pytest.raises(ValueError, match="zero_reserved needs reserved scale bytes"):
+        KVCacheFormat("bad", 128, None, None, None, True, zero_reserved=True)
+    with pytest.raises(TypeError, match="zero_reserved must be a bool"):
+        KVCacheFormat("bad", 128, "e4m3", 32, "ue8m0", True, sf_bytes=8, zero_reserved=1)
+    assert KVCacheFormat("ok", 128, "e4m3", 32, "ue8m0", True, sf_bytes=8, zero_reserved=True).reserved_bytes == 4
+
+
 def test_float_group_size_rejected():
     with pytest.raises((TypeError, ValueError), match="num_per_channels"):
         KVCacheFormat("bad", 128, "e4m3", 32.0, "ue8m0", True)

@@ -66,8 +66,10 @@ def test_other_chains_are_not(change):
 
 
 def test_a_user_format_with_main_fp8s_records_is_eligible_another_is_not():
-    same = KVCacheFormat("MY_MAIN", 512, "e4m3", 32, "ue8m0", True, sf_bytes=20)
+    same = KVCacheFormat("MY_MAIN", 512, "e4m3", 32, "ue8m0", True, sf_bytes=20, zero_reserved=True)
     assert G.eligible(plan_of(main_case(fmt=same)))
+    unwritten = KVCacheFormat("MY_MAIN_KEEP", 512, "e4m3", 32, "ue8m0", True, sf_bytes=20)   # reserved bytes kept
+    assert not G.eligible(plan_of(main_case(fmt=unwritten)))
     wider = KVCacheFormat("MY_MAIN_24", 512, "e4m3", 32, "ue8m0", True, sf_bytes=24)   # 536-byte records
     assert not G.eligible(plan_of(main_case(fmt=wider)))
 

@@ -71,10 +71,8 @@ def test_every_flashmla_entry_runs_two_inputs_and_the_latent_norm(built):
 
 
 def test_every_row_threshold_of_a_fast_path_has_its_chains_past_it(built):
-    """A fast path whose constexprs change past a row count (ROW_THRESHOLDS: main_latent's reserved-sector
-    prefetch, FILL_MIN_ROWS) runs every chain it serves past that count and below it."""
-    from kvfuse.kernels.gluon import main_latent
-    assert main_latent.FILL_MIN_ROWS in main_latent.ROW_THRESHOLDS
+    """A fast path whose constexprs change past a row count (a module's ROW_THRESHOLDS, beyond its launch
+    table) runs every chain it serves past that count and below it."""
     fast, _, _ = built
     for module in router.FAST_PATH_MODULES:
         name = module.__name__.rsplit(".", 1)[1]
@@ -85,11 +83,15 @@ def test_every_row_threshold_of_a_fast_path_has_its_chains_past_it(built):
             assert {(c.neox, c.norm, c.rope) for c in mine if c.n * c.heads < threshold} == chains, (name, threshold)
 
 
-def test_main_fp8_prefetches_its_reserved_sector_from_fill_min_rows():
+def test_main_fp8_fast_path_writes_the_reserved_bytes_its_format_says():
+    """MAIN_FP8's Gluon records write the 4 reserved bytes as zeros, as the format says (the GPU matrix's
+    MAIN_FP8 cases compare those bytes); a 532-byte format whose reserved bytes are never written is not
+    the fast path's (it stays on the portable kernel)."""
+    from kvfuse import formats as F
     from kvfuse.kernels.gluon import main_latent as M8, main_latent_fp4 as M4
-    assert M8.fill_sector(M8.RECORDS, M8.FILL_MIN_ROWS) and not M8.fill_sector(M8.RECORDS, M8.FILL_MIN_ROWS - 1)
-    assert not M8.fill_sector(M4.RECORDS, 2 * M8.FILL_MIN_ROWS)          # MAIN_FP4 records have no reserved bytes
-    assert M8.RECORD_BYTES - M8.RESERVED_OFFSET == 4 and M8.RECORDS.sf_offset + 16 == M8.RESERVED_OFFSET
+    assert M8.RECORDS.zero_reserved and F.MAIN_FP8.zero_reserved and F.MAIN_FP8.reserved_bytes == 4
+    assert M8.RECORD_BYTES == F.MAIN_FP8.bytes_per_token and M8.RECORDS.sf_offset + 16 + 4 == M8.RECORD_BYTES
+    assert not M8.RECORDS_MXFP8.zero_reserved and not M4.RECORDS.zero_reserved
 
 
 def test_fast_cases_are_taken_by_their_fast_path(built):

@@ -168,13 +168,13 @@ def _launch(rec, fmt, n=3):
 
 
 def test_gluon_launch_constants():
-    """MAIN_MXFP8 launches take FLOOR_E -13 and never prefetch a reserved sector (there is none); MAIN_FP8's
-    take NO_FLOOR (the kernel without the floor). Every constexpr is named (kvfuse's direct launcher), PDL_EARLY
-    up to PDL_EARLY_MAX_ROWS rows."""
-    args, mx = _launch(main_latent.RECORDS_MXFP8, F.MAIN_MXFP8, n=main_latent.FILL_MIN_ROWS)
-    assert mx["FLOOR_E"] == -13 and mx["FILL_SECTOR"] is False
-    _, fp8 = _launch(main_latent.RECORDS, F.MAIN_FP8, n=main_latent.FILL_MIN_ROWS)
-    assert fp8["FLOOR_E"] == NO_FLOOR.value and fp8["FILL_SECTOR"] is True
+    """MAIN_MXFP8 launches take FLOOR_E -13 and write no reserved bytes (there are none); MAIN_FP8's take
+    NO_FLOOR (the kernel without the floor) and write their 4 reserved bytes as zeros. Every constexpr is named
+    (kvfuse's direct launcher), PDL_EARLY up to PDL_EARLY_MAX_ROWS rows."""
+    args, mx = _launch(main_latent.RECORDS_MXFP8, F.MAIN_MXFP8, n=300)
+    assert mx["FLOOR_E"] == -13 and mx["ZERO_RESERVED"] is False
+    _, fp8 = _launch(main_latent.RECORDS, F.MAIN_FP8, n=300)
+    assert fp8["FLOOR_E"] == NO_FLOOR.value and fp8["ZERO_RESERVED"] is True
     assert list(mx) == list(fp8)
     kernel = getattr(main_latent, "main_fp8_kernel", None)
     if kernel is not None:                     # Gluon importable (Triton 3.6): the kernel's parameter order

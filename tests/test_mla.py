@@ -77,6 +77,8 @@ class Guarded:
                 start, length = reg[key]
                 assert payload.shape[1] == length, (key, payload.shape, length)
                 self.expected[start:start + length] = payload[i]
+            start, length = reg["reserved"]                 # zeros where the format writes them (zero_reserved)
+            self.expected[start:start + length] = 0
 
     def check(self, what):
         assert_bytes_equal(self.storage, self.expected, what)

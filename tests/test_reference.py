@@ -4,6 +4,7 @@ Expected values are worked out by hand in the comments (or by an independent num
 computation of the SPEC's formula), never by running the reference a second time.
 e4m3 byte = sign<<7 | E<<3 | M, value 2^(E-7) * (1 + M/8) for E >= 1, M * 2^-9 for E = 0.
 """
+import dataclasses
 import math
 import struct
 
@@ -612,18 +613,27 @@ def test_quantize_rows_and_groups_independent():
 
 
 def test_main_fp8_store_known_layout():
-    """reference.store: one record of MAIN_FP8 at slot 5 of block_size 4 -> block 1, offset 1."""
+    """reference.store: one record of MAIN_FP8 at slot 5 of block_size 4 -> block 1, offset 1: codes, 16 scale
+    bytes, then the 4 reserved bytes as zeros (MAIN_FP8.zero_reserved); every other byte as it was."""
     cache = allocate_kv_cache(MAIN_FP8, 2, 4)
     s0, s1 = cache.stride(0), cache.stride(1)
     assert (s0, s1) == (2144, 532)       # 4*532 = 2128 -> 2144
+    flat = cache.as_strided((cache.untyped_storage().nbytes(),), (1,), 0)
+    flat.fill_(0xAB)
     data = torch.arange(512, dtype=torch.int64).remainder(251).to(torch.uint8).view(torch.float8_e4m3fn)[None, None]
     sf = torch.arange(100, 116, dtype=torch.uint8)[None, None]
     R.store(cache, torch.tensor([5]), MAIN_FP8, data, sf)
-    flat = cache.as_strided((cache.untyped_storage().nbytes(),), (1,), 0)
     base = 1 * 2144 + 1 * 532
-    want = torch.zeros_like(flat)
+    want = torch.full_like(flat, 0xAB)
     want[base:base + 512] = u8(data).flatten()
-    want[base + 512:base + 528] = sf.flatten()      # 4 reserved bytes after stay 0
+    want[base + 512:base + 528] = sf.flatten()
+    want[base + 528:base + 532] = 0
+    assert torch.equal(flat, want)
+    # the same record in a format whose reserved bytes are never written leaves them as they were
+    keep = dataclasses.replace(MAIN_FP8, name="MAIN_FP8_KEEP", zero_reserved=False)
+    flat.fill_(0xAB)
+    R.store(cache, torch.tensor([5]), keep, data, sf)
+    want[base + 528:base + 532] = 0xAB
     assert torch.equal(flat, want)
 
 

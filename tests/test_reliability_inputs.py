@@ -56,6 +56,7 @@ USER_FORMATS = [
     KVCacheFormat("U_BW_E4M3_G16_FP32_D32", 32, "e4m3", 16, "fp32", False),
     KVCacheFormat("U_TI_TAIL_D96", 96, "e4m3", 32, "ue8m0_fp32", True, bf16_tail=32),
     KVCacheFormat("U_BW_NVFP4_TAIL_D64", 64, "e2m1", 16, "e4m3", False, sf_bytes=3, bf16_tail=16),
+    KVCacheFormat("U_TI_MXFP4_D64_ZR", 64, "e2m1", 32, "ue8m0", True, sf_bytes=5, zero_reserved=True),
 ]
 CACHE_FORMATS = list(formats.PRESETS.values()) + USER_FORMATS
 HEAD_DIMS = [16, 32, 48, 64, 96, 128, 256, 576]

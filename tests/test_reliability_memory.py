@@ -76,6 +76,8 @@ def write_records(flat, cache, fmt, slots, parts):
                 b = payload[i, h]
                 assert b.numel() == ln, (k, b.numel(), ln)
                 flat[st:st + ln] = b
+            st, ln = reg["reserved"]                # zeros where the format writes them (zero_reserved)
+            flat[st:st + ln] = 0
 
 
 def record_parts(fmt, q, sf, y):

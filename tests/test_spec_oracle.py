@@ -384,13 +384,15 @@ USER_FORMATS = {
     "U_TI_D128_NVFP4_RES": KVCacheFormat("U6", 128, "e2m1", 16, "e4m3", True, sf_bytes=8 + 8),
     "U_BW_D1024_MX": KVCacheFormat("U7", 1024, "e4m3", 128, "ue8m0", False),
     "U_TI_D32_BF16_TAIL": KVCacheFormat("U8", 48, "e4m3", 16, "fp32", True, sf_bytes=12 + 4, bf16_tail=16),
+    "U_TI_D64_E4M3SF_ZR": KVCacheFormat("U9", 64, "e4m3", 16, "e4m3", True, sf_bytes=4 + 3, zero_reserved=True),
+    "U_BW_D256_FP32_ZR": KVCacheFormat("U10", 256, "e4m3", 64, "fp32", False, sf_bytes=16 + 8, zero_reserved=True),
 }
 ALL_FORMATS = {**PRESETS, **USER_FORMATS}
 
 
 def fmt_to_oracle(f: KVCacheFormat) -> O.Fmt:
     return O.make_fmt(f.head_dim, f.cast_fmt, f.elements_per_sf, f.sf_format, f.token_interleaved,
-                      f.sf_bytes, getattr(f, "bf16_tail", 0), f.scale_floor)
+                      f.sf_bytes, getattr(f, "bf16_tail", 0), f.scale_floor, f.zero_reserved)
 
 
 def make_cache(rng, f: KVCacheFormat, num_heads, n, invalid_frac=0.2, small=False):
@@ -867,9 +869,10 @@ def test_nonfinite_row_confined(fname, backend):
     mask[sa:sa + desc.fmt.sf_exact] = False
     mask[ta:ta + 2 * desc.fmt.bf16_tail] = False
     assert_bits_equal(got[mask], exp["storage"][mask], "bytes outside the non-finite row's record", fname)
-    # the reserved bytes of row 2 are untouched too
+    # the reserved bytes of row 2: untouched, or zeros where the format writes them
     res = slice(sa + desc.fmt.sf_exact, sa + desc.fmt.sf_bytes)
-    assert_bits_equal(got[res], desc.storage[res], "reserved bytes of the non-finite row", fname)
+    want = np.zeros_like(desc.storage[res]) if desc.fmt.zero_reserved else desc.storage[res]
+    assert_bits_equal(got[res], want, "reserved bytes of the non-finite row", fname)
 
 
 # --------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from .tables import format_pdl_pairs, format_summary, format_table, plot_results
 from .targets import (ENGINE_TIME_TARGETS, FLOOR_KINDS, FLOOR_SIZES, FLOOR_TARGET, PCT_COPY_N, PCT_COPY_TARGET, PCT_COPY_TARGETS,
                       TARGET_KINDS, check_targets, format_targets, pct_copy_target)
 from .timing import CudaTimer, Timing, measure_copy_bandwidth, measure_launch_floor, recover_cuda
-from .workloads import (MAIN_FP8_NO_RESERVED, MAIN_FP8_PAGEWISE, MAIN_FP8_SECTOR_ALIGNED, RECORD_LAYOUTS, ROTARY_DIM,
+from .workloads import (MAIN_FP8_NO_RESERVED, MAIN_FP8_PAGEWISE, MAIN_FP8_RESERVED_UNWRITTEN, MAIN_FP8_SECTOR_ALIGNED, RECORD_LAYOUTS, ROTARY_DIM,
                         WORKLOADS, Workload)
 
 __all__ = [
@@ -63,6 +63,6 @@ __all__ = [
     "ENGINE_TIME_TARGETS", "FLOOR_KINDS", "FLOOR_SIZES", "FLOOR_TARGET", "PCT_COPY_N", "PCT_COPY_TARGET", "PCT_COPY_TARGETS", "TARGET_KINDS",
     "check_targets", "format_targets", "pct_copy_target",
     "CudaTimer", "Timing", "measure_copy_bandwidth", "measure_launch_floor", "recover_cuda",
-    "MAIN_FP8_NO_RESERVED", "MAIN_FP8_PAGEWISE", "MAIN_FP8_SECTOR_ALIGNED", "RECORD_LAYOUTS", "ROTARY_DIM",
+    "MAIN_FP8_NO_RESERVED", "MAIN_FP8_PAGEWISE", "MAIN_FP8_RESERVED_UNWRITTEN", "MAIN_FP8_SECTOR_ALIGNED", "RECORD_LAYOUTS", "ROTARY_DIM",
     "WORKLOADS", "Workload",
 ]

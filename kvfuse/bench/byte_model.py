@@ -30,7 +30,8 @@ def moved_bytes(wl: Workload, n: int, index_bytes: int = 4, cos_sin_bytes: int =
       many tokens share it (:func:`cos_sin_rows`; ``None``: every token at its own position, at most
       MAX_POSITION rows);
     - written: the cache record bytes a write touches (quantized data + exact scales + bf16 tail;
-      reserved bytes and padding excluded), the bf16 out, or (q, sf);
+      reserved bytes, even where a format writes them as zeros, and padding excluded), the bf16 out, or
+      (q, sf);
     - GQA (:func:`_gqa_bytes`): q, k, v read and q written (bf16), the K and V cache elements
       written, the two norm weights once, the cos/sin rows as above, positions and slots (the fp8
       scales' 8 bytes left out).

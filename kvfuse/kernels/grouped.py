@@ -31,7 +31,7 @@ SEPARATE = ("P", "capacity", "n_rows")
 TUPLE_NAMES = tuple(name for name in RUNTIME_NAMES if name not in SEPARATE)
 # _member passes A and C by position
 assert RUNTIME_NAMES[10] == "P" and RUNTIME_NAMES[32:34] == ("capacity", "n_rows") and len(TUPLE_NAMES) == 35
-assert len(CONSTEXPR_NAMES) == 35
+assert len(CONSTEXPR_NAMES) == 37
 
 
 @triton.jit
@@ -42,7 +42,7 @@ def _member(pid, A, C: tl.constexpr, n_rows, P, capacity):
                A[27], A[28], A[29], A[30], capacity, n_rows, A[31], A[32], A[33], A[34], C[0], C[1], C[2], C[3],
                C[4], C[5], C[6], C[7], C[8], C[9], C[10], C[11], C[12], C[13], C[14], C[15], C[16], C[17], C[18],
                C[19], C[20], C[21], C[22], C[23], C[24], C[25], C[26], C[27], C[28], C[29], C[30], C[31], C[32],
-               C[33], C[34])
+               C[33], C[34], C[35], C[36])
 
 
 @triton.jit(do_not_specialize=["N0", "P0", "CAP0", "N1", "P1", "CAP1", "N2", "P2", "CAP2", "N3", "P3", "CAP3",

@@ -290,6 +290,7 @@ def fused_rows(
     OUT_STAGE: tl.constexpr, DEST: tl.constexpr, NATIVE: tl.constexpr,
     SLOT32: tl.constexpr, QALIGN: tl.constexpr, SFALIGN: tl.constexpr, TALIGN: tl.constexpr,
     EARLY: tl.constexpr, FLOOR_E: tl.constexpr, SPLIT: tl.constexpr, NORM_DIM: tl.constexpr,
+    RESERVED: tl.constexpr, BLOCK_RESERVED: tl.constexpr,
 ):
     """ROPE: ROPE_NONE off; ROPE_TILE on the whole tile (each rotated element computed from itself
     and its partner, reloaded and renormalized: the same arithmetic gives the same bits); ROPE_SUBTILE
@@ -299,7 +300,8 @@ def fused_rows(
     RoPE is stored last, after a barrier, because the RoPE reloads x and `out` may be x (in place).
     SPLIT > 0: x's columns [SPLIT, D) come from xt_ptr (two inputs, one row). NORM_DIM > 0: the norm covers
     the columns [0, NORM_DIM) only (its sums the tree with the other columns as zeros, divided by NORM_DIM);
-    the others keep x's values; 0: the whole head.
+    the others keep x's values; 0: the whole head. RESERVED > 0 (a cache format's ``zero_reserved``): the
+    record's RESERVED bytes after its scales are written as zeros (BLOCK_RESERVED: the next power of two).
     The rows of program ``pid``: rows [pid * BLOCK_M, (pid + 1) * BLOCK_M) of the n * H rows (fused_kernel,
     and each member of kvfuse/kernels/grouped.py)."""
     LOG2_VEC: tl.constexpr = 3 if VEC == 8 else 2
@@ -447,6 +449,13 @@ def fused_rows(
             slot_ptr, s_slot, tok, head, rows, rmask, s_blk, data_tok, sf_tok, head_stride, data_off, sf_off,
             tail_off, block_size, capacity, DEST, SLOT32, QALIGN, SFALIGN, TALIGN)
 
+    if DEST == DEST_CACHE and RESERVED > 0:
+        # the reserved bytes after the exact scale bytes, as zeros (the record then fills its last sector)
+        SF_EXACT: tl.constexpr = (DQ // G) * (1 if (SF == SF_UE8M0 or SF == SF_E4M3) else 4)
+        kz = tl.arange(0, BLOCK_RESERVED)
+        tl.store(cache_ptr + sfbase[:, None] + SF_EXACT + kz[None, :], tl.zeros([BLOCK_M, BLOCK_RESERVED], tl.uint8),
+                 mask=ok[:, None] & (kz < RESERVED)[None, :])
+
     # ---- outputs: the main tile (without the sub-tile's columns under ROPE_SUBTILE). RND: every value stored
     # as bf16 came out of a native round_bf16 (the norm's, the Hadamard's; the RoPE's where it rotates), so
     # the stores may convert again (bf16_out_bits); without them some columns are x's own bits
@@ -538,7 +547,8 @@ def fused_kernel(
     CAST: tl.constexpr, G: tl.constexpr, SF: tl.constexpr, FMAX: tl.constexpr, DQ: tl.constexpr,
     OUT_STAGE: tl.constexpr, DEST: tl.constexpr, NATIVE: tl.constexpr,
     SLOT32: tl.constexpr, QALIGN: tl.constexpr, SFALIGN: tl.constexpr, TALIGN: tl.constexpr,
-    EARLY: tl.constexpr, FLOOR_E: tl.constexpr, SPLIT: tl.constexpr, NORM_DIM: tl.constexpr, PDL: tl.constexpr,
+    EARLY: tl.constexpr, FLOOR_E: tl.constexpr, SPLIT: tl.constexpr, NORM_DIM: tl.constexpr,
+    RESERVED: tl.constexpr, BLOCK_RESERVED: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per BLOCK_M rows of x's n * H (token, head) rows (fused_rows). PDL (launched with
     programmatic dependent launch): wait for the previous kernel on the stream before the first
@@ -551,7 +561,8 @@ def fused_kernel(
                cache_ptr, s_blk, data_tok, sf_tok, head_stride, data_off, sf_off, tail_off, block_size,
                capacity, n_rows, H, xt_ptr, sxt_n, sxt_h, D, BLOCK_D, LOG2_BLOCK_D, VEC, BLOCK_M, ONE_HEAD, ROWS32,
                HAS_NORM, W_BF16, LAYER, HAS_BIAS, B_BF16, ROPE, R, ROPE_OFF, NEOX, CONJ, CS_BF16, HAS_HAD, CAST, G, SF,
-               FMAX, DQ, OUT_STAGE, DEST, NATIVE, SLOT32, QALIGN, SFALIGN, TALIGN, EARLY, FLOOR_E, SPLIT, NORM_DIM)
+               FMAX, DQ, OUT_STAGE, DEST, NATIVE, SLOT32, QALIGN, SFALIGN, TALIGN, EARLY, FLOOR_E, SPLIT, NORM_DIM,
+               RESERVED, BLOCK_RESERVED)
 
 
 # --------------------------------------------------------------------------- the signature as data
@@ -672,6 +683,7 @@ def fused_args(plan: Plan, tensor) -> tuple:
     forced = FORCED.cfg
     vec = (forced[2] if forced is not None else None) or vec_width(plan, qal)
     cap = cache.shape[0] * cache.shape[1] if cache is not None else 0
+    reserved = plan.fmt.reserved_bytes if cache is not None and plan.fmt.zero_reserved else 0
     if cache is not None:
         dest = DEST_CACHE.value
     elif plan.q_out is not None:
@@ -712,7 +724,8 @@ def fused_args(plan: Plan, tensor) -> tuple:
         OUT_STAGE=STAGE_CODES[plan.out_stage], DEST=dest, NATIVE=native(interpret),
         SLOT32=cap < config.INT32_LIMIT, QALIGN=qal, SFALIGN=sfal, TALIGN=tal, EARLY=bm == 1,
         FLOOR_E=NO_FLOOR.value if cast is None or cast.floor_exp is None else cast.floor_exp,
-        SPLIT=plan.split, NORM_DIM=plan.norm_dim if plan.norm_dim < D else 0, PDL=False,
+        SPLIT=plan.split, NORM_DIM=plan.norm_dim if plan.norm_dim < D else 0, RESERVED=reserved,
+        BLOCK_RESERVED=next_pow2(max(reserved, 1)), PDL=False,
         num_warps=nw, num_stages=1, enable_fp_fusion=False,
     )
     return (cdiv(n * H, bm),), args, options

@@ -44,8 +44,10 @@ def store_kernel(data_ptr, sf_ptr, tail_ptr, slot_ptr, s_slot,
                  cache_ptr, s_blk, data_tok, sf_tok, head_stride, data_off, sf_off, tail_off, block_size, capacity,
                  n_rows, H,
                  QB: tl.constexpr, BLOCK_QB: tl.constexpr, SFB: tl.constexpr, BLOCK_SFB: tl.constexpr,
-                 TB: tl.constexpr, BLOCK_TB: tl.constexpr, BLOCK_M: tl.constexpr):
-    """data [rows, QB], sf [rows, SFB], tail [rows, TB] (contiguous bytes) -> the records."""
+                 TB: tl.constexpr, BLOCK_TB: tl.constexpr, ZB: tl.constexpr, BLOCK_ZB: tl.constexpr,
+                 BLOCK_M: tl.constexpr):
+    """data [rows, QB], sf [rows, SFB], tail [rows, TB] (contiguous bytes) -> the records; ZB > 0: the ZB
+    reserved bytes after the scales as zeros (KVCacheFormat.zero_reserved)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < n_rows
     ok, qb, sb, tb = _record_bases(slot_ptr, s_slot, rows, rmask, H, s_blk, data_tok, sf_tok, head_stride,
@@ -53,6 +55,10 @@ def store_kernel(data_ptr, sf_ptr, tail_ptr, slot_ptr, s_slot,
     _copy_bytes(data_ptr, rows * QB, cache_ptr, qb, ok, QB, BLOCK_QB)
     if SFB > 0:
         _copy_bytes(sf_ptr, rows * SFB, cache_ptr, sb, ok, SFB, BLOCK_SFB)
+    if ZB > 0:
+        z = tl.arange(0, BLOCK_ZB)
+        tl.store(cache_ptr + sb[:, None] + SFB + z[None, :], tl.zeros([BLOCK_M, BLOCK_ZB], tl.uint8),
+                 mask=ok[:, None] & (z < ZB)[None, :])
     if TB > 0:
         _copy_bytes(tail_ptr, rows * TB, cache_ptr, tb, ok, TB, BLOCK_TB)
 
@@ -144,12 +150,13 @@ def store_launch(kv_cache, slot_mapping, fmt, payloads) -> Launch:
     """store_kernel's launch; ``payloads``: (data, sf, tail) as dense bytes, None where absent."""
     rows = slot_mapping.shape[0] * kv_cache.shape[2]
     qb, sfb, tb = (0 if p is None else p.numel() // rows for p in payloads)
+    zb = fmt.reserved_bytes if fmt.zero_reserved else 0
     bm = 64 if INTERPRET else 8
     T = tensor_arg
     args = (T("data"), T("sf"), T("tail"), T("slot_mapping"), slot_mapping.stride(0), T("kv_cache"),
             *_cache_geometry(kv_cache, fmt), rows, kv_cache.shape[2])
     options = dict(QB=qb, BLOCK_QB=next_pow2(qb), SFB=sfb, BLOCK_SFB=next_pow2(max(sfb, 1)), TB=tb,
-                   BLOCK_TB=next_pow2(max(tb, 1)), BLOCK_M=bm, num_warps=4)
+                   BLOCK_TB=next_pow2(max(tb, 1)), ZB=zb, BLOCK_ZB=next_pow2(max(zb, 1)), BLOCK_M=bm, num_warps=4)
     index = {name: i for i, (name, p) in enumerate(zip(("data", "sf", "tail"), payloads)) if p is not None}
     index.update(slot_mapping=3, kv_cache=4)
     return Launch("store_kernel", (cdiv(rows, bm),), args, options, index, 5, globals(), stand_in="data",

@@ -36,12 +36,16 @@ def store(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, fmt: KVCacheFormat
           sf: Optional[torch.Tensor] = None, tail: Optional[torch.Tensor] = None) -> None:
     """Write records: data [n, H, quant_bytes] (bf16 cache: bf16 [n, H, D]), sf [n, H, num_scales]
     (sf dtype of the format), tail bf16 [n, H, bf16_tail]. Invalid slots write nothing; only the
-    record's data, exact scale and tail bytes are touched."""
+    record's data, exact scale and tail bytes are touched, and its reserved bytes (as zeros) where the
+    format says ``zero_reserved``."""
     flat = _storage_bytes(kv_cache)
     valid, dbase, sbase, tbase = record_addresses(kv_cache, fmt, slot_mapping)
     parts = [(dbase, data.contiguous().view(torch.uint8))]
     if fmt.quantized:
-        parts.append((sbase, sf.contiguous().view(torch.uint8)))
+        sf_bytes = sf.contiguous().view(torch.uint8)
+        if fmt.zero_reserved:
+            sf_bytes = torch.cat([sf_bytes, sf_bytes.new_zeros(sf_bytes.shape[:-1] + (fmt.reserved_bytes,))], -1)
+        parts.append((sbase, sf_bytes))
     if fmt.bf16_tail:
         parts.append((tbase, tail.contiguous().view(torch.uint8)))
     for base, payload in parts:

@@ -91,7 +91,7 @@ def _mark_records(mask, cache, slots):
     s0, s1 = cache.stride(0), cache.stride(1)
     for s in slots.tolist():
         base = (s // 64) * s0 + (s % 64) * s1
-        mask[base:base + 528] = False                   # 512 data + 16 scales (the 4 reserved stay)
+        mask[base:base + 532] = False                   # 512 data + 16 scales + the 4 reserved (zeros)
 
 
 def test_compile_fullgraph_inductor_equals_eager():

@@ -202,13 +202,6 @@ if gluon is not None:
             gdc_launch_dependents()
 
     @gluon.jit
-    def prefetch_l2(addr):
-        """prefetch.global.L2 of each address (int64 tensor): brings its 32-byte sector into L2 and
-        changes no byte and no register (the asm's own result is a constant nobody reads)."""
-        gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-    @gluon.jit
     def shfl_xor(v, LANE_MASK: gl.constexpr):
         """v of lane l ^ LANE_MASK, for a 32-bit tensor (every lane of the warp must run it: the kernels
         have no divergent code around it)."""

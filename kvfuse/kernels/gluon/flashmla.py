@@ -418,8 +418,9 @@ def record_key(fmt) -> tuple:
 
 
 def format_constexprs(fmt):
-    """The kernel's format constexprs (QUANT_DIM, GROUP, SF_FP32) for a supported record, else None."""
-    return SUPPORTED_RECORDS.get(record_key(fmt))
+    """The kernel's format constexprs (QUANT_DIM, GROUP, SF_FP32) for a supported record, else None (a
+    format whose reserved bytes are written as zeros included: the kernel never writes them)."""
+    return None if fmt.zero_reserved else SUPPORTED_RECORDS.get(record_key(fmt))
 
 
 def launch_table(n_rows: int):

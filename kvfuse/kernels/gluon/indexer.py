@@ -834,7 +834,7 @@ def _eligible_write(plan, chain) -> bool:
         return False
     cast, _, sf = chain
     data_bytes = 128 if cast == CAST_E4M3.value else 64
-    if f.token_interleaved or f.bf16_tail or f.head_dim != HEAD_DIM or f.data_bytes != data_bytes:
+    if f.token_interleaved or f.bf16_tail or f.head_dim != HEAD_DIM or f.data_bytes != data_bytes or f.zero_reserved:
         return False
     if cache.dim() != 4 or cache.shape[2] != 1 or cache.stride(3) != 1:
         return False

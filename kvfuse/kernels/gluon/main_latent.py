@@ -5,7 +5,7 @@ and MAIN_FP4 records, byte for byte what ``kvfuse.kernels.portable.fused_kernel`
 
 Assumptions (``eligible`` checks them; anything else goes to the portable kernel): head_dim 512,
 num_heads 1, x bf16 [n, 512] with unit column stride, the MAIN_FP8 record (512 e4m3 codes | 16 UE8M0
-scale bytes | 4 reserved bytes never written) or DeepSeek V4.1's MAIN_MXFP8 (the same codes and scales,
+scale bytes | 4 reserved bytes written as zeros) or DeepSeek V4.1's MAIN_MXFP8 (the same codes and scales,
 no reserved bytes, the scale floored at 2^-13: the kernel's FLOOR_E) at a token stride that is a
 multiple of 4 (records are only 4-byte aligned: every cache store is at most 32 bits wide).
 
@@ -41,27 +41,14 @@ from .common import (INT32_LIMIT, allowed_by_env, available, compile_options, ea
                      log2_block, occupancy_grid, table_entry)
 
 HEAD_DIM = 512
-RECORD_BYTES = 532           # 512 codes + 16 scales + 4 reserved (never written)
-RESERVED_OFFSET = 528
-# From this many rows on, prefetch into L2, before a record's stores, the 32-byte sector that holds its 4
-# reserved bytes. Those bytes are never written, so that sector leaves L2 partly written and costs DRAM a
-# read-modify-write at eviction, in the middle of the write stream; prefetched, the stores complete it in
-# L2 (bytes unchanged). It pays once the records outgrow L2 (50 MB on an H200; 131072 records: 70 MB):
-# H200, PDL, paged slots (benchmarks/results/2026-12-02_h200_fill_sector_ab.txt), 262144 rows: the cast
-# alone 121.0 -> 112.9 us, norm + GPT-J RoPE 127.4 -> 124.8; 65536 rows: 30.5 -> 30.0 and 33.1 -> 33.7; at
-# n = 1 the prefetch's round trip costs 0.1 us. An integer switch (benchmarks/tune.py --set
-# main_latent.FILL_MIN_ROWS=...; a value above any n turns it off).
-FILL_MIN_ROWS = 131072
-# row counts, beyond the launch table's own, from which a launch's constexprs change (the GPU matrix runs
-# each fast path's chains there too: tests/gpu_matrix.py)
-ROW_THRESHOLDS = (FILL_MIN_ROWS,)
+RECORD_BYTES = 532           # 512 codes + 16 scales + 4 reserved bytes (written as zeros: ZERO_RESERVED)
 ROTARY_DIM = 64
 
 
 if gluon is not None:
     from ..numerics import ue8m0_exponent  # the portable kernel's scale rule (Gluon calls it as it is)
     from .common import (as_offset, bf16x2, block_and_token, e2m1_nibble, e4m3x4, expand_rows, hi_f32, lane_tree,
-                               lo_f32, load_indices, prefetch_l2, shfl_xor, slot_block, pdl_wait)
+                               lo_f32, load_indices, shfl_xor, slot_block, pdl_wait)
     from .common import b64, group_scale
 
     @gluon.jit
@@ -161,10 +148,12 @@ if gluon is not None:
     @gluon.jit
     def _quantize_store(yw, rmask, slot, capacity, cache_ptr, s_blk, tok_stride, block_size, lane, qword,
                         R: gl.constexpr, LQ: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr,
-                        OFFSETS32: gl.constexpr, FILL_SECTOR: gl.constexpr, FLOOR_E: gl.constexpr):
+                        OFFSETS32: gl.constexpr, ZERO_RESERVED: gl.constexpr, FLOOR_E: gl.constexpr):
         """y (bf16 pairs [R, 8, 4, 8]) of one tile -> UE8M0/e4m3 -> the MAIN_FP8 / MAIN_MXFP8 records (codes at
-        byte 0, scales at 512). FILL_SECTOR: first prefetch into L2 the sector of each record's 4 reserved
-        bytes (see FILL_MIN_ROWS). FLOOR_E: the scale_floor's exponent (MAIN_MXFP8: -13), NO_FLOOR without."""
+        byte 0, scales at 512). ZERO_RESERVED: MAIN_FP8's 4 reserved bytes 528..531 written as zeros, by lanes
+        1, 3, 5, 7 in the scales' store (a record then fills every DRAM sector it touches; a never-written byte
+        costs its sector a read-modify-write on eviction). FLOOR_E: the scale_floor's exponent (MAIN_MXFP8:
+        -13), NO_FLOOR without."""
         # ---- the records; an invalid slot (or a row past n_rows) writes nothing
         ok = rmask & (slot >= 0) & (slot < capacity)
         s_ok, blk = slot_block(slot, ok, block_size, SLOT32, LOG2_BLOCK)
@@ -172,9 +161,6 @@ if gluon is not None:
             rec = as_offset(blk, OFFSETS32) * s_blk + as_offset(s_ok - blk * block_size, OFFSETS32) * tok_stride
         else:
             rec = blk * s_blk + (s_ok - blk * block_size) * tok_stride
-        if FILL_SECTOR:
-            # a row whose record is not written prefetches the cache's first sector instead (never written by it)
-            prefetch_l2((cache_ptr + gl.where(ok, rec + 528, 0)).to(gl.int64, bitcast=True))   # 528: RESERVED_OFFSET
 
         # ---- UE8M0 scale per 32 columns (two lanes): group_scales(SF_UE8M0, FMAX=448) of numerics.py
         y_lo = lo_f32(yw)
@@ -194,7 +180,13 @@ if gluon is not None:
         ok_q = gl.expand_dims(gl.convert_layout(ok3, gl.SliceLayout(3, LQ), assert_trivial=True), 3)
         # records are 4-byte aligned (host check): 32-bit stores of four codes
         gl.store(cache_ptr.to(gl.pointer_type(gl.int32)) + rec_q + qword, codes, mask=ok_q)
-        gl.store(cache_ptr + rec3 + 512 + (lane >> 1), (e + 127).to(gl.uint8), mask=ok3 & ((lane & 1) == 0))
+        even = (lane & 1) == 0
+        if ZERO_RESERVED:
+            # even lane 2g: scale byte 512 + g; odd lanes 1, 3, 5, 7: a zero at 528 .. 531, in the same store
+            gl.store(cache_ptr + rec3 + 512 + gl.where(even, lane >> 1, 16 + (lane >> 1)),
+                     gl.where(even, e + 127, 0).to(gl.uint8), mask=ok3 & (even | (lane < 8)))
+        else:
+            gl.store(cache_ptr + rec3 + 512 + (lane >> 1), (e + 127).to(gl.uint8), mask=ok3 & even)
 
     # ---- MAIN_FP4 records (the FP4 branch; main_latent_fp4 holds their host side)
     @gluon.jit
@@ -238,7 +230,7 @@ if gluon is not None:
                     cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel, qword,
                     R: gl.constexpr, LLANE: gl.constexpr, LPLANE: gl.constexpr, LQ: gl.constexpr,
                     LW: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, OFFSETS32: gl.constexpr,
-                    FP4: gl.constexpr, NEOX: gl.constexpr, CAST_ONLY: gl.constexpr, FILL_SECTOR: gl.constexpr,
+                    FP4: gl.constexpr, NEOX: gl.constexpr, CAST_ONLY: gl.constexpr, ZERO_RESERVED: gl.constexpr,
                     FLOOR_E: gl.constexpr):
         """RMSNorm -> RoPE -> the cast -> the records of one tile of R rows whose loads are done: MAIN_FP8's or
         MAIN_MXFP8's (UE8M0/e4m3), or with FP4 MAIN_FP4's (main_latent_fp4: NVFP4). CAST_ONLY: the cast of x
@@ -255,7 +247,7 @@ if gluon is not None:
                                 R, LLANE, SLOT32, LOG2_BLOCK, OFFSETS32)
         else:
             _quantize_store(yw, rmask, slot, capacity, cache_ptr, s_blk, tok_stride, block_size, lane, qword,
-                            R, LQ, SLOT32, LOG2_BLOCK, OFFSETS32, FILL_SECTOR, FLOOR_E)
+                            R, LQ, SLOT32, LOG2_BLOCK, OFFSETS32, ZERO_RESERVED, FLOOR_E)
 
     @gluon.jit(do_not_specialize=["n_rows", "P", "capacity"])
     def main_fp8_kernel(
@@ -267,7 +259,7 @@ if gluon is not None:
         n_rows,
         W_BF16: gl.constexpr, SLOT32: gl.constexpr, LOG2_BLOCK: gl.constexpr, ROWS_PER_WARP: gl.constexpr,
         PIPELINE: gl.constexpr, OFFSETS32: gl.constexpr, FP4: gl.constexpr, NEOX: gl.constexpr,
-        CAST_ONLY: gl.constexpr, PDL: gl.constexpr, FILL_SECTOR: gl.constexpr, FLOOR_E: gl.constexpr,
+        CAST_ONLY: gl.constexpr, PDL: gl.constexpr, ZERO_RESERVED: gl.constexpr, FLOOR_E: gl.constexpr,
         PDL_EARLY: gl.constexpr = False,
     ):
         """A program walks over the tiles pid, pid + num_programs, ... (R = ROWS_PER_WARP * num_warps
@@ -278,8 +270,8 @@ if gluon is not None:
         FP4: write MAIN_FP4 records instead (main_latent_fp4 launches this kernel so). NEOX: the RoPE
         pairs (448 + j, 480 + j), else GPT-J's (448 + 2 j, 449 + 2 j). CAST_ONLY: no norm and no RoPE (the
         cast of x: kvfuse.mla.store_gathered, the CP second pass); w_ptr, pos_ptr and cs_ptr are stand-ins
-        (x), never read. FILL_SECTOR: prefetch each MAIN_FP8 record's reserved-byte sector into L2 before
-        its stores (``fill_sector``: large launches). FLOOR_E: the scale_floor's exponent of the UE8M0 records
+        (x), never read. ZERO_RESERVED: write each MAIN_FP8 record's 4 reserved bytes as zeros
+        (``MainRecords.zero_reserved``). FLOOR_E: the scale_floor's exponent of the UE8M0 records
         (MAIN_MXFP8's -13), NO_FLOOR for MAIN_FP8 (and unused by FP4): that value compiles to the code of before.
         PDL_EARLY (with PDL, never with CAST_ONLY): the first tile's positions, slots and cos/sin rows are read
         before the wait, x after it (kvfuse.set_pdl's early_reads; off: every read after the wait)."""
@@ -356,7 +348,7 @@ if gluon is not None:
                 _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
                             cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
                             qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4, NEOX, CAST_ONLY,
-                            FILL_SECTOR, FLOOR_E)
+                            ZERO_RESERVED, FLOOR_E)
                 # the next positions arrived while this tile computed
                 cs = _tile_cos_sin(cs_ptr, s_cs, P, next_pos, next_rows, n_rows, cs_col, next_xp, LPLANE, OFFSETS32,
                                    CAST_ONLY)
@@ -376,7 +368,7 @@ if gluon is not None:
             _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
                         cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
                         qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4, NEOX, CAST_ONLY,
-                        FILL_SECTOR, FLOOR_E)
+                        ZERO_RESERVED, FLOOR_E)
             for tile in range(pid + num_programs, num_tiles, num_programs):
                 rows = tile * R + r_idx
                 pos, slot = _indices(pos_ptr, s_pos, slot_ptr, s_slot, rows, n_rows, OFFSETS32, CAST_ONLY)
@@ -385,7 +377,7 @@ if gluon is not None:
                 _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
                             cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
                             qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4, NEOX, CAST_ONLY,
-                            FILL_SECTOR, FLOOR_E)
+                            ZERO_RESERVED, FLOOR_E)
         else:
             for tile in range(pid, num_tiles, num_programs):
                 rows = tile * R + r_idx
@@ -395,7 +387,7 @@ if gluon is not None:
                 _write_rows(xw, xp, cs, pos, slot, rows, n_rows, w_lo, w_hi, w_pair, eps, P,
                             cache_ptr, s_blk, tok_stride, block_size, capacity, tail_buf, lane, tail_lane, merge_sel,
                             qword, R, LLANE, LPLANE, LQ, LW, SLOT32, LOG2_BLOCK, OFFSETS32, FP4, NEOX, CAST_ONLY,
-                            FILL_SECTOR, FLOOR_E)
+                            ZERO_RESERVED, FLOOR_E)
 
 
 # --------------------------------------------------------------------------- host side
@@ -413,9 +405,10 @@ class MainRecords:
     align: int               # the cache pointer and both strides: multiples of this (the widest code store)
     fp4: bool                # the kernel's FP4 constexpr
     floor_exp: Optional[int] = None   # the cast's scale_floor exponent (the kernel's FLOOR_E), None: no floor
+    zero_reserved: bool = False       # the 4 reserved bytes after the scales written as zeros (ZERO_RESERVED)
 
 
-RECORDS = MainRecords("MAIN_FP8", ("e4m3", 32, "ue8m0"), RECORD_BYTES, 512, 4, False)
+RECORDS = MainRecords("MAIN_FP8", ("e4m3", 32, "ue8m0"), RECORD_BYTES, 512, 4, False, zero_reserved=True)
 # DeepSeek V4.1's record: MAIN_FP8's codes and scales without the reserved bytes, the scale floored at 2^-13
 RECORDS_MXFP8 = MainRecords("MAIN_MXFP8", ("e4m3", 32, "ue8m0"), _formats.MAIN_MXFP8.bytes_per_token, 512, 4,
                             False, _formats.scale_floor_exponent(_formats.MAIN_MXFP8.scale_floor))
@@ -471,12 +464,6 @@ def launch_table(n_rows: int):
 LAUNCH_TABLE = ((1, (1, 1, False)), (1025, (4, 1, False)), (8193, (1, 1, False)), (16385, (1, 1, True)))
 
 
-def fill_sector(rec: MainRecords, n: int) -> bool:
-    """The kernel's FILL_SECTOR for n rows of ``rec``'s records: MAIN_FP8 (the records with reserved bytes)
-    from FILL_MIN_ROWS rows on."""
-    return not rec.fp4 and rec.record_bytes > RESERVED_OFFSET and n >= FILL_MIN_ROWS
-
-
 def launch_parts_records(rec: MainRecords, tensor, n: int, eps: float, x, weight, positions, cos_sin, slot_mapping,
                          kv_cache, num_warps: int, rows_per_warp: int, pipeline: bool, ctas_per_sm=None,
                          sm_count=None, neox: bool = True):
@@ -498,7 +485,7 @@ def launch_parts_records(rec: MainRecords, tensor, n: int, eps: float, x, weight
     constexprs = dict(W_BF16=cast_only or weight.dtype == torch.bfloat16, SLOT32=capacity <= INT32_LIMIT,
                       LOG2_BLOCK=log2_block(block_size), ROWS_PER_WARP=rows_per_warp, PIPELINE=bool(pipeline),
                       OFFSETS32=max(spans) < INT32_LIMIT, FP4=rec.fp4, NEOX=bool(neox), CAST_ONLY=cast_only,
-                      PDL=False, FILL_SECTOR=fill_sector(rec, n),
+                      PDL=False, ZERO_RESERVED=rec.zero_reserved,
                       FLOOR_E=NO_FLOOR.value if rec.floor_exp is None else rec.floor_exp)
     if not cast_only:
         constexprs.update(early_reads_option(n))
@@ -552,7 +539,8 @@ def eligible_records(rec: MainRecords, plan) -> bool:
         return False
     if (c.cast_fmt, c.group, c.sf_format) != rec.chain or c.floor_exp != rec.floor_exp or plan.quant_dim != HEAD_DIM:
         return False
-    if not f.token_interleaved or f.bytes_per_token != rec.record_bytes or f.bf16_tail:
+    if not f.token_interleaved or f.bytes_per_token != rec.record_bytes or f.bf16_tail \
+            or f.zero_reserved != rec.zero_reserved:
         return False
     if cache.dim() != 4 or cache.shape[2] != 1 or cache.shape[3] != rec.record_bytes or cache.stride(3) != 1:
         return False
