@@ -79,8 +79,8 @@ ROW_NOTES = {
     "flashinfer triton ds-v4.1 quantize_cache mxfp8":
         "FlashInfer writes its own page layout, not the MAIN_FP8 record: a 64-token page holds its tokens' "
         "512-byte code rows, then their 16-byte scale rows (528 bytes a token, no reserved bytes), where a "
-        "MAIN_FP8 record is 532 bytes with 4 reserved bytes never written (docs/performance.md, \"The cast "
-        "alone\")",
+        "MAIN_FP8 record is 532 bytes, 4-byte aligned, its 4 reserved bytes written as zeros (docs/performance.md, "
+        "\"The cast alone\")",
 }
 
 

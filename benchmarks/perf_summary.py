@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # the result the README quotes, relative to the repository root
-SOURCE = "benchmarks/results/2026-12-04_h200_full_bench.json"
+SOURCE = "benchmarks/results/2026-12-04d_h200_full_bench.json"
 BEGIN, END = "<!-- perf-summary:begin (benchmarks/perf_summary.py) -->", "<!-- perf-summary:end -->"
 # (model call, the bench workloads that make it: the first one the run measured is quoted; runs before
 # 2026-12-02 named the V4 main writes dsv4_main_*, the full run names them by their preset)
