@@ -155,8 +155,8 @@ def fast_cases() -> list:
                                   w_fp32=(seed // 2) % 2 == 1, cs_bf16=(seed // 4) % 2 == 1, block_size=bs,
                                   num_blocks=n // bs + 3, slot_kind=("random", "invalid", "cross_page")[seed % 3],
                                   x2d=seed % 5 == 0))
-        # sizes past which the module's constexprs change beyond its launch table (main_latent's reserved-sector
-        # prefetch): each chain and format once there too
+        # sizes past which the module's constexprs change beyond its launch table (a module's ROW_THRESHOLDS;
+        # none today): each chain and format once there too
         for threshold, variant in itertools.product(getattr(module, "ROW_THRESHOLDS", ()), variants):
             for fmt in fmts:
                 seed += 1
@@ -343,7 +343,7 @@ def gqa_fp4_cases():
                                 q_norm="fp16", k_norm="fp16", cos_sin="fp16")),
                 (64, 9, dict(fp4_k=name, fp8=True, neox=False, rotary_dim=32, rope_offset=16)),
                 (256, 40, dict(fp4_v=name, dtype="fp32", layout="HND", idx32=True)),
-                # the 4-bit launch table's entries at 64-d heads too (qkv.launch_table(d, four_bit=True))
+                # the stored-scale launch table's entries at 64-d heads too (qkv.launch_table(d, stored_scale=True))
                 (64, 1, dict(fp4_k=name, layout="HND")), (64, 200, dict(fp4_k=name, fp4_v=name)),
                 (128, 17, dict(fp4_v=name, fp8=True))]
     if "nvfp4" in PRESETS:
@@ -424,6 +424,10 @@ def gqa_format_cases():
             for n, layout in ((513, "NHD"), (3, "HND")):
                 case = GQACase(n=n, d=128, hq=6, hkv=3, layout=layout, seed=n + i)
                 out.append((f"gqa_formats {name} inline d128_n{n}_{layout}", FormatCase(case, name, name, inline=True)))
+            # the stored-scale launch table's first two entries at 64-d heads (qkv.launch_table(64, True))
+            for n in (1, 40):
+                case = GQACase(n=n, d=64, hq=12, hkv=6, seed=n + 64 + i)
+                out.append((f"gqa_formats {name}/{name} d64_n{n}", FormatCase(case, name, name)))
     # K's cache as two (FlashInfer's kpe / ckv) with a per-row scale over both; the multiply convention
     out.append(("gqa_formats fp8_per_token_head k_cache_split d576_n9", FormatCase(
         GQACase(n=9, d=576, hq=16, hkv=1, split=64, k_cache_split=True, v_cache=False, rotary_dim=64, neox=False,

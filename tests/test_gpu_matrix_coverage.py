@@ -123,7 +123,12 @@ def test_every_gqa_launch_table_entry_has_a_case():
     wide = qkv.launch_table(1024)       # indexed by tokens x heads
     picked = {table_entry(wide, c.n * max(c.hq, c.hkv)) for c in cases if c.d > 512}
     assert picked == {cfg for _, cfg in wide}
-    for d in (64, 128):                 # the 4-bit caches' table
-        table = qkv.launch_table(d, four_bit=True)
+    from kvfuse.gqa_formats import PRESETS
+    stored = [f.base for _, f in M.gqa_format_cases()
+              if any(PRESETS[x].scale == "token_head" for x in (f.k_format, f.v_format) if x) and f.base.hq > 0]
+    for d in (64, 128):                 # the stored-scale table: 4-bit caches, per-(token, head) ones with q heads
+        table = qkv.launch_table(d, stored_scale=True)
         picked = {table_entry(table, c.n) for c in cases if c.d == d and (c.fp4_k or c.fp4_v)}
-        assert picked == {cfg for _, cfg in table}, d
+        assert picked == {cfg for _, cfg in table}, d          # 4-bit caches
+        picked = {table_entry(table, c.n) for c in stored if c.d == d}
+        assert picked == {cfg for _, cfg in table}, d          # per-(token, head) caches

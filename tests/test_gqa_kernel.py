@@ -213,8 +213,35 @@ def test_launch_table_shapes():
         assert qkv.launch_config(65536, block_d, 32, interpret=False) == (2, g_large, 1)
         assert qkv.launch_config(65536, block_d, 1, interpret=False) == (2, 1, 1)
         assert qkv.launch_config(65536, block_d, 3, interpret=False) == (2, min(g_large, 4), 1)
-    # 4-bit caches: 4 tokens of one head a program from 192 tokens, up to 128-d heads
-    for block_d, four_bit_large in ((64, (4, 1, 1)), (128, (4, 1, 1)), (256, (2, 1, 1))):
-        assert qkv.launch_config(191, block_d, 8, interpret=False, four_bit=True) == \
+    # caches whose scales the kernel stores (4-bit, per (token, head)): 4 tokens of one head a program from 192
+    # tokens, up to 128-d heads
+    for block_d, stored_large in ((64, (4, 1, 1)), (128, (4, 1, 1)), (256, (2, 1, 1))):
+        assert qkv.launch_config(191, block_d, 8, interpret=False, stored_scale=True) == \
             qkv.launch_config(191, block_d, 8, interpret=False)
-        assert qkv.launch_config(192, block_d, 8, interpret=False, four_bit=True) == four_bit_large
+        assert qkv.launch_config(192, block_d, 8, interpret=False, stored_scale=True) == stored_large
+
+
+@pytest.mark.parametrize("k_format,hq,stored", [
+    ("fp8_per_token_head", 6, True), ("int8_per_token_head", 6, True),     # a call with q heads
+    ("fp8_per_token_head", 0, False),                                      # a cache write alone (vLLM's writer)
+    ("nvfp4", 0, True), ("mxfp4", 6, True),                                # 4-bit caches: always
+    ("fp8_e4m3", 6, False), ("auto", 6, False),
+])
+def test_stored_scale_table_by_format_and_q_heads(monkeypatch, k_format, hq, stored):
+    """launch_args asks for the stored-scale launch table (qkv.launch_table(d, stored_scale=True)) for a 4-bit
+    cache, and for a per-(token, head) cache only in a call with q heads."""
+    from gqa_cases import GQACase
+    from gqa_format_cases import FormatCase, run_format_case
+    from kvfuse.plans.cache import clear_plan_cache
+    asked = []
+    real = qkv.launch_config
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("stored_scale", False))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(qkv, "launch_config", spy)
+    clear_plan_cache()
+    extra = dict(q_norm=None, k_norm=None, rotary_dim=0) if hq == 0 else {}
+    case = GQACase(n=3, d=128, hq=hq, hkv=2, seed=11, **extra)
+    run_format_case(FormatCase(case, k_format, k_format), "triton")
+    assert asked and set(asked) == {stored}

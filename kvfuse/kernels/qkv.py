@@ -816,7 +816,7 @@ def qkv_kernel(
 WIDE_TILE = 512     # from this tile width on, the launch table is indexed by tokens x heads
 
 
-def launch_table(block_d: int, four_bit: bool = False) -> tuple:
+def launch_table(block_d: int, stored_scale: bool = False) -> tuple:
     """The compiled kernel's launch table for a tile width: ((first n, (BLOCK_M, G, num_warps)), ...),
     read by gluon.common.table_entry: BLOCK_M tokens of G heads of one kind a program, one warp. From
     the H200 sweep with programmatic dependent launch (benchmarks/tune.py --kernel portable, Llama 3 8B
@@ -833,28 +833,37 @@ def launch_table(block_d: int, four_bit: bool = False) -> tuple:
     65536 tokens 35.35 us against 42.74 with 2 rows, at 256 tokens 2.45 against 2.77; with 128 q heads
     4 rows from 256 tokens; 1024 itself lies between the points measured, 256 and 4096 rows).
 
-    four_bit (a 4-bit K or V cache, kernels/gqa_fp4.py): from 192 tokens 4 tokens of one head a program
-    at heads up to 128 wide (H200 sweep, benchmarks/gqa_formats_bench.py --sweep, 2026-12-04: Qwen3 8B
-    nvfp4 at 65536 tokens 608.8 us against 1219.3 with 2 tokens of 4 heads in the halves form, 1190.7
-    against 1681.0 in the whole-row form; the group amax and the e2m1 encoder hold more registers)."""
+    stored_scale (a K or V cache whose scales the kernel computes and stores: a 4-bit cache,
+    kernels/gqa_fp4.py, or a per-(token, head) one in a call with q heads; ``launch_args``): from 192 tokens
+    4 tokens of one head a program at heads up to 128 wide, the row's amax (and the e2m1 encoder) holding
+    more registers. A per-(token, head) cache write alone keeps the default table: vLLM's writer's call
+    (Llama 3 8B, K and V only) took 161.2 us at 65536 tokens with this one against 133.1 (side-by-side
+    harness, group H, 2026-12-04). H200 sweeps,
+    2026-12-04, Qwen3 8B, every configuration byte-equal: nvfp4 at 65536 tokens 608.8 us against 1219.3
+    with 2 tokens of 4 heads in the halves form, 1190.7 against 1681.0 in the whole-row form
+    (benchmarks/gqa_formats_bench.py --sweep); int8 per (token, head) 3.89 / 36.39 / 532.31 us at 256 /
+    4096 / 65536 against 4.69 / 39.40 / 569.37, fp8 per (token, head) 4.06 / 35.93 / 526.13 against 4.67 /
+    36.58 / 527.13 (benchmarks/results/2026-12-04d_h200_gqa_sweep_token_head.json; fp8 per tensor is
+    fastest with the table's own entry there: 32.87 / 468.91 us at 4096 / 65536 against 34.91 / 508.68)."""
     if block_d >= WIDE_TILE:
         return ((1, (1, 1, 1)), (1024, (4, 1, 1)))
     g_small = max(1, 256 // block_d)
     g_large = max(1, 512 // block_d) if block_d <= 128 else 1
-    if four_bit and block_d <= 128:
+    if stored_scale and block_d <= 128:
         return ((1, (1, 1, 1)), (2, (2, g_small, 1)), (192, (4, 1, 1)))
     return ((1, (1, 1, 1)), (2, (2, g_small, 1)), (192, (2, g_large, 1)))
 
 
-def launch_config(n: int, block_d: int, heads: int = 1, interpret: bool = INTERPRET, four_bit: bool = False):
+def launch_config(n: int, block_d: int, heads: int = 1, interpret: bool = INTERPRET, stored_scale: bool = False):
     """(BLOCK_M, G, num_warps): the launch table on the GPU; in the interpreter (which pays per program)
     as many tokens per program as a 16K-element tile holds, and the heads in groups of up to 4.
     ``kvfuse.kernels.config.force_config`` overrides any of them (tests of launch invariance). ``heads``:
-    the call's largest head count (G never exceeds its power of two); four_bit: a 4-bit cache's table."""
+    the call's largest head count (G never exceeds its power of two); stored_scale: the table of a cache
+    whose scales the kernel computes (4-bit, per (token, head))."""
     if interpret:
         bm, g, nw = min(next_pow2(max(n, 1)), max(1, 16384 // block_d)), 4, 4
     else:
-        bm, g, nw = table_entry(launch_table(block_d, four_bit), n * max(heads, 1) if block_d >= WIDE_TILE else n)
+        bm, g, nw = table_entry(launch_table(block_d, stored_scale), n * max(heads, 1) if block_d >= WIDE_TILE else n)
     g = min(g, next_pow2(max(heads, 1)))
     forced = FORCED.cfg
     if forced is not None:
@@ -907,8 +916,11 @@ def launch_args(plan, tensor=None):
     n, hq, hkv, d = plan.n, q.shape[1], k.shape[1], plan.head_dim
     dv = d if plan.v is None else plan.v.shape[2]
     block_d, block_dv = next_pow2(d), next_pow2(dv)
-    bm, g, nw = launch_config(n, block_d, max(hq, hkv),
-                              four_bit=plan.k_format in FP4_CODES or plan.v_format in FP4_CODES)
+    # the stored-scale table for a 4-bit cache, and for a per-(token, head) one in a call with q heads; a
+    # per-(token, head) cache write alone (vLLM's writer, hq = 0) keeps the default one (launch_table)
+    four_bit = plan.k_format in FP4_CODES or plan.v_format in FP4_CODES
+    token_head = plan.k_fmt.scale == "token_head" or plan.v_fmt.scale == "token_head"
+    bm, g, nw = launch_config(n, block_d, max(hq, hkv), stored_scale=four_bit or (token_head and hq > 0))
     qg, kg = cdiv(hq, g), cdiv(hkv, g)
     kf, vf = plan.k_fmt, plan.v_fmt
     fp8 = kf.scale == "static"            # k's destination cast by k_scale (e4m3, or e5m2: K_E5M2)
