@@ -155,15 +155,6 @@ def fast_cases() -> list:
                                   w_fp32=(seed // 2) % 2 == 1, cs_bf16=(seed // 4) % 2 == 1, block_size=bs,
                                   num_blocks=n // bs + 3, slot_kind=("random", "invalid", "cross_page")[seed % 3],
                                   x2d=seed % 5 == 0))
-        # sizes past which the module's constexprs change beyond its launch table (a module's ROW_THRESHOLDS;
-        # none today): each chain and format once there too
-        for threshold, variant in itertools.product(getattr(module, "ROW_THRESHOLDS", ()), variants):
-            for fmt in fmts:
-                seed += 1
-                n = threshold + seed % 3
-                base = {**(chain or dict(heads=1, head_dim=fmt.head_dim, rotary_dim=64, out_stage=None)), **variant}
-                cases.append(Case(n=n, **base, fmt=fmt, seed=seed, idx32=bool(seed % 2), block_size=64,
-                                  num_blocks=n // 64 + 3, slot_kind=("random", "invalid", "cross_page")[seed % 3]))
         if module is indexer:     # the contiguous (q, sf) path: the indexer Q, rows = tokens x heads
             for i, variant in itertools.product(range(len(table)), INDEX_Q_CHAINS):
                 for k, fmt in enumerate(fmts):

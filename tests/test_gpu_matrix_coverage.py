@@ -70,19 +70,6 @@ def test_every_flashmla_entry_runs_two_inputs_and_the_latent_norm(built):
             {(False, True), (True, True)}, (i, got)
 
 
-def test_every_row_threshold_of_a_fast_path_has_its_chains_past_it(built):
-    """A fast path whose constexprs change past a row count (a module's ROW_THRESHOLDS, beyond its launch
-    table) runs every chain it serves past that count and below it."""
-    fast, _, _ = built
-    for module in router.FAST_PATH_MODULES:
-        name = module.__name__.rsplit(".", 1)[1]
-        mine = [c for c in fast if M.dispatch_of(c).startswith(f"{name} ")]
-        for threshold in getattr(module, "ROW_THRESHOLDS", ()):
-            chains = {(c.neox, c.norm, c.rope) for c in mine}
-            assert {(c.neox, c.norm, c.rope) for c in mine if c.n * c.heads >= threshold} == chains, (name, threshold)
-            assert {(c.neox, c.norm, c.rope) for c in mine if c.n * c.heads < threshold} == chains, (name, threshold)
-
-
 def test_main_fp8_fast_path_writes_the_reserved_bytes_its_format_says():
     """MAIN_FP8's Gluon records write the 4 reserved bytes as zeros, as the format says (the GPU matrix's
     MAIN_FP8 cases compare those bytes); a 532-byte format whose reserved bytes are never written is not
