@@ -236,6 +236,11 @@ class KVCacheFormat:
         return self.sf_bytes - self.sf_exact_bytes
 
     @property
+    def zeroed_bytes(self) -> int:
+        """The reserved bytes a write stores as zeros: all of them with ``zero_reserved``, else none."""
+        return self.reserved_bytes if self.zero_reserved else 0
+
+    @property
     def data_bytes(self) -> int:
         """Quantized bytes plus the bf16 tail's bytes."""
         return self.quant_bytes + 2 * self.bf16_tail

@@ -15,6 +15,7 @@ from .. import api as _api
 from .. import dispatch as _dispatch
 from ..plans import gqa as _gqa_plans
 from .. import reference
+from ..reference import cache as reference_cache
 from ..args import ContiguousOutArgs, FusedCall, KVCacheOutArgs, NormArgs, RopeArgs
 from ..backend import use_backend
 from ..formats import KVCacheFormat
@@ -281,10 +282,7 @@ def make_chain(wl: Workload) -> Callable:
             y = transform(x, weight, bias, positions, cos_sin)
             q, sf = reference.quantize(y[..., :qd], fmt.cast_fmt, fmt.elements_per_sf, fmt.sf_format,
                                        fmt.scale_floor)
-            sf_bytes = sf.contiguous().view(torch.uint8)
-            if fmt.zero_reserved:              # the format's reserved bytes, written as zeros with the scales
-                sf_bytes = torch.cat([sf_bytes, sf_bytes.new_zeros(sf_bytes.shape[:-1] + (fmt.reserved_bytes,))], -1)
-            payloads = [q.view(torch.uint8), sf_bytes]
+            payloads = [q.view(torch.uint8), reference_cache.scale_record_bytes(fmt, sf)]
             if fmt.bf16_tail:
                 payloads.append(y[..., qd:].contiguous().view(torch.uint8))
             _flat_store(flat, slots, geom, payloads)

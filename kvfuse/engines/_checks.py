@@ -44,24 +44,18 @@ def slots(slot_mapping, name: str = "slot_mapping") -> torch.Tensor:
     return slot_mapping
 
 
-def fp8_cache(cache, name: str) -> torch.Tensor:
-    """An e4m3 cache as the engine allocates it (uint8, or float8_e4m3fn), viewed as float8_e4m3fn."""
-    tensor(cache, name)
-    if cache.dtype == torch.float8_e4m3fn:
-        return cache
-    if cache.dtype == torch.uint8:
-        return cache.view(torch.float8_e4m3fn)
-    raise TypeError(f"{name}: an fp8 e4m3 cache must be uint8 or float8_e4m3fn, got {cache.dtype}")
+_FP8_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
-def e5m2_cache(cache, name: str) -> torch.Tensor:
-    """An e5m2 cache as the engine allocates it (uint8, or float8_e5m2), viewed as float8_e5m2."""
+def fp8_cache(cache, name: str, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+    """An fp8 cache as the engine allocates it (uint8, or ``dtype``: float8_e4m3fn or float8_e5m2), viewed as
+    ``dtype``."""
     tensor(cache, name)
-    if cache.dtype == torch.float8_e5m2:
+    if cache.dtype == dtype:
         return cache
     if cache.dtype == torch.uint8:
-        return cache.view(torch.float8_e5m2)
-    raise TypeError(f"{name}: an fp8 e5m2 cache must be uint8 or float8_e5m2, got {cache.dtype}")
+        return cache.view(dtype)
+    raise TypeError(f"{name}: an fp8 {_FP8_NAMES[dtype]} cache must be uint8 or {str(dtype)[6:]}, got {cache.dtype}")
 
 
 def byte_cache(cache, name: str) -> torch.Tensor:

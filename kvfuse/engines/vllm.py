@@ -14,8 +14,9 @@ semantics, each one call of a kvfuse entry point: swap ``from vllm import _custo
 - :func:`triton_reshape_and_cache_flash_per_token_head_quant`: the fp8 / int8 per-(token, head) caches ->
   the GQA entry with k_format / v_format and the scale caches (vllm.v1.attention.ops, not _custom_ops).
 
-What vLLM accepts beyond kvfuse's domain (head sizes not a multiple of 8 in reshape_and_cache_flash, and for the MLA and indexer writers fp16 / fp32 inputs, per-head scales, head
-sizes not a multiple of 16, fp32 indexer scales) raises TypeError / ValueError saying "not supported yet". Where vLLM's kernels read or write out of bounds (a slot past the cache) kvfuse
+What vLLM accepts beyond kvfuse's domain (head sizes not a multiple of 8 in reshape_and_cache_flash, and
+for the MLA and indexer writers fp16 / fp32 inputs, per-head scales, head sizes not a multiple of 16, fp32
+indexer scales) raises TypeError / ValueError saying "not supported yet". Where vLLM's kernels read or write out of bounds (a slot past the cache) kvfuse
 writes nothing. docs/engines.md lists the differences.
 """
 from __future__ import annotations
@@ -123,10 +124,10 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
         value_cache = _auto_cache(value_cache, "value_cache", key.dtype)
         k_scale = v_scale = None
     else:
-        as_cache = _checks.e5m2_cache if kind == FP8_E5M2 else _checks.fp8_cache
-        key_cache, value_cache = as_cache(key_cache, "key_cache"), as_cache(value_cache, "value_cache")
+        fmt, dtype = ("fp8_e5m2", torch.float8_e5m2) if kind == FP8_E5M2 else ("fp8_e4m3", torch.float8_e4m3fn)
+        key_cache = _checks.fp8_cache(key_cache, "key_cache", dtype)
+        value_cache = _checks.fp8_cache(value_cache, "value_cache", dtype)
         k_scale, v_scale = _flash_scales(k_scale, v_scale, key.shape[1])
-        fmt = "fp8_e5m2" if kind == FP8_E5M2 else "fp8_e4m3"
     key, value = _leading(slot_mapping, key, value)
     with _checks.engine_names(_GQA_NAMES):
         fused_qk_norm_rope_store_kv(key[:, :0], key, value, key_cache, value_cache, slot_mapping,

@@ -683,7 +683,7 @@ def fused_args(plan: Plan, tensor) -> tuple:
     forced = FORCED.cfg
     vec = (forced[2] if forced is not None else None) or vec_width(plan, qal)
     cap = cache.shape[0] * cache.shape[1] if cache is not None else 0
-    reserved = plan.fmt.reserved_bytes if cache is not None and plan.fmt.zero_reserved else 0
+    reserved = plan.fmt.zeroed_bytes if cache is not None else 0
     if cache is not None:
         dest = DEST_CACHE.value
     elif plan.q_out is not None:

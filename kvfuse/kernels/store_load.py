@@ -150,7 +150,7 @@ def store_launch(kv_cache, slot_mapping, fmt, payloads) -> Launch:
     """store_kernel's launch; ``payloads``: (data, sf, tail) as dense bytes, None where absent."""
     rows = slot_mapping.shape[0] * kv_cache.shape[2]
     qb, sfb, tb = (0 if p is None else p.numel() // rows for p in payloads)
-    zb = fmt.reserved_bytes if fmt.zero_reserved else 0
+    zb = fmt.zeroed_bytes
     bm = 64 if INTERPRET else 8
     T = tensor_arg
     args = (T("data"), T("sf"), T("tail"), T("slot_mapping"), slot_mapping.stride(0), T("kv_cache"),

@@ -32,6 +32,15 @@ def record_addresses(kv_cache: torch.Tensor, fmt: KVCacheFormat, slot_mapping: t
     return valid, data + a.data_offset, sf + a.sf_offset, data + a.tail_offset
 
 
+def scale_record_bytes(fmt: KVCacheFormat, sf: torch.Tensor) -> torch.Tensor:
+    """The bytes a write stores from a record's scale offset on: the exact scale bytes of ``sf`` [..,
+    num_scales] (the format's scale dtype), then the format's zeroed reserved bytes (``zeroed_bytes``)."""
+    b = sf.contiguous().view(torch.uint8)
+    if fmt.zeroed_bytes:
+        b = torch.cat([b, b.new_zeros(b.shape[:-1] + (fmt.zeroed_bytes,))], -1)
+    return b
+
+
 def store(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, fmt: KVCacheFormat, data: torch.Tensor,
           sf: Optional[torch.Tensor] = None, tail: Optional[torch.Tensor] = None) -> None:
     """Write records: data [n, H, quant_bytes] (bf16 cache: bf16 [n, H, D]), sf [n, H, num_scales]
@@ -42,10 +51,7 @@ def store(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, fmt: KVCacheFormat
     valid, dbase, sbase, tbase = record_addresses(kv_cache, fmt, slot_mapping)
     parts = [(dbase, data.contiguous().view(torch.uint8))]
     if fmt.quantized:
-        sf_bytes = sf.contiguous().view(torch.uint8)
-        if fmt.zero_reserved:
-            sf_bytes = torch.cat([sf_bytes, sf_bytes.new_zeros(sf_bytes.shape[:-1] + (fmt.reserved_bytes,))], -1)
-        parts.append((sbase, sf_bytes))
+        parts.append((sbase, scale_record_bytes(fmt, sf)))
     if fmt.bf16_tail:
         parts.append((tbase, tail.contiguous().view(torch.uint8)))
     for base, payload in parts:
