@@ -61,6 +61,7 @@ class Case:
     in_place: bool = False            # the stage copy goes into x itself (out = x; needs out_stage)
     split: Optional[int] = None       # x passed as two inputs, its columns [0, split) and [split, D) (not in place)
     norm_dim: Optional[int] = None    # the norm over the first norm_dim dims only (weight [norm_dim])
+    cache_offset: int = 0             # the cache starts this many bytes past a 64-byte boundary of its storage
 
     def describe(self):
         f = self.fmt.name if self.fmt else f"contig:{self.cast}"
@@ -137,8 +138,9 @@ def build(case: Case, device):
                              block_padding=case.block_padding, device="cpu")
         nbytes = cache.untyped_storage().nbytes()
         guard = 64
-        storage = torch.randint(0, 256, (nbytes + 2 * guard,), generator=gen, dtype=torch.uint8).to(device)
-        cache = torch.as_strided(storage, cache.shape, cache.stride(), guard)
+        storage = torch.randint(0, 256, (nbytes + 2 * guard + case.cache_offset,), generator=gen,
+                                dtype=torch.uint8).to(device)
+        cache = torch.as_strided(storage, cache.shape, cache.stride(), guard + case.cache_offset)
         slots = _slots(case, gen).to(device)
         out = None
         if case.out_stage is not None:
@@ -271,6 +273,15 @@ FAST_CASES = [(*where, case) for where, case in [
     (_M8, Case(n=20000, **FAST_MAIN, fmt=formats.MAIN_FP8, seed=5, block_size=1, num_blocks=20050, x_row_pad=16)),
     (_M8, Case(n=65537, **FAST_MAIN, fmt=formats.MAIN_FP8, seed=6, block_size=64, num_blocks=1100,
                slot_kind="random", idx32=True, x2d=True)),
+    # records at every 4-byte phase of a 16-byte boundary: caches 4 and 8 bytes past one (the pointer is not
+    # 16-byte aligned: Triton's launch, specialized for it, instead of the direct launcher), 536-byte token
+    # strides, the cast alone; continuous slots: neighbouring records share DRAM sectors within a launch
+    (_M8, Case(n=300, **FAST_MAIN, fmt=formats.MAIN_FP8, seed=7, block_size=24, num_blocks=16, cache_offset=4,
+               slot_kind="continuous")),
+    (_M8, Case(n=4097, **{**FAST_MAIN, "norm": False, "rope": False}, fmt=formats.MAIN_FP8, seed=8, block_size=64,
+               num_blocks=70, token_padding=4, slot_kind="continuous")),
+    (_M8, Case(n=1000, **{**FAST_MAIN, "norm": False, "rope": False}, fmt=formats.MAIN_FP8, seed=9, block_size=16,
+               num_blocks=70, cache_offset=8, slot_kind="invalid")),
     (_M4, Case(n=1, **FAST_MAIN, fmt=formats.MAIN_FP4, seed=11)),
     (_M4, Case(n=300, **FAST_MAIN, fmt=formats.MAIN_FP4, seed=12, idx32=True, w_fp32=True, cs_bf16=True,
                slot_kind="invalid", block_size=24, num_blocks=16)),
