@@ -8,10 +8,12 @@ from ONE run of the side-by-side harness (``../shared/peers``, its ``peers.json`
     python benchmarks/benchmarks_md.py RESULT.json --check    # exit 1 when BENCHMARKS.md differs
     python benchmarks/benchmarks_md.py RESULT.json --gqa GQA.json   # the GQA / MHA section from a later run
     python benchmarks/benchmarks_md.py RESULT.json --group G.json   # the Grouped section from a later run
+    python benchmarks/benchmarks_md.py --host-time H.json   # the host-time target from this eager_host_time.py run
 
 Without RESULT.json: the latest ``benchmarks/results/*_full_bench.json``; without --peers: the latest
 ``benchmarks/results/*_peers.json`` (its ``_log.txt`` beside it, when present, adds the software and the
-byte checks' partners).
+byte checks' partners); without --formats / --host-time: the latest ``*_gqa_formats.json`` /
+``*_eager_host_time.json`` there.
 
 Every kvfuse-only figure comes from the bench JSON: its device, software, date, copy bandwidth, launch
 floor and byte accounting, and the GPU time of each (workload, n, peer). Every engine figure comes from the
@@ -19,8 +21,10 @@ peers JSON, beside the kvfuse row it was measured against in that run (the row's
 comparison are from the same run, inputs and moment. Nothing here holds a measured figure; what the JSON
 does not record (the engines' releases, layout notes) is text keyed by engine or row name. The Targets
 section recomputes the project's targets (:func:`kvfuse.bench.check_targets`, as it stands) from the bench
-run's records. :func:`render` does the work; tests/test_benchmarks_md.py imports this file with benchmarks/
-on its path.
+run's records; the section after it checks the targets beside the engines and on the host from the bench
+run, the peers run and the eager host-time run (``benchmarks/eager_host_time.py``), each line a verdict on
+figures of those JSONs. :func:`render` does the work; tests/test_benchmarks_md.py imports this file with
+benchmarks/ on its path.
 """
 from __future__ import annotations
 
@@ -40,6 +44,8 @@ sys.path.insert(0, str(ROOT))
 
 from kvfuse.bench import (FLOOR_SIZES, FLOOR_TARGET, GQA_PEERS, PCT_COPY_N, TARGET_KINDS, WORKLOADS,  # noqa: E402
                           Record, check_targets)
+from kvfuse.bench.targets import (DECODE_FLOOR_N, ENGINE_DECODE_SIZES, GQA_QK_NORM_PCT_COPY,  # noqa: E402
+                                  HOST_US_TARGET, PCT_COPY_TARGET, pct_copy_target)
 from kvfuse.dispatch import GROUP_ONE_LAUNCH_MAX_N  # noqa: E402
 
 __all__ = ["ENGINE_RELEASES", "PEERS_GROUPS", "ROW_NOTES", "TIE", "render", "verdict", "cast_only",
@@ -676,6 +682,265 @@ def _targets_section(report: dict) -> List[str]:
     return out + ["", f"{sum(t['status'] == 'PASS' for t in measured)} of the {len(measured)} measured targets met."]
 
 
+# =============================================================================== targets beside the engines, host
+BESIDE_TARGETS = "Targets beside the engines and on the host"
+CAST_GROUP, CAST_ROW = "dsv4_main_fp8", "kvfuse write_main_cache_gathered (cast only)"   # the cast alone, side by side
+MAIN_FP4_WORKLOAD = "dsv4_main_fp4"
+INDEX_K_SUFFIX = "index_k"             # the indexer K writes: every workload of the run named *index_k
+HOST_FLOOR_PREFIX = "floor:"           # a host-time row that is a reference launch, not a kvfuse call
+
+
+@dataclasses.dataclass
+class TargetLine:
+    """One line of the table: a target (its number and what it asks) on the rows it covers, what was
+    measured and the verdict ("met", "missed" or "not measured")."""
+    target: str
+    rows: str
+    measured: str
+    verdict: str
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "missed"
+
+
+def _ok_us(rec: Optional[dict]) -> Optional[float]:
+    return rec["gpu_us"] if rec is not None and rec.get("status") == "ok" and rec.get("gpu_us") else None
+
+
+def _peers_by_row(peers: dict) -> Dict[Tuple[str, str], Dict[int, dict]]:
+    out: Dict[Tuple[str, str], Dict[int, dict]] = {}
+    for r in peers.get("records", []):
+        out.setdefault((r["group"], r["row"]), {})[r["n"]] = r
+    return out
+
+
+def _vs(per: Dict[int, dict]) -> Optional[str]:
+    return next((r["vs"] for r in per.values() if r.get("vs")), None)
+
+
+def pdl_engine_rows(peers: dict) -> List[Tuple[str, str, List[str]]]:
+    """(group, kvfuse row, engine rows) for every kvfuse "[PDL]" row of a peers JSON that engine rows were
+    measured against, as the JSON pairs them: an engine row whose ``vs`` is that row (the engine's PDL launch),
+    and an engine row without a PDL tag (the engine's own launch, no PDL variant) whose ``vs`` is the row's
+    "(PDL off)" twin; an engine's "(PDL off)" row never."""
+    by_row = _peers_by_row(peers)
+    engines = engine_rows(peers)
+    out = []
+    for group, label in by_row:
+        if not label.endswith("[PDL]") or next(iter(by_row[(group, label)].values())).get("pdl") is None:
+            continue
+        twin = _PDL_TAG.sub("", label) + " (PDL off)"
+        paired = [e for g, e in engines if g == group and (_vs(by_row[(g, e)]) == label or (
+            _vs(by_row[(g, e)]) == twin and _PDL_TAG.search(e) is None))]
+        if paired:
+            out.append((group, label, paired))
+    return out
+
+
+def _fastest(by_row: dict, group: str, rows: Sequence[str], n: int) -> Optional[Tuple[str, float]]:
+    timed = [(us, row) for row in rows if (us := _ok_us(by_row[(group, row)].get(n))) is not None]
+    return None if not timed else min(timed)[::-1]
+
+
+def _beside(kv_us: float, engine_us: float) -> Tuple[str, str]:
+    """The measured cell and verdict of kvfuse's time against an engine's; the ratio with enough decimals
+    that a miss never prints as 1.00x."""
+    ratio, digits = kv_us / engine_us, 2
+    while digits < 4 and ratio != 1 and round(ratio, digits) == 1:
+        digits += 1
+    return f"{_us(kv_us)} us vs {_us(engine_us)} us ({ratio:.{digits}f}x)", _met(kv_us <= engine_us)
+
+
+def engine_decode_lines(peers: Optional[dict]) -> List[TargetLine]:
+    """Target 1: every kvfuse "[PDL]" row against the fastest engine row measured against it, at each n of
+    ENGINE_DECODE_SIZES; a group of the run with engine rows but no such kvfuse row: not measured."""
+    if peers is None:
+        return [TargetLine("1. decode vs the engines", "every kvfuse [PDL] row beside an engine",
+                           "no side-by-side run", "not measured")]
+    by_row, out = _peers_by_row(peers), []
+    pairs = pdl_engine_rows(peers)
+    for group, label, engines in pairs:
+        for n in ENGINE_DECODE_SIZES:
+            kv_us, best = _ok_us(by_row[(group, label)].get(n)), _fastest(by_row, group, engines, n)
+            rows = f"`{group}`: `{label}`"
+            if kv_us is None or best is None:
+                out.append(TargetLine(f"1. decode vs the engines, n = {n}", rows,
+                                      f"{'kvfuse' if kv_us is None else 'no engine row'} not timed at n = {n}",
+                                      "not measured"))
+                continue
+            measured, verdict_ = _beside(kv_us, best[1])
+            of = f" (fastest of {len(engines)})" if len(engines) > 1 else ""
+            out.append(TargetLine(f"1. decode vs the engines, n = {n}", f"{rows} vs `{best[0]}`{of}", measured,
+                                  verdict_))
+    covered = {g for g, _, _ in pairs}
+    for group in dict.fromkeys(g for g, _ in engine_rows(peers)):
+        if group not in covered:
+            out.append(TargetLine("1. decode vs the engines", f"`{group}`",
+                                  "no kvfuse [PDL] row measured against an engine row", "not measured"))
+    return out
+
+
+def _cache_writes(report: dict, gqa_report: Optional[dict]) -> List[Tuple[dict, str]]:
+    """(run, workload) of every cache write: the MLA writes of the full run, then the GQA writes of the GQA
+    run when one is given (it fills the GQA / MHA section), else of the full run."""
+    gqa_run = report if gqa_report is None else gqa_report
+    return ([(report, w) for w in _run_workloads(report) if not w.startswith(GROUP_PREFIX)
+             and _kind(report, w) == "write"]
+            + [(gqa_run, w) for w in _run_workloads(gqa_run) if _category(gqa_run, w) == "gqa"])
+
+
+def floor_lines(report: dict, gqa_report: Optional[dict] = None) -> List[TargetLine]:
+    """Target 2: every cache write (MLA and GQA) at n = DECODE_FLOOR_N within FLOOR_TARGET x its run's launch
+    floor."""
+    n, target, out = DECODE_FLOOR_N, f"2. decode <= {FLOOR_TARGET:g}x the launch floor, n = {DECODE_FLOOR_N}", []
+    for run, w in _cache_writes(report, gqa_report):
+        us, floor = _ok_us(_fused(run).get((w, n))), run.get("device", {}).get("floor_us")
+        if us is None or not floor:
+            out.append(TargetLine(target, f"`{w}`", "no launch floor in the run" if not floor else
+                                  f"not timed at n = {n}", "not measured"))
+        else:
+            out.append(TargetLine(target, f"`{w}`", f"{_us(us)} us / {floor:.2f} us = {us / floor:.2f}x",
+                                  _met(us / floor <= FLOOR_TARGET)))
+    return out or [TargetLine(target, "every cache write of the run", "the run has none", "not measured")]
+
+
+def _qk_norm(name: str) -> bool:
+    w = WORKLOADS.get(name)
+    return w is not None and w.kind == "gqa" and w.gqa is not None and w.gqa.qk_norm
+
+
+def pct_copy_lines(report: dict, gqa_report: Optional[dict] = None) -> List[TargetLine]:
+    """Target 3: % of copy at large n: MAIN_FP4 and every indexer K at PCT_COPY_N (the thresholds of
+    :func:`kvfuse.bench.pct_copy_target`), the GQA writes whose model has a q / k norm at
+    GQA_QK_NORM_PCT_COPY's n (from the GQA run when one is given)."""
+    gqa_run = report if gqa_report is None else gqa_report
+    names, gqa_n, gqa_pct = _run_workloads(report), *GQA_QK_NORM_PCT_COPY
+
+    def of_format(w: str, rec: Optional[dict]) -> float:        # the cache format's threshold, as check_targets'
+        d = WORKLOADS.get(w)
+        slots = (rec or {}).get("slots", "")
+        return PCT_COPY_TARGET if d is None or d.fmt is None else pct_copy_target(d.fmt.name, slots)
+
+    fp4 = [MAIN_FP4_WORKLOAD] if MAIN_FP4_WORKLOAD in names else []
+    asks = [(f"3. MAIN_FP4 % of copy at {PCT_COPY_N}", report, fp4, PCT_COPY_N, f"`{MAIN_FP4_WORKLOAD}`", of_format),
+            (f"3. indexer K % of copy at {PCT_COPY_N}", report, [w for w in names if w.endswith(INDEX_K_SUFFIX)],
+             PCT_COPY_N, f"every `*{INDEX_K_SUFFIX}` workload", of_format),
+            (f"3. GQA with QK-norm % of copy at {gqa_n}", gqa_run, [w for w in _run_workloads(gqa_run) if _qk_norm(w)],
+             gqa_n, "every GQA workload whose model has a q / k norm", lambda w, rec: gqa_pct)]
+    out = []
+    for target, run, workloads, n, what, threshold_of in asks:
+        if not workloads:
+            out.append(TargetLine(target, what, "not in the run", "not measured"))
+        fused = _fused(run)
+        for w in workloads:
+            rec = fused.get((w, n))
+            pct, threshold = None if rec is None else rec.get("pct_copy"), threshold_of(w, rec)
+            if pct is None:
+                out.append(TargetLine(target, f"`{w}` (>= {threshold:g}%)", f"not timed at n = {n}", "not measured"))
+            else:
+                out.append(TargetLine(target, f"`{w}` (>= {threshold:g}%)", f"{pct:.1f}% ({_us(rec['gpu_us'])} us)",
+                                      _met(pct >= threshold)))
+    return out
+
+
+def cast_lines(peers: Optional[dict]) -> List[TargetLine]:
+    """Target 4: the cast alone (CAST_ROW of CAST_GROUP) at or under FlashInfer's row measured against it,
+    at every n of the run."""
+    target = "4. the cast alone vs FlashInfer"
+    rows = f"`{CAST_GROUP}`: `{CAST_ROW}`"
+    by_row = {} if peers is None else _peers_by_row(peers)
+    mine = by_row.get((CAST_GROUP, CAST_ROW))
+    engines = [e for g, e in ([] if peers is None else engine_rows(peers)) if g == CAST_GROUP
+               and _vs(by_row[(g, e)]) == CAST_ROW and engine_of(e) == "flashinfer"]
+    if not mine or not engines:
+        return [TargetLine(target, rows, "no side-by-side run" if peers is None else
+                           "the run has no such pair of rows", "not measured")]
+    out = []
+    for n in sorted(set(mine).union(*(by_row[(CAST_GROUP, e)] for e in engines))):
+        kv_us, best = _ok_us(mine.get(n)), _fastest(by_row, CAST_GROUP, engines, n)
+        if kv_us is None or best is None:
+            out.append(TargetLine(f"{target}, n = {n}", rows, f"not timed at n = {n}", "not measured"))
+        else:
+            out.append(TargetLine(f"{target}, n = {n}", f"{rows} vs `{best[0]}`", *_beside(kv_us, best[1])))
+    return out
+
+
+def host_lines(host: Optional[dict]) -> List[TargetLine]:
+    """Target 5: every kvfuse call of an eager host-time run at n = 1 (benchmarks/eager_host_time.py's JSON;
+    its "floor:" rows are references) at most HOST_US_TARGET us on the host, its launch included."""
+    target = f"5. host time <= {HOST_US_TARGET:g} us, n = 1"
+    calls = [r for r in (host or {}).get("rows", []) if not r["call"].startswith(HOST_FLOOR_PREFIX) and r["n"] == 1]
+    if not calls:
+        return [TargetLine(target, "every kvfuse call", "no host-time run" if host is None else
+                           "the run has no kvfuse call at n = 1", "not measured")]
+    return [TargetLine(target, f"`{r['call']}`", f"{r['host_us_cache_on']:.2f} us (GPU {_us(r.get('gpu_us'))} us)",
+                       _met(r["host_us_cache_on"] <= HOST_US_TARGET)) for r in calls]
+
+
+def peers_run_line(peers: Optional[dict], source: Optional[str]) -> TargetLine:
+    """Target 6: the engines' figures come from a side-by-side run committed under benchmarks/results/."""
+    target = "6. engine figures from a committed side-by-side run"
+    if peers is None:
+        return TargetLine(target, "the side-by-side JSON", "none found", "not measured")
+    committed = (source or "").startswith("benchmarks/results/")
+    groups = ", ".join(f"`{g}`" for g in _groups(peers)) or "none"
+    return TargetLine(target, f"`{source}`", f"rendered in \"{SIDE_BY_SIDE}\": {len(engine_rows(peers))} engine "
+                      f"rows, groups {groups}" + ("" if committed else "; not under benchmarks/results/"),
+                      _met(committed and bool(engine_rows(peers))))
+
+
+def beside_target_lines(report: dict, peers: Optional[dict], peers_source: Optional[str], host: Optional[dict],
+                        gqa_report: Optional[dict] = None) -> List[TargetLine]:
+    """Every line of the section's table, targets 1 to 6 in order; ``gqa_report``: the run of the GQA / MHA
+    section when it is not ``report``."""
+    return (engine_decode_lines(peers) + floor_lines(report, gqa_report) + pct_copy_lines(report, gqa_report)
+            + cast_lines(peers) + host_lines(host) + [peers_run_line(peers, peers_source)])
+
+
+def _beside_targets_section(report: dict, source: str, peers: Optional[dict], peers_source: Optional[str],
+                            host: Optional[dict], host_source: Optional[str], gqa_report: Optional[dict] = None,
+                            gqa_source: Optional[str] = None) -> List[str]:
+    runs = f"`{source}`" + ("" if gqa_report is None else f" (the GQA workloads: `{gqa_source}`)")
+    peers_name = f"`{peers_source}`" if peers is not None else "no side-by-side JSON"
+    host_name = f"`{host_source}`" if host is not None else "no host-time JSON"
+    floors = [r for r in (host or {}).get("rows", []) if r["call"].startswith(HOST_FLOOR_PREFIX)]
+    gqa_n, gqa_pct = GQA_QK_NORM_PCT_COPY
+    host_meta = (host or {}).get("meta", {})
+    lines = beside_target_lines(report, peers, peers_source, host, gqa_report)
+    out = [f"## {BESIDE_TARGETS}", "",
+           "The targets against the engines' kernels, the launch floor, the copy bandwidth and the host, each "
+           "recomputed from the run named as its source (reporting, not asserting; a target whose data the runs "
+           "lack says \"not measured\"):", "",
+           f"1. Decode at or under the fastest engine kernel at n = {' and '.join(map(str, ENGINE_DECODE_SIZES))}, "
+           "PDL on: every kvfuse \"[PDL]\" row against the fastest engine row measured against it (the engine's "
+           "\"[PDL]\" row where it has one, else its row as the engine launches it, measured against kvfuse's "
+           "\"(PDL off)\" twin); met when kvfuse's GPU time <= the engine's. Source: " + peers_name + ".",
+           f"2. Decode within {FLOOR_TARGET:g}x of the launch floor at n = {DECODE_FLOOR_N}: the fused GPU time "
+           "over the run's launch floor, every DeepSeek cache write and GQA write workload. Source: "
+           f"{runs}.",
+           f"3. Large n, % of copy in compulsory bytes: MAIN_FP4 (`{MAIN_FP4_WORKLOAD}`) and every indexer K "
+           f"(`*{INDEX_K_SUFFIX}`) at {PCT_COPY_N} (thresholds of `kvfuse.bench.pct_copy_target`), the GQA writes of "
+           f"models with a q / k norm (`GQAConfig.qk_norm`) >= {gqa_pct:g}% at {gqa_n}. Source: {runs}.",
+           f"4. The cast alone at or under FlashInfer's `quantize_cache` at every n: `{CAST_ROW}` of group "
+           f"`{CAST_GROUP}` against the FlashInfer row measured against it. Source: {peers_name}.",
+           f"5. Host time of an eager call at most {HOST_US_TARGET:g} us at n = 1, the launch included (median wall "
+           "time of single calls, plan cache on): every kvfuse call of the run (the fused entry, the GQA entry, "
+           "the engines' adapters). Source: " + host_name + (
+               f" ({host_meta.get('device', 'device not recorded')}, {host_meta.get('date', 'date not recorded')}, "
+               f"PDL {'on' if host_meta.get('pdl') else 'off'})" if host is not None else "") + "; " + (
+               "its reference launches: " + ", ".join(f"{r['call'][len(HOST_FLOOR_PREFIX):].strip()} "
+                                                      f"{r['host_us_cache_on']:.2f} us" for r in floors)
+               if floors else "no reference launch recorded") + ".",
+           "6. Engine figures from a committed side-by-side run: met when its JSON under benchmarks/results/ was "
+           f"found and rendered. Source: {peers_name}.", ""]
+    out += _table(["target", "rows", "measured", "verdict"],
+                  [[t.target, t.rows, t.measured, "**missed**" if t.verdict == "missed" else t.verdict] for t in lines])
+    met = sum(t.verdict == "met" for t in lines)
+    missed = sum(t.verdict == "missed" for t in lines)
+    return out + ["", f"{met} of {len(lines)} met ({missed} missed, {len(lines) - met - missed} not measured)."]
+
+
 def full_run_workloads() -> List[str]:
     """The workloads of a run that fills every table: the bench's forms of the engines' calls
     (:data:`ENGINE_CALL_WORKLOADS`), the models' DeepSeek calls, the cast-only, grouped and GQA workloads of
@@ -698,7 +963,7 @@ def _regenerate() -> List[str]:
             "One `kvfuse bench` run that fills every kvfuse table, with programmatic dependent launch (add "
             "`compile` to `--peers` for the torch.compile peer; it is slow), and one run of the side-by-side "
             f"harness (`{PEERS_HARNESS}`: build it on a machine with nvcc, run it on the GPU from the repository "
-            "root; its README says more):",
+            "root; its README says more), and one eager host-time run:",
             "", "```bash",
             f"python -m kvfuse.cli bench --pdl --workloads {','.join(full_run_workloads())} --n {FULL_SIZES} "
             f"--peers {peers} --budget-s 500 --out bench-out",
@@ -708,7 +973,10 @@ def _regenerate() -> List[str]:
             "cp peers-out/peers.json benchmarks/results/<date>_<device>_peers.json",
             "cp peers-out/peers_log.txt benchmarks/results/<date>_<device>_peers_log.txt",
             "cp peers-out/summary_table.md benchmarks/results/<date>_<device>_peers_summary_table.md",
-            "python benchmarks/benchmarks_md.py     # the latest *_full_bench.json and *_peers.json",
+            "python benchmarks/eager_host_time.py --json benchmarks/results/<date>_<device>_eager_host_time.json"
+            "   # on the GPU",
+            "python benchmarks/benchmarks_md.py     # the latest *_full_bench.json, *_peers.json, "
+            "*_eager_host_time.json",
             "```"]
 
 
@@ -716,7 +984,7 @@ def render(report: dict, source: str = "the result JSON", gqa_report: Optional[d
            gqa_source: Optional[str] = None, group_report: Optional[dict] = None,
            group_source: Optional[str] = None, peers: Optional[dict] = None, peers_source: Optional[str] = None,
            peers_log: Optional[str] = None, formats: Optional[dict] = None, formats_source: Optional[str] = None,
-           formats_pdl: Optional[bool] = None) -> str:
+           formats_pdl: Optional[bool] = None, host: Optional[dict] = None, host_source: Optional[str] = None) -> str:
     """BENCHMARKS.md (Markdown, ending with a newline) for one bench result (the dict of its JSON);
     ``source``: how the document names that JSON. ``gqa_report`` / ``gqa_source``: a later run whose GQA
     workloads fill the GQA / MHA section instead (when that kernel changed after the run of the rest);
@@ -724,7 +992,8 @@ def render(report: dict, source: str = "the result JSON", gqa_report: Optional[d
     ``peers_log``: the side-by-side run (its JSON's dict, its name, the text of its log or None) whose rows
     fill the section beside the engines. ``formats`` / ``formats_source`` / ``formats_pdl``: a run of
     benchmarks/gqa_formats_bench.py (its JSON's dict, its name, PDL as its log says) for the cache-formats
-    section."""
+    section. ``host`` / ``host_source``: a run of benchmarks/eager_host_time.py (its JSON's dict, its name) for
+    the host-time target."""
     later = [name for name, rep in (("Grouped", group_report), ("GQA / MHA", gqa_report)) if rep is not None]
     one = "one `kvfuse bench` run" if not later else \
         f"one `kvfuse bench` run (the {' and the '.join(later)} section{'s' if len(later) > 1 else ''}: " \
@@ -747,6 +1016,8 @@ def render(report: dict, source: str = "the result JSON", gqa_report: Optional[d
               _gqa_section(gqa_report, gqa_source or "the GQA result JSON")) + [""]
     lines += _formats_section(formats, formats_source, formats_pdl) + [""]
     lines += _targets_section(report) + [""]
+    lines += _beside_targets_section(report, source, peers, peers_source, host, host_source, gqa_report,
+                                     gqa_source or "the GQA result JSON") + [""]
     lines += _regenerate()
     return "\n".join(lines).rstrip() + "\n"
 
@@ -783,6 +1054,11 @@ def read_formats(path: Optional[Path]) -> Tuple[Optional[dict], Optional[str], O
     return data, source_name(path), (None if m is None else m.group(1) == "True")
 
 
+def read_host_time(path: Optional[Path]) -> Tuple[Optional[dict], Optional[str]]:
+    """An eager_host_time.py JSON and its name (None, None: no such run)."""
+    return (None, None) if path is None else (json.loads(path.read_text()), source_name(path))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("result", nargs="?", default=None,
@@ -795,6 +1071,8 @@ def main(argv=None) -> int:
                                                 "Grouped section (named there)")
     p.add_argument("--formats", default=None, help="a benchmarks/gqa_formats_bench.py JSON for the cache-formats "
                                                   "section (default: the latest benchmarks/results/*_gqa_formats.json)")
+    p.add_argument("--host-time", default=None, help="a benchmarks/eager_host_time.py JSON for the host-time target "
+                                                    "(default: the latest benchmarks/results/*_eager_host_time.json)")
     p.add_argument("--out", default=str(TARGET), help="where to write (default: BENCHMARKS.md at the repository root)")
     modes = p.add_mutually_exclusive_group()
     modes.add_argument("--stdout", action="store_true", help="print the document instead of writing it")
@@ -808,18 +1086,20 @@ def main(argv=None) -> int:
     group = Path(args.group) if args.group else None
     peers = read_peers(peers_path) if peers_path is not None else (None, None, None)
     formats_path = Path(args.formats) if args.formats else latest("*_gqa_formats.json")
+    host_path = Path(args.host_time) if args.host_time else latest("*_eager_host_time.json")
     text = render(json.loads(path.read_text()), source_name(path),
                   json.loads(gqa.read_text()) if gqa else None, source_name(gqa) if gqa else None,
                   json.loads(group.read_text()) if group else None, source_name(group) if group else None,
-                  *peers, *read_formats(formats_path))
+                  *peers, *read_formats(formats_path), *read_host_time(host_path))
     out = Path(args.out)
-    what = f"{path}" + (f" and {peers_path}" if peers_path is not None else "")
+    what = ", ".join(str(q) for q in (path, peers_path, host_path) if q is not None)
     if args.stdout:
         sys.stdout.write(text)
     elif args.check:
         if not out.exists() or out.read_text() != text:
             print(f"{out} differs from the rendering of {what}: run python benchmarks/benchmarks_md.py {path}"
-                  + (f" --peers {peers_path}" if peers_path is not None else ""), file=sys.stderr)
+                  + (f" --peers {peers_path}" if peers_path is not None else "")
+                  + (f" --host-time {host_path}" if host_path is not None else ""), file=sys.stderr)
             return 1
     else:
         out.write_text(text)

@@ -133,7 +133,8 @@ def test_targets_section_recomputes_the_current_targets_from_the_runs_records():
     assert titles.index("GQA / MHA cache formats (`kvfuse.gqa_formats`)") == \
         titles.index("GQA / MHA (`fused_qk_norm_rope_store_kv`)") + 1
     assert titles.index("Targets") == titles.index("GQA / MHA cache formats (`kvfuse.gqa_formats`)") + 1
-    assert titles.index("Regenerating") == titles.index("Targets") + 1
+    assert titles.index(benchmarks_md.BESIDE_TARGETS) == titles.index("Targets") + 1
+    assert titles.index("Regenerating") == titles.index(benchmarks_md.BESIDE_TARGETS) + 1
     assert titles.index(benchmarks_md.SIDE_BY_SIDE) == titles.index("How it was measured") + 1
     targets = section(text, "Targets")
     assert "recomputed from this run" in targets and "reporting, not asserting" in targets
@@ -277,7 +278,10 @@ def test_committed_benchmarks_md_is_the_rendering_of_the_json_it_names():
     assert peers[1] == peers_source and peers[2] is not None        # its log is committed beside it
     m = re.search(r"^- Source: `([^`]+_gqa_formats\.json)`", section(text, "GQA / MHA cache formats"), re.M)
     formats = benchmarks_md.read_formats(ROOT / m.group(1) if m else None)
-    assert text == benchmarks_md.render(json.loads(path.read_text()), source, *gqa, *group, *peers, *formats)
+    m = re.search(r"Source: `([^`]+_eager_host_time\.json)`", section(text, benchmarks_md.BESIDE_TARGETS))
+    host = benchmarks_md.read_host_time(ROOT / m.group(1) if m else None)
+    assert text == benchmarks_md.render(json.loads(path.read_text()), source, *gqa, *group, *peers, *formats,
+                                        *host)
     if (source, peers_source) == (_latest_name("*_full_bench.json"), _latest_name("*_peers.json")):
         assert benchmarks_md.main(["--check"]) == 0            # the defaults: `--check` alone passes
 
@@ -502,3 +506,178 @@ def test_formats_section_from_a_gqa_formats_run():
     assert "`benchmarks/results/f.json`" in text and "PDL off" in text and "GPU X" in text
     empty = "\n".join(benchmarks_md._formats_section(None, None, None))
     assert "gqa_formats_bench.py --n 1,256,4096,65536" in empty
+
+
+
+# ------------------------------------------------------------------ targets beside the engines and on the host
+def beside(lines):
+    """TargetLines as (target, rows, measured, verdict) tuples."""
+    return [(t.target, t.rows, t.measured, t.verdict) for t in lines]
+
+
+KV_BF16_PDL, KV_BF16_OFF = "[m] kvfuse store_kv [PDL]", "[m] kvfuse store_kv (PDL off)"
+
+
+def test_decode_against_the_fastest_engine_row_paired_as_the_json_pairs_them():
+    """A kvfuse [PDL] row against every engine row measured against it: the engines' [PDL] rows (its vs), an
+    engine's row as it launches it (its vs: the "(PDL off)" twin), never an engine's "(PDL off)" row, however
+    fast; met at equal times (no tolerance); a group without a kvfuse [PDL] row against an engine: not measured."""
+    e1, e1_off = "[m] sglang one [PDL]", "[m] sglang one (PDL off)"
+    e2, e3 = "[m] vllm two", "[m] flashinfer three [PDL]"
+    peers = make_peers([
+        ("gqa", KV_BF16_PDL, None, True, {1: 1.25, 256: 1.75, 4096: 9.0}),
+        ("gqa", KV_BF16_OFF, None, False, {1: 1.5, 256: 2.0}),
+        ("gqa", e1, KV_BF16_PDL, None, {1: 2.0, 256: 2.0}),
+        ("gqa", e1_off, KV_BF16_OFF, None, {1: 0.5, 256: 0.5}),          # faster, but without PDL: not the target's
+        ("gqa", e2, KV_BF16_OFF, None, {1: 1.1, 256: 3.0}),              # no PDL variant: as the engine launches it
+        ("gqa", e3, KV_BF16_PDL, None, {1: 1.5, 256: 2.5}),
+        ("gqa", "kvfuse lonely [PDL]", None, True, {1: 1.0}),            # no engine against it: no line
+        ("gqa", "kvfuse even [PDL]", None, True, {1: 2.0, 256: "skipped"}),
+        ("gqa", "vllm even [PDL]", "kvfuse even [PDL]", None, {1: 2.0, 256: 3.0}),
+        ("dsv3_flashmla", KV_CAST, None, False, {1: 1.5}),
+        ("dsv3_flashmla", VLLM_MLA, KV_CAST, None, {1: 2.0}),
+    ])
+    assert benchmarks_md.pdl_engine_rows(peers) == [("gqa", KV_BF16_PDL, [e1, e2, e3]),
+                                                     ("gqa", "kvfuse even [PDL]", ["vllm even [PDL]"])]
+    got = beside(benchmarks_md.engine_decode_lines(peers))
+    assert got == [
+        ("1. decode vs the engines, n = 1", f"`gqa`: `{KV_BF16_PDL}` vs `{e2}` (fastest of 3)",
+         f"1.25 us vs 1.10 us ({1.25 / 1.1:.2f}x)", "missed"),
+        ("1. decode vs the engines, n = 256", f"`gqa`: `{KV_BF16_PDL}` vs `{e1}` (fastest of 3)",
+         "1.75 us vs 2.00 us (0.88x)", "met"),
+        ("1. decode vs the engines, n = 1", "`gqa`: `kvfuse even [PDL]` vs `vllm even [PDL]`",
+         "2.00 us vs 2.00 us (1.00x)", "met"),
+        ("1. decode vs the engines, n = 256", "`gqa`: `kvfuse even [PDL]`", "kvfuse not timed at n = 256",
+         "not measured"),
+        ("1. decode vs the engines", "`dsv3_flashmla`", "no kvfuse [PDL] row measured against an engine row",
+         "not measured")]
+    assert beside(benchmarks_md.engine_decode_lines(None))[0][3] == "not measured"
+    # a miss by less than 0.5%: the ratio never prints as 1.00x
+    assert benchmarks_md._beside(1.3584, 1.3581) == ("1.36 us vs 1.36 us (1.0002x)", "missed")
+
+
+def test_floor_and_large_n_targets_from_the_full_run():
+    """Target 2: every cache write (MLA and GQA, not a group or a Q call) at n = 1 over the run's floor;
+    target 3: MAIN_FP4 and every *index_k at 262144, the GQA writes with QK-norm (from the models) at 65536."""
+    pts = [("main_fp8_gptj", 1, "fused", 1.0), ("dsv4_main_fp4", 1, "fused", 2.0), ("llama3_8b_fp8", 1, "fused", 1.5),
+           ("group_dsv4_q_kv", 1, "fused", 1.0), ("dsv4_q", 1, "fused", 1.0),
+           ("dsv4_main_fp4", 262144, "fused", _at_pct("dsv4_main_fp4", 262144, 70.0)),
+           ("dsv32_index_k", 262144, "fused", _at_pct("dsv32_index_k", 262144, 90.0)),
+           ("dsv4_index_k", 65536, "fused", 20.0),
+           ("qwen3_8b_fp8", 65536, "fused", _at_pct("qwen3_8b_fp8", 65536, 86.0)),
+           ("gemma3_12b_fp8", 65536, "fused", _at_pct("gemma3_12b_fp8", 65536, 80.0)),
+           ("llama3_8b_fp8", 65536, "fused", _at_pct("llama3_8b_fp8", 65536, 50.0))]
+    report = make_report(pts, pdl=True)
+    floor = [t for t in beside(benchmarks_md.floor_lines(report))]
+    target = "2. decode <= 1.3x the launch floor, n = 1"
+    assert floor == [(target, "`main_fp8_gptj`", f"1.00 us / 0.87 us = {1.0 / 0.87:.2f}x", "met"),
+                     (target, "`dsv4_main_fp4`", f"2.00 us / 0.87 us = {2.0 / 0.87:.2f}x", "missed"),
+                     (target, "`dsv32_index_k`", "not timed at n = 1", "not measured"),
+                     (target, "`dsv4_index_k`", "not timed at n = 1", "not measured"),
+                     (target, "`llama3_8b_fp8`", f"1.50 us / 0.87 us = {1.5 / 0.87:.2f}x", "missed"),
+                     (target, "`qwen3_8b_fp8`", "not timed at n = 1", "not measured"),
+                     (target, "`gemma3_12b_fp8`", "not timed at n = 1", "not measured")]
+    no_floor = dict(report, device=dict(report["device"], floor_us=None))
+    assert {t.verdict for t in benchmarks_md.floor_lines(no_floor)} == {"not measured"}
+    got = {t.rows: (t.target, t.measured, t.verdict) for t in benchmarks_md.pct_copy_lines(report)}
+    assert got == {
+        "`dsv4_main_fp4` (>= 80%)": ("3. MAIN_FP4 % of copy at 262144", "70.0% "
+                                    f"({benchmarks_md._us(_at_pct('dsv4_main_fp4', 262144, 70.0))} us)", "missed"),
+        "`dsv32_index_k` (>= 85%)": ("3. indexer K % of copy at 262144", "90.0% "
+                                    f"({benchmarks_md._us(_at_pct('dsv32_index_k', 262144, 90.0))} us)", "met"),
+        "`dsv4_index_k` (>= 85%)": ("3. indexer K % of copy at 262144", "not timed at n = 262144", "not measured"),
+        "`qwen3_8b_fp8` (>= 85%)": ("3. GQA with QK-norm % of copy at 65536", "86.0% "
+                                   f"({benchmarks_md._us(_at_pct('qwen3_8b_fp8', 65536, 86.0))} us)", "met"),
+        "`gemma3_12b_fp8` (>= 85%)": ("3. GQA with QK-norm % of copy at 65536", "80.0% "
+                                     f"({benchmarks_md._us(_at_pct('gemma3_12b_fp8', 65536, 80.0))} us)", "missed")}
+    # llama3_8b_fp8 (no QK-norm) is not a target of the GQA line; a run without these workloads: not measured
+    assert not bench.WORKLOADS["llama3_8b_fp8"].gqa.qk_norm and bench.WORKLOADS["qwen3_8b_fp8"].gqa.qk_norm
+    lacking = beside(benchmarks_md.pct_copy_lines(make_report([("main_fp8_gptj", 1, "fused", 1.0)])))
+    assert [t[2:] for t in lacking] == [("not in the run", "not measured")] * 3
+
+
+def test_the_cast_alone_against_flashinfer_at_every_n():
+    sg = "sglang some cast"
+    peers = make_peers([
+        ("dsv4_main_fp8", KV_CAST, None, False, {1: 1.0, 4096: 3.0, 65536: 30.5}),
+        ("dsv4_main_fp8", FI_CAST, KV_CAST, None, {1: 1.2, 4096: "skipped", 65536: 26.25}),
+        ("dsv4_main_fp8", sg, KV_CAST, None, {1: 0.5, 65536: 0.5}),              # not FlashInfer's: not the target's
+    ])
+    rows = f"`dsv4_main_fp8`: `{KV_CAST}`"
+    assert beside(benchmarks_md.cast_lines(peers)) == [
+        ("4. the cast alone vs FlashInfer, n = 1", f"{rows} vs `{FI_CAST}`", "1.00 us vs 1.20 us (0.83x)", "met"),
+        ("4. the cast alone vs FlashInfer, n = 4096", rows, "not timed at n = 4096", "not measured"),
+        ("4. the cast alone vs FlashInfer, n = 65536", f"{rows} vs `{FI_CAST}`",
+         f"30.50 us vs 26.25 us ({30.5 / 26.25:.2f}x)", "missed")]
+    for lacking in (None, make_peers([("dsv4_main_fp8", KV_CAST, None, False, {1: 1.0})])):
+        assert [t.verdict for t in benchmarks_md.cast_lines(lacking)] == ["not measured"]
+
+
+def test_host_time_of_every_kvfuse_call_at_n_1():
+    host = dict(meta=dict(device="GPU X", date="2027-01-01", pdl=False), rows=[
+        dict(call="floor: torch add_ (one element)", n=1, host_us_cache_on=5.5, gpu_us=1.0),
+        dict(call="kvfuse bench a", n=1, host_us_cache_on=7.5, gpu_us=1.5),
+        dict(call="kvfuse bench b", n=1, host_us_cache_on=8.0, gpu_us=1.5),
+        dict(call="vllm.reshape_and_cache_flash (x)", n=1, host_us_cache_on=8.01, gpu_us=1.25),
+        dict(call="kvfuse bench a", n=256, host_us_cache_on=30.0, gpu_us=3.0)])
+    target = "5. host time <= 8 us, n = 1"
+    assert beside(benchmarks_md.host_lines(host)) == [
+        (target, "`kvfuse bench a`", "7.50 us (GPU 1.50 us)", "met"),
+        (target, "`kvfuse bench b`", "8.00 us (GPU 1.50 us)", "met"),
+        (target, "`vllm.reshape_and_cache_flash (x)`", "8.01 us (GPU 1.25 us)", "missed")]
+    assert beside(benchmarks_md.host_lines(None)) == [(target, "every kvfuse call", "no host-time run", "not measured")]
+    floors_only = dict(host, rows=host["rows"][:1])
+    assert [t.verdict for t in benchmarks_md.host_lines(floors_only)] == ["not measured"]
+
+
+def test_engine_figures_from_a_committed_side_by_side_run():
+    line = benchmarks_md.peers_run_line(PEERS, "benchmarks/results/2027-01-02_h200_peers.json")
+    assert line.verdict == "met" and line.rows == "`benchmarks/results/2027-01-02_h200_peers.json`"
+    assert "5 engine rows, groups `dsv3_flashmla`, `gqa`, `dsv4_main_fp8`" in line.measured
+    assert benchmarks_md.peers_run_line(PEERS, "/tmp/peers.json").verdict == "missed"
+    assert benchmarks_md.peers_run_line(None, None).verdict == "not measured"
+
+
+def test_beside_targets_section_names_its_sources_and_counts_the_verdicts():
+    host = dict(meta=dict(device="GPU X", date="2027-01-01", pdl=False), rows=[
+        dict(call="floor: a one-program Triton kernel", n=1, host_us_cache_on=7.25, gpu_us=0.9),
+        dict(call="kvfuse bench a", n=1, host_us_cache_on=7.5, gpu_us=1.5)])
+    report = make_report([("main_fp8_gptj", 1, "fused", 1.0)], pdl=True)
+    text = benchmarks_md.render(report, "benchmarks/results/x_full_bench.json", peers=PEERS,
+                                peers_source="benchmarks/results/y_peers.json", host=host,
+                                host_source="benchmarks/results/z_eager_host_time.json")
+    part = section(text, benchmarks_md.BESIDE_TARGETS)
+    lines = benchmarks_md.beside_target_lines(report, PEERS, "benchmarks/results/y_peers.json", host)
+    assert "| target | rows | measured | verdict |" in part
+    for t in lines:
+        assert f"| {t.target} | {t.rows} | {t.measured} | {'**missed**' if t.verdict == 'missed' else t.verdict} |" \
+            in part
+    met, missed = (sum(t.verdict == v for t in lines) for v in ("met", "missed"))
+    assert f"{met} of {len(lines)} met ({missed} missed, {len(lines) - met - missed} not measured)." in part
+    assert met and missed and len(lines) - met - missed
+    assert {t.target[:2] for t in lines} == {f"{i}." for i in range(1, 7)}
+    for want in ("Source: `benchmarks/results/y_peers.json`", "Source: `benchmarks/results/x_full_bench.json`",
+                 "Source: `benchmarks/results/z_eager_host_time.json` (GPU X, 2027-01-01, PDL off)",
+                 "its reference launches: a one-program Triton kernel 7.25 us"):
+        assert want in part, want
+    assert "session" not in part.lower() and not re.search(r"#\d", part)
+    none = section(benchmarks_md.render(report), benchmarks_md.BESIDE_TARGETS)
+    assert "Source: no host-time JSON" in none and "Source: no side-by-side JSON" in none
+
+
+def test_beside_targets_take_the_gqa_figures_from_the_gqa_run_when_one_is_given():
+    """--gqa: the GQA writes' floor and % of copy targets use the later run's figures (named as their source),
+    the DeepSeek writes the full run's."""
+    main = make_report([("main_fp8_gptj", 1, "fused", 1.0), ("qwen3_8b_fp8", 1, "fused", 9.87),
+                        ("qwen3_8b_fp8", 65536, "fused", 999.0)], pdl=True)
+    later = make_report([("qwen3_8b_fp8", 1, "fused", 1.5),
+                         ("qwen3_8b_fp8", 65536, "fused", _at_pct("qwen3_8b_fp8", 65536, 90.0))], pdl=True)
+    floor = {t.rows: t.measured for t in benchmarks_md.floor_lines(main, later)}
+    assert floor == {"`main_fp8_gptj`": f"1.00 us / 0.87 us = {1.0 / 0.87:.2f}x",
+                     "`qwen3_8b_fp8`": f"1.50 us / 0.87 us = {1.5 / 0.87:.2f}x"}
+    pct = {t.rows: (t.measured, t.verdict) for t in benchmarks_md.pct_copy_lines(main, later)}
+    assert pct["`qwen3_8b_fp8` (>= 85%)"][0].startswith("90.0% ") and pct["`qwen3_8b_fp8` (>= 85%)"][1] == "met"
+    text = benchmarks_md.render(main, "benchmarks/results/a.json", later, "benchmarks/results/b.json")
+    part = section(text, benchmarks_md.BESIDE_TARGETS)
+    assert "Source: `benchmarks/results/a.json` (the GQA workloads: `benchmarks/results/b.json`)." in part
+    assert "9.87" not in text and "999" not in text

@@ -1,5 +1,6 @@
 """The project's performance targets (docs/performance.md, "Targets") checked against a run's records:
-PASS / MISS / N/A entries that the run prints and stores in its JSON; reporting, never asserting.
+PASS / MISS / N/A entries that the run prints and stores in its JSON; reporting, never asserting. Also the
+thresholds of the targets BENCHMARKS.md checks beside the engines' kernels and on the host.
 """
 from __future__ import annotations
 
@@ -25,6 +26,14 @@ ENGINE_TIME_TARGETS = {
     "dsv3_main_kv_c_k_pe": ("FlashInfer 0.7.2 MLA rope_quantize_fp8_append_paged_kv_cache (no norm)",
                             {1: 1.95, 256: 2.20, 4096: 3.24, 65536: 36.29}),
 }
+
+
+# The targets BENCHMARKS.md checks beside the engines' kernels and on the host (benchmarks/benchmarks_md.py,
+# "Targets beside the engines and on the host"), from the committed runs' JSON.
+ENGINE_DECODE_SIZES = (1, 256)         # kvfuse's PDL call at or under the fastest engine kernel doing its work
+DECODE_FLOOR_N = 1                     # every cache write (MLA and GQA) within FLOOR_TARGET x the launch floor
+GQA_QK_NORM_PCT_COPY = (65536, 85.0)   # the GQA writes of models with a q / k norm: (n, % of copy)
+HOST_US_TARGET = 8.0                   # host time of an eager call at n = 1, its launch included
 
 
 def pct_copy_target(fmt_name: str, slots: str) -> float:
