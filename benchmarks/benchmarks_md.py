@@ -926,7 +926,8 @@ def _beside_targets_section(report: dict, source: str, peers: Optional[dict], pe
            f"`{CAST_GROUP}` against the FlashInfer row measured against it. Source: {peers_name}.",
            f"5. Host time of an eager call at most {HOST_US_TARGET:g} us at n = 1, the launch included (median wall "
            "time of single calls, plan cache on): every kvfuse call of the run (the fused entry, the GQA entry, "
-           "the engines' adapters). Source: " + host_name + (
+           "and kvfuse's adapters of `kvfuse.engines`, which the run names by the engine call they replace, "
+           "`vllm.*` / `flashinfer.*`). Source: " + host_name + (
                f" ({host_meta.get('device', 'device not recorded')}, {host_meta.get('date', 'date not recorded')}, "
                f"PDL {'on' if host_meta.get('pdl') else 'off'})" if host is not None else "") + "; " + (
                "its reference launches: " + ", ".join(f"{r['call'][len(HOST_FLOOR_PREFIX):].strip()} "
