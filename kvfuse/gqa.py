@@ -97,14 +97,16 @@ def fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slot_mapping, q_norm_
     Returns ``q_out`` (the tensor or pair written); without caches ``(q_out, k_out)``. Raises ValueError /
     TypeError naming the argument before anything is written.
     """
-    args = (q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale, v_scale, layout,
-            q_out, numerics, k_out, q_scale, scale_convention, k_format, v_format, k_scale_cache, v_scale_cache,
-            v_norm_args)
     if not torch.compiler.is_compiling() and plan_cache_enabled():
-        template, tensors = _gqa.prepare_call(*args)
+        template, tensors = _gqa.prepare_call(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args,
+                                              rope_args, k_scale, v_scale, layout, q_out, numerics, k_out, q_scale,
+                                              scale_convention, k_format, v_format, k_scale_cache, v_scale_cache,
+                                              v_norm_args)
         _dispatch.call_gqa(template, tensors)
         return template.result(tensors)
-    plan = _gqa.prepare(*args)
+    plan = _gqa.prepare(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale,
+                        v_scale, layout, q_out, numerics, k_out, q_scale, scale_convention, k_format, v_format,
+                        k_scale_cache, v_scale_cache, v_norm_args)
     _dispatch.execute(plan)
     q_out = plan.q_out if plan.q_out_tail is None else (plan.q_out, plan.q_out_tail)
     if plan.has_cache:

@@ -325,6 +325,93 @@ def test_the_key_covers_every_argument_field():
     assert list(inspect.signature(gqa.prepare_call).parameters) == params
 
 
+def test_keyed_calls_take_the_tensors_of_call_tensors():
+    """The key and the call's tensors are read in one pass (_key_and_tensors): the same tensors, by field, as
+    _call_tensors takes from any validated call."""
+    params = inspect.signature(gqa._call_tensors).parameters
+    for name, case, change in _variants() + [("no_cache_pairs", GQACase(kv_cache=False, split=64), None),
+                                             ("k_cache_pair", GQACase(v_cache=False, k_cache_split=True, split=64),
+                                              None)]:
+        kw = build(case)[0]
+        if change is not None:
+            change(kw)
+        bound = inspect.signature(call).bind(**kw)
+        bound.apply_defaults()
+        _, tensors = gqa._key_and_tensors(*bound.args)
+        want = gqa._call_tensors(**{p: bound.arguments[p] for p in params})
+        assert len(tensors) == len(want) == len(gqa._FIELDS), name
+        assert all(a is b for a, b in zip(tensors, want)), name
+
+
+@pytest.mark.parametrize("value", [0.0, -0.0, -1.0, float("nan"), float("inf"), True])
+def test_scale_numbers_keyed_without_their_sign(value):
+    """A scale given as a number is keyed by its type and value only: every number the entry takes is
+    finite and > 0, so 0.0 and -0.0 (equal keys) are both rejected, as is any number no signature holds:
+    with the cache warm each raises the error of an uncached call and writes nothing."""
+    kw, _ = _kw(fp8=True, scale_numbers=True)
+    call(**kw)
+    call(**kw)
+    kw, buffers = _kw(fp8=True, scale_numbers=True, seed=1)
+    kw["k_scale"] = value
+    before = [b.clone() for b in buffers]
+    with_cache = _error(lambda: call(**kw))
+    assert _error(lambda: call(**kw)) == with_cache
+    kv_plan.set_plan_cache(False)
+    assert _error(lambda: call(**kw)) == with_cache and "k_scale" in with_cache[1]
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(buffers, before))
+
+
+@pytest.mark.parametrize("eps", [0.0, -0.0, True, float("nan")])
+def test_norm_eps_keyed_by_type_and_value(eps):
+    """eps is keyed by its type and value: eps must be a finite number > 0, so True (equal to 1), 0.0 and
+    -0.0 are rejected with the cache warm (warmed with eps 1 and 0.0's neighbours)."""
+    for warm in (1, 1.0):
+        kw, _ = _kw()
+        kw["q_norm_args"] = kvfuse.NormArgs(kw["q_norm_args"].weight, warm)
+        call(**kw)
+    kw, buffers = _kw(seed=1)
+    kw["q_norm_args"] = kvfuse.NormArgs(kw["q_norm_args"].weight, eps)
+    before = [b.clone() for b in buffers]
+    with_cache = _error(lambda: call(**kw))
+    kv_plan.set_plan_cache(False)
+    assert _error(lambda: call(**kw)) == with_cache and "q_norm_args.eps" in with_cache[1]
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(buffers, before))
+
+
+def test_a_v_of_other_dims_without_caches_is_validated_every_call():
+    """The key reads q, k, v, q_out and k_out as 3-d tensors; a v of other dims (read by nothing without
+    caches, so valid) leaves its call unkeyed: validated on every call, with the bytes of an uncached call."""
+    def run(enabled):
+        kv_plan.set_plan_cache(enabled)
+        kw, _, _, _ = build(GQACase(kv_cache=False, seed=3))
+        kw["v"] = torch.zeros(kw["k"].shape[0], 256, dtype=kw["k"].dtype)
+        return [call(**kw) for _ in range(2)]
+
+    got = run(True)
+    assert counts() == (0, 0), "not keyed"
+    want = run(False)
+    for (q1, k1), (q2, k2) in zip(got, want):
+        assert torch.equal(q1, q2) and torch.equal(k1, k2)
+
+
+def test_allocated_outputs_are_contiguous():
+    """q_out allocated by a hit is a new contiguous tensor of q's shape (like an uncached call's), also for
+    a q whose strides are permuted (dense, not contiguous)."""
+    def run(enabled):
+        kv_plan.set_plan_cache(enabled)
+        kw, _ = _kw(q_out_none=True, seed=4)
+        q = kw["q"]
+        kw["q"] = q.transpose(0, 1).contiguous().transpose(0, 1)
+        assert not kw["q"].is_contiguous() and torch.equal(kw["q"], q)
+        return [call(**kw) for _ in range(2)]
+
+    got = run(True)
+    assert counts() == (1, 1)
+    want = run(False)
+    for a, b in zip(got, want):
+        assert a.is_contiguous() and a.stride() == b.stride() and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name,case,change", [v for v in _variants() if v[2] is None] + [
     ("vllm_fp8_per_head", GQACase(cache="vllm", fp8=True, scale_per_head="kv"), None),

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import threading
 
 import torch
 
 from ..overlap import INF, addresses_known, row_limit, same_elements, span_terms, tensors_overlap
 from ..numerics_profiles import ACTIVATION_DTYPES, profile
-from ..args import PagedAppend
-from .cache import norm_args_key, number_key, optional_tensor_key, rope_args_key, rows_key, tensor_key, validated
+from ..args import NormArgs, PagedAppend, RopeArgs
+from .cache import PLAN_CACHE, ROWS, rope_args_key, tensor_key
 from .rules import INDEX_DTYPES, check_index_vector, check_rms_norm, check_rope_args, check_tensor
 from .types import GQA_LAYOUTS, CacheEntry, GQAPlan
 from .. import gqa_formats
@@ -525,8 +526,12 @@ def prepare(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_ar
 # kv_indices without their lengths (validation reads only whether kv_indptr is empty; the kernel takes
 # both lengths as arguments, so its launches are kept per length too); a pair (a head held as two
 # tensors) as its type and both tensors; argument objects by exact class and field (each value with its
-# type, floats with their sign); scales given as numbers by value (fp32 kernel arguments); layout,
-# numerics, scale_convention and the formats (a name or a GQACacheFormat) with their types. Read on every call instead: whether the rows of a
+# type); scales given as numbers by value (fp32 kernel arguments); layout, numerics, scale_convention
+# and the formats (a name or a GQACacheFormat) with their types. The numbers of this entry (eps, scales)
+# must be finite and > 0, so unlike kvfuse.plans.cache.number_key a float's sign is not keyed (0.0 and
+# -0.0 are both rejected). q, k, v, q_out and k_out are keyed as 3-d tensors, one flat tuple each (the
+# cheapest key on the host: it is built on every call); a call with one of other dims is not keyed
+# (validation rejects it, except a v that no cache reads). Read on every call instead: whether the rows of a
 # q_out / k_out given overlap at this n (a signature keeps the largest n for which they do not), and the
 # aliasing rules (_Aliasing: byte spans from the data pointers, then check_overlap where two meet).
 _ROWS_FIELDS = frozenset(("q_out", "k_out", "q_out_tail", "k_out_tail", "q", "k", "v", "q_tail", "k_tail",
@@ -543,13 +548,37 @@ def _pair(x):
     return (x[0], x[1]) if isinstance(x, (tuple, list)) else (x, None)
 
 
-def _heads_key(x, n):
-    """Key of q, k, v, q_out or k_out: None, a tensor of rows, or a pair of them."""
+_PAIR_TYPES = (tuple, list)
+
+
+def _heads_key(t, n):
+    """Key of a 3-d tensor whose rows are tokens (q, k, v, q_out, k_out or a part of a pair): one flat tuple,
+    the leading dim written ROWS where it is n. Raises for any other number of dims (validation rejects
+    those, except a v that no cache reads: such a call is validated every time)."""
+    a, b, c = t.shape
+    return type(t), t.dtype, ROWS if a == n else a, b, c, t.stride(), t.device
+
+
+def _vector_key(t, n):
+    """Key of a 1-d tensor whose entries are tokens (slot_mapping, RoPE's positions, a PagedAppend's
+    batch_indices and positions); raises for any other number of dims (validation rejects those)."""
+    a, = t.shape
+    return type(t), t.dtype, ROWS if a == n else a, t.stride(), t.device
+
+
+def _pair_key(x, n):
+    """(key, first, tail) of a pair of [n, H, S] and [n, H, D - S] tensors; raises unless x has two items."""
+    first, tail = x
+    return (type(x), _heads_key(first, n), _heads_key(tail, n)), first, tail
+
+
+def _output_key(x, n):
+    """(key, first, tail) of q_out / k_out: None, a tensor (tail None) or a pair."""
     if x is None:
-        return None
-    if type(x) in (tuple, list):
-        return (type(x), len(x)) + tuple(rows_key(t, n) for t in x)
-    return rows_key(x, n)
+        return None, None, None
+    if type(x) in _PAIR_TYPES:
+        return _pair_key(x, n)
+    return _heads_key(x, n), x, None
 
 
 def _index_key(t):
@@ -557,8 +586,101 @@ def _index_key(t):
     return (type(t), t.dtype, t.dim(), t.stride(), t.device, t.numel() == 0)
 
 
+def _norm_key(a):
+    """(key, weight) of q_norm_args / k_norm_args / v_norm_args: None, or a NormArgs by field (eps with its
+    type; validation takes eps > 0 only, so its sign needs no key). Raises for another class (a subclass
+    too): that call is validated every time."""
+    if a is None:
+        return None, None
+    if type(a) is not NormArgs:
+        raise TypeError(f"norm args of class {type(a).__name__} are not keyed")
+    w, bias, eps = a.weight, a.bias, a.eps
+    key = (None if w is None else (type(w), w.dtype, w.shape, w.stride(), w.device), type(eps), eps,
+           None if bias is None else tensor_key(bias), type(a.kind), a.kind)
+    return key, w
+
+
 def _scale_key(s):
-    return None if s is None else tensor_key(s) if isinstance(s, torch.Tensor) else number_key(s)
+    """Key of q_scale / k_scale / v_scale: None, a tensor, or a number with its type (a number must be
+    finite and > 0, so its sign needs no key)."""
+    if s is None:
+        return None
+    if isinstance(s, torch.Tensor):
+        return type(s), s.dtype, s.shape, s.stride(), s.device
+    return type(s), s
+
+
+def _key_and_tensors(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale,
+                     v_scale, layout, q_out, numerics, k_out, q_scale, scale_convention, k_format, v_format,
+                     k_scale_cache, v_scale_cache, v_norm_args):
+    """(key, tensors) of a call in one pass over its arguments: the key (see "the plan cache" above) and
+    the call's tensors by GQAPlan field in _FIELDS' order (a list, None where absent; the outputs the
+    call allocates still None). Raises for arguments it does not key: such a call is validated every
+    time (and rejected when invalid)."""
+    if type(q) in _PAIR_TYPES:
+        n = q[0].shape[0]
+        q_key, q, q_tail = _pair_key(q, n)
+    else:
+        n = q.shape[0]
+        q_key, q_tail = _heads_key(q, n), None
+    if type(k) in _PAIR_TYPES:
+        k_key, k, k_tail = _pair_key(k, n)
+    else:
+        k_key, k_tail = _heads_key(k, n), None
+    v_key = None if v is None else _heads_key(v, n)
+    q_out_key, q_out, q_out_tail = _output_key(q_out, n)
+    k_out_key, k_out, k_out_tail = _output_key(k_out, n)
+    k_cache_tail = None
+    if k_cache is None:
+        k_cache_key = None
+    elif type(k_cache) in _PAIR_TYPES:
+        pair_type = type(k_cache)
+        k_cache, k_cache_tail = k_cache
+        k_cache_key = (pair_type, tensor_key(k_cache), tensor_key(k_cache_tail))
+    else:
+        k_cache_key = (type(k_cache), k_cache.dtype, k_cache.shape, k_cache.stride(), k_cache.device)
+    v_cache_key = None if v_cache is None else \
+        (type(v_cache), v_cache.dtype, v_cache.shape, v_cache.stride(), v_cache.device)
+    batch_indices = append_positions = kv_indptr = kv_indices = None
+    if slot_mapping is None:
+        slots_key = None
+    elif type(slot_mapping) is PagedAppend:
+        pa = slot_mapping
+        batch_indices, append_positions, kv_indptr, kv_indices = pa.batch_indices, pa.positions, pa.kv_indptr, \
+            pa.kv_indices
+        slots_key = (PagedAppend, _vector_key(batch_indices, n), _vector_key(append_positions, n),
+                     _index_key(kv_indptr), _index_key(kv_indices))
+        slot_mapping = None
+    else:
+        slots_key = _vector_key(slot_mapping, n)
+    q_norm_key, q_weight = _norm_key(q_norm_args)
+    k_norm_key, k_weight = _norm_key(k_norm_args)
+    v_norm_key, v_weight = _norm_key(v_norm_args)
+    if rope_args is None:
+        rope_key = positions = cos_sin = None
+    elif type(rope_args) is RopeArgs and rope_args.mrope_section is None:
+        r = rope_args
+        positions, cos_sin = r.positions, r.cos_sin_cache
+        rope_key = (_vector_key(positions, n), (type(cos_sin), cos_sin.dtype, cos_sin.shape, cos_sin.stride(),
+                                                cos_sin.device),
+                    type(r.rotary_dim), r.rotary_dim, type(r.offset), r.offset, type(r.is_neox), r.is_neox,
+                    type(r.conjugate), r.conjugate, type(r.mrope_interleaved), r.mrope_interleaved)
+    else:       # mRoPE (or a class rope_args_key refuses: raises)
+        rope_key = rope_args_key(rope_args, n)
+        positions, cos_sin = rope_args.positions, rope_args.cos_sin_cache
+    k_scale_key, v_scale_key, q_scale_key = _scale_key(k_scale), _scale_key(v_scale), _scale_key(q_scale)
+    key = ("gqa", q_key, k_key, v_key, k_cache_key, v_cache_key, slots_key, q_norm_key, k_norm_key, rope_key,
+           k_scale_key, v_scale_key, type(layout), layout, q_out_key, type(numerics), numerics, k_out_key,
+           q_scale_key, type(scale_convention), scale_convention, type(k_format), k_format, type(v_format), v_format,
+           None if k_scale_cache is None else tensor_key(k_scale_cache),
+           None if v_scale_cache is None else tensor_key(v_scale_cache), v_norm_key)
+    tensor = torch.Tensor
+    tensors = [q_out, k_out, k_cache, v_cache, q_out_tail, k_out_tail, k_cache_tail, k_scale_cache, v_scale_cache, q,
+               k, v, q_tail, k_tail, slot_mapping, q_weight, k_weight, positions, cos_sin,
+               k_scale if isinstance(k_scale, tensor) else None, v_scale if isinstance(v_scale, tensor) else None,
+               q_scale if isinstance(q_scale, tensor) else None, batch_indices, append_positions, kv_indptr,
+               kv_indices, v_weight]
+    return key, tensors
 
 
 def call_signature(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_norm_args=None, rope_args=None,
@@ -567,33 +689,15 @@ def call_signature(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_
                    v_norm_args=None):
     """(key, pinned) of a call (see "the plan cache" above); may raise for arguments it cannot key, which
     are then validated (and rejected) on every call."""
-    n = (q[0] if type(q) in (tuple, list) else q).shape[0]
-    if k_cache is None:
-        cache_key = None
-    elif type(k_cache) in (tuple, list):
-        cache_key = (type(k_cache), len(k_cache)) + tuple(map(tensor_key, k_cache))
-    else:
-        cache_key = tensor_key(k_cache)
-    if slot_mapping is None:
-        slots_key = None
-    elif type(slot_mapping) is PagedAppend:
-        pa = slot_mapping
-        slots_key = (PagedAppend, rows_key(pa.batch_indices, n), rows_key(pa.positions, n), _index_key(pa.kv_indptr),
-                     _index_key(pa.kv_indices))
-    else:
-        slots_key = rows_key(slot_mapping, n)
-    key = ("gqa", _heads_key(q, n), _heads_key(k, n), _heads_key(v, n), cache_key, optional_tensor_key(v_cache),
-           slots_key, norm_args_key(q_norm_args), norm_args_key(k_norm_args), rope_args_key(rope_args, n),
-           _scale_key(k_scale), _scale_key(v_scale), type(layout), layout, _heads_key(q_out, n), type(numerics),
-           numerics, _heads_key(k_out, n), _scale_key(q_scale), type(scale_convention), scale_convention,
-           type(k_format), k_format, type(v_format), v_format, optional_tensor_key(k_scale_cache),
-           optional_tensor_key(v_scale_cache), norm_args_key(v_norm_args))
-    return key, ()
+    return _key_and_tensors(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale,
+                            v_scale, layout, q_out, numerics, k_out, q_scale, scale_convention, k_format, v_format,
+                            k_scale_cache, v_scale_cache, v_norm_args)[0], ()
 
 
 def _call_tensors(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale, v_scale,
                   q_out, k_out, q_scale, k_scale_cache, v_scale_cache, v_norm_args) -> list:
-    """The tensors of a validated call by GQAPlan field, in _FIELDS' order (None where absent)."""
+    """The tensors of a validated call by GQAPlan field, in _FIELDS' order (None where absent), for a call
+    that _key_and_tensors does not key."""
     q, q_tail = _pair(q)
     k, k_tail = _pair(k)
     kc, kc_tail = _pair(k_cache)
@@ -628,6 +732,17 @@ def _mrope_position_terms(t: torch.Tensor, n: int):
     return es * (1 + 2 * s0 - s1), es * s1
 
 
+_data_ptr = torch.Tensor.data_ptr
+
+
+def _picker(at: tuple):
+    """A function of a sequence: its items at the positions ``at``, as a tuple (operator.itemgetter, which
+    returns a lone item bare)."""
+    if len(at) >= 2:
+        return operator.itemgetter(*at)
+    return lambda items: tuple(items[i] for i in at)
+
+
 class _Aliasing:
     """SPEC §9 on every call of one signature, cheaply: each tensor's byte span [data_ptr, data_ptr +
     fixed + per_row * rows) (rows: n, or a PagedAppend vector's own length) for every output / other pair
@@ -637,7 +752,7 @@ class _Aliasing:
 The spans are a function of the pointers, n and the own lengths, so a call with those of the last call
 that passed passes (``last``: one tuple compare in place of the pairs, the case of a decode loop)."""
 
-    __slots__ = ("at", "terms", "own", "pairs", "passed", "last")
+    __slots__ = ("at", "terms", "own", "pairs", "passed", "last", "pick", "own_at")
 
     def __init__(self, plan: GQAPlan, allocated: frozenset):
         at, terms, own = [], [], []
@@ -670,6 +785,8 @@ that passed passes (``last``: one tuple compare in place of the pairs, the case 
                     in_place = a.stride(0) == b.stride(0)   # True: the same elements at every n, False: at n = 1
                 pairs.append((kk, jj, in_place))
         self.at, self.terms, self.own, self.pairs = tuple(at), tuple(terms), tuple(own), tuple(pairs)
+        self.pick = _picker(self.at)            # the call's tensors at ``at``, as a tuple
+        self.own_at = tuple(i for i, own in zip(at, own) if own)
         self.passed = {}                        # (pair, distance, span sizes) of calls that passed
         self.last = None                        # (n, pointers, own lengths) of the last call that passed
 
@@ -677,8 +794,8 @@ that passed passes (``last``: one tuple compare in place of the pairs, the case 
         if n == 0:
             check_overlap(template.bind(tensors))
             return
-        ptrs = [tensors[i].data_ptr() for i in self.at]
-        state = (n, *ptrs, *[tensors[i].shape[0] for i, own in zip(self.at, self.own) if own])
+        ptrs = tuple(map(_data_ptr, self.pick(tensors)))
+        state = (n, ptrs, tuple(tensors[i].shape[0] for i in self.own_at)) if self.own_at else (n, ptrs)
         if state == self.last:
             return
         sizes = []
@@ -709,8 +826,8 @@ class GQATemplate(CacheEntry):
     the call's plan, ``result`` what the call returns. ``launches``: the Triton launches kept per batch
     size (kvfuse.kernels.qkv.run_template)."""
 
-    __slots__ = ("plan", "allocate", "row_limit", "aliasing", "device", "device_type", "has_cache", "q_pair",
-                 "k_out_pair", "codes_at", "lengths_at", "launches")
+    __slots__ = ("plan", "allocate", "plain_outputs", "row_limit", "aliasing", "device", "device_type", "has_cache",
+                 "q_pair", "k_out_pair", "codes_at", "lengths_at", "launches")
     rows_at = _Q                               # q: its leading dim is the call's n
     tensor_index = _AT
 
@@ -723,6 +840,9 @@ class GQATemplate(CacheEntry):
         self.aliasing = _Aliasing(plan, allocated) if addresses_known(plan.device) else None
         self.plan = dataclasses.replace(plan, **{f: None for f in _FIELDS})
         self.allocate = tuple((_AT[f], _AT[like]) for f, like in allocate)   # (output, the tensor it is shaped like)
+        # an output shaped like a plain torch.Tensor (the key holds the type) is allocated by empty_like (a
+        # third of torch.empty's host time), contiguous: the tensor prepare allocates
+        self.plain_outputs = all(type(getattr(plan, like)) is torch.Tensor for _, like in allocate)
         self.device, self.device_type = plan.device, plan.device.type
         self.has_cache = plan.has_cache
         self.q_pair = plan.q_out_tail is not None or "q_out_tail" in allocated      # q_out returned as a pair
@@ -769,21 +889,33 @@ def prepare_call(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args=None, k_no
                  k_scale=None, v_scale=None, layout="NHD", q_out=None, numerics="staged", k_out=None, q_scale=None,
                  scale_convention="divide", k_format=None, v_format=None, k_scale_cache=None, v_scale_cache=None,
                  v_norm_args=None):
-    """(template, tensors) of an eager call: its signature's template (found in the plan cache, or
-    validated and stored), the call's tensors with the outputs it allocates, the aliasing rules checked.
-    Raises what ``prepare`` raises."""
+    """(template, tensors) of an eager call (not while torch.compile traces): its signature's template
+    (found in the plan cache, or validated and stored; validated alone while the cache is off), the call's
+    tensors with the outputs it allocates, the aliasing rules checked. Raises what ``prepare`` raises."""
     args = (q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale, v_scale, layout,
             q_out, numerics, k_out, q_scale, scale_convention, k_format, v_format, k_scale_cache, v_scale_cache,
             v_norm_args)
-    template = validated(call_signature, _new_template, *args)
-    tensors = _call_tensors(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, k_scale,
-                            v_scale, q_out, k_out, q_scale, k_scale_cache, v_scale_cache, v_norm_args)
+    key = template = None
+    if PLAN_CACHE.enabled:
+        try:
+            key, tensors = _key_and_tensors(*args)
+            template = PLAN_CACHE.lookup(key)
+        except Exception:  # an argument that cannot be keyed (a wrong type, unhashable): validation says why
+            key = None
+    if template is None:
+        template = _new_template(*args)     # raises for a bad call
+        if key is not None:
+            PLAN_CACHE.store(key, template, ())
+        else:
+            tensors = _call_tensors(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args,
+                                    k_scale, v_scale, q_out, k_out, q_scale, k_scale_cache, v_scale_cache, v_norm_args)
     n = tensors[_Q].shape[0]
     if n > template.row_limit:
         validate(*args)    # raises: a q_out / k_out whose rows overlap at this n (the error of an uncached call)
     for i, like in template.allocate:
         t = tensors[like]
-        tensors[i] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        tensors[i] = torch.empty_like(t, memory_format=torch.contiguous_format) if template.plain_outputs else \
+            torch.empty(t.shape, dtype=t.dtype, device=t.device)
     if template.aliasing is not None:
         template.aliasing(tensors, n, template)
     return template, tuple(tensors)
