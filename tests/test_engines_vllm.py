@@ -311,6 +311,51 @@ def test_fused_qk_norm_rope(backend, dtype, is_neox, rotary_ratio, cs_dtype):
                 _within_vllm_tolerance_or_closer(got, x, w, eps, cos, sin, rotary_dim, is_neox, tol)
 
 
+@pytest.mark.parametrize("rows,row_stride,start", [(3, 6 * 64, 0), (3, 7 * 64 + 8, 40), (1, 6 * 64, 8)],
+                         ids=["packed", "padded_offset", "one_token"])
+def test_fused_qk_norm_rope_heads_are_the_sliced_views(monkeypatch, rows, row_stride, start):
+    """The q and k heads reach the entry as the views qkv[:, :hq * d].unflatten(1, (hq, d)) and the next
+    hk * d columns (built eagerly by as_strided): the same elements of the same storage, also for a qkv
+    whose rows are padded and which starts inside its buffer."""
+    seen = {}
+
+    def gqa_entry(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_norm_args, rope_args, **kw):
+        seen.update(q=q, k=k, q_out=kw["q_out"], k_out=kw["k_out"])
+
+    monkeypatch.setattr(vllm, "fused_qk_norm_rope_store_kv", gqa_entry)
+    buf = torch.zeros(start + rows * row_stride, dtype=torch.bfloat16)
+    qkv = buf[start:].as_strided((rows, 6 * 64), (row_stride, 1))
+    w, table = torch.ones(64, dtype=torch.bfloat16), torch.ones(16, 32)
+    vllm.fused_qk_norm_rope(qkv, 4, 1, 1, 64, 1e-6, w, w, table, True, torch.zeros(rows, dtype=torch.int64))
+    for name, want in (("q", qkv[:, :4 * 64].unflatten(1, (4, 64))), ("k", qkv[:, 4 * 64:5 * 64].unflatten(1, (1, 64)))):
+        got = seen[name]
+        assert got is seen[f"{name}_out"]
+        assert (got.shape, got.storage_offset()) == (want.shape, want.storage_offset())
+        # the same elements: equal strides where a dim has more than one index (torch's view restrides a
+        # dim of size 1, which holds one index whatever its stride)
+        assert all(a == b for a, b, size in zip(got.stride(), want.stride(), got.shape) if size > 1)
+        assert got.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+
+
+def test_reshape_and_cache_flash_scales_reach_the_entry_as_given(monkeypatch):
+    """Scales the entry takes as they are (one element of shape () or (1,), a 1-d per-head vector) reach it
+    unreshaped; others ([1, 1], [1, H]) as shape () or [H]."""
+    seen = []
+
+    def gqa_entry(q, k, v, k_cache, v_cache, slot_mapping, **kw):
+        seen.append((kw["k_scale"], kw["v_scale"]))
+
+    monkeypatch.setattr(vllm, "fused_qk_norm_rope_store_kv", gqa_entry)
+    key = value = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(3, 8, 4, 64, dtype=torch.uint8)
+    for shape, want in (((), ()), ((1,), (1,)), ((4,), (4,)), ((1, 1), ()), ((1, 4), (4,))):
+        k_scale, v_scale = torch.ones(shape), torch.full(shape, 2.0)
+        vllm.reshape_and_cache_flash(key, value, cache, cache.clone(), torch.tensor([0, 1]), "fp8", k_scale, v_scale)
+        got_k, got_v = seen[-1]
+        assert got_k.shape == got_v.shape == want and torch.equal(got_v, torch.full(want, 2.0))
+        assert (got_k is k_scale) == (len(shape) == len(want))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_fused_qk_norm_rope_hands_weights_and_table_over_uncopied(monkeypatch, dtype):
     """The weights and cos_sin_cache reach kvfuse's GQA entry as the tensors vLLM gave (fp16 ones too: the

@@ -104,9 +104,14 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     batch_indices, positions = _int_vector(batch_indices, "batch_indices"), _int_vector(positions, "positions")
     kv_indices, kv_indptr = _int_vector(kv_indices, "kv_indices"), _int_vector(kv_indptr, "kv_indptr")
     _checks.tensor(kv_last_page_len, "kv_last_page_len")
-    with _checks.engine_names(_APPEND_NAMES):
-        fused_qk_norm_rope_store_kv(append_key[:, :0], append_key, append_value, k_cache, v_cache,
-                                    PagedAppend(kv_indices, kv_indptr, batch_indices, positions), layout=kv_layout)
+    no_q = append_key[:, :0]
+    try:                  # q_out: the empty q itself (nothing to allocate)
+        fused_qk_norm_rope_store_kv(no_q, append_key, append_value, k_cache, v_cache,
+                                    PagedAppend(kv_indices, kv_indptr, batch_indices, positions), layout=kv_layout,
+                                    q_out=no_q)
+    except (TypeError, ValueError) as e:
+        _checks.rename(e, _APPEND_NAMES)
+        raise
 
 
 def _rope_calls(positions, query, key, head_size, cos_sin_cache, is_neox, query_out, key_out):
@@ -201,7 +206,7 @@ def _rope_parts(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox)
     _checks.activations(q_nope, "q_nope", 3, (q_rope.dtype,))
     _checks.activations(k_nope, "k_nope", k_rope.dim(), (q_rope.dtype,))
     kn3 = k_nope.unsqueeze(1) if is_mla else k_nope
-    if tuple(q_nope.shape[:2]) != (nnz, hq) or tuple(kn3.shape[:2]) != tuple(k3.shape[:2]):
+    if q_nope.shape[0] != nnz or q_nope.shape[1] != hq or kn3.shape[0] != nnz or kn3.shape[1] != k3.shape[1]:
         raise ValueError(f"q_nope, k_nope: expected q_rope's / k_rope's tokens and heads, got shapes "
                          f"{tuple(q_nope.shape)} and {tuple(k_nope.shape)}")
     if q_nope.shape[-1] != kn3.shape[-1]:
@@ -295,7 +300,7 @@ def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, c
     dt = _quantize_dtype(quantize_dtype, (q_rope_out, q_nope_out))
     if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
         raise ValueError("paged_kv_cache must be a tuple of 2 tensors")
-    c0, c1 = (_checks.tensor(c, "paged_kv_cache") for c in paged_kv_cache)
+    c0, c1 = _checks.tensor(paged_kv_cache[0], "paged_kv_cache"), _checks.tensor(paged_kv_cache[1], "paged_kv_cache")
     for c in (c0, c1):
         if c.dtype != dt:
             raise ValueError(f"paged_kv_cache: cache dtype mismatch: expected {dt}, got {c.dtype}")
@@ -320,18 +325,30 @@ def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, c
         cache_page = c0.shape[1] if kv_layout == "NHD" else c0.shape[2]
     if cache_page != page_size:
         raise ValueError(f"page_size: {page_size} differs from the caches' page size {cache_page}")
-    q_outs = [o if o is not None else torch.empty(ref.shape, dtype=dt, device=ref.device)
-              for o, ref in ((q_rope_out, q_rope), (q_nope_out, q_nope))]
-    slots = PagedAppend(*(_int_vector(t, name) for t, name in ((kv_indices, "kv_indices"), (kv_indptr, "kv_indptr"),
-                                                                (batch_indices, "batch_indices"),
-                                                                (positions, "positions"))))
+    q_rope_out = _fp8_output(q_rope_out, q_rope, dt)
+    q_nope_out = _fp8_output(q_nope_out, q_nope, dt)
+    slots = _paged_append(kv_indices, kv_indptr, batch_indices, positions)
     sq, skv = _scale(quant_scale_q, "quant_scale_q"), _scale(quant_scale_kv, "quant_scale_kv")
-    with _checks.engine_names(_RQ_NAMES):
+    try:
         fused_qk_norm_rope_store_kv(q, k, v, k_cache, v_cache, slots, rope_args=rope, layout=layout,
-                                    q_out=_pair(q_outs[0], q_outs[1], nope), q_scale=sq, k_scale=skv,
+                                    q_out=_pair(q_rope_out, q_nope_out, nope), q_scale=sq, k_scale=skv,
                                     v_scale=None if v is None else skv, numerics="fused_fp32_cast",
                                     scale_convention="multiply")
-    return q_outs[0], q_outs[1]
+    except (TypeError, ValueError) as e:
+        _checks.rename(e, _RQ_NAMES)
+        raise
+    return q_rope_out, q_nope_out
+
+
+def _fp8_output(out, like, dtype):
+    """An output given, or a new one of ``like``'s shape in ``dtype``."""
+    return out if out is not None else torch.empty(like.shape, dtype=dtype, device=like.device)
+
+
+def _paged_append(kv_indices, kv_indptr, batch_indices, positions) -> PagedAppend:
+    """FlashInfer's page addressing as the kernel reads it, each vector checked (_int_vector)."""
+    return PagedAppend(_int_vector(kv_indices, "kv_indices"), _int_vector(kv_indptr, "kv_indptr"),
+                       _int_vector(batch_indices, "batch_indices"), _int_vector(positions, "positions"))
 
 
 # --------------------------------------------------------------------------- NVFP4 append (codes + e4m3 block scales)
@@ -414,9 +431,7 @@ def nvfp4_quantize_append_paged_kv_cache(append_key, append_value, batch_indices
     the "nvfp4" format). One launch of :func:`kvfuse.fused_qk_norm_rope_store_kv` (no q heads)."""
     k_cache, v_cache, k_sf, v_sf = _nvfp4_inputs(append_key, append_value, kv_layout, paged_kv_cache, kv_cache_sf)
     ks, vs = _global_scale(k_scale, "k_scale"), _global_scale(v_scale, "v_scale")
-    slots = PagedAppend(*(_int_vector(t, name) for t, name in ((kv_indices, "kv_indices"), (kv_indptr, "kv_indptr"),
-                                                                (batch_indices, "batch_indices"),
-                                                                (positions, "positions"))))
+    slots = _paged_append(kv_indices, kv_indptr, batch_indices, positions)
     _checks.tensor(kv_last_page_len, "kv_last_page_len")
     with _checks.engine_names(_NVFP4_NAMES):
         fused_qk_norm_rope_store_kv(append_key[:, :0], append_key, append_value, k_cache, v_cache, slots,

@@ -44,12 +44,18 @@ PER_TOKEN_HEAD_MODES = {"FP8_PER_TOKEN_HEAD": "fp8_per_token_head", "INT8_PER_TO
 _MLA_NAMES = {"k": "kv_c", "v": "k_pe", "k_cache": "kv_cache", "v_cache": "kv_cache", "k_scale": "scale",
               "v_scale": "scale", "x": "kv_c", "out_args.kv_cache": "kv_cache",
               "out_args.slot_mapping": "slot_mapping"}
+_DS_MLA_NAMES = {**_MLA_NAMES, "x[0]": "kv_c", "x[1]": "k_pe"}
+_DS_MLA_CAST = CastArgs.from_cache_format(FLASHMLA_V32)     # frozen: one object serves every call
 _INDEXER_NAMES = {"x": "k", "out_args.kv_cache": "kv_cache", "out_args.slot_mapping": "slot_mapping"}
 _QK_NORM_ROPE_NAMES = {"q": "qkv", "k": "qkv", "q_out": "qkv", "k_out": "qkv", "q_norm_args.weight": "q_weight",
                        "k_norm_args.weight": "k_weight", "q_norm_args.eps": "eps", "k_norm_args.eps": "eps",
                        "rope_args.positions": "position_ids", "rope_args.cos_sin_cache": "cos_sin_cache"}
 # reshape_and_cache_flash's key / value dtypes ("auto": caches of the same dtype)
 _FLASH_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# reshape_and_cache_flash's kv_cache_dtype (and _cache_dtype's kind of it) -> (the caches' GQA format, the
+# dtype _checks.fp8_cache views an fp8 cache as): format and dtype picked in one lookup
+_FLASH_FORMATS = {"auto": ("auto", None), "fp8": ("fp8_e4m3", torch.float8_e4m3fn),
+                  "fp8_e4m3": ("fp8_e4m3", torch.float8_e4m3fn), FP8_E5M2: ("fp8_e5m2", torch.float8_e5m2)}
 
 
 def _cache_dtype(kv_cache_dtype, allowed) -> str:
@@ -87,17 +93,24 @@ def _auto_cache(cache, name: str, dtype: torch.dtype) -> torch.Tensor:
     return cache
 
 
+def _flash_scale(scale, name: str, num_heads: int) -> None:
+    _checks.tensor(scale, name)
+    if scale.dtype != torch.float32:
+        raise TypeError(f"{name}: expected dtype torch.float32, got {scale.dtype}")
+    if scale.numel() not in (1, num_heads):
+        raise ValueError(f"{name}: expected one value or one per head ({num_heads}), got {scale.numel()}")
+
+
 def _flash_scales(k_scale, v_scale, num_heads: int):
     """vLLM's k_scale / v_scale of an fp8 cache: fp32, the same shape, one element or one per kv head
-    (``numel() == num_heads``: head h divided by scale[h])."""
-    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
-        _checks.tensor(sc, name)
-        if sc.dtype != torch.float32:
-            raise TypeError(f"{name}: expected dtype torch.float32, got {sc.dtype}")
-        if sc.numel() not in (1, num_heads):
-            raise ValueError(f"{name}: expected one value or one per head ({num_heads}), got {sc.numel()}")
+    (``numel() == num_heads``: head h divided by scale[h]); reshaped only where the entry would not take
+    them as they are (one element of shape () or (1,), or a 1-d per-head vector: a reshape costs host time)."""
+    _flash_scale(k_scale, "k_scale", num_heads)
+    _flash_scale(v_scale, "v_scale", num_heads)
     if k_scale.shape != v_scale.shape:
         raise ValueError(f"v_scale: expected k_scale's shape {tuple(k_scale.shape)}, got {tuple(v_scale.shape)}")
+    if k_scale.dim() == 1 or (k_scale.dim() == 0 and k_scale.numel() == 1):
+        return k_scale, v_scale
     if k_scale.numel() == 1:
         return k_scale.reshape(()), v_scale.reshape(())
     return k_scale.reshape(-1), v_scale.reshape(-1)
@@ -117,21 +130,26 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     kernel reads ``k_scale[head]`` when ``k_scale.numel() > 1``); the scales are ignored for "auto".
     """
     _flash_key_value(key, value, slot_mapping)
-    kind = _cache_dtype(kv_cache_dtype, ("auto",) + FP8_KV_CACHE_DTYPES + (FP8_E5M2,))
-    fmt = "auto"
-    if kind == "auto":
+    picked = _FLASH_FORMATS.get(kv_cache_dtype) if type(kv_cache_dtype) is str else None
+    if picked is None:    # raises, or returns the kind of a str subclass
+        picked = _FLASH_FORMATS[str(_cache_dtype(kv_cache_dtype, tuple(_FLASH_FORMATS)))]
+    fmt, dtype = picked
+    if fmt == "auto":
         key_cache = _auto_cache(key_cache, "key_cache", key.dtype)
         value_cache = _auto_cache(value_cache, "value_cache", key.dtype)
         k_scale = v_scale = None
     else:
-        fmt, dtype = ("fp8_e5m2", torch.float8_e5m2) if kind == FP8_E5M2 else ("fp8_e4m3", torch.float8_e4m3fn)
         key_cache = _checks.fp8_cache(key_cache, "key_cache", dtype)
         value_cache = _checks.fp8_cache(value_cache, "value_cache", dtype)
         k_scale, v_scale = _flash_scales(k_scale, v_scale, key.shape[1])
     key, value = _leading(slot_mapping, key, value)
-    with _checks.engine_names(_GQA_NAMES):
-        fused_qk_norm_rope_store_kv(key[:, :0], key, value, key_cache, value_cache, slot_mapping,
-                                    k_scale=k_scale, v_scale=v_scale, layout="NHD", k_format=fmt, v_format=fmt)
+    no_q = key[:, :0]
+    try:                  # q_out: the empty q itself (nothing to allocate)
+        fused_qk_norm_rope_store_kv(no_q, key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale,
+                                    v_scale=v_scale, layout="NHD", q_out=no_q, k_format=fmt, v_format=fmt)
+    except (TypeError, ValueError) as e:
+        _checks.rename(e, _GQA_NAMES)
+        raise
 
 
 def _flash_key_value(key, value, slot_mapping) -> None:
@@ -180,10 +198,39 @@ def triton_reshape_and_cache_flash_per_token_head_quant(key, value, key_cache, v
             cache = cache[..., :width]         # the row's codes, its scale padding left alone
         caches.append(cache)
     key, value = _leading(slot_mapping, key, value)
-    with _checks.engine_names(_GQA_NAMES):
-        fused_qk_norm_rope_store_kv(key[:, :0], key, value, caches[0], caches[1], slot_mapping,
-                                    layout="NHD", k_format=fmt, v_format=fmt, k_scale_cache=k_scale_cache,
+    no_q = key[:, :0]
+    try:
+        fused_qk_norm_rope_store_kv(no_q, key, value, caches[0], caches[1], slot_mapping, layout="NHD", q_out=no_q,
+                                    k_format=fmt, v_format=fmt, k_scale_cache=k_scale_cache,
                                     v_scale_cache=v_scale_cache)
+    except (TypeError, ValueError) as e:
+        _checks.rename(e, _GQA_NAMES)
+        raise
+
+
+def _head_counts(num_heads_q, num_heads_k, num_heads_v, head_dim) -> None:
+    for name, v in (("num_heads_q", num_heads_q), ("num_heads_k", num_heads_k), ("num_heads_v", num_heads_v),
+                    ("head_dim", head_dim)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "num_heads_v" else 1):
+            raise ValueError(f"{name}: expected a positive int, got {v!r}")
+
+
+def _qk_norm_weight(w, name: str, dtype: torch.dtype) -> None:
+    _checks.tensor(w, name)
+    if w.dtype != dtype:
+        raise TypeError(f"{name}: expected qkv's dtype {dtype}, got {w.dtype}")
+
+
+def _packed_heads(qkv, hq: int, hk: int, d: int):
+    """The q and k heads of the packed qkv: qkv[:, :hq * d].unflatten(1, (hq, d)) and the next hk * d
+    columns as [n, hk, d]; made eagerly by as_strided (half the host time of slicing and unflatten), which
+    torch.compile does not trace (it reads the storage offset)."""
+    if torch.compiler.is_compiling():
+        return qkv[:, :hq * d].unflatten(1, (hq, d)), qkv[:, hq * d:(hq + hk) * d].unflatten(1, (hk, d))
+    row, col = qkv.stride()
+    start = qkv.storage_offset()
+    return (qkv.as_strided((qkv.shape[0], hq, d), (row, d * col, col), start),
+            qkv.as_strided((qkv.shape[0], hk, d), (row, d * col, col), start + hq * d * col))
 
 
 def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight, cos_sin_cache,
@@ -202,19 +249,16 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
     a position outside [0, max_position) leaves the token's rotation out (vLLM reads past the table).
     """
     _checks.activations(qkv, "qkv", 2, (torch.bfloat16, torch.float16))
-    for name, v in (("num_heads_q", num_heads_q), ("num_heads_k", num_heads_k), ("num_heads_v", num_heads_v),
-                    ("head_dim", head_dim)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "num_heads_v" else 1):
-            raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    if not (type(num_heads_q) is int and type(num_heads_k) is int and type(num_heads_v) is int
+            and type(head_dim) is int and num_heads_q >= 1 and num_heads_k >= 1 and num_heads_v >= 0 and head_dim >= 1):
+        _head_counts(num_heads_q, num_heads_k, num_heads_v, head_dim)   # int subclasses pass; the rest raise
     _checks.head_size(head_dim, "head_dim", 8)
     hq, hk, d = num_heads_q, num_heads_k, head_dim
     if qkv.shape[1] != (hq + hk + num_heads_v) * d:
         raise ValueError(f"qkv: expected {(hq + hk + num_heads_v) * d} columns ((num_heads_q + num_heads_k + "
                          f"num_heads_v) * head_dim), got shape {tuple(qkv.shape)}")
-    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-        _checks.tensor(w, name)
-        if w.dtype != qkv.dtype:
-            raise TypeError(f"{name}: expected qkv's dtype {qkv.dtype}, got {w.dtype}")
+    _qk_norm_weight(q_weight, "q_weight", qkv.dtype)
+    _qk_norm_weight(k_weight, "k_weight", qkv.dtype)
     _checks.tensor(cos_sin_cache, "cos_sin_cache")
     if cos_sin_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"cos_sin_cache: expected dtype torch.float32, torch.float16 or torch.bfloat16, got "
@@ -230,13 +274,15 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
         raise TypeError(f"position_ids: expected dtype torch.int64, got {position_ids.dtype}")
     if not isinstance(is_neox, bool):
         raise TypeError(f"is_neox must be a bool, got {type(is_neox).__name__}")
-    q = qkv[:, :hq * d].unflatten(1, (hq, d))
-    k = qkv[:, hq * d:(hq + hk) * d].unflatten(1, (hk, d))
-    with _checks.engine_names(_QK_NORM_ROPE_NAMES):
+    q, k = _packed_heads(qkv, hq, hk, d)
+    try:
         fused_qk_norm_rope_store_kv(
             q, k, None, None, None, None, NormArgs(q_weight, eps=eps), NormArgs(k_weight, eps=eps),
             RopeArgs(position_ids, cos_sin_cache, rotary_dim, is_neox, offset=0), q_out=q, numerics="fused",
             k_out=k)
+    except (TypeError, ValueError) as e:
+        _checks.rename(e, _QK_NORM_ROPE_NAMES)
+        raise
 
 
 def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt):
@@ -309,9 +355,11 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, sca
         if kv_cache.dim() != 3:
             raise ValueError(f"kv_cache: expected [num_blocks, block_size, 656], got shape {tuple(kv_cache.shape)}")
         out = KVCacheOutArgs(kv_cache.unsqueeze(2), slot_mapping, layout=FLASHMLA_V32)
-        with _checks.engine_names({**_MLA_NAMES, "x[0]": "kv_c", "x[1]": "k_pe"}):
-            fused_norm_rope_hadamard_cast_store_kvcache(
-                (kv_c, k_pe), cast_args=CastArgs.from_cache_format(FLASHMLA_V32), out_args=out)
+        try:
+            fused_norm_rope_hadamard_cast_store_kvcache((kv_c, k_pe), cast_args=_DS_MLA_CAST, out_args=out)
+        except (TypeError, ValueError) as e:
+            _checks.rename(e, _DS_MLA_NAMES)
+            raise
         return
     _checks.head_size(rank, "kv_c", 8)
     _checks.head_size(pe_dim, "k_pe", 8)
@@ -325,6 +373,10 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, sca
     # the record's two column ranges as the K and V caches of one head: one launch, no concatenation
     latent_cache, pe_cache = kv_cache[..., :rank].unsqueeze(2), kv_cache[..., rank:].unsqueeze(2)
     kv_c3, k_pe3 = kv_c.unsqueeze(1), k_pe.unsqueeze(1)
-    with _checks.engine_names(_MLA_NAMES):
-        fused_qk_norm_rope_store_kv(kv_c3[:, :0], kv_c3, k_pe3, latent_cache, pe_cache, slot_mapping,
-                                    k_scale=scale, v_scale=scale, layout="NHD")
+    no_q = kv_c3[:, :0]
+    try:                  # q_out: the empty q itself (nothing to allocate)
+        fused_qk_norm_rope_store_kv(no_q, kv_c3, k_pe3, latent_cache, pe_cache, slot_mapping, k_scale=scale,
+                                    v_scale=scale, layout="NHD", q_out=no_q)
+    except (TypeError, ValueError) as e:
+        _checks.rename(e, _MLA_NAMES)
+        raise
