@@ -18,7 +18,7 @@ Needs a GPU, except ``--cpu``: kvfuse's Python per call on this machine's CPU (C
 backend through TRITON_INTERPRET=1, every Triton launch replaced by a no-op), the plan cache on: the host
 time above the launch, median of single calls. Usage:
     python benchmarks/eager_host_time.py [--n 1] [--samples 400] [--json OUT.json]
-    python benchmarks/eager_host_time.py --cpu [--n 1] [--samples 20000]
+    python benchmarks/eager_host_time.py --cpu [--n 1] [--samples 20000] [--profile NAME]
 """
 from __future__ import annotations
 
@@ -162,9 +162,34 @@ def cpu_us(fn, samples: int) -> float:
     return statistics.median(times) / 1e3
 
 
+def profile_calls(calls: dict, pattern: str, sync=None) -> None:
+    """cProfile 2000 calls of each call whose name contains ``pattern`` (after 50 warm-up calls), the 22
+    functions of most own time; ``sync`` (the GPU's synchronize) every 100 calls."""
+    import cProfile
+    import pstats
+    for name, fn in calls.items():
+        if pattern in name:
+            for _ in range(50):
+                fn()
+            prof = cProfile.Profile()
+            prof.enable()
+            for i in range(2000):
+                fn()
+                if sync is not None and i % 100 == 99:
+                    sync()
+            prof.disable()
+            print(f"--- {name}")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+
+
 def cpu_main(calls: dict, a) -> None:
-    """--cpu: kvfuse's host time per call with the launches stubbed, plan cache on (and off with --cache-off)."""
+    """--cpu: kvfuse's host time per call with the launches stubbed, plan cache on (and off with --cache-off);
+    with --profile, the profile of the calls named instead."""
     rows = []
+    if a.profile:
+        with kvfuse.use_backend("triton"), launches_stubbed():
+            profile_calls({k: v for k, v in calls.items() if not k.startswith("floor: a one-program")}, a.profile)
+        return
     with kvfuse.use_backend("triton"), launches_stubbed():
         for name, fn in calls.items():
             if name.startswith("floor: a one-program"):
@@ -210,7 +235,8 @@ def main(argv=None) -> None:
     p.add_argument("--n", type=int, default=1)
     p.add_argument("--samples", type=int, default=None, help="single calls timed (400 on the GPU, 20000 --cpu)")
     p.add_argument("--json", default=None)
-    p.add_argument("--profile", default=None, help="cProfile 2000 eager calls of the calls whose name contains this")
+    p.add_argument("--profile", default=None,
+                   help="cProfile 2000 eager calls of the calls whose name contains this (--cpu: launches stubbed)")
     p.add_argument("--dry-run", action="store_true", help="CPU: build every call and run it once (TRITON_INTERPRET=1)")
     p.add_argument("--cpu", action="store_true",
                    help="kvfuse's Python per call on the CPU, launches stubbed (TRITON_INTERPRET=1 is set)")
@@ -234,21 +260,7 @@ def main(argv=None) -> None:
                 print("ran", name)
         return
     if a.profile:
-        import cProfile
-        import pstats
-        for name, fn in calls.items():
-            if a.profile in name:
-                for _ in range(50):
-                    fn()
-                prof = cProfile.Profile()
-                prof.enable()
-                for i in range(2000):
-                    fn()
-                    if i % 100 == 99:
-                        torch.cuda.synchronize()
-                prof.disable()
-                print(f"--- {name}")
-                pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+        profile_calls(calls, a.profile, torch.cuda.synchronize)
         return
     rows = []
     for name, fn in calls.items():
