@@ -343,6 +343,13 @@ def test_keyed_calls_take_the_tensors_of_call_tensors():
         assert all(a is b for a, b in zip(tensors, want)), name
 
 
+@pytest.mark.parametrize("at", [(), (2,), (0, 2), (3, 1, 0)])
+def test_aliasing_picks_the_tensors_at_its_positions(at):
+    """_picker gives the items at ``at`` as a tuple for any count (operator.itemgetter gives a lone one bare)."""
+    items = ["a", "b", "c", "d"]
+    assert gqa._picker(at)(items) == tuple(items[i] for i in at)
+
+
 @pytest.mark.parametrize("value", [0.0, -0.0, -1.0, float("nan"), float("inf"), True])
 def test_scale_numbers_keyed_without_their_sign(value):
     """A scale given as a number is keyed by its type and value only: every number the entry takes is
