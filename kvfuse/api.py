@@ -37,6 +37,14 @@ def fused_norm_rope_hadamard_cast_store_kvcache(x, norm_args=None, rope_args=Non
     return _dispatch.call_fused(template, tensors)
 
 
+def call_keyed(key, pinned: tuple, tensors: tuple, make_call):
+    """One call of the fused operator that its caller keyed from its own raw arguments (kvfuse.mla's
+    writes), the FusedCall built by ``make_call()`` only on a plan-cache miss (kvfuse.plans.fused.prepare_keyed
+    says what the key must hold); returns what the call returns."""
+    template, tensors = _fused.prepare_keyed(key, pinned, tensors, make_call)
+    return _dispatch.call_fused(template, tensors)
+
+
 def store_kv_cache(data: torch.Tensor, sf: Optional[torch.Tensor], kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, layout: KVCacheFormat, tail: Optional[torch.Tensor] = None) -> None:
     """Scatter already-quantized rows into a paged cache.

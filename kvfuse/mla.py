@@ -35,10 +35,12 @@ from typing import Optional, Tuple
 import torch
 
 from .api import fused_norm_rope_hadamard_cast_store_kvcache as _fused
+from .api import call_keyed as _call_keyed
 from .api import store_kv_cache
 from .args import CastArgs, ContiguousOutArgs, FusedCall, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
 from .group import fused_group
 from .formats import FLASHMLA_MODEL1, FLASHMLA_V32, INDEX_MXFP8, MAIN_FP8, KVCacheFormat
+from .plans.cache import PLAN_CACHE, ROWS
 # the RoPE table of the call sites: kvfuse.rope's builder, public here under the name it has always had
 from .rope import cos_sin_cache as make_cos_sin_cache
 
@@ -215,6 +217,64 @@ def _fmt(fmt: Optional[KVCacheFormat], default: KVCacheFormat) -> KVCacheFormat:
     return default if fmt is None else fmt
 
 
+# ---- the cache writes' plan-cache keys, from their raw arguments: a repeated call finds its launch without
+# building its argument objects (kvfuse.plans.fused.prepare_keyed). A key holds what the FusedCall built from
+# the arguments would be keyed by (kvfuse.plans.cache): each tensor's type, dtype, shape (a leading dim equal
+# to n written ROWS), strides and device, the cache's data_ptr() % 16, the format by identity (pinned), and
+# the configuration's fields the call reads, each with its type where it becomes an argument object's field.
+# Only an MLAConfig itself is keyed (a subclass may compute its argument objects otherwise).
+def _keyed(cfg) -> bool:
+    return type(cfg) is MLAConfig and PLAN_CACHE.enabled and not torch.compiler.is_compiling()
+
+
+def _tensor_part(t):
+    return type(t), t.dtype, t.shape, t.stride(), t.device
+
+
+def _rows_part(t, n):
+    shape = t.shape
+    return type(t), t.dtype, ROWS if shape[0] == n else shape[0], shape[1:], t.stride(), t.device
+
+
+def _x_part(x):
+    """(key, n, x, x_tail) of a write's x: a tensor, or its columns as a tuple / list of two."""
+    if type(x) in (tuple, list):
+        x, tail = x           # raises for another length: validation says why
+        n = x.shape[0]
+        return (tuple, _rows_part(x, n), _rows_part(tail, n)), n, x, tail
+    n = x.shape[0]
+    return _rows_part(x, n), n, x, None
+
+
+def _main_cache_key(cfg, kv, positions, cos_sin, norm_weight, kv_cache, slot_mapping, fmt, out, out_stage):
+    """(key, tensors in call_tensors' order, the format) of a write_main_cache call."""
+    fmt = cfg.main_format if fmt is None else fmt
+    x_key, n, x, tail = _x_part(kv)
+    eps, rope, neox = cfg.norm_eps, cfg.qk_rope_head_dim, cfg.rope_is_neox
+    key = ("mla.write_main_cache", id(fmt), x_key, None if norm_weight is None else _tensor_part(norm_weight),
+           type(eps), eps, cfg.kv_lora_rank, cfg.qk_head_dim, type(rope), rope, type(neox), neox,
+           _rows_part(positions, n), _tensor_part(cos_sin), _tensor_part(kv_cache), kv_cache.data_ptr() % 16,
+           _rows_part(slot_mapping, n), None if out is None else _rows_part(out, n), type(out_stage), out_stage)
+    return key, (x, norm_weight, positions, cos_sin, kv_cache, slot_mapping, out, None, tail), fmt
+
+
+def _indexer_k_key(cfg, k, positions, cos_sin, norm_weight, kv_cache, slot_mapping, norm_bias, out, out_stage):
+    """(key, tensors in call_tensors' order, the format) of a write_indexer_k call; raises without an indexer."""
+    fmt = cfg.index_format
+    if fmt is None:
+        raise ValueError("no indexer")     # not keyed: the call says why
+    n = k.shape[0]
+    eps, kind, rope, neox, offset = (cfg.norm_eps, cfg.index_norm_kind, cfg.index_rope_head_dim,
+                                     cfg.index_rope_is_neox, cfg.index_rope_offset)
+    hadamard, dim = cfg.index_hadamard, cfg.index_head_dim
+    key = ("mla.write_indexer_k", id(fmt), _rows_part(k, n), None if norm_weight is None else _tensor_part(norm_weight),
+           None if norm_bias is None else _tensor_part(norm_bias), type(eps), eps, type(kind), kind, type(rope), rope,
+           type(neox), neox, type(offset), offset, not hadamard, type(dim), dim, _rows_part(positions, n),
+           _tensor_part(cos_sin), _tensor_part(kv_cache), kv_cache.data_ptr() % 16, _rows_part(slot_mapping, n),
+           None if out is None else _rows_part(out, n), type(out_stage), out_stage)
+    return key, (k, norm_weight, positions, cos_sin, kv_cache, slot_mapping, out, norm_bias, None), fmt
+
+
 # --------------------------------------------------------------------------- Q
 def q_preprocess(cfg: MLAConfig, q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                  q_norm_weight: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -251,6 +311,15 @@ def write_main_cache(cfg: MLAConfig, kv, positions: torch.Tensor, cos_sin: torch
     / vLLM's ``kv_a_layernorm``; norm_weight [kv_lora_rank]): k_pe passes through it into RoPE, and
     out_stage "norm" is the normalized latent followed by k_pe as it came. Returns ``out`` (the bf16 of
     ``out_stage``) or None."""
+    if _keyed(cfg):
+        try:
+            key, tensors, layout = _main_cache_key(cfg, kv, positions, cos_sin, norm_weight, kv_cache, slot_mapping,
+                                                   fmt, out, out_stage)
+        except Exception:   # an argument that cannot be keyed: the call below says what is wrong with it
+            pass
+        else:
+            return _call_keyed(key, (layout,), tensors, lambda: main_cache_call(
+                cfg, kv, positions, cos_sin, norm_weight, kv_cache, slot_mapping, fmt, out, out_stage))
     return _run(main_cache_call(cfg, kv, positions, cos_sin, norm_weight, kv_cache, slot_mapping, fmt, out,
                                 out_stage))
 
@@ -356,6 +425,15 @@ def write_indexer_k(cfg: MLAConfig, k: torch.Tensor, positions: torch.Tensor, co
     (cfg.index_hadamard) -> the cast of cfg.index_format -> the index cache. k bf16
     [n, index_head_dim]; ``out`` / ``out_stage`` as in :class:`kvfuse.KVCacheOutArgs`. ValueError
     when the model has no indexer (index_format None)."""
+    if _keyed(cfg):
+        try:
+            key, tensors, layout = _indexer_k_key(cfg, k, positions, cos_sin, norm_weight, kv_cache, slot_mapping,
+                                                  norm_bias, out, out_stage)
+        except Exception:   # an argument that cannot be keyed, or no indexer: the call below says why
+            pass
+        else:
+            return _call_keyed(key, (layout,), tensors, lambda: indexer_k_call(
+                cfg, k, positions, cos_sin, norm_weight, kv_cache, slot_mapping, norm_bias, out, out_stage))
     return _run(indexer_k_call(cfg, k, positions, cos_sin, norm_weight, kv_cache, slot_mapping, norm_bias, out,
                                out_stage))
 

@@ -12,8 +12,7 @@ import torch
 from ..args import CastArgs, ContiguousOutArgs, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
 from ..formats import PRESETS, KVCacheFormat, q_dtype, sf_dtype
 from ..overlap import INF, OverlapCheck, addresses_known, row_limit, span_terms
-from .cache import NO_KEY, number_key, optional_rows_key, optional_tensor_key, rope_args_key, rows_key, \
-    tensor_alignment, tensor_key, validated
+from .cache import PLAN_CACHE, ROWS, number_key, rope_args_key, tensor_key
 from .rules import check_cast_args, check_index_vector, check_rope_args, check_tensor, infer_layout, is_real
 from .types import (BIAS, COS_SIN, NORM_KINDS, NUM_CALL_TENSORS, OUT_ARG0, OUT_ARG1, OUT_ARG2, OUT_STAGES,
                     POSITIONS, WEIGHT, X, X_TAIL, Plan, PlanTemplate)
@@ -308,10 +307,48 @@ def prepare(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=Non
     """(template, tensors) of a call: validated (or found in the plan cache), with the outputs it
     allocates appended to its tensors and the aliasing rules checked (eagerly: not while tracing).
     Raises ValueError/TypeError for a bad call."""
-    template = validated(call_signature, validate, x, norm_args, rope_args, hadamard_args, cast_args, out_args)
-    tensors = template.new_outputs(call_tensors(x, norm_args, rope_args, out_args))
+    template = None
+    if PLAN_CACHE.enabled and not torch.compiler.is_compiling():
+        try:        # the key and the call's tensors in one pass over the arguments
+            key, pinned, tensors = _key_and_tensors(x, norm_args, rope_args, hadamard_args, cast_args, out_args)
+            template = PLAN_CACHE.lookup(key)
+        except Exception:  # an argument that cannot be keyed (a wrong type, unhashable): validation says why
+            key = None
+        if template is None:
+            template = validate(x, norm_args, rope_args, hadamard_args, cast_args, out_args)
+            if key is not None:
+                PLAN_CACHE.store(key, template, pinned)
+            tensors = call_tensors(x, norm_args, rope_args, out_args)
+    else:
+        template = validate(x, norm_args, rope_args, hadamard_args, cast_args, out_args)
+        tensors = call_tensors(x, norm_args, rope_args, out_args)
+    tensors = template.new_outputs(tensors)
     # whether outputs overlap depends on data pointers, so it is checked on every call (out may be x:
     # the kernels read every x they need before writing that part of out)
+    if template.overlap is not None:
+        template.overlap(tensors, tensors[X].shape[0])
+    return template, tensors
+
+
+def prepare_keyed(key, pinned: tuple, tensors: tuple, make_call):
+    """(template, tensors) of a call that a caller keyed from its own raw arguments (kvfuse.mla's writes: no
+    argument object built on a hit). ``key`` must determine every value validation and ``call_signature``
+    would read of the call ``make_call()`` returns (a FusedCall), and ``tensors`` be that call's tensors in
+    call_tensors' order. A miss builds the call (raising what it raises), prepares it as ``prepare`` does
+    and stores its template under ``key`` too (``pinned``: the objects ``key`` names by id). The outputs and
+    the aliasing rules are checked on every call, as in ``prepare``."""
+    try:
+        template = PLAN_CACHE.lookup(key)
+    except TypeError:      # an unhashable value in the key: validated every time (and rejected when invalid)
+        key = template = None
+    if template is None:
+        call = make_call()
+        template, tensors = prepare(call.x, call.norm_args, call.rope_args, call.hadamard_args, call.cast_args,
+                                    call.out_args)
+        if key is not None:   # the template's own key may pin other objects: it keeps both sets
+            PLAN_CACHE.store(key, template, tuple({id(o): o for o in template.pinned + pinned}.values()))
+        return template, tensors
+    tensors = template.new_outputs(tensors)
     if template.overlap is not None:
         template.overlap(tensors, tensors[X].shape[0])
     return template, tensors
@@ -325,35 +362,59 @@ def build_plan(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=
 
 
 def call_signature(x, norm_args, rope_args, hadamard_args, cast_args, out_args):
-    """(key, pinned) of a fused-operator call (see "plan cache" above); key None for an argument
-    object of a class kvfuse does not key. May raise for arguments of the wrong types."""
+    """(key, pinned) of a fused-operator call (see "plan cache" above). Raises for arguments it does not
+    key (a wrong type, an argument object of another class: a subclass too): those calls are validated
+    every time."""
+    key, pinned, _ = _key_and_tensors(x, norm_args, rope_args, hadamard_args, cast_args, out_args)
+    return key, pinned
+
+
+def _rows_part(t, n):
+    """A tensor's part of a key: type, dtype, shape with a leading dim equal to n written ROWS, strides,
+    device (the values of kvfuse.plans.cache.rows_key, in one flat tuple)."""
+    shape = t.shape
+    return type(t), t.dtype, ROWS if shape[0] == n else shape[0], shape[1:], t.stride(), t.device
+
+
+def _key_and_tensors(x, norm_args, rope_args, hadamard_args, cast_args, out_args):
+    """(key, pinned, tensors) of a call in one pass over its arguments: its key (see "plan cache" in
+    kvfuse.plans.cache) and its tensors in call_tensors' order. Numbers validation takes only when > 0
+    (eps) are keyed without their sign; the Hadamard scale, which may be -0.0, with it."""
     if type(x) is tuple:
-        if len(x) != 2:
-            return NO_KEY
-        n = x[0].shape[0]
-        x_key = (tuple, rows_key(x[0], n), rows_key(x[1], n))
-    else:
+        x, x_tail = x                   # raises unless two: validation says why
         n = x.shape[0]
-        x_key = rows_key(x, n)
+        x_key = (tuple, _rows_part(x, n), _rows_part(x_tail, n))
+    else:
+        x_tail = None
+        n = x.shape[0]
+        x_key = _rows_part(x, n)
     if norm_args is None:
-        norm_key = None
+        norm_key = w = b = None
     elif type(norm_args) is NormArgs:
-        norm_key = (tensor_key(norm_args.weight), number_key(norm_args.eps), optional_tensor_key(norm_args.bias),
-                    type(norm_args.kind), norm_args.kind)
+        w, b, eps, kind = norm_args.weight, norm_args.bias, norm_args.eps, norm_args.kind
+        norm_key = (type(w), w.dtype, w.shape, w.stride(), w.device, type(eps), eps,
+                    None if b is None else tensor_key(b), type(kind), kind)
     else:
-        return NO_KEY
+        raise TypeError("not keyed")
     if rope_args is None:
-        rope_key = None
+        rope_key = pos = cs = None
     elif type(rope_args) is RopeArgs:
-        rope_key = rope_args_key(rope_args, n)
+        r = rope_args
+        pos, cs = r.positions, r.cos_sin_cache
+        if r.mrope_section is None:
+            rd, off, neox, conj, inter = r.rotary_dim, r.offset, r.is_neox, r.conjugate, r.mrope_interleaved
+            rope_key = (_rows_part(pos, n), type(cs), cs.dtype, cs.shape, cs.stride(), cs.device, type(rd), rd,
+                        type(off), off, type(neox), neox, type(conj), conj, type(inter), inter)
+        else:
+            rope_key = rope_args_key(r, n)
     else:
-        return NO_KEY
+        raise TypeError("not keyed")
     if hadamard_args is None:
         hadamard_key = None
     elif type(hadamard_args) is HadamardArgs:
         hadamard_key = number_key(hadamard_args.scale)
     else:
-        return NO_KEY
+        raise TypeError("not keyed")
     if cast_args is None:
         cast_key = None
     elif type(cast_args) is CastArgs:
@@ -362,19 +423,28 @@ def call_signature(x, norm_args, rope_args, hadamard_args, cast_args, out_args):
                     c.round_sf, type(c.sf_format), c.sf_format, type(c.cast_back), c.cast_back,
                     type(c.scale_floor), c.scale_floor)
     else:
-        return NO_KEY
+        raise TypeError("not keyed")
     pinned = ()
     if out_args is None:
         out_key = None
+        outs = (None, None, None)
     elif type(out_args) is KVCacheOutArgs:
         oa, stage, layout = out_args, out_args.out_stage, out_args.layout
+        cache, slots, out = oa.kv_cache, oa.slot_mapping, oa.out
         pinned = (layout,) if layout is not None else tuple(PRESETS.values())
-        out_key = (KVCacheOutArgs, tensor_key(oa.kv_cache), tensor_alignment(oa.kv_cache), rows_key(oa.slot_mapping, n),
-                   optional_rows_key(oa.out, n), type(stage), stage, layout is None, tuple(map(id, pinned)))
+        out_key = (KVCacheOutArgs, type(cache), cache.dtype, cache.shape, cache.stride(), cache.device,
+                   cache.data_ptr() % 16, _rows_part(slots, n), None if out is None else _rows_part(out, n),
+                   type(stage), stage, layout is None, tuple(map(id, pinned)))
+        outs = (cache, slots, out)
     elif type(out_args) is ContiguousOutArgs:
-        out_key = (ContiguousOutArgs, optional_rows_key(out_args.out, n), optional_rows_key(out_args.sf, n))
+        out, sf = out_args.out, out_args.sf
+        out_key = (ContiguousOutArgs, None if out is None else _rows_part(out, n),
+                   None if sf is None else _rows_part(sf, n))
+        outs = (out, sf, None)
     elif isinstance(out_args, torch.Tensor):
-        out_key = rows_key(out_args, n)
+        out_key = _rows_part(out_args, n)
+        outs = (out_args, None, None)
     else:
-        return NO_KEY
-    return ("fused", x_key, norm_key, rope_key, hadamard_key, cast_key, out_key), pinned
+        raise TypeError("not keyed")
+    key = ("fused", x_key, norm_key, rope_key, hadamard_key, cast_key, out_key)
+    return key, pinned, (x, w, pos, cs) + outs + (b, x_tail)
