@@ -118,6 +118,22 @@ def test_a_misaligned_pointer_takes_tritons_path(env, ptr):
     assert len(kernel.calls) == 3 and kernel.compiled.runs == []
 
 
+def test_the_alignment_check_reads_the_tensors_the_launch_passes(env):
+    """A field the call lacks gets the stand-in's tensor (two parameters, one pointer, read once); a tensor of
+    the call that the launch does not pass does not keep it off the direct path."""
+    kernel = FakeKernel()
+    T = L.tensor_arg
+    launch = L.Launch("k", (5,), (T("a"), 7, T("absent")), dict(FLAG=True, BLOCK=64), {"a": 0, "b": 1}, 2,
+                      {"k": kernel}, stand_in="a", allow_direct=True)
+    assert launch.aligned_at == (0,)
+    launch.run((FakeTensor(0), FakeTensor(0)))
+    a = FakeTensor(32)
+    launch.run((a, FakeTensor(8)))                   # b, misaligned, is not passed
+    assert len(kernel.calls) == 1 and kernel.compiled.runs[-1][9:] == (a, 7, a, 64, True)
+    launch.run((FakeTensor(8), FakeTensor(0)))       # the stand-in misaligned: Triton's path
+    assert len(kernel.calls) == 2
+
+
 def test_first_launch_misaligned_keeps_no_kernel(env):
     kernel = FakeKernel()
     launch, _ = make_launch(kernel)

@@ -113,15 +113,16 @@ class DirectLaunch:
     def launch(self, args: tuple) -> None:
         c = self.compiled
         stream = _current_stream(self.device)
-        all_args = args + self.constexprs
         gx, gy, gz = self.grid
         knobs = self.knobs
         if knobs is None or not (_hook_set(knobs.launch_enter_hook) or _hook_set(knobs.launch_exit_hook)):
+            # args and the constexprs unpacked into the call (not joined first: one tuple fewer a launch)
             if self.c_launch is not None:
-                self.c_launch(gx, gy, gz, stream, c.function, *self.c_head, None, None, None, *all_args)
+                self.c_launch(gx, gy, gz, stream, c.function, *self.c_head, None, None, None, *args, *self.constexprs)
             else:
-                c.run(gx, gy, gz, stream, c.function, c.packed_metadata, None, None, None, *all_args)
+                c.run(gx, gy, gz, stream, c.function, c.packed_metadata, None, None, None, *args, *self.constexprs)
             return
+        all_args = args + self.constexprs
         enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook    # Triton's protocol, as its own launch
         meta = None if enter is None else c.launch_metadata(self.grid, stream, *all_args)
         c.run(gx, gy, gz, stream, c.function, c.packed_metadata, meta, enter, leave, *all_args)
@@ -144,7 +145,7 @@ class Launch:
     looked up by name in ``namespace`` at each launch (tests and benchmarks swap kernel objects)."""
 
     __slots__ = ("kernel_name", "namespace", "grid", "pick", "constants", "options", "tensor_at", "direct",
-                 "allow_direct", "guard")
+                 "allow_direct", "guard", "aligned_at")
 
     def __init__(self, kernel_name: str, grid: tuple, args: tuple, options: dict, tensor_index: dict,
                  num_tensors: int, namespace: dict, stand_in: str = "x", allow_direct: bool = False):
@@ -163,6 +164,9 @@ class Launch:
         self.constants = tuple(constants)
         self.options = options
         self.tensor_at = tuple(i for i, a in enumerate(args) if isinstance(a, PlanTensor))
+        # the positions in the call's tensors of those the launch passes, each once (the stand-in fills
+        # several parameters): the direct path's alignment check reads each pointer once
+        self.aligned_at = tuple(sorted({order[i] for i in self.tensor_at}))
         self.direct = None
         self.allow_direct = allow_direct
         # a per-call precondition weaker than 16-byte pointer alignment (a Gluon fast path reads x and
@@ -174,7 +178,7 @@ class Launch:
         kernel = self.namespace[self.kernel_name]
         args = self.pick(tensors + self.constants)
         direct = self.direct
-        if (direct is not None and direct.kernel is kernel and _all_aligned(args, self.tensor_at)
+        if (direct is not None and direct.kernel is kernel and _all_aligned(tensors, self.aligned_at)
                 and _current_device() == direct.device):
             direct.launch(args)        # every pointer 16-byte aligned: the guard holds too
             return True

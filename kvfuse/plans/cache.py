@@ -31,7 +31,8 @@ from .types import CacheEntry
 #   (storage offset included) is taken from the call's own tensor at every launch;
 # - per argument object: its exact class (a subclass is validated on every call) and every field
 #   that is not a tensor, each as (type, value): True, 1 and 1.0 compare equal but validate
-#   differently, and floats also by sign (-0.0 == 0.0, but scales by them differ);
+#   differently, and floats also by sign (-0.0 == 0.0, but scales by them differ), except a number that
+#   validation accepts only when > 0 (a norm's eps);
 # - the layout by identity (a KVCacheFormat is frozen), or with layout=None the identities of the
 #   formats.PRESETS values that infer_layout chooses from (monkeypatching a preset is a miss); the
 #   entry pins these objects, so no other object can take their ids while it exists.
