@@ -11,7 +11,8 @@ For each call (n tokens, default 1), with the plan cache on (kvfuse's default) a
 
 Calls: two floors (torch's add_ on one element, a one-program Triton kernel: what a launch costs on this
 host), kvfuse's fused entry (``kvfuse.bench`` workloads: DeepSeek V4 MAIN_FP8, V3 (kv_c, k_pe), the V3.2
-indexer K), the GQA entry (Llama 3 8B / Qwen3 8B with fp8 caches), and the adapters
+indexer K, their argument objects built once), the same three writes through ``kvfuse.mla``
+(``write_main_cache``, ``write_indexer_k``: what a model calls), the GQA entry (Llama 3 8B / Qwen3 8B with fp8 caches), and the adapters
 ``kvfuse.engines.vllm.reshape_and_cache_flash`` (fp8), ``concat_and_cache_mla`` (fp8_ds_mla),
 ``fused_qk_norm_rope`` and ``kvfuse.engines.flashinfer.rope_quantize_fp8_append_paged_kv_cache``.
 Needs a GPU, except ``--cpu``: kvfuse's Python per call on this machine's CPU (CPU tensors, the "triton"
@@ -49,6 +50,27 @@ WORKLOADS = ("dsv4_main_fp8", "dsv3_main_kv_c_k_pe", "dsv32_index_k", "llama3_8b
 def _workload_call(name: str, n: int, dev: torch.device):
     wl = bench.WORKLOADS[name]
     return bench.fused_call(wl, bench.build_inputs(wl, n, dev))
+
+
+def _mla_writes(n: int, dev: torch.device) -> dict:
+    """kvfuse.mla's writes of the three MLA workloads, on the workloads' inputs: the argument objects built
+    by each call (found in the plan cache from the raw arguments)."""
+    from kvfuse import mla, models
+    v4 = bench.build_inputs(bench.WORKLOADS["dsv4_main_fp8"], n, dev)
+    v3 = bench.build_inputs(bench.WORKLOADS["dsv3_main_kv_c_k_pe"], n, dev)
+    kv_c_k_pe = (v3.x[:, :512], v3.x[:, 512:])
+    v32 = bench.build_inputs(bench.WORKLOADS["dsv32_index_k"], n, dev)
+    return {
+        "kvfuse.mla.write_main_cache (V4, MAIN_FP8)":
+            lambda: mla.write_main_cache(models.DEEPSEEK_V4, v4.x, v4.positions, v4.cos_sin, v4.weight, v4.cache,
+                                         v4.slots),
+        "kvfuse.mla.write_main_cache (V3, (kv_c, k_pe))":
+            lambda: mla.write_main_cache(models.DEEPSEEK_V3, kv_c_k_pe, v3.positions, v3.cos_sin, v3.weight,
+                                         v3.cache, v3.slots),
+        "kvfuse.mla.write_indexer_k (V3.2)":
+            lambda: mla.write_indexer_k(models.DEEPSEEK_V32, v32.x, v32.positions, v32.cos_sin, v32.weight,
+                                        v32.cache, v32.slots, v32.bias),
+    }
 
 
 def _adapters(n: int, dev: torch.device) -> dict:
@@ -249,6 +271,7 @@ def main(argv=None) -> None:
     dev = torch.device("cpu" if a.dry_run or a.cpu else "cuda")
     calls = _floors(dev)
     calls.update({f"kvfuse bench {w}": _workload_call(w, a.n, dev) for w in WORKLOADS})
+    calls.update(_mla_writes(a.n, dev))
     calls.update(_adapters(a.n, dev))
     if a.cpu:
         cpu_main(calls, a)
