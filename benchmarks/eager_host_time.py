@@ -16,8 +16,9 @@ indexer K, their argument objects built once), the same three writes through ``k
 ``kvfuse.engines.vllm.reshape_and_cache_flash`` (fp8), ``concat_and_cache_mla`` (fp8_ds_mla),
 ``fused_qk_norm_rope`` and ``kvfuse.engines.flashinfer.rope_quantize_fp8_append_paged_kv_cache``.
 Needs a GPU, except ``--cpu``: kvfuse's Python per call on this machine's CPU (CPU tensors, the "triton"
-backend through TRITON_INTERPRET=1, every Triton launch replaced by a no-op), the plan cache on: the host
-time above the launch, median of single calls. Usage:
+backend through TRITON_INTERPRET=1, every Triton kernel replaced by one whose compiled launcher is a no-op,
+which kvfuse's direct launch then calls as on the GPU), the plan cache on: the host time above Triton's C
+launcher, median of single calls. Usage:
     python benchmarks/eager_host_time.py [--n 1] [--samples 400] [--json OUT.json]
     python benchmarks/eager_host_time.py --cpu [--n 1] [--samples 20000] [--profile NAME]
 """
@@ -142,31 +143,58 @@ def host_us(fn, samples: int) -> float:
     return statistics.median(times) / 1e3
 
 
+class _NoOpCompiled:
+    """What Triton's ``kernel[grid](...)`` returns, its launcher a no-op: a Launch keeps it and calls it
+    itself from then on (kvfuse.kernels.launcher.DirectLaunch), as it keeps a compiled kernel on the GPU."""
+    function = None
+    packed_metadata = None
+
+    def run(self, *args):
+        return None
+
+    def launch_metadata(self, *args):
+        return None
+
+
 class _NoLaunch:
-    """Stands in for a Triton kernel: ``kernel[grid](*args, **kwargs)`` does nothing."""
+    """Stands in for a Triton kernel: ``kernel[grid](*args, **kwargs)`` launches nothing and returns a
+    _NoOpCompiled (the kernel's parameter names are the real kernel's: the direct path reads them)."""
+
+    def __init__(self, kernel):
+        self.arg_names = kernel.arg_names
+        self.compiled = _NoOpCompiled()
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
+        return lambda *args, **kwargs: self.compiled
 
 
 # (module, kernel attribute) of every Triton kernel kvfuse's entry points launch
 _KERNELS = (("kvfuse.kernels.router", "fused_kernel"), ("kvfuse.kernels.store_load", "store_kernel"),
             ("kvfuse.kernels.store_load", "load_kernel"), ("kvfuse.kernels.qkv", "qkv_kernel"))
+# the modules that build Launches, each with its own DIRECT_LAUNCH (False in the interpreter)
+_LAUNCHING = ("kvfuse.kernels.router", "kvfuse.kernels.store_load", "kvfuse.kernels.qkv")
 
 
 @contextlib.contextmanager
 def launches_stubbed():
-    """Every kernel of _KERNELS replaced by a no-op (kvfuse looks its kernels up by name at each launch)."""
+    """Every kernel of _KERNELS replaced by a no-op (kvfuse looks its kernels up by name at each launch),
+    and the direct launch on, its device and stream queries answering 0: after its first launch a Launch
+    calls the no-op launcher itself, the host path of a compiled kernel's launch on the GPU (Triton's
+    C launcher and the driver excepted)."""
     import importlib
-    saved = [(importlib.import_module(m), name) for m, name in _KERNELS]
-    saved = [(mod, name, getattr(mod, name)) for mod, name in saved]
-    for mod, name, _ in saved:
-        setattr(mod, name, _NoLaunch())
+    from kvfuse.kernels import launcher
+    replaced = [(importlib.import_module(m), name) for m, name in _KERNELS]
+    replaced = [(mod, name, _NoLaunch(getattr(mod, name))) for mod, name in replaced]
+    replaced += [(importlib.import_module(m), "DIRECT_LAUNCH", True) for m in _LAUNCHING]
+    replaced += [(launcher, "_current_device", lambda: 0), (launcher, "_current_stream", lambda device: 0)]
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in replaced]
+    for mod, name, new in replaced:
+        setattr(mod, name, new)
     try:
         yield
     finally:
-        for mod, name, kernel in saved:
-            setattr(mod, name, kernel)
+        for mod, name, old in saved:
+            setattr(mod, name, old)
 
 
 def cpu_us(fn, samples: int) -> float:
