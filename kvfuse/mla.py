@@ -25,6 +25,10 @@ Context parallelism: :func:`cp_local_kv_quantized` + all_gather of the (q, sf) b
 :func:`store_gathered` is the byte-exact recipe for every format; the cast_back recipe
 (:func:`cp_local_kv`, :func:`write_main_cache_gathered`) is byte-exact only for e4m3 / fp32 scales
 (docs/design.md, "Context parallelism").
+
+Host time: :func:`write_main_cache` and :func:`write_indexer_k` find a repeated call's launch in the plan
+cache from their raw arguments, without building its argument objects (a first call builds them and is
+validated as any other).
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Validation of the fused operator's arguments (SPEC §1, §2, §6, §7, §9) into a :class:`~.types.PlanTemplate`
 (the Plan without its tensors, kept per call signature in the plan cache) and the per-call aliasing
 check; ``prepare`` is what every caller runs: validated (or found in the plan cache), the outputs the
-call allocates appended to its tensors, the aliasing rules checked. A rejected call allocates nothing
-the caller sees and writes nothing."""
+call allocates appended to its tensors, the aliasing rules checked (``prepare_keyed``: the same for a
+caller that keys the call from its own raw arguments, kvfuse.mla's writes). A rejected call allocates
+nothing the caller sees and writes nothing."""
 from __future__ import annotations
 
 from typing import Optional
