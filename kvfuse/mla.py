@@ -44,7 +44,7 @@ from .api import store_kv_cache
 from .args import CastArgs, ContiguousOutArgs, FusedCall, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
 from .group import fused_group
 from .formats import FLASHMLA_MODEL1, FLASHMLA_V32, INDEX_MXFP8, MAIN_FP8, KVCacheFormat
-from .plans.cache import PLAN_CACHE, ROWS
+from .plans.cache import PLAN_CACHE, rows_key, tensor_key
 # the RoPE table of the call sites: kvfuse.rope's builder, public here under the name it has always had
 from .rope import cos_sin_cache as make_cos_sin_cache
 
@@ -231,23 +231,14 @@ def _keyed(cfg) -> bool:
     return type(cfg) is MLAConfig and PLAN_CACHE.enabled and not torch.compiler.is_compiling()
 
 
-def _tensor_part(t):
-    return type(t), t.dtype, t.shape, t.stride(), t.device
-
-
-def _rows_part(t, n):
-    shape = t.shape
-    return type(t), t.dtype, ROWS if shape[0] == n else shape[0], shape[1:], t.stride(), t.device
-
-
 def _x_part(x):
     """(key, n, x, x_tail) of a write's x: a tensor, or its columns as a tuple / list of two."""
     if type(x) in (tuple, list):
         x, tail = x           # raises for another length: validation says why
         n = x.shape[0]
-        return (tuple, _rows_part(x, n), _rows_part(tail, n)), n, x, tail
+        return (tuple, rows_key(x, n), rows_key(tail, n)), n, x, tail
     n = x.shape[0]
-    return _rows_part(x, n), n, x, None
+    return rows_key(x, n), n, x, None
 
 
 def _main_cache_key(cfg, kv, positions, cos_sin, norm_weight, kv_cache, slot_mapping, fmt, out, out_stage):
@@ -255,10 +246,10 @@ def _main_cache_key(cfg, kv, positions, cos_sin, norm_weight, kv_cache, slot_map
     fmt = cfg.main_format if fmt is None else fmt
     x_key, n, x, tail = _x_part(kv)
     eps, rope, neox = cfg.norm_eps, cfg.qk_rope_head_dim, cfg.rope_is_neox
-    key = ("mla.write_main_cache", id(fmt), x_key, None if norm_weight is None else _tensor_part(norm_weight),
+    key = ("mla.write_main_cache", id(fmt), x_key, None if norm_weight is None else tensor_key(norm_weight),
            type(eps), eps, cfg.kv_lora_rank, cfg.qk_head_dim, type(rope), rope, type(neox), neox,
-           _rows_part(positions, n), _tensor_part(cos_sin), _tensor_part(kv_cache), kv_cache.data_ptr() % 16,
-           _rows_part(slot_mapping, n), None if out is None else _rows_part(out, n), type(out_stage), out_stage)
+           rows_key(positions, n), tensor_key(cos_sin), tensor_key(kv_cache), kv_cache.data_ptr() % 16,
+           rows_key(slot_mapping, n), None if out is None else rows_key(out, n), type(out_stage), out_stage)
     return key, (x, norm_weight, positions, cos_sin, kv_cache, slot_mapping, out, None, tail), fmt
 
 
@@ -271,11 +262,11 @@ def _indexer_k_key(cfg, k, positions, cos_sin, norm_weight, kv_cache, slot_mappi
     eps, kind, rope, neox, offset = (cfg.norm_eps, cfg.index_norm_kind, cfg.index_rope_head_dim,
                                      cfg.index_rope_is_neox, cfg.index_rope_offset)
     hadamard, dim = cfg.index_hadamard, cfg.index_head_dim
-    key = ("mla.write_indexer_k", id(fmt), _rows_part(k, n), None if norm_weight is None else _tensor_part(norm_weight),
-           None if norm_bias is None else _tensor_part(norm_bias), type(eps), eps, type(kind), kind, type(rope), rope,
-           type(neox), neox, type(offset), offset, not hadamard, type(dim), dim, _rows_part(positions, n),
-           _tensor_part(cos_sin), _tensor_part(kv_cache), kv_cache.data_ptr() % 16, _rows_part(slot_mapping, n),
-           None if out is None else _rows_part(out, n), type(out_stage), out_stage)
+    key = ("mla.write_indexer_k", id(fmt), rows_key(k, n), None if norm_weight is None else tensor_key(norm_weight),
+           None if norm_bias is None else tensor_key(norm_bias), type(eps), eps, type(kind), kind, type(rope), rope,
+           type(neox), neox, type(offset), offset, not hadamard, type(dim), dim, rows_key(positions, n),
+           tensor_key(cos_sin), tensor_key(kv_cache), kv_cache.data_ptr() % 16, rows_key(slot_mapping, n),
+           None if out is None else rows_key(out, n), type(out_stage), out_stage)
     return key, (k, norm_weight, positions, cos_sin, kv_cache, slot_mapping, out, norm_bias, None), fmt
 
 

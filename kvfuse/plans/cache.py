@@ -153,11 +153,11 @@ def tensor_alignment(t):
 
 
 def rows_key(t, n):
-    """tensor_key with a leading dim equal to the call's n written as ROWS: the key of a call does not
-    depend on its batch size. A tensor whose leading dim is not n keys that dim's value (a wrong
-    length is a miss, then validation says why)."""
+    """tensor_key's values with a leading dim equal to the call's n written as ROWS, the other dims as
+    shape[1:]: the key of a call does not depend on its batch size. A tensor whose leading dim is not n
+    keys that dim's value (a wrong length is a miss, then validation says why)."""
     shape = t.shape
-    return (type(t), t.dtype, (ROWS if shape[0] == n else shape[0],) + tuple(shape[1:]), t.stride(), t.device)
+    return type(t), t.dtype, ROWS if shape[0] == n else shape[0], shape[1:], t.stride(), t.device
 
 
 def optional_rows_key(t, n):

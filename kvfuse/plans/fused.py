@@ -13,7 +13,7 @@ import torch
 from ..args import CastArgs, ContiguousOutArgs, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
 from ..formats import PRESETS, KVCacheFormat, q_dtype, sf_dtype
 from ..overlap import INF, OverlapCheck, addresses_known, row_limit, span_terms
-from .cache import PLAN_CACHE, ROWS, number_key, rope_args_key, tensor_key
+from .cache import PLAN_CACHE, number_key, rope_args_key, rows_key, tensor_key
 from .rules import check_cast_args, check_index_vector, check_rope_args, check_tensor, infer_layout, is_real
 from .types import (BIAS, COS_SIN, NORM_KINDS, NUM_CALL_TENSORS, OUT_ARG0, OUT_ARG1, OUT_ARG2, OUT_STAGES,
                     POSITIONS, WEIGHT, X, X_TAIL, Plan, PlanTemplate)
@@ -370,13 +370,6 @@ def call_signature(x, norm_args, rope_args, hadamard_args, cast_args, out_args):
     return key, pinned
 
 
-def _rows_part(t, n):
-    """A tensor's part of a key: type, dtype, shape with a leading dim equal to n written ROWS, strides,
-    device (the values of kvfuse.plans.cache.rows_key, in one flat tuple)."""
-    shape = t.shape
-    return type(t), t.dtype, ROWS if shape[0] == n else shape[0], shape[1:], t.stride(), t.device
-
-
 def _key_and_tensors(x, norm_args, rope_args, hadamard_args, cast_args, out_args):
     """(key, pinned, tensors) of a call in one pass over its arguments: its key (see "plan cache" in
     kvfuse.plans.cache) and its tensors in call_tensors' order. Numbers validation takes only when > 0
@@ -384,11 +377,11 @@ def _key_and_tensors(x, norm_args, rope_args, hadamard_args, cast_args, out_args
     if type(x) is tuple:
         x, x_tail = x                   # raises unless two: validation says why
         n = x.shape[0]
-        x_key = (tuple, _rows_part(x, n), _rows_part(x_tail, n))
+        x_key = (tuple, rows_key(x, n), rows_key(x_tail, n))
     else:
         x_tail = None
         n = x.shape[0]
-        x_key = _rows_part(x, n)
+        x_key = rows_key(x, n)
     if norm_args is None:
         norm_key = w = b = None
     elif type(norm_args) is NormArgs:
@@ -404,7 +397,7 @@ def _key_and_tensors(x, norm_args, rope_args, hadamard_args, cast_args, out_args
         pos, cs = r.positions, r.cos_sin_cache
         if r.mrope_section is None:
             rd, off, neox, conj, inter = r.rotary_dim, r.offset, r.is_neox, r.conjugate, r.mrope_interleaved
-            rope_key = (_rows_part(pos, n), type(cs), cs.dtype, cs.shape, cs.stride(), cs.device, type(rd), rd,
+            rope_key = (rows_key(pos, n), type(cs), cs.dtype, cs.shape, cs.stride(), cs.device, type(rd), rd,
                         type(off), off, type(neox), neox, type(conj), conj, type(inter), inter)
         else:
             rope_key = rope_args_key(r, n)
@@ -434,16 +427,16 @@ def _key_and_tensors(x, norm_args, rope_args, hadamard_args, cast_args, out_args
         cache, slots, out = oa.kv_cache, oa.slot_mapping, oa.out
         pinned = (layout,) if layout is not None else tuple(PRESETS.values())
         out_key = (KVCacheOutArgs, type(cache), cache.dtype, cache.shape, cache.stride(), cache.device,
-                   cache.data_ptr() % 16, _rows_part(slots, n), None if out is None else _rows_part(out, n),
+                   cache.data_ptr() % 16, rows_key(slots, n), None if out is None else rows_key(out, n),
                    type(stage), stage, layout is None, tuple(map(id, pinned)))
         outs = (cache, slots, out)
     elif type(out_args) is ContiguousOutArgs:
         out, sf = out_args.out, out_args.sf
-        out_key = (ContiguousOutArgs, None if out is None else _rows_part(out, n),
-                   None if sf is None else _rows_part(sf, n))
+        out_key = (ContiguousOutArgs, None if out is None else rows_key(out, n),
+                   None if sf is None else rows_key(sf, n))
         outs = (out, sf, None)
     elif isinstance(out_args, torch.Tensor):
-        out_key = _rows_part(out_args, n)
+        out_key = rows_key(out_args, n)
         outs = (out_args, None, None)
     else:
         raise TypeError("not keyed")
