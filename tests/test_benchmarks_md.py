@@ -628,6 +628,12 @@ def test_host_time_of_every_kvfuse_call_at_n_1():
     assert beside(benchmarks_md.host_lines(None)) == [(target, "every kvfuse call", "no host-time run", "not measured")]
     floors_only = dict(host, rows=host["rows"][:1])
     assert [t.verdict for t in benchmarks_md.host_lines(floors_only)] == ["not measured"]
+    # with the run's own Triton launch among its references, each call also as a multiple of it
+    with_triton = dict(host, rows=[dict(call="floor: a one-program Triton kernel", n=1, host_us_cache_on=5.0,
+                                        gpu_us=0.9)] + host["rows"])
+    assert [t.measured for t in benchmarks_md.host_lines(with_triton)] == [
+        "7.50 us (GPU 1.50 us, 1.50x the Triton launch)", "8.00 us (GPU 1.50 us, 1.60x the Triton launch)",
+        "8.01 us (GPU 1.25 us, 1.60x the Triton launch)"]
 
 
 def test_engine_figures_from_a_committed_side_by_side_run():
