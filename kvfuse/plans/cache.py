@@ -27,7 +27,7 @@ from .types import CacheEntry
 #   check_tensor, check_index_vector,
 #   check_cache, addressing_for and the launches read nothing else of a tensor, with one
 #   exception: the fused kernel's record alignments (the kernels router's record_alignments) read
-#   the cache's data_ptr() % 16, which joins the key (tensor_alignment). Otherwise a data pointer
+#   the cache's data_ptr() % 16, which joins the key. Otherwise a data pointer
 #   (storage offset included) is taken from the call's own tensor at every launch;
 # - per argument object: its exact class (a subclass is validated on every call) and every field
 #   that is not a tensor, each as (type, value): True, 1 and 1.0 compare equal but validate
@@ -146,22 +146,12 @@ def tensor_key(t):
     return (type(t), t.dtype, t.shape, t.stride(), t.device)
 
 
-def tensor_alignment(t):
-    """data_ptr() % 16 (the fused kernel's record-alignment hints depend on it; a meta tensor's is 0;
-    a tensor whose data_ptr() raises leaves its call unkeyed, see validated)."""
-    return t.data_ptr() % 16
-
-
 def rows_key(t, n):
     """tensor_key's values with a leading dim equal to the call's n written as ROWS, the other dims as
     shape[1:]: the key of a call does not depend on its batch size. A tensor whose leading dim is not n
     keys that dim's value (a wrong length is a miss, then validation says why)."""
     shape = t.shape
     return type(t), t.dtype, ROWS if shape[0] == n else shape[0], shape[1:], t.stride(), t.device
-
-
-def optional_rows_key(t, n):
-    return None if t is None else rows_key(t, n)
 
 
 def optional_tensor_key(t):
@@ -193,16 +183,16 @@ def rope_args_key(r, n):
 
 
 def norm_args_key(a):
-    """Key of a NormArgs, or None for None (raises TypeError for any other object, as rope_args_key)."""
+    """(key, weight) of a NormArgs by field, (None, None) for None: the weight and the bias as tensor keys,
+    eps with its type (validation takes eps > 0 only, so its sign needs no key), kind with its type. Raises
+    TypeError for any other object (a subclass too), as rope_args_key."""
     if a is None:
-        return None
+        return None, None
     if type(a) is not NormArgs:
         raise TypeError(f"norm args of class {type(a).__name__} are not keyed")
-    return optional_tensor_key(a.weight), number_key(a.eps), optional_tensor_key(a.bias), type(a.kind), a.kind
+    w, bias, eps = a.weight, a.bias, a.eps
+    return (optional_tensor_key(w), type(eps), eps, optional_tensor_key(bias), type(a.kind), a.kind), w
 
 
 def number_key(v):
     return (type(v), v, math.copysign(1.0, v)) if isinstance(v, float) else (type(v), v)
-
-
-NO_KEY = (None, ())   # (key, pinned) of a call whose arguments kvfuse does not key: validated every time

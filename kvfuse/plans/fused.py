@@ -10,10 +10,10 @@ from typing import Optional
 
 import torch
 
-from ..args import CastArgs, ContiguousOutArgs, HadamardArgs, KVCacheOutArgs, NormArgs, RopeArgs
+from ..args import CastArgs, ContiguousOutArgs, HadamardArgs, KVCacheOutArgs, NormArgs
 from ..formats import PRESETS, KVCacheFormat, q_dtype, sf_dtype
 from ..overlap import INF, OverlapCheck, addresses_known, row_limit, span_terms
-from .cache import PLAN_CACHE, number_key, rope_args_key, rows_key, tensor_key
+from .cache import PLAN_CACHE, norm_args_key, number_key, rope_args_key, rows_key
 from .rules import check_cast_args, check_index_vector, check_rope_args, check_tensor, infer_layout, is_real
 from .types import (BIAS, COS_SIN, NORM_KINDS, NUM_CALL_TENSORS, OUT_ARG0, OUT_ARG1, OUT_ARG2, OUT_STAGES,
                     POSITIONS, WEIGHT, X, X_TAIL, Plan, PlanTemplate)
@@ -308,27 +308,29 @@ def prepare(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=Non
     """(template, tensors) of a call: validated (or found in the plan cache), with the outputs it
     allocates appended to its tensors and the aliasing rules checked (eagerly: not while tracing).
     Raises ValueError/TypeError for a bad call."""
-    template = None
+    key = template = None
     if PLAN_CACHE.enabled and not torch.compiler.is_compiling():
         try:        # the key and the call's tensors in one pass over the arguments
             key, pinned, tensors = _key_and_tensors(x, norm_args, rope_args, hadamard_args, cast_args, out_args)
             template = PLAN_CACHE.lookup(key)
         except Exception:  # an argument that cannot be keyed (a wrong type, unhashable): validation says why
             key = None
-        if template is None:
-            template = validate(x, norm_args, rope_args, hadamard_args, cast_args, out_args)
-            if key is not None:
-                PLAN_CACHE.store(key, template, pinned)
-            tensors = call_tensors(x, norm_args, rope_args, out_args)
-    else:
+    if template is None:
         template = validate(x, norm_args, rope_args, hadamard_args, cast_args, out_args)
+        if key is not None:
+            PLAN_CACHE.store(key, template, pinned)
         tensors = call_tensors(x, norm_args, rope_args, out_args)
+    return template, _with_outputs(template, tensors)
+
+
+def _with_outputs(template, tensors: tuple) -> tuple:
+    """The call's tensors with the outputs it allocates, after the aliasing rules: whether outputs overlap
+    depends on data pointers, so it is checked on every call (out may be x: the kernels read every x they
+    need before writing that part of out)."""
     tensors = template.new_outputs(tensors)
-    # whether outputs overlap depends on data pointers, so it is checked on every call (out may be x:
-    # the kernels read every x they need before writing that part of out)
     if template.overlap is not None:
         template.overlap(tensors, tensors[X].shape[0])
-    return template, tensors
+    return tensors
 
 
 def prepare_keyed(key, pinned: tuple, tensors: tuple, make_call):
@@ -349,10 +351,7 @@ def prepare_keyed(key, pinned: tuple, tensors: tuple, make_call):
         if key is not None:   # the template's own key may pin other objects: it keeps both sets
             PLAN_CACHE.store(key, template, tuple({id(o): o for o in template.pinned + pinned}.values()))
         return template, tensors
-    tensors = template.new_outputs(tensors)
-    if template.overlap is not None:
-        template.overlap(tensors, tensors[X].shape[0])
-    return template, tensors
+    return template, _with_outputs(template, tensors)
 
 
 def build_plan(x, norm_args=None, rope_args=None, hadamard_args=None, cast_args=None, out_args=None):
@@ -382,27 +381,10 @@ def _key_and_tensors(x, norm_args, rope_args, hadamard_args, cast_args, out_args
         x_tail = None
         n = x.shape[0]
         x_key = rows_key(x, n)
-    if norm_args is None:
-        norm_key = w = b = None
-    elif type(norm_args) is NormArgs:
-        w, b, eps, kind = norm_args.weight, norm_args.bias, norm_args.eps, norm_args.kind
-        norm_key = (type(w), w.dtype, w.shape, w.stride(), w.device, type(eps), eps,
-                    None if b is None else tensor_key(b), type(kind), kind)
-    else:
-        raise TypeError("not keyed")
-    if rope_args is None:
-        rope_key = pos = cs = None
-    elif type(rope_args) is RopeArgs:
-        r = rope_args
-        pos, cs = r.positions, r.cos_sin_cache
-        if r.mrope_section is None:
-            rd, off, neox, conj, inter = r.rotary_dim, r.offset, r.is_neox, r.conjugate, r.mrope_interleaved
-            rope_key = (rows_key(pos, n), type(cs), cs.dtype, cs.shape, cs.stride(), cs.device, type(rd), rd,
-                        type(off), off, type(neox), neox, type(conj), conj, type(inter), inter)
-        else:
-            rope_key = rope_args_key(r, n)
-    else:
-        raise TypeError("not keyed")
+    norm_key, w = norm_args_key(norm_args)
+    b = None if norm_args is None else norm_args.bias
+    rope_key = rope_args_key(rope_args, n)
+    pos, cs = (None, None) if rope_args is None else (rope_args.positions, rope_args.cos_sin_cache)
     if hadamard_args is None:
         hadamard_key = None
     elif type(hadamard_args) is HadamardArgs:

@@ -15,8 +15,8 @@ import torch
 
 from ..overlap import INF, addresses_known, row_limit, same_elements, span_terms, tensors_overlap
 from ..numerics_profiles import ACTIVATION_DTYPES, profile
-from ..args import NormArgs, PagedAppend, RopeArgs
-from .cache import PLAN_CACHE, ROWS, rope_args_key, tensor_key
+from ..args import PagedAppend
+from .cache import PLAN_CACHE, ROWS, norm_args_key, rope_args_key, tensor_key
 from .rules import INDEX_DTYPES, check_index_vector, check_rms_norm, check_rope_args, check_tensor
 from .types import GQA_LAYOUTS, CacheEntry, GQAPlan
 from .. import gqa_formats
@@ -586,20 +586,6 @@ def _index_key(t):
     return (type(t), t.dtype, t.dim(), t.stride(), t.device, t.numel() == 0)
 
 
-def _norm_key(a):
-    """(key, weight) of q_norm_args / k_norm_args / v_norm_args: None, or a NormArgs by field (eps with its
-    type; validation takes eps > 0 only, so its sign needs no key). Raises for another class (a subclass
-    too): that call is validated every time."""
-    if a is None:
-        return None, None
-    if type(a) is not NormArgs:
-        raise TypeError(f"norm args of class {type(a).__name__} are not keyed")
-    w, bias, eps = a.weight, a.bias, a.eps
-    key = (None if w is None else (type(w), w.dtype, w.shape, w.stride(), w.device), type(eps), eps,
-           None if bias is None else tensor_key(bias), type(a.kind), a.kind)
-    return key, w
-
-
 def _scale_key(s):
     """Key of q_scale / k_scale / v_scale: None, a tensor, or a number with its type (a number must be
     finite and > 0, so its sign needs no key)."""
@@ -653,21 +639,11 @@ def _key_and_tensors(q, k, v, k_cache, v_cache, slot_mapping, q_norm_args, k_nor
         slot_mapping = None
     else:
         slots_key = _vector_key(slot_mapping, n)
-    q_norm_key, q_weight = _norm_key(q_norm_args)
-    k_norm_key, k_weight = _norm_key(k_norm_args)
-    v_norm_key, v_weight = _norm_key(v_norm_args)
-    if rope_args is None:
-        rope_key = positions = cos_sin = None
-    elif type(rope_args) is RopeArgs and rope_args.mrope_section is None:
-        r = rope_args
-        positions, cos_sin = r.positions, r.cos_sin_cache
-        rope_key = (_vector_key(positions, n), (type(cos_sin), cos_sin.dtype, cos_sin.shape, cos_sin.stride(),
-                                                cos_sin.device),
-                    type(r.rotary_dim), r.rotary_dim, type(r.offset), r.offset, type(r.is_neox), r.is_neox,
-                    type(r.conjugate), r.conjugate, type(r.mrope_interleaved), r.mrope_interleaved)
-    else:       # mRoPE (or a class rope_args_key refuses: raises)
-        rope_key = rope_args_key(rope_args, n)
-        positions, cos_sin = rope_args.positions, rope_args.cos_sin_cache
+    q_norm_key, q_weight = norm_args_key(q_norm_args)
+    k_norm_key, k_weight = norm_args_key(k_norm_args)
+    v_norm_key, v_weight = norm_args_key(v_norm_args)
+    rope_key = rope_args_key(rope_args, n)       # raises for a class it does not key
+    positions, cos_sin = (None, None) if rope_args is None else (rope_args.positions, rope_args.cos_sin_cache)
     k_scale_key, v_scale_key, q_scale_key = _scale_key(k_scale), _scale_key(v_scale), _scale_key(q_scale)
     key = ("gqa", q_key, k_key, v_key, k_cache_key, v_cache_key, slots_key, q_norm_key, k_norm_key, rope_key,
            k_scale_key, v_scale_key, type(layout), layout, q_out_key, type(numerics), numerics, k_out_key,
