@@ -204,6 +204,19 @@ def engine_rows(peers: dict) -> List[Tuple[str, str]]:
     return list(dict.fromkeys((r["group"], r["row"]) for r in peers.get("records", []) if r.get("pdl") is None))
 
 
+def _peers_by_row(peers: dict) -> Dict[Tuple[str, str], Dict[int, dict]]:
+    """The records of a peers JSON by (group, row), then by n."""
+    out: Dict[Tuple[str, str], Dict[int, dict]] = {}
+    for r in peers.get("records", []):
+        out.setdefault((r["group"], r["row"]), {})[r["n"]] = r
+    return out
+
+
+def _vs(per: Dict[int, dict]) -> Optional[str]:
+    """The row a row's records were measured against (their ``vs``), or None."""
+    return next((r["vs"] for r in per.values() if r.get("vs")), None)
+
+
 def _engine_pdl(row: str) -> str:
     tag = _PDL_TAG.search(row)
     return "as it launches" if tag is None else ("on" if tag.group(1) == "[PDL]" else "off")
@@ -313,10 +326,7 @@ def _cell(rec: Optional[dict]) -> str:
 
 def _peers_group(peers: dict, group: str, facts: dict) -> List[str]:
     releases, _ = _releases(peers)
-    recs = [r for r in peers.get("records", []) if r["group"] == group]
-    by_row: Dict[str, Dict[int, dict]] = {}
-    for r in recs:
-        by_row.setdefault(r["row"], {})[r["n"]] = r
+    by_row = {row: per for (g, row), per in _peers_by_row(peers).items() if g == group}
     checks = {c["row"]: c["result"] for c in peers.get("checks", []) if c["group"] == group}
     key, what = PEERS_GROUPS.get(group, ("?", "a group this generator does not know"))
     out = [f"### {key}. {what} (`{group}`)", ""]
@@ -325,7 +335,7 @@ def _peers_group(peers: dict, group: str, facts: dict) -> List[str]:
         if g != group:
             continue
         mine = by_row[label]
-        vs = next((r["vs"] for r in mine.values() if r.get("vs")), None)
+        vs = _vs(mine)
         theirs = by_row.get(vs, {}) if vs else {}
         kv_pdl = next((r["pdl"] for r in theirs.values()), None)
         check_n, partner = facts["checks"].get((group, label), (256, None))
@@ -706,17 +716,6 @@ def _met(ok: bool) -> str:
 
 def _ok_us(rec: Optional[dict]) -> Optional[float]:
     return rec["gpu_us"] if rec is not None and rec.get("status") == "ok" and rec.get("gpu_us") else None
-
-
-def _peers_by_row(peers: dict) -> Dict[Tuple[str, str], Dict[int, dict]]:
-    out: Dict[Tuple[str, str], Dict[int, dict]] = {}
-    for r in peers.get("records", []):
-        out.setdefault((r["group"], r["row"]), {})[r["n"]] = r
-    return out
-
-
-def _vs(per: Dict[int, dict]) -> Optional[str]:
-    return next((r["vs"] for r in per.values() if r.get("vs")), None)
 
 
 def pdl_engine_rows(peers: dict) -> List[Tuple[str, str, List[str]]]:

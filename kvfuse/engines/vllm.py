@@ -109,7 +109,7 @@ def _flash_scales(k_scale, v_scale, num_heads: int):
     _flash_scale(v_scale, "v_scale", num_heads)
     if k_scale.shape != v_scale.shape:
         raise ValueError(f"v_scale: expected k_scale's shape {tuple(k_scale.shape)}, got {tuple(v_scale.shape)}")
-    if k_scale.dim() == 1 or (k_scale.dim() == 0 and k_scale.numel() == 1):
+    if k_scale.dim() <= 1:
         return k_scale, v_scale
     if k_scale.numel() == 1:
         return k_scale.reshape(()), v_scale.reshape(())
